@@ -1,0 +1,37 @@
+# Two commands from a fresh clone: `make demo` and `make test`. Only python3 and make are assumed.
+PYTHON ?= python3
+TORCH_VERSION ?= 2.13.0
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-torch-$(TORCH_VERSION)
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint format install clean
+
+install: $(STAMP)
+
+# torch is installed first and pinned: a bare `torch` requirement would pull the CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --disable-pip-version-check -q "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install --disable-pip-version-check -q -e ".[test]"
+	touch $@
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+# pytest exits 5 when it collects nothing; that is not a failure of the suite itself.
+test: lint
+	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; exit 0; fi; exit $$rc
+
+demo: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m elasticd.demo
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -1,0 +1,468 @@
+"""job.yaml (version 1): frozen config classes, parsed and validated at the edge.
+
+Everything wrong with a job is found here, before anything starts, and reported as one
+line naming the field path and exit code 2 (via :class:`JobSpecError`)::
+
+    job.yaml: parallel.tp: 3 does not divide model.heads (4)
+
+The YAML is parsed into plain data, then into the frozen dataclasses below by a small
+type-driven validator (unknown keys, wrong types), then cross-field checks run
+(divisibility, and whether any layout fits the smallest world). The result is plain data
+again with :meth:`JobSpec.to_dict`, which is what goes into etcd as JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from elasticd.errors import JobSpecError, LayoutError
+from elasticd.layout import ParallelConfig, plan_world
+
+VERSION = 1
+NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]*\Z")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodesConfig:
+    min: int = 1
+    """Fewest nodes the job trains on; fewer and it waits."""
+    max: int = 1
+    """Most nodes the job uses; more become spares at the agent level."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelConfig:
+    layers: int = 4
+    """Transformer blocks."""
+    hidden: int = 64
+    """Model width."""
+    heads: int = 4
+    """Attention heads."""
+    ffn_hidden: int = 256
+    """Width of the MLP (and of each expert)."""
+    vocab: int = 256
+    """True vocabulary size (padding for tensor parallelism is internal)."""
+    seq_len: int = 64
+    """Tokens per sample; also the number of learned positions."""
+    experts: int = 0
+    """MoE experts per MLP; 0 means a dense MLP."""
+    top_k: int = 2
+    """Experts each token is routed to."""
+    tie_embeddings: bool = True
+    """Share the output head with the token embedding, as GPT-2 does."""
+    dropout: float = 0.0
+    """Dropout probability; 0 makes every layout bit-comparable."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    steps: int = 20
+    """Optimizer steps to run in total."""
+    global_batch: int = 16
+    """Samples per optimizer step, constant whatever the world."""
+    micro_batch: int = 2
+    """Samples per micro-batch on each data-parallel rank."""
+    lr: float = 1.0e-3
+    """Peak learning rate of AdamW."""
+    warmup: int = 0
+    """Linear warm-up steps."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this; 0 turns clipping off."""
+    seed: int = 1234
+    """Seed for initialisation and synthetic data."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter and compute dtype."""
+    bucket_mb: float = 25.0
+    """Size of a data-parallel gradient bucket, in MiB."""
+    aux_loss_coeff: float = 0.0
+    """Weight of the MoE load-balancing loss; 0 turns it off."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataConfig:
+    source: Literal["synthetic", "file"] = "synthetic"
+    """Where tokens come from: a seeded synthetic pattern, or a prepared token file."""
+    path: str | None = None
+    """The token file for source: file (made by `elasticd data prepare`)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointConfig:
+    dir: str | None = None
+    """Where checkpoints go; default <output_dir>/ckpt."""
+    every: int = 10
+    """Save every this many steps (and always after the last step); 0 saves only at the end."""
+    keep: int = 3
+    """Committed checkpoints kept; older ones are pruned, `latest` never."""
+    async_: bool = True
+    """Write in the background after a snapshot to CPU (YAML key `async`)."""
+    resume: bool = True
+    """Resume from the latest committed checkpoint when there is one."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RestartConfig:
+    max_restarts: int = 10
+    """Worker restarts allowed before the job fails."""
+    mode: Literal["process"] = "process"
+    """How workers restart: new processes."""
+    hang_timeout: float = 300.0
+    """Seconds without a step heartbeat before a worker counts as hung."""
+    grace_period: float = 30.0
+    """Seconds workers get to save an emergency checkpoint when the node is preempted."""
+    scale_up: Literal["immediate", "checkpoint"] = "checkpoint"
+    """When a waiting node joins: re-form at once, or after the next committed checkpoint."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RendezvousConfig:
+    ttl: float = 3.0
+    """Lease TTL of a node's membership, in seconds; a dead node is known after about this."""
+    settle: float = 1.0
+    """A round closes once min nodes joined and nobody joined for this long."""
+    join_timeout: float = 300.0
+    """Give up joining after this many seconds."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MetricsConfig:
+    port: int = 9400
+    """Prometheus port of the agent; 0 turns the endpoint off."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobSpec:
+    name: str
+    """The job id: [a-z0-9][a-z0-9-]*."""
+    output_dir: str | None = None
+    """metrics.jsonl, logs/ and ckpt/ go here; default runs/<name>."""
+    nodes: NodesConfig = field(default_factory=NodesConfig)
+    """How many nodes the job may use."""
+    nproc_per_node: int = 1
+    """Worker processes per node."""
+    command: list[str] | None = None
+    """The worker argv; default the built-in trainer (python -m trainer JOB.yaml)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Fixed parallel sizes; dp is derived from the world."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The GPT's shape."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Optimisation settings."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The token source."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint cadence and retention."""
+    restart: RestartConfig = field(default_factory=RestartConfig)
+    """Failure handling."""
+    rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
+    """World formation timing."""
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    """Prometheus export."""
+
+    @property
+    def out_dir(self) -> str:
+        """The output directory with its default applied."""
+        return self.output_dir or os.path.join("runs", self.name)
+
+    @property
+    def ckpt_dir(self) -> str:
+        """The checkpoint directory with its default applied."""
+        return self.checkpoint.dir or os.path.join(self.out_dir, "ckpt")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data with YAML key names (what etcd stores, as JSON)."""
+        return _to_plain(self)
+
+    def with_paths_resolved(self, base: str | os.PathLike[str]) -> JobSpec:
+        """Relative output_dir, checkpoint.dir and data.path made absolute against ``base``."""
+
+        def absolute(p: str | None) -> str | None:
+            return None if p is None else str((Path(base) / p).resolve())
+
+        return dataclasses.replace(
+            self,
+            output_dir=absolute(self.out_dir),
+            checkpoint=dataclasses.replace(self.checkpoint, dir=absolute(self.ckpt_dir)),
+            data=dataclasses.replace(self.data, path=absolute(self.data.path)),
+        )
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def _yaml_key(name: str) -> str:
+    return name[:-1] if name.endswith("_") else name
+
+
+def _to_plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {_yaml_key(f.name): _to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, list | tuple):
+        return [_to_plain(v) for v in obj]
+    return obj
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if origin is list:
+        return "a list of strings"
+    if tp is type(None):
+        return "null"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
+
+
+def _convert(value: Any, tp: Any, path: str, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(value, arg, path, where)
+            except JobSpecError:
+                pass
+        raise JobSpecError(f"{where}: {path}: {value!r} is not {_describe(tp)}")
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise JobSpecError(f"{where}: {path}: {value!r} is not {_describe(tp)}")
+    if origin is list:
+        if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+            return list(value)
+        raise JobSpecError(f"{where}: {path}: {value!r} is not a non-empty list of strings")
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path, where)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads `1e-3` as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    raise JobSpecError(f"{where}: {path}: {value!r} is not {_describe(tp)}")
+
+
+def _build(cls: type, raw: Any, path: str, where: str) -> Any:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise JobSpecError(f"{where}: {path or 'top level'}: expected a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    by_key = {_yaml_key(f.name): f for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in by_key:
+            close = difflib.get_close_matches(str(key), list(by_key), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f" (known: {', '.join(by_key)})"
+            raise JobSpecError(f"{where}: {path + '.' if path else ''}{key}: unknown key{hint}")
+    kwargs = {}
+    for key, f in by_key.items():
+        sub = f"{path}.{key}" if path else key
+        if key in raw:
+            kwargs[f.name] = _convert(raw[key], hints[f.name], sub, where)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise JobSpecError(f"{where}: {sub}: required")
+    try:
+        return cls(**kwargs)
+    except LayoutError as exc:  # ParallelConfig validates itself
+        raise JobSpecError(f"{where}: {exc}") from exc
+
+
+def _positive(where: str, path: str, value: float, *, zero_ok: bool = False) -> None:
+    if value < 0 or (value == 0 and not zero_ok):
+        bound = ">= 0" if zero_ok else "> 0"
+        raise JobSpecError(f"{where}: {path}: {value!r} must be {bound}")
+
+
+def _check(job: JobSpec, where: str) -> None:
+    """Cross-field checks: everything that makes a job impossible to run."""
+    if not NAME_RE.match(job.name) or len(job.name) > 63:
+        raise JobSpecError(
+            f"{where}: name: {job.name!r} must match [a-z0-9][a-z0-9-]* (at most 63 characters)"
+        )
+    n, m, t, p = job.nodes, job.model, job.train, job.parallel
+    for path, value in (
+        ("nodes.min", n.min),
+        ("nodes.max", n.max),
+        ("nproc_per_node", job.nproc_per_node),
+        ("model.layers", m.layers),
+        ("model.hidden", m.hidden),
+        ("model.heads", m.heads),
+        ("model.ffn_hidden", m.ffn_hidden),
+        ("model.vocab", m.vocab),
+        ("model.seq_len", m.seq_len),
+        ("model.top_k", m.top_k),
+        ("train.steps", t.steps),
+        ("train.global_batch", t.global_batch),
+        ("train.micro_batch", t.micro_batch),
+        ("train.lr", t.lr),
+        ("train.bucket_mb", t.bucket_mb),
+        ("checkpoint.keep", job.checkpoint.keep),
+        ("rendezvous.ttl", job.rendezvous.ttl),
+        ("rendezvous.join_timeout", job.rendezvous.join_timeout),
+        ("restart.hang_timeout", job.restart.hang_timeout),
+    ):
+        _positive(where, path, value)
+    for path, value in (
+        ("model.experts", m.experts),
+        ("train.warmup", t.warmup),
+        ("train.weight_decay", t.weight_decay),
+        ("train.grad_clip", t.grad_clip),
+        ("train.aux_loss_coeff", t.aux_loss_coeff),
+        ("checkpoint.every", job.checkpoint.every),
+        ("restart.max_restarts", job.restart.max_restarts),
+        ("restart.grace_period", job.restart.grace_period),
+        ("rendezvous.settle", job.rendezvous.settle),
+        ("metrics.port", job.metrics.port),
+    ):
+        _positive(where, path, value, zero_ok=True)
+    if n.max < n.min:
+        raise JobSpecError(f"{where}: nodes.max: {n.max} is less than nodes.min ({n.min})")
+    if job.metrics.port > 65535:
+        raise JobSpecError(f"{where}: metrics.port: {job.metrics.port} is not a TCP port")
+    if not 0.0 <= m.dropout < 1.0:
+        raise JobSpecError(f"{where}: model.dropout: {m.dropout} must be in [0, 1)")
+    if m.hidden % m.heads:
+        raise JobSpecError(
+            f"{where}: model.heads: {m.heads} does not divide model.hidden ({m.hidden})"
+        )
+    if m.heads % p.tp:
+        raise JobSpecError(f"{where}: parallel.tp: {p.tp} does not divide model.heads ({m.heads})")
+    if m.ffn_hidden % p.tp:
+        raise JobSpecError(
+            f"{where}: parallel.tp: {p.tp} does not divide model.ffn_hidden ({m.ffn_hidden})"
+        )
+    if m.layers % (p.pp * p.vpp):
+        raise JobSpecError(
+            f"{where}: parallel.pp: pp·vpp = {p.pp * p.vpp} does not divide model.layers ({m.layers})"
+        )
+    if m.experts:
+        if m.experts % p.ep:
+            raise JobSpecError(
+                f"{where}: parallel.ep: {p.ep} does not divide model.experts ({m.experts})"
+            )
+        if m.top_k > m.experts:
+            raise JobSpecError(
+                f"{where}: model.top_k: {m.top_k} is more than model.experts ({m.experts})"
+            )
+        if m.ffn_hidden % p.expert_tp:
+            raise JobSpecError(
+                f"{where}: parallel.etp: {p.expert_tp} does not divide model.ffn_hidden ({m.ffn_hidden})"
+            )
+    elif p.ep > 1:
+        raise JobSpecError(f"{where}: parallel.ep: {p.ep} needs model.experts > 0")
+    elif p.etp is not None and p.etp != p.tp:
+        raise JobSpecError(f"{where}: parallel.etp: {p.etp} needs model.experts > 0")
+    if job.command is None and p.cp > 1:
+        raise JobSpecError(
+            f"{where}: parallel.cp: {p.cp}: the built-in trainer has no context parallelism "
+            "(use cp: 1, or a command of your own)"
+        )
+    if t.global_batch % t.micro_batch:
+        raise JobSpecError(
+            f"{where}: train.global_batch: {t.global_batch} is not a multiple of "
+            f"train.micro_batch ({t.micro_batch})"
+        )
+    if job.data.source == "file" and not job.data.path:
+        raise JobSpecError(f"{where}: data.path: required when data.source is 'file'")
+    if job.data.source == "synthetic" and job.data.path:
+        raise JobSpecError(f"{where}: data.path: only used when data.source is 'file'")
+    smallest = n.min * job.nproc_per_node
+    try:
+        plan_world(smallest, p, global_batch=t.global_batch, micro_batch=t.micro_batch)
+    except LayoutError as exc:
+        raise JobSpecError(f"{where}: nodes.min: {exc}") from exc
+
+
+def parse_job(raw: Any, where: str = "job.yaml") -> JobSpec:
+    """Validate plain data (from YAML or JSON) into a :class:`JobSpec`."""
+    if not isinstance(raw, Mapping):
+        raise JobSpecError(f"{where}: top level: expected a mapping of job settings")
+    raw = dict(raw)
+    version = raw.pop("version", VERSION)
+    if version != VERSION:
+        raise JobSpecError(
+            f"{where}: version: {version!r} is not supported (this is version {VERSION})"
+        )
+    job = _build(JobSpec, raw, "", where)
+    _check(job, where)
+    return job
+
+
+def set_override(raw: dict[str, Any], assignment: str, where: str = "--set") -> None:
+    """Apply one ``key.sub=value`` to plain job data in place; the value is read as YAML."""
+    key, sep, text = assignment.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise JobSpecError(f"{where}: {assignment!r} is not of the form key.sub=value")
+    try:
+        value = yaml.safe_load(text) if text else None
+    except yaml.YAMLError as exc:
+        raise JobSpecError(f"{where}: {key}: value {text!r} is not valid YAML") from exc
+    *parents, leaf = key.split(".")
+    node = raw
+    for part in parents:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise JobSpecError(f"{where}: {key}: {part} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def load_raw(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a job file as plain data, with one-line errors for unreadable or bad YAML."""
+    where = os.path.basename(str(path))
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise JobSpecError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or "invalid YAML"
+        raise JobSpecError(f"{where}: not valid YAML{at}: {problem}") from exc
+    if raw is None:
+        raise JobSpecError(f"{where}: the file is empty")
+    if not isinstance(raw, dict):
+        raise JobSpecError(f"{where}: top level: expected a mapping of job settings")
+    return raw
+
+
+def load_job(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> JobSpec:
+    """Read, override (``--set``) and validate a job file."""
+    raw = load_raw(path)
+    for assignment in overrides:
+        set_override(raw, assignment)
+    return parse_job(raw, where=os.path.basename(str(path)))
