@@ -1,0 +1,132 @@
+"""Torch process groups for one world, built from a :class:`~elasticd.layout.Layout`.
+
+One :class:`ProcessGroups` object per world, passed explicitly (keyword-only) to whatever
+needs a group; there are no module globals, because a global would go stale after every
+re-rendezvous. Build it after ``init_process_group`` and destroy it with the world.
+
+torch requires every rank of the default group to call ``new_group`` for every group, in
+the same order, even for groups it is not in. The layout is identical on every rank, so
+iterating it in a fixed order satisfies that. Identical rank lists (tp and tp-cp when
+cp = 1, say) share one communicator instead of creating a second.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from elasticd.layout import GROUP_KINDS, Layout
+
+# Kinds whose collectives may run on CPU tensors (gradient-norm scalars, checkpoint
+# agreement), so they get a gloo twin when the main backend is NCCL.
+GLOO_TWIN_KINDS = ("dp", "dp-cp", "expert-dp")
+
+
+class ProcessGroups:
+    """This rank's groups, by kind; ``None`` where the rank is not a member."""
+
+    def __init__(
+        self,
+        *,
+        layout: Layout,
+        rank: int,
+        backend: str,
+        groups: dict[str, dist.ProcessGroup | None],
+        gloo_groups: dict[str, dist.ProcessGroup | None],
+    ) -> None:
+        self.layout = layout
+        self.rank = rank
+        self.backend = backend
+        self._groups = groups
+        self._gloo = gloo_groups
+        self._destroyed = False
+
+    @classmethod
+    def build(
+        cls,
+        layout: Layout,
+        *,
+        rank: int,
+        backend: str | None = None,
+        timeout: timedelta | None = None,
+    ) -> ProcessGroups:
+        """Create every group of ``layout``; every rank of the world must call this."""
+        if not dist.is_initialized():
+            raise RuntimeError("init_process_group must run before ProcessGroups.build")
+        backend = backend or dist.get_backend()
+        if dist.get_world_size() != layout.world:
+            raise RuntimeError(
+                f"the default group has {dist.get_world_size()} ranks but the layout "
+                f"was planned for {layout.world}"
+            )
+        kwargs = {} if timeout is None else {"timeout": timeout}
+        made: dict[tuple[tuple[int, ...], str], dist.ProcessGroup] = {}
+
+        def make(ranks: tuple[int, ...], be: str) -> dist.ProcessGroup:
+            key = (ranks, be)
+            if key not in made:
+                made[key] = dist.new_group(list(ranks), backend=be, **kwargs)
+            return made[key]
+
+        groups: dict[str, dist.ProcessGroup | None] = {}
+        gloo: dict[str, dist.ProcessGroup | None] = {}
+        for kind in GROUP_KINDS:
+            groups[kind] = None
+            for ranks in layout.groups[kind]:
+                pg = make(ranks, backend)
+                if rank in ranks:
+                    groups[kind] = pg
+        for kind in GLOO_TWIN_KINDS:
+            gloo[kind] = None
+            for ranks in layout.groups[kind]:
+                # With a gloo main backend the cache hands back the group made above.
+                pg = make(ranks, "gloo")
+                if rank in ranks:
+                    gloo[kind] = pg
+        return cls(layout=layout, rank=rank, backend=backend, groups=groups, gloo_groups=gloo)
+
+    @property
+    def is_spare(self) -> bool:
+        """Whether this rank idles in this world."""
+        return self.layout.is_spare(self.rank)
+
+    def get(self, kind: str) -> dist.ProcessGroup | None:
+        """The group of ``kind`` this rank belongs to (None when it belongs to none)."""
+        self._check_alive()
+        if kind not in self._groups:
+            raise KeyError(f"unknown group kind {kind!r}")
+        return self._groups[kind]
+
+    def gloo(self, kind: str) -> dist.ProcessGroup | None:
+        """The gloo twin of a data-parallel kind (the group itself when already gloo)."""
+        self._check_alive()
+        if kind not in self._gloo:
+            raise KeyError(f"no gloo twin for {kind!r}; kinds with one: {GLOO_TWIN_KINDS}")
+        return self._gloo[kind]
+
+    def ranks(self, kind: str) -> tuple[int, ...] | None:
+        """Global ranks of this rank's group of ``kind``, in generator order."""
+        return self.layout.group_of(kind, self.rank)
+
+    def size(self, kind: str) -> int:
+        """Size of this rank's group of ``kind``; 0 when not a member."""
+        ranks = self.ranks(kind)
+        return 0 if ranks is None else len(ranks)
+
+    def index(self, kind: str) -> int:
+        """This rank's position in its group of ``kind`` (its tp rank, pp stage, ...)."""
+        idx = self.layout.index_in(kind, self.rank)
+        if idx is None:
+            raise ValueError(f"rank {self.rank} is not in any {kind} group")
+        return idx
+
+    def destroy(self) -> None:
+        """Drop the references; the default group's teardown releases the communicators."""
+        self._groups = {k: None for k in self._groups}
+        self._gloo = {k: None for k in self._gloo}
+        self._destroyed = True
+
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise RuntimeError("these process groups belong to a world that was torn down")
