@@ -30,8 +30,12 @@ test: lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; exit 0; fi; exit $$rc
 
+# Until the agent lands, the demo shows the most end-to-end piece there is: re-planning the
+# layout when a 4-rank tp2 world loses a rank (the global batch stays 16).
 demo: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m elasticd.demo
+	$(VENV)/bin/elasticd layout --world 4 --tp 2 --global-batch 16 --micro-batch 2
+	@echo "--- one rank lost: re-planned ---"
+	$(VENV)/bin/elasticd layout --world 3 --tp 2 --global-batch 16 --micro-batch 2
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -137,6 +137,9 @@ class ParallelConfig:
             _check_positive(f"parallel.{name}", getattr(self, name))
         if self.etp is not None:
             _check_positive("parallel.etp", self.etp)
+            if self.etp == self.tp:
+                # etp = tp and etp unset mean the same; one spelling keeps equality honest.
+                object.__setattr__(self, "etp", None)
         if not isinstance(self.order, str) or sorted(self.order.split("-")) != sorted(DIMS):
             raise LayoutError(
                 f"parallel.order: {self.order!r} must name each of tp, cp, ep, dp, pp once, "
@@ -278,6 +281,13 @@ def build_groups(active: int, parallel: ParallelConfig) -> dict[str, Groups]:
         groups[kind] = decoder.get_ranks(token)
     for kind, token in EXPERT_KINDS:
         groups[kind] = expert.get_ranks(token)
+    # A pipeline stage runs attention and experts of the same layers, so both grids must
+    # agree on who is in which pipeline (Megatron-Core asserts the same).
+    if expert.get_ranks("pp") != groups["pp"]:
+        raise LayoutError(
+            f"parallel.etp: etp={p.expert_tp} with ep={p.ep} and order {p.order} puts experts "
+            "on other pipeline groups than attention; use etp = tp or an order with pp last"
+        )
     # Tied embeddings live on the first and last pipeline stage; positions only on the first.
     groups["embedding"] = tuple((g[0], g[-1]) if len(g) > 1 else tuple(g) for g in groups["pp"])
     groups["position-embedding"] = tuple((g[0],) for g in groups["pp"])

@@ -1,0 +1,35 @@
+"""Structured key=value log lines, level from ELASTICD_LOG_LEVEL."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+from elasticd.log import kv, level_from_env, setup_logging
+
+
+def test_log_lines_are_key_value_with_quoted_messages_and_extra_fields():
+    stream = io.StringIO()
+    setup_logging(stream, env={"ELASTICD_LOG_LEVEL": "debug"})
+    logging.getLogger("elasticd.test").info("round closed", **kv(round=3, members="a b"))
+    line = stream.getvalue().strip()
+    assert line.startswith("ts=") and line.endswith('round=3 members="a b"')
+    assert ' level=info logger=elasticd.test msg="round closed" ' in line
+
+
+def test_setting_up_twice_does_not_duplicate_lines():
+    stream = io.StringIO()
+    setup_logging(stream, env={})
+    setup_logging(stream, env={})
+    logging.getLogger("trainer.x").warning("once")
+    assert stream.getvalue().count("msg=once") == 1
+
+
+def test_the_level_comes_from_the_environment_and_defaults_to_info():
+    assert level_from_env({"ELASTICD_LOG_LEVEL": "WARNING"}) == logging.WARNING
+    assert level_from_env({}) == logging.INFO
+    assert level_from_env({"ELASTICD_LOG_LEVEL": "nonsense"}) == logging.INFO
+    stream = io.StringIO()
+    setup_logging(stream, env={"ELASTICD_LOG_LEVEL": "error"})
+    logging.getLogger("checkpoint.y").warning("hidden")
+    assert stream.getvalue() == ""
