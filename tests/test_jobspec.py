@@ -61,7 +61,7 @@ def test_set_overrides_take_dotted_paths_and_yaml_typed_values(tmp_path):
     job = load_job(path, [*overrides, "nproc_per_node=2"])
     assert job.train.steps == 5 and job.output_dir == "runs/x"
     assert job.train.lr == pytest.approx(1e-4) and job.parallel.tp == 2
-    with pytest.raises(JobSpecError, match="not of the form key.sub=value"):
+    with pytest.raises(JobSpecError, match=r"not of the form key\.sub=value"):
         set_override({}, "train.steps")
 
 
