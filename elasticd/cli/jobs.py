@@ -1,0 +1,279 @@
+"""Client commands of the job registry: submit, status, list, cancel, logs.
+
+Every command reaches etcd with ``--etcd URLS`` (default ``$ELASTICD_ETCD``, else
+127.0.0.1:2379) plus TLS and auth options; an unreachable etcd is a one-line error within
+``--etcd-timeout``, never a hang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from elasticd.errors import UsageError
+from elasticd.jobs import JobRecord, JobRegistry, JobState
+from elasticd.jobspec import load_job
+
+
+def add_etcd_options(p: argparse.ArgumentParser) -> None:
+    """The connection options every etcd-speaking command takes."""
+    g = p.add_argument_group("etcd")
+    g.add_argument("--etcd", metavar="URLS", default=None,
+                   help="comma-separated host:port of etcd members "
+                   "(default $ELASTICD_ETCD, else 127.0.0.1:2379)")  # fmt: skip
+    g.add_argument(
+        "--etcd-cacert", metavar="PEM", default=None, help="CA of the server certs (TLS)"
+    )
+    g.add_argument("--etcd-cert", metavar="PEM", default=None, help="client certificate")
+    g.add_argument("--etcd-key", metavar="PEM", default=None, help="client certificate's key")
+    g.add_argument("--etcd-user", default=None, help="etcd user (auth)")
+    g.add_argument("--etcd-password", default=None,
+                   help="etcd password (default $ELASTICD_ETCD_PASSWORD)")  # fmt: skip
+    g.add_argument("--etcd-timeout", type=float, default=5.0, metavar="S",
+                   help="give up on etcd after this many seconds (default 5)")  # fmt: skip
+
+
+def etcd_config(args: argparse.Namespace, env: dict[str, str] | None = None):
+    from elasticd.etcd.config import config_from_options
+
+    env = dict(os.environ) if env is None else env
+    return config_from_options(
+        {
+            "endpoints": args.etcd,
+            "ca_cert": args.etcd_cacert,
+            "cert": args.etcd_cert,
+            "key": args.etcd_key,
+            "user": args.etcd_user,
+            "password": args.etcd_password or env.get("ELASTICD_ETCD_PASSWORD"),
+            "timeout": args.etcd_timeout,
+        },
+        env=env,
+    )
+
+
+def open_registry(args: argparse.Namespace) -> tuple[Any, JobRegistry]:
+    from elasticd.etcd.client import connect
+
+    client = connect(etcd_config(args))
+    return client, JobRegistry(client)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("submit", help="validate a job.yaml and submit it to the cluster")
+    p.add_argument("job", metavar="JOB.yaml")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a job setting (YAML value), e.g. train.steps=50")  # fmt: skip
+    p.add_argument("--replace", action="store_true", help="overwrite a finished job of that name")
+    p.add_argument("--follow", action="store_true", help="show progress until the job ends")
+    add_etcd_options(p)
+    p.set_defaults(func=run_submit)
+
+    p = sub.add_parser("status", help="state, world, layout, step, checkpoint, restarts")
+    p.add_argument("name", metavar="JOB", nargs="?", help="one job (default: all)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    add_etcd_options(p)
+    p.set_defaults(func=run_status)
+
+    p = sub.add_parser("list", help="list jobs and their states")
+    add_etcd_options(p)
+    p.set_defaults(func=run_list)
+
+    p = sub.add_parser("cancel", help="stop a job's workers and mark it cancelled")
+    p.add_argument("name", metavar="JOB")
+    add_etcd_options(p)
+    p.set_defaults(func=run_cancel)
+
+    p = sub.add_parser("logs", help="print worker logs of a job's latest round")
+    p.add_argument("name", metavar="JOB")
+    p.add_argument("--rank", type=int, default=None, help="only this global rank")
+    p.add_argument("--follow", action="store_true", help="keep printing until the job ends")
+    add_etcd_options(p)
+    p.set_defaults(func=run_logs)
+
+
+# -- submit / follow ----------------------------------------------------------------------
+
+
+def run_submit(args: argparse.Namespace) -> int:
+    # Validate everything before touching etcd: a bad job writes nothing.
+    job = load_job(args.job, args.overrides).with_paths_resolved(os.getcwd())
+    client, registry = open_registry(args)
+    with client:
+        record = registry.submit(job, replace=args.replace)
+        print(f"job {record.name} submitted ({record.state}); output in {job.out_dir}")
+        if not args.follow:
+            return 0
+        final = follow(registry, record.name, out=sys.stdout)
+    return 0 if final.state == JobState.SUCCEEDED else 1
+
+
+def progress_line(record: JobRecord) -> str:
+    """One line: a bar of steps, loss, world and restarts."""
+    st = record.status
+    total = int(record.spec.get("train", {}).get("steps", 0)) or 1
+    step = int(st.get("step", 0) or 0)
+    width = 24
+    filled = min(width, step * width // total)
+    bar = "#" * filled + "." * (width - filled)
+    loss = st.get("loss")
+    loss_text = f"{loss:.4f}" if isinstance(loss, int | float) else "-"
+    return (
+        f"{record.name} [{bar}] step {step}/{total} loss {loss_text} "
+        f"world {st.get('world', '-')} restarts {st.get('restarts', 0)} {record.state}"
+    )
+
+
+def follow(
+    registry: JobRegistry, name: str, *, out, interval: float = 0.5, timeout: float | None = None
+) -> JobRecord:
+    """Print progress until the job reaches a terminal state; returns its final record."""
+    tty = hasattr(out, "isatty") and out.isatty()
+    last = ""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        record = registry.get(name)
+        if record is None:
+            raise UsageError(f"job {name!r} disappeared")
+        line = progress_line(record)
+        if line != last:
+            out.write(("\r" + line + "\x1b[K") if tty else line + "\n")
+            out.flush()
+            last = line
+        if record.state.terminal:
+            if tty:
+                out.write("\n")
+            if record.reason and record.state != JobState.SUCCEEDED:
+                out.write(f"{name}: {record.state}: {record.reason}\n")
+            return record
+        if deadline is not None and time.monotonic() > deadline:
+            raise UsageError(f"job {name!r} still {record.state} after {timeout:g} s")
+        time.sleep(interval)
+
+
+# -- status / list / cancel ---------------------------------------------------------------
+
+
+def _summary(record: JobRecord) -> dict[str, Any]:
+    st = record.status
+    return {
+        "name": record.name,
+        "state": str(record.state),
+        "reason": record.reason,
+        "world": st.get("world"),
+        "round": st.get("round"),
+        "layout": st.get("layout"),
+        "step": st.get("step"),
+        "steps": record.spec.get("train", {}).get("steps"),
+        "loss": st.get("loss"),
+        "checkpoint": st.get("checkpoint"),
+        "restarts": st.get("restarts", 0),
+        "last_failure": st.get("last_failure"),
+        "output_dir": record.spec.get("output_dir"),
+    }
+
+
+def run_status(args: argparse.Namespace) -> int:
+    client, registry = open_registry(args)
+    with client:
+        if args.name:
+            record = registry.get(args.name)
+            if record is None:
+                raise UsageError(f"job {args.name!r}: no such job")
+            records = [record]
+        else:
+            records = registry.list()
+    if args.json:
+        docs = [{**_summary(r), "status": r.status} for r in records]
+        print(json.dumps(docs[0] if args.name else docs, indent=2, sort_keys=True))
+        return 0
+    for r in records:
+        s = _summary(r)
+        print(f"job {s['name']}: {s['state']}" + (f" ({s['reason']})" if s["reason"] else ""))
+        print(f"  world {s['world']}  round {s['round']}  layout {s['layout']}")
+        print(f"  step {s['step']}/{s['steps']}  loss {s['loss']}  checkpoint {s['checkpoint']}")
+        print(f"  restarts {s['restarts']}  last failure {s['last_failure']}")
+        print(f"  output {s['output_dir']}")
+    return 0
+
+
+def run_list(args: argparse.Namespace) -> int:
+    client, registry = open_registry(args)
+    with client:
+        records = registry.list()
+    if not records:
+        print("no jobs")
+    for r in records:
+        st = r.status
+        print(
+            f"{r.name:<24} {r.state!s:<11} step {st.get('step', 0)}/"
+            f"{r.spec.get('train', {}).get('steps')}  world {st.get('world', '-')}  "
+            f"restarts {st.get('restarts', 0)}"
+        )
+    return 0
+
+
+def run_cancel(args: argparse.Namespace) -> int:
+    client, registry = open_registry(args)
+    with client:
+        record = registry.cancel(args.name)
+    print(f"job {record.name} {record.state}")
+    return 0
+
+
+# -- logs ---------------------------------------------------------------------------------
+
+
+def _latest_round_dir(logs_dir: str) -> str | None:
+    try:
+        rounds = [d for d in os.listdir(logs_dir) if d.startswith("round-")]
+    except OSError:
+        return None
+    if not rounds:
+        return None
+    return os.path.join(logs_dir, max(rounds, key=lambda d: int(d.split("-", 1)[1])))
+
+
+def _rank_files(round_dir: str, rank: int | None) -> list[str]:
+    names = sorted(
+        (f for f in os.listdir(round_dir) if f.startswith("rank-") and f.endswith(".log")),
+        key=lambda f: int(f[5:-4]),
+    )
+    if rank is not None:
+        names = [f for f in names if f == f"rank-{rank}.log"]
+    return [os.path.join(round_dir, f) for f in names]
+
+
+def run_logs(args: argparse.Namespace) -> int:
+    client, registry = open_registry(args)
+    with client:
+        record = registry.get(args.name)
+        if record is None:
+            raise UsageError(f"job {args.name!r}: no such job")
+        logs_dir = os.path.join(record.spec["output_dir"], "logs")
+        offsets: dict[str, int] = {}
+        while True:
+            round_dir = _latest_round_dir(logs_dir)
+            files = _rank_files(round_dir, args.rank) if round_dir else []
+            for path in files:
+                with open(path, "rb") as fh:
+                    fh.seek(offsets.get(path, 0))
+                    data = fh.read()
+                if data:
+                    if path not in offsets:
+                        print(f"==> {path} <==", flush=True)
+                    sys.stdout.write(data.decode(errors="replace"))
+                    sys.stdout.flush()
+                offsets[path] = offsets.get(path, 0) + len(data)
+            if not args.follow:
+                if not files:
+                    where = f"rank {args.rank} in " if args.rank is not None else ""
+                    raise UsageError(f"job {args.name!r}: no logs for {where}{logs_dir}")
+                return 0
+            record = registry.get(args.name)
+            if record is None or record.state.terminal:
+                return 0
+            time.sleep(0.5)

@@ -1,0 +1,276 @@
+"""The job registry in etcd: specs, states and status, all JSON.
+
+Keys (``<job>`` is the job name)::
+
+    /elasticd/jobs/<job>/spec     the validated job (JobSpec.to_dict), paths absolute
+    /elasticd/jobs/<job>/state    {"state": "running", "since": 1732..., "reason": "..."}
+    /elasticd/jobs/<job>/status   world, layout, round, step, loss, checkpoint, restarts,
+                                  last failure, and a bounded history of world changes
+                                  and recoveries
+
+Every read-modify-write is a compare-and-set on the key's ``mod_revision``, retried on
+conflict, so several agents may update one job at once and nothing is lost. The legal
+state changes are in one table, :data:`TRANSITIONS`; a change outside it is refused, which
+is what makes ``cancel`` win against an agent that would mark the job succeeded a moment
+later (or the reverse: a finished job cannot be cancelled).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from elasticd.errors import EtcdError, UsageError
+from elasticd.jobspec import JobSpec, parse_job
+
+PREFIX = "/elasticd/jobs/"
+HISTORY_LIMIT = 100
+"""World changes and recoveries kept in a job's status (oldest dropped first)."""
+
+
+class JobState(enum.StrEnum):
+    PENDING = "pending"
+    """Submitted; no world has formed yet."""
+    RUNNING = "running"
+    """Workers are training in a formed world."""
+    RECOVERING = "recovering"
+    """A failure or a world change is being handled: stop, re-rendezvous, respawn."""
+    SUCCEEDED = "succeeded"
+    """Every worker exited 0."""
+    FAILED = "failed"
+    """Restarts exhausted, or the job could not run at all."""
+    CANCELLED = "cancelled"
+    """`elasticd cancel` stopped it."""
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+
+
+_S = JobState
+TRANSITIONS: dict[JobState, frozenset[JobState]] = {
+    _S.PENDING: frozenset({_S.RUNNING, _S.FAILED, _S.CANCELLED}),
+    _S.RUNNING: frozenset({_S.RECOVERING, _S.SUCCEEDED, _S.FAILED, _S.CANCELLED}),
+    _S.RECOVERING: frozenset({_S.RUNNING, _S.SUCCEEDED, _S.FAILED, _S.CANCELLED}),
+    _S.SUCCEEDED: frozenset(),
+    _S.FAILED: frozenset(),
+    _S.CANCELLED: frozenset(),
+}
+
+
+def can_move(old: JobState, new: JobState) -> bool:
+    """Whether ``old → new`` is legal; staying put is always allowed (idempotent writes)."""
+    return old == new or new in TRANSITIONS[old]
+
+
+class KV(Protocol):
+    """What the registry needs from an etcd client (``elasticd.etcd.client.EtcdClient``)."""
+
+    def get(self, key: str) -> Any: ...
+    def get_prefix(self, prefix: str, revision: int = 0) -> tuple[list[Any], int]: ...
+    def put(self, key: str, value: bytes | str, lease: int = 0) -> int: ...
+    def delete(self, key: str, prefix: bool = False) -> int: ...
+    def txn(self, compares: Any, success: Any, failure: Any = ()) -> Any: ...
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JobRecord:
+    """One job as stored: its spec, state and status."""
+
+    name: str
+    """The job id."""
+    spec: dict[str, Any]
+    """The job as plain data (JobSpec.to_dict)."""
+    state: JobState
+    """Where the job is in its life."""
+    since: float
+    """Unix time the state was entered."""
+    reason: str = ""
+    """Why it entered that state (a failure message, 'cancelled by user', ...)."""
+    status: dict[str, Any] = field(default_factory=dict)
+    """World, layout, step, checkpoint, restarts, last failure, history."""
+
+    def job(self) -> JobSpec:
+        """The spec parsed back into a JobSpec (validated again)."""
+        return parse_job(self.spec, where=f"job {self.name}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "state": str(self.state),
+            "since": self.since,
+            "reason": self.reason,
+            "status": self.status,
+            "spec": self.spec,
+        }
+
+
+def _key(name: str, part: str) -> str:
+    return f"{PREFIX}{name}/{part}"
+
+
+def _load(raw: bytes, what: str) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise EtcdError(f"{what}: stored value is not JSON") from exc
+
+
+def _dump(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True)
+
+
+class JobRegistry:
+    """Reads and writes jobs in etcd through an injected client and clock."""
+
+    def __init__(self, client: KV, *, clock: Callable[[], float] = time.time) -> None:
+        self._client = client
+        self._clock = clock
+
+    # -- submit, read ------------------------------------------------------------------------
+
+    def submit(self, job: JobSpec, *, replace: bool = False) -> JobRecord:
+        """Store a new job as pending; an existing name is refused unless ``replace``.
+
+        With ``replace`` a running job must be cancelled first (agents would otherwise
+        keep training the old spec); a finished one is overwritten, status and all.
+        """
+        from elasticd.etcd.client import compare, put_op
+
+        now = self._clock()
+        state = {"state": str(JobState.PENDING), "since": now, "reason": "submitted"}
+        writes = [
+            put_op(_key(job.name, "spec"), _dump(job.to_dict())),
+            put_op(_key(job.name, "state"), _dump(state)),
+            put_op(_key(job.name, "status"), _dump({"restarts": 0, "history": []})),
+        ]
+        spec_key = _key(job.name, "spec")
+        result = self._client.txn([compare(spec_key, "version", "==", 0)], writes)
+        if not result.succeeded:
+            old = self.get(job.name)
+            if not replace:
+                raise UsageError(
+                    f"job {job.name!r} already exists ({old.state if old else 'unknown'}); "
+                    "use --replace to overwrite it"
+                )
+            if old is not None and not old.state.terminal:
+                raise UsageError(f"job {job.name!r} is {old.state}; cancel it before replacing it")
+            # spec, state and status are the only keys of a job: overwriting all three
+            # replaces it whole.
+            self._client.txn([], writes)
+        record = self.get(job.name)
+        assert record is not None
+        return record
+
+    def get(self, name: str) -> JobRecord | None:
+        """The job named ``name``, or None."""
+        kvs, _ = self._client.get_prefix(_key(name, ""))
+        parts = {kv.key.rsplit("/", 1)[-1]: kv.value for kv in kvs}
+        return self._record(name, parts)
+
+    def list(self) -> list[JobRecord]:
+        """Every job, sorted by name."""
+        kvs, _ = self._client.get_prefix(PREFIX)
+        by_job: dict[str, dict[str, bytes]] = {}
+        for kv in kvs:
+            name, _, part = kv.key[len(PREFIX) :].partition("/")
+            by_job.setdefault(name, {})[part] = kv.value
+        records = (self._record(name, parts) for name, parts in sorted(by_job.items()))
+        return [r for r in records if r is not None]
+
+    def _record(self, name: str, parts: dict[str, bytes]) -> JobRecord | None:
+        if "spec" not in parts:
+            return None
+        state = _load(parts.get("state", b"{}"), f"job {name} state")
+        status = _load(parts["status"], f"job {name} status") if "status" in parts else {}
+        try:
+            job_state = JobState(state.get("state", "pending"))
+        except ValueError as exc:
+            raise EtcdError(f"job {name}: unknown state {state.get('state')!r}") from exc
+        return JobRecord(
+            name=name,
+            spec=_load(parts["spec"], f"job {name} spec"),
+            state=job_state,
+            since=float(state.get("since", 0.0)),
+            reason=str(state.get("reason", "")),
+            status=status,
+        )
+
+    # -- changes -----------------------------------------------------------------------------
+
+    def _update(self, key: str, change: Callable[[Any], Any | None], what: str) -> Any:
+        """Compare-and-set read-modify-write of one JSON value; ``change`` returns the new
+        value, or None to leave it as it is. Returns the value in force afterwards."""
+        from elasticd.etcd.client import compare, put_op
+
+        for _ in range(100):
+            current = self._client.get(key)
+            if current is None:
+                raise UsageError(f"{what}: no such job")
+            old = _load(current.value, what)
+            new = change(old)
+            if new is None:
+                return old
+            ok = self._client.txn(
+                [compare(key, "mod", "==", current.mod_revision)], [put_op(key, _dump(new))]
+            ).succeeded
+            if ok:
+                return new
+        raise EtcdError(f"{what}: too many concurrent updates")
+
+    def set_state(self, name: str, new: JobState, reason: str = "") -> bool:
+        """Move the job to ``new`` if the transition table allows it; returns whether the
+        job is in ``new`` afterwards (a refused change returns False and writes nothing)."""
+        now = self._clock()
+
+        def change(old: dict[str, Any]) -> dict[str, Any] | None:
+            cur = JobState(old.get("state", "pending"))
+            if cur == new or not can_move(cur, new):
+                return None
+            return {"state": str(new), "since": now, "reason": reason}
+
+        after = self._update(_key(name, "state"), change, f"job {name!r}")
+        return after.get("state") == str(new)
+
+    def cancel(self, name: str) -> JobRecord:
+        """Mark the job cancelled; the agents see it and stop their workers."""
+        record = self.get(name)
+        if record is None:
+            raise UsageError(f"job {name!r}: no such job")
+        if record.state == JobState.CANCELLED:
+            return record
+        if record.state.terminal:
+            raise UsageError(f"job {name!r} already {record.state}; nothing to cancel")
+        if not self.set_state(name, JobState.CANCELLED, "cancelled by user"):
+            latest = self.get(name)
+            raise UsageError(f"job {name!r} is {latest.state if latest else 'gone'}; not cancelled")
+        latest = self.get(name)
+        assert latest is not None
+        return latest
+
+    def update_status(self, name: str, change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+        """Apply ``change`` (which edits the dict in place) to the job's status, atomically."""
+
+        def apply(old: dict[str, Any]) -> dict[str, Any]:
+            new = json.loads(json.dumps(old))
+            change(new)
+            history = new.get("history")
+            if isinstance(history, list) and len(history) > HISTORY_LIMIT:
+                new["history"] = history[-HISTORY_LIMIT:]
+            return new
+
+        return self._update(_key(name, "status"), apply, f"job {name!r} status")
+
+    def add_event(self, name: str, event: dict[str, Any], **fields: Any) -> None:
+        """Append ``event`` (with a timestamp) to the history and set ``fields`` too."""
+        stamped = {"t": round(self._clock(), 3), **event}
+
+        def change(status: dict[str, Any]) -> None:
+            status.setdefault("history", []).append(stamped)
+            status.update(fields)
+
+        self.update_status(name, change)

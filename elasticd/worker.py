@@ -1,0 +1,167 @@
+"""The worker side of the agent: a heartbeat per step, and the preemption signal.
+
+A worker (the built-in trainer, or any script under ``elasticd agent``) talks to its agent
+through a small JSON file in the agent's state dir, named by ``ELASTICD_HEARTBEAT_FILE``.
+The file is replaced atomically on every call, so the agent always reads a whole record.
+Its modification time is the heartbeat: no progress for ``restart.hang_timeout`` seconds
+is a hang. Rank 0's record also carries the loss and tokens/s, which the agent exports as
+Prometheus metrics and writes into the job's status.
+
+Preemption: **SIGTERM to a worker means "save an emergency checkpoint now, then exit with
+PREEMPTED_EXIT_CODE"**. The agent sends it when its node is being stopped (systemd stop,
+Kubernetes eviction); systemd's default KillMode sends it straight to every process too.
+:meth:`WorkerChannel.install_preemption_handler` turns the signal into a flag, and the
+training loop checks it once per step. A checkpoint needs every rank, so the ranks must
+agree before saving: :meth:`WorkerChannel.preempt_agreed` all-reduces the flag (MAX).
+Outside the agent (no env var) everything here is a cheap no-op, so the trainer runs the
+same under plain torchrun.
+
+Usage in a training loop::
+
+    channel = WorkerChannel.from_env()
+    channel.install_preemption_handler()
+    for step in ...:
+        ...
+        channel.progress(step=step, loss=loss, tokens_per_s=tps)
+        if channel.preempt_agreed():
+            save_checkpoint(step, wait=True)
+            sys.exit(PREEMPTED_EXIT_CODE)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+ENV_HEARTBEAT = "ELASTICD_HEARTBEAT_FILE"
+"""Path of this worker's heartbeat file; set by the agent."""
+PREEMPTED_EXIT_CODE = 75
+"""Exit status of a worker that stopped early because its node is preempted (EX_TEMPFAIL).
+The agent treats it as "re-form the world", not as a failure."""
+
+
+class WorkerChannel:
+    """One worker's line to its agent. Cheap to call every step."""
+
+    def __init__(
+        self,
+        *,
+        path: str | None,
+        rank: int = 0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._path = path
+        self._rank = rank
+        self._clock = clock
+        self._preempt = threading.Event()
+        self._phases: dict[str, float] = {}
+        self._last: dict[str, Any] = {}
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> WorkerChannel:
+        env = os.environ if env is None else env
+        return cls(path=env.get(ENV_HEARTBEAT) or None, rank=int(env.get("RANK", "0") or 0))
+
+    @property
+    def supervised(self) -> bool:
+        """Whether an elasticd agent is listening."""
+        return self._path is not None
+
+    # -- preemption --------------------------------------------------------------------------
+
+    def install_preemption_handler(self) -> None:
+        """Turn SIGTERM into :meth:`preempt_requested`. Call from the main thread.
+
+        Only under an agent: under plain torchrun SIGTERM keeps its default meaning.
+        """
+        if not self.supervised:
+            return
+
+        def on_term(signum: int, frame: object) -> None:
+            self._preempt.set()
+
+        signal.signal(signal.SIGTERM, on_term)
+
+    def request_preemption(self) -> None:
+        """Set the flag as the signal would (for callers with their own signal handling)."""
+        self._preempt.set()
+
+    def preempt_requested(self) -> bool:
+        """Whether this worker was told to save and stop (local view only)."""
+        return self._preempt.is_set()
+
+    def preempt_agreed(self, group: Any = None) -> bool:
+        """Whether any rank was told to stop: an all-reduce MAX of the flag over ``group``
+        (default: the world). Every rank must call it at the same step."""
+        local = self._preempt.is_set()
+        if not self.supervised:
+            return local
+        import torch
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            return local
+        flag = torch.tensor([1 if local else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
+
+    # -- progress ----------------------------------------------------------------------------
+
+    def mark(self, phase: str) -> None:
+        """Record when a start-up phase ended (``pg_ready``, ``ckpt_loaded``); the agent
+        uses these to split a recovery's time into its parts."""
+        self._phases[phase] = self._clock()
+        self._write()
+
+    def progress(
+        self,
+        *,
+        step: int,
+        loss: float | None = None,
+        tokens_per_s: float | None = None,
+        checkpoint_step: int | None = None,
+    ) -> None:
+        """Report a completed optimizer step (1-based); this is the heartbeat."""
+        self._last = {"step": int(step)}
+        if loss is not None:
+            self._last["loss"] = float(loss)
+        if tokens_per_s is not None:
+            self._last["tokens_per_s"] = float(tokens_per_s)
+        if checkpoint_step is not None:
+            self._last["checkpoint_step"] = int(checkpoint_step)
+        self._write()
+
+    def _write(self) -> None:
+        if self._path is None:
+            return
+        record = {
+            "pid": os.getpid(),
+            "rank": self._rank,
+            "t": self._clock(),
+            "phases": self._phases,
+            **self._last,
+        }
+        tmp = f"{self._path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w", encoding="utf-8") as fh:
+                json.dump(record, fh, separators=(",", ":"))
+            os.replace(tmp, self._path)
+        except OSError:
+            # A full or vanished state dir must not kill training; the agent sees a stale
+            # heartbeat and judges for itself.
+            pass
+
+
+def read_heartbeat(path: str) -> dict[str, Any] | None:
+    """The agent's side: the last record a worker wrote, or None if none yet."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
