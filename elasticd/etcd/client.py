@@ -1,0 +1,358 @@
+"""A small etcd v3 client over gRPC that retries across members and maps errors.
+
+We speak the v3 gRPC API through the generated stubs shipped with ``python3-etcd3``
+(``etcd3.etcdrpc``) rather than its high-level client, because we need three things it
+does not give: one deadline per operation that spans retries, failover across members on
+leader change or connection loss with backoff, and errors mapped to ``EtcdError``.
+
+Writes are retried too. Every write we issue is either idempotent (a put of a whole
+value, a delete) or a transaction fenced by a compare, so a retry after a lost reply at
+worst fails its compare, and the caller re-reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+from etcd3 import etcdrpc
+
+from elasticd.errors import EtcdError
+from elasticd.etcd.config import EtcdConfig
+from elasticd.log import kv
+
+log = logging.getLogger("elasticd.etcd")
+T = TypeVar("T")
+
+_RETRYABLE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.ABORTED,
+}
+# etcd answers these while it has no leader or its leader moved; another member may be fine.
+_RETRYABLE_TEXT = ("leader changed", "no leader", "timed out", "too many requests", "stopped")
+
+
+class EtcdUnavailableError(EtcdError):
+    """No member answered within the configured timeout."""
+
+
+class EtcdAuthError(EtcdError):
+    """The credentials (user/password or client certificate) were refused."""
+
+
+@dataclass(frozen=True, slots=True)
+class KeyValue:
+    """One stored key with its revisions."""
+
+    key: str
+    value: bytes
+    create_revision: int
+    mod_revision: int
+    lease: int
+
+
+@dataclass(frozen=True, slots=True)
+class TxnResult:
+    """What a transaction did: which branch ran, at which store revision."""
+
+    succeeded: bool
+    revision: int
+    responses: tuple[Any, ...]
+
+
+def _kv(msg: Any) -> KeyValue:
+    return KeyValue(
+        key=msg.key.decode(),
+        value=bytes(msg.value),
+        create_revision=msg.create_revision,
+        mod_revision=msg.mod_revision,
+        lease=msg.lease,
+    )
+
+
+def prefix_end(prefix: str) -> bytes:
+    """The ``range_end`` that selects every key starting with ``prefix``."""
+    raw = bytearray(prefix.encode())
+    for i in range(len(raw) - 1, -1, -1):
+        if raw[i] < 0xFF:
+            raw[i] += 1
+            return bytes(raw[: i + 1])
+    return b"\0"
+
+
+# -- transaction building blocks ------------------------------------------------------------
+
+_RESULTS = {"==": "EQUAL", "!=": "NOT_EQUAL", "<": "LESS", ">": "GREATER"}
+
+
+def compare(key: str, target: str, op: str, value: int | bytes) -> Any:
+    """A txn compare: ``target`` is mod, create, version or value; ``op`` is == != < >."""
+    cmp = etcdrpc.Compare()
+    cmp.key = key.encode()
+    cmp.result = etcdrpc.Compare.CompareResult.Value(_RESULTS[op])
+    cmp.target = etcdrpc.Compare.CompareTarget.Value(target.upper())
+    field = {"mod": "mod_revision", "create": "create_revision", "version": "version"}
+    if target == "value":
+        cmp.value = value if isinstance(value, bytes) else str(value).encode()
+    else:
+        setattr(cmp, field[target], int(value))
+    return cmp
+
+
+def put_op(key: str, value: bytes | str, lease: int = 0) -> Any:
+    data = value.encode() if isinstance(value, str) else value
+    return etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=key.encode(), value=data, lease=lease))
+
+
+def delete_op(key: str, prefix: bool = False) -> Any:
+    req = etcdrpc.DeleteRangeRequest(key=key.encode())
+    if prefix:
+        req.range_end = prefix_end(key)
+    return etcdrpc.RequestOp(request_delete_range=req)
+
+
+def get_op(key: str, prefix: bool = False) -> Any:
+    req = etcdrpc.RangeRequest(key=key.encode())
+    if prefix:
+        req.range_end = prefix_end(key)
+    return etcdrpc.RequestOp(request_range=req)
+
+
+# -- the client -----------------------------------------------------------------------------
+
+
+class _Member:
+    """One endpoint's channel and stubs, made lazily."""
+
+    def __init__(self, endpoint: str, credentials: grpc.ChannelCredentials | None) -> None:
+        self.endpoint = endpoint
+        options = [("grpc.max_receive_message_length", 64 << 20)]
+        if credentials is None:
+            self.channel = grpc.insecure_channel(endpoint, options=options)
+        else:
+            self.channel = grpc.secure_channel(endpoint, credentials, options=options)
+        self.kv = etcdrpc.KVStub(self.channel)
+        self.lease = etcdrpc.LeaseStub(self.channel)
+        self.watch = etcdrpc.WatchStub(self.channel)
+        self.auth = etcdrpc.AuthStub(self.channel)
+        self.maintenance = etcdrpc.MaintenanceStub(self.channel)
+        self.cluster = etcdrpc.ClusterStub(self.channel)
+
+
+def _read(path: str | None) -> bytes | None:
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    except OSError as exc:
+        raise EtcdError(f"etcd TLS: cannot read {path}: {exc.strerror}") from exc
+
+
+class EtcdClient:
+    """Thread-safe etcd v3 client. Every call either succeeds or raises ``EtcdError``.
+
+    ``clock`` and ``sleep`` are injected so that retry timing can be tested without waits.
+    """
+
+    def __init__(
+        self,
+        config: EtcdConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.config = config
+        self._clock = clock
+        self._sleep = sleep
+        creds = None
+        if config.tls:
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=_read(config.ca_cert),
+                private_key=_read(config.key),
+                certificate_chain=_read(config.cert),
+            )
+        self._members = [_Member(ep, creds) for ep in config.endpoints]
+        self._current = 0
+        self._lock = threading.Lock()
+        self._token: str | None = None
+        self._closed = False
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    @property
+    def endpoint(self) -> str:
+        """The member currently preferred."""
+        return self._members[self._current].endpoint
+
+    def member(self) -> _Member:
+        with self._lock:
+            return self._members[self._current]
+
+    def rotate(self, failed: _Member) -> None:
+        """Prefer the next member after ``failed`` did not answer."""
+        with self._lock:
+            if self._members[self._current] is failed:
+                self._current = (self._current + 1) % len(self._members)
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("token", self._token),) if self._token else ()
+
+    def _authenticate(self, member: _Member, timeout: float) -> None:
+        req = etcdrpc.AuthenticateRequest(name=self.config.user, password=self.config.password)
+        self._token = member.auth.Authenticate(req, timeout=timeout).token
+
+    def call(self, what: str, fn: Callable[[_Member, float, tuple], T]) -> T:
+        """Run ``fn(member, attempt_timeout, metadata)`` until it succeeds or time runs out."""
+        if self._closed:
+            raise EtcdError("etcd client is closed")
+        deadline = self._clock() + self.config.timeout
+        attempt = 0
+        last: grpc.RpcError | None = None
+        while True:
+            member = self.member()
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                break
+            per_try = min(self.config.request_timeout, remaining)
+            try:
+                if self.config.user and self._token is None:
+                    self._authenticate(member, per_try)
+                return fn(member, per_try, self.metadata())
+            except grpc.RpcError as exc:
+                last = exc
+                code, detail = exc.code(), (exc.details() or "")
+                if code == grpc.StatusCode.INVALID_ARGUMENT and "auth token" in detail:
+                    self._token = None  # expired simple token: log in again
+                elif code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                    raise EtcdAuthError(f"etcd refused {what}: {detail}") from exc
+                elif code in _RETRYABLE or any(t in detail.lower() for t in _RETRYABLE_TEXT):
+                    self.rotate(member)
+                else:
+                    raise EtcdError(f"etcd {what} failed: {code.name}: {detail}") from exc
+            attempt += 1
+            pause = min(0.05 * 2 ** min(attempt, 5), 1.0, max(0.0, deadline - self._clock()))
+            log.debug("etcd retry", **kv(what=what, attempt=attempt, pause=round(pause, 3)))
+            self._sleep(pause)
+        detail = f"{last.code().name}: {last.details()}" if last is not None else "no attempt"
+        raise EtcdUnavailableError(
+            f"etcd at {','.join(self.config.endpoints)} did not answer {what} within "
+            f"{self.config.timeout:g} s ({detail})"
+        ) from last
+
+    # -- key/value --------------------------------------------------------------------------
+
+    def get(self, key: str) -> KeyValue | None:
+        req = etcdrpc.RangeRequest(key=key.encode())
+        resp = self.call("get", lambda m, t, md: m.kv.Range(req, timeout=t, metadata=md))
+        return _kv(resp.kvs[0]) if resp.kvs else None
+
+    def get_prefix(self, prefix: str, revision: int = 0) -> tuple[list[KeyValue], int]:
+        """Every key under ``prefix`` (at ``revision`` if given) and the store revision."""
+        req = etcdrpc.RangeRequest(key=prefix.encode(), range_end=prefix_end(prefix))
+        if revision:
+            req.revision = revision
+        resp = self.call("range", lambda m, t, md: m.kv.Range(req, timeout=t, metadata=md))
+        return [_kv(x) for x in resp.kvs], resp.header.revision
+
+    def put(self, key: str, value: bytes | str, lease: int = 0) -> int:
+        data = value.encode() if isinstance(value, str) else value
+        req = etcdrpc.PutRequest(key=key.encode(), value=data, lease=lease)
+        resp = self.call("put", lambda m, t, md: m.kv.Put(req, timeout=t, metadata=md))
+        return resp.header.revision
+
+    def delete(self, key: str, prefix: bool = False) -> int:
+        """Delete ``key`` (or every key under it); returns how many were deleted."""
+        req = etcdrpc.DeleteRangeRequest(key=key.encode())
+        if prefix:
+            req.range_end = prefix_end(key)
+        resp = self.call("delete", lambda m, t, md: m.kv.DeleteRange(req, timeout=t, metadata=md))
+        return resp.deleted
+
+    def txn(self, compares: Sequence[Any], success: Sequence[Any], failure: Sequence[Any] = ()) -> TxnResult:
+        req = etcdrpc.TxnRequest(compare=list(compares), success=list(success), failure=list(failure))
+        resp = self.call("txn", lambda m, t, md: m.kv.Txn(req, timeout=t, metadata=md))
+        return TxnResult(resp.succeeded, resp.header.revision, tuple(resp.responses))
+
+    # -- leases -----------------------------------------------------------------------------
+
+    def lease_grant(self, ttl: float) -> int:
+        req = etcdrpc.LeaseGrantRequest(TTL=max(1, round(ttl)))
+        resp = self.call("lease grant", lambda m, t, md: m.lease.LeaseGrant(req, timeout=t, metadata=md))
+        if resp.error:
+            raise EtcdError(f"etcd lease grant failed: {resp.error}")
+        return resp.ID
+
+    def lease_revoke(self, lease: int) -> None:
+        req = etcdrpc.LeaseRevokeRequest(ID=lease)
+
+        def revoke(m: _Member, t: float, md: tuple) -> None:
+            try:
+                m.lease.LeaseRevoke(req, timeout=t, metadata=md)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:  # already expired: fine
+                    raise
+
+        self.call("lease revoke", revoke)
+
+    def lease_keepalive(self, lease: int) -> int:
+        """Refresh ``lease`` once; returns its new TTL, 0 when it no longer exists."""
+        req = etcdrpc.LeaseKeepAliveRequest(ID=lease)
+
+        def once(m: _Member, t: float, md: tuple) -> int:
+            stream = m.lease.LeaseKeepAlive(iter([req]), timeout=t, metadata=md)
+            try:
+                for resp in stream:
+                    return resp.TTL
+                return 0
+            finally:
+                stream.cancel()
+
+        return self.call("lease keepalive", once)
+
+    # -- cluster ----------------------------------------------------------------------------
+
+    def status(self, endpoint: str | None = None) -> Any:
+        """``Maintenance.Status`` of one member (default: the preferred one)."""
+        member = next((m for m in self._members if m.endpoint == endpoint), None)
+        if endpoint is not None and member is None:
+            member = _Member(endpoint, None)
+        req = etcdrpc.StatusRequest()
+        if member is None:
+            return self.call("status", lambda m, t, md: m.maintenance.Status(req, timeout=t, metadata=md))
+        try:
+            return member.maintenance.Status(req, timeout=self.config.request_timeout, metadata=self.metadata())
+        except grpc.RpcError as exc:
+            raise EtcdUnavailableError(f"etcd member {endpoint} did not answer status") from exc
+
+    def close(self) -> None:
+        self._closed = True
+        for member in self._members:
+            member.channel.close()
+
+    def __enter__(self) -> EtcdClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def connect(config: EtcdConfig, *, check: bool = True) -> EtcdClient:
+    """The client factory: a client for ``config``, checked to answer unless ``check=False``.
+
+    Raises ``EtcdUnavailableError`` within ``config.timeout`` when no member answers.
+    """
+    client = EtcdClient(config)
+    if check:
+        try:
+            client.call("status", lambda m, t, md: m.maintenance.Status(etcdrpc.StatusRequest(), timeout=t, metadata=md))
+        except BaseException:
+            client.close()
+            raise
+    return client

