@@ -1,0 +1,57 @@
+"""The checkpoint store: sharded safetensors, async and atomic, resharded on load.
+
+A library of torch + safetensors only (it imports neither `elasticd` nor `trainer`).
+Every tensor is named globally and every stored chunk records its offsets in that global
+tensor, so any layout reads exactly the slices it needs. Format: docs/checkpoint-format.md.
+
+Save::
+
+    saver = Saver(ckpt_dir, group=gloo_group, options=SaveOptions(async_=True, keep=3))
+    saver.save(step=6, consumed_samples=96, model={name: (tensor, shard_info)},
+               optimizer={"exp_avg/" + name: (state, shard_info)}, scalars={...})
+    saver.check()   # each step: raises if a background save failed
+    saver.close()   # before exit: waits for the save in flight
+
+Load (any layout)::
+
+    ckpt = load_latest(ckpt_dir, model=..., optimizer=..., group=gloo_group)
+"""
+
+from checkpoint.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    FormatError,
+    LayoutMismatchError,
+    NoCheckpointError,
+    SaveFailedError,
+)
+from checkpoint.load import Checkpoint, LoadStats, load_latest, open_step
+from checkpoint.manifest import FORMAT_VERSION, Manifest
+from checkpoint.save import SaveOptions, Saver, SaveResult
+from checkpoint.shards import ShardInfo
+from checkpoint.store import committed_steps, prune, read_latest
+from checkpoint.verify import export, verify
+
+__all__ = [
+    "FORMAT_VERSION",
+    "Checkpoint",
+    "CheckpointError",
+    "CorruptCheckpointError",
+    "FormatError",
+    "LayoutMismatchError",
+    "LoadStats",
+    "Manifest",
+    "NoCheckpointError",
+    "SaveFailedError",
+    "SaveOptions",
+    "SaveResult",
+    "Saver",
+    "ShardInfo",
+    "committed_steps",
+    "export",
+    "load_latest",
+    "open_step",
+    "prune",
+    "read_latest",
+    "verify",
+]

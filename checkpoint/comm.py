@@ -1,0 +1,57 @@
+"""Small JSON messages between ranks, carried as uint8 tensors (never pickled objects).
+
+``all_gather_object`` and ``broadcast_object_list`` pickle; these do not. The group must
+accept CPU tensors (gloo); with NCCL training, pass a gloo group for the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def all_gather_json(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    """Every rank's ``obj``, in group-rank order."""
+    if group_size(group) == 1:
+        return [json.loads(json.dumps(obj))]
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    n = group_size(group)
+    length = torch.tensor([len(data)], dtype=torch.int64)
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(n)]
+    dist.all_gather(lengths, length, group=group)
+    longest = max(int(x.item()) for x in lengths)
+    buf = torch.zeros(longest, dtype=torch.uint8)
+    if data:
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    bufs = [torch.zeros(longest, dtype=torch.uint8) for _ in range(n)]
+    dist.all_gather(bufs, buf, group=group)
+    return [
+        json.loads(bytes(b[: int(ln.item())].numpy())) for b, ln in zip(bufs, lengths, strict=True)
+    ]
+
+
+def broadcast_json(obj: Any, group: dist.ProcessGroup | None) -> Any:
+    """Group rank 0's ``obj`` on every rank (``obj`` is ignored elsewhere)."""
+    if group_size(group) == 1:
+        return json.loads(json.dumps(obj))
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    me = group_rank(group)
+    data = json.dumps(obj, separators=(",", ":")).encode() if me == 0 else b""
+    length = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(length, src=src, group=group)
+    buf = torch.zeros(int(length.item()), dtype=torch.uint8)
+    if me == 0 and data:
+        buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    dist.broadcast(buf, src=src, group=group)
+    return json.loads(bytes(buf.numpy()))

@@ -1,0 +1,252 @@
+"""Loading with reshard: each local tensor of the new layout reads only what overlaps it.
+
+The pure planner (:func:`checkpoint.planner.plan_reads`) says which saved chunks feed which
+part of a local tensor; this shell opens the files with ``safe_open`` and copies. With
+``verify`` (the default) every chunk read is checked against its sha256, so a chunk only
+partly needed is read whole (chunks are small grid cells, so aligned reshards read nothing
+extra); without it, only the exact overlap is read through ``get_slice``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
+
+from checkpoint import store
+from checkpoint.comm import all_gather_json, broadcast_json
+from checkpoint.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    LayoutMismatchError,
+    NoCheckpointError,
+)
+from checkpoint.manifest import MANIFEST, Manifest, parse_step_dirname
+from checkpoint.planner import SavedChunk, plan_reads
+from checkpoint.shards import ShardInfo
+from checkpoint.stfile import read_header, tensor_bytes
+
+log = logging.getLogger("checkpoint.load")
+
+Sharded = tuple[torch.Tensor, ShardInfo]
+
+
+@dataclass(slots=True)
+class LoadStats:
+    bytes_read: int = 0
+    """Bytes read from tensor files (headers included)."""
+    bytes_needed: int = 0
+    """Bytes of the regions asked for."""
+    seconds: float = 0.0
+
+
+class Checkpoint:
+    """One committed checkpoint, opened for reading."""
+
+    def __init__(self, path: str, manifest: Manifest) -> None:
+        self.path = path
+        self.manifest = manifest
+        self.stats = LoadStats()
+        self._handles: dict[str, object] = {}
+
+    @classmethod
+    def open(cls, path: str) -> Checkpoint:
+        """Open a committed step directory; an uncommitted one is refused."""
+        path = os.path.abspath(path)
+        base = os.path.basename(path)
+        if parse_step_dirname(base) is None:
+            raise NoCheckpointError(
+                f"{path}: not a committed checkpoint directory (step-NNNNNNNNN)"
+            )
+        try:
+            with open(os.path.join(path, MANIFEST), "rb") as f:
+                raw = f.read()
+        except FileNotFoundError as exc:
+            raise NoCheckpointError(
+                f"{path}: has no {MANIFEST}, so it was never committed"
+            ) from exc
+        return cls(path, Manifest.from_json(raw, where=os.path.join(path, MANIFEST)))
+
+    @property
+    def step(self) -> int:
+        return self.manifest.step
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def load_into(
+        self,
+        model: Mapping[str, Sharded],
+        optimizer: Mapping[str, Sharded] | None = None,
+        *,
+        verify: bool = True,
+    ) -> LoadStats:
+        """Fill each local tensor's region (``ShardInfo``) from the checkpoint, in place."""
+        t0 = time.perf_counter()
+        partial: dict[tuple[str, str], torch.Tensor] = {}
+        wanted = [(name, t, info) for name, (t, info) in model.items()]
+        wanted += [(f"optimizer/{name}", t, info) for name, (t, info) in (optimizer or {}).items()]
+        for name, dest, info in wanted:
+            region = dest[tuple(slice(0, s) for s in info.sizes)]
+            self._fill(name, region, (info.offsets, info.sizes), info.global_shape, verify, partial)
+        self.stats.seconds += time.perf_counter() - t0
+        return self.stats
+
+    def read(self, name: str, *, verify: bool = True) -> torch.Tensor:
+        """A whole global tensor, assembled."""
+        entry = self._entry(name)
+        out = torch.empty(entry.shape, dtype=entry.dtype)
+        box = ((0,) * len(entry.shape), entry.shape)
+        self._fill(name, out, box, entry.shape, verify, {})
+        return out
+
+    def rank_state(self, rank: int) -> dict[str, torch.Tensor]:
+        """The per-rank tensors (RNG states) saved by ``rank``."""
+        prefix = f"rank/{rank}/"
+        return {
+            n.removeprefix(prefix): self.read(n)
+            for n, e in self.manifest.tensors.items()
+            if e.kind == "rank" and n.startswith(prefix)
+        }
+
+    def _entry(self, name: str):
+        entry = self.manifest.tensors.get(name)
+        if entry is None:
+            raise LayoutMismatchError(f"{self.path}: has no tensor {name!r}")
+        return entry
+
+    def _fill(self, name, region, box, global_shape, verify, partial) -> None:
+        entry = self._entry(name)
+        if tuple(global_shape) != entry.shape:
+            raise LayoutMismatchError(
+                f"{name}: the model wants shape {list(global_shape)}, "
+                f"the checkpoint has {list(entry.shape)}"
+            )
+        self.stats.bytes_needed += region.numel() * entry.dtype.itemsize
+        for op in plan_reads(name, box, entry.chunks, global_shape=entry.shape):
+            if op.whole_chunk or verify:
+                cache_key = (op.chunk.file, op.chunk.key)
+                chunk = partial.get(cache_key)
+                if chunk is None:
+                    chunk = self._read_chunk(op.chunk, entry.sha256[op.chunk.key], verify)
+                    if not op.whole_chunk:
+                        partial[cache_key] = chunk
+                region[op.dst].copy_(chunk[op.src])
+            else:
+                region[op.dst].copy_(self._read_slice(op.chunk, op.src, entry.dtype.itemsize))
+
+    def _handle(self, file: str):
+        h = self._handles.get(file)
+        if h is not None:
+            return h
+        path = os.path.join(self.path, file)
+        meta = self.manifest.files.get(file)
+        if meta is None:
+            raise CorruptCheckpointError(f"{path}: not listed in the manifest")
+        try:
+            size = os.path.getsize(path)
+        except FileNotFoundError as exc:
+            raise CorruptCheckpointError(f"{path}: file is missing") from exc
+        if size != meta.bytes:
+            raise CorruptCheckpointError(f"{path}: {size} bytes, the manifest says {meta.bytes}")
+        header, _ = read_header(path)
+        self.stats.bytes_read += len(header)
+        if hashlib.sha256(header).hexdigest() != meta.header_sha256:
+            raise CorruptCheckpointError(f"{path}: header checksum mismatch")
+        try:
+            h = safe_open(path, framework="pt", device="cpu")
+        except (SafetensorError, OSError) as exc:
+            raise CorruptCheckpointError(f"{path}: unreadable: {exc}") from exc
+        self._handles[file] = h
+        return h
+
+    def _read_chunk(self, chunk: SavedChunk, sha256: str, verify: bool) -> torch.Tensor:
+        path = os.path.join(self.path, chunk.file)
+        try:
+            t = self._handle(chunk.file).get_tensor(chunk.key)
+        except SafetensorError as exc:
+            raise CorruptCheckpointError(f"{path}: {chunk.key}: {exc}") from exc
+        self.stats.bytes_read += t.numel() * t.element_size()
+        if tuple(t.shape) != chunk.sizes:
+            raise CorruptCheckpointError(
+                f"{path}: {chunk.key}: shape {list(t.shape)} is not {list(chunk.sizes)}"
+            )
+        if verify and hashlib.sha256(tensor_bytes(t)).hexdigest() != sha256:
+            raise CorruptCheckpointError(f"{path}: {chunk.key}: checksum mismatch (corrupted data)")
+        return t
+
+    def _read_slice(self, chunk: SavedChunk, src: tuple[slice, ...], itemsize: int) -> torch.Tensor:
+        path = os.path.join(self.path, chunk.file)
+        try:
+            t = self._handle(chunk.file).get_slice(chunk.key)[src]
+        except SafetensorError as exc:
+            raise CorruptCheckpointError(f"{path}: {chunk.key}: {exc}") from exc
+        self.stats.bytes_read += t.numel() * itemsize
+        return t
+
+
+def load_latest(
+    ckpt_dir: str,
+    *,
+    model: Mapping[str, Sharded],
+    optimizer: Mapping[str, Sharded] | None = None,
+    group: dist.ProcessGroup | None = None,
+    verify: bool = True,
+    warn: Callable[[str], None] = log.warning,
+) -> Checkpoint:
+    """Load the newest loadable committed checkpoint into the given tensors.
+
+    Tries `latest` first, then older committed steps. A checkpoint counts as loaded only
+    when every rank of ``group`` loaded it; otherwise all ranks fall back together, with a
+    warning naming what was wrong. Raises NoCheckpointError when nothing is committed.
+    """
+    order = store.load_order(ckpt_dir)
+    distributed = dist.is_initialized()
+    if distributed:
+        order = broadcast_json(order, group)
+    if not order:
+        raise NoCheckpointError(f"{ckpt_dir}: no committed checkpoint")
+    failures = []
+    for step in order:
+        path = store.step_path(ckpt_dir, step)
+        ckpt, error = None, ""
+        try:
+            ckpt = Checkpoint.open(path)
+            ckpt.load_into(model, optimizer, verify=verify)
+        except (CheckpointError, OSError) as exc:
+            error = str(exc)
+        errors = [r for r in (all_gather_json(error, group) if distributed else [error]) if r]
+        if not errors:
+            return ckpt  # type: ignore[return-value]
+        if isinstance(ckpt, Checkpoint):
+            ckpt.close()
+        failures.append(f"step {step}: {errors[0]}")
+        warn(f"checkpoint step {step} cannot be loaded ({errors[0]}); falling back to an older one")
+    raise CorruptCheckpointError(
+        f"{ckpt_dir}: no committed checkpoint loads: " + "; ".join(failures)
+    )
+
+
+def open_step(ckpt_dir: str, step: int | None = None) -> Checkpoint:
+    """Open ``step`` (default: `latest`, else the newest committed) of a checkpoint directory."""
+    if step is None:
+        order = store.load_order(ckpt_dir)
+        if not order:
+            raise NoCheckpointError(f"{ckpt_dir}: no committed checkpoint")
+        step = order[0]
+    return Checkpoint.open(store.step_path(ckpt_dir, step))

@@ -1,0 +1,185 @@
+"""Pure arithmetic of sharded tensors: regions, chunk grids, coverage, reshard and writers.
+
+Nothing here touches files or processes, so all of it is property-tested. A *region* is a
+box in a global tensor given by per-dimension ``offsets`` and ``sizes``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from checkpoint.errors import LayoutMismatchError
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+"""A region as (offsets, sizes)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SavedChunk:
+    """One stored piece of a global tensor: a safetensors key in a file, and its region."""
+
+    file: str
+    """File name inside the step directory."""
+    key: str
+    """The safetensors key of the piece."""
+    offsets: tuple[int, ...]
+    """Start of the piece in the global tensor."""
+    sizes: tuple[int, ...]
+    """Extent of the piece in each dimension."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReadOp:
+    """Copy ``chunk[src]`` into ``local[dst]``; slices are relative to chunk and local region."""
+
+    chunk: SavedChunk
+    src: tuple[slice, ...]
+    dst: tuple[slice, ...]
+
+    @property
+    def whole_chunk(self) -> bool:
+        """Whether the copy takes the entire chunk (so its checksum can be checked exactly)."""
+        return all(
+            s.start == 0 and s.stop == n for s, n in zip(self.src, self.chunk.sizes, strict=True)
+        )
+
+    @property
+    def numel(self) -> int:
+        return math.prod(s.stop - s.start for s in self.src)
+
+
+def numel(sizes: Sequence[int]) -> int:
+    return math.prod(sizes)
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The common region of two boxes, or None when they do not overlap (empty boxes never do)."""
+    offs, sizes = [], []
+    for ao, asz, bo, bsz in zip(a[0], a[1], b[0], b[1], strict=True):
+        lo, hi = max(ao, bo), min(ao + asz, bo + bsz)
+        if hi <= lo:
+            return None
+        offs.append(lo)
+        sizes.append(hi - lo)
+    return tuple(offs), tuple(sizes)
+
+
+def relative(inner: Box, outer_offsets: Sequence[int]) -> tuple[slice, ...]:
+    """Slices selecting ``inner`` inside a tensor that holds the region starting at outer."""
+    return tuple(
+        slice(o - base, o - base + s)
+        for o, s, base in zip(inner[0], inner[1], outer_offsets, strict=True)
+    )
+
+
+def plan_reads(
+    name: str, target: Box, chunks: Iterable[SavedChunk], *, global_shape: Sequence[int]
+) -> list[ReadOp]:
+    """Which pieces of which saved chunks fill the ``target`` region of tensor ``name``.
+
+    Raises :class:`LayoutMismatchError` when the target lies outside the tensor or the
+    saved chunks do not cover it exactly once.
+    """
+    if len(target[0]) != len(global_shape):
+        raise LayoutMismatchError(
+            f"{name}: asked for {len(target[0])} dimensions, saved tensor has {len(global_shape)}"
+        )
+    for dim, (o, s, g) in enumerate(zip(target[0], target[1], global_shape, strict=True)):
+        if o < 0 or s < 0 or o + s > g:
+            raise LayoutMismatchError(
+                f"{name}: dim {dim}: asked for [{o}, {o + s}) of a saved size {g}"
+            )
+    ops = []
+    covered = 0
+    for chunk in chunks:
+        common = intersect(target, (chunk.offsets, chunk.sizes))
+        if common is None:
+            continue
+        ops.append(
+            ReadOp(
+                chunk=chunk, src=relative(common, chunk.offsets), dst=relative(common, target[0])
+            )
+        )
+        covered += numel(common[1])
+    if covered != numel(target[1]):
+        raise LayoutMismatchError(
+            f"{name}: saved shards cover {covered} of the {numel(target[1])} elements asked for"
+        )
+    return ops
+
+
+def coverage_problem(name: str, shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
+    """Why ``boxes`` do not tile a tensor of ``shape`` exactly (None when they do)."""
+    total = 0
+    for i, (offs, sizes) in enumerate(boxes):
+        if len(offs) != len(shape) or len(sizes) != len(shape):
+            return f"{name}: shard {list(offs)} has the wrong number of dimensions"
+        for o, s, g in zip(offs, sizes, shape, strict=True):
+            if o < 0 or s < 0 or o + s > g:
+                return (
+                    f"{name}: shard at {list(offs)} size {list(sizes)} lies outside {list(shape)}"
+                )
+        for other in boxes[:i]:
+            if intersect((offs, sizes), other) is not None:
+                return f"{name}: shards at {list(other[0])} and {list(offs)} overlap"
+        total += numel(sizes)
+    if total != numel(shape):
+        return f"{name}: shards cover {total} of {numel(shape)} elements"
+    return None
+
+
+def _split(extent: int, parts: int) -> list[tuple[int, int]]:
+    base, extra = divmod(extent, parts)
+    out, start = [], 0
+    for i in range(parts):
+        size = base + (1 if i < extra else 0)
+        out.append((start, size))
+        start += size
+    return out
+
+
+def chunk_grid(box: Box, *, itemsize: int, min_bytes: int, max_pieces: int = 4) -> list[Box]:
+    """Split a region into a grid over its first two dimensions, each piece >= ``min_bytes``.
+
+    Loads verify each piece's checksum, so a piece is the unit a resharded load reads
+    whole. A grid (not strips) keeps that exact for later splits along either dimension.
+    """
+    offsets, sizes = box
+    pieces = [1] * len(sizes)
+    nbytes = numel(sizes) * itemsize
+    grown = True
+    while grown:
+        grown = False
+        for d in range(min(2, len(sizes))):
+            p = pieces[d] * 2
+            if p <= max_pieces and p <= sizes[d] and nbytes // (math.prod(pieces) * 2) >= min_bytes:
+                pieces[d] = p
+                grown = True
+    axes = [
+        [(offsets[d] + start, size) for start, size in _split(sizes[d], pieces[d])]
+        for d in range(len(sizes))
+    ]
+    grid: list[Box] = [((), ())]
+    for axis in axes:
+        grid = [((*o, start), (*s, size)) for o, s in grid for start, size in axis]
+    return grid
+
+
+def assign_writers(
+    regions: Mapping[str, tuple[int, Sequence[int]]], *, ranks: Sequence[int]
+) -> dict[str, int]:
+    """Pick one writer per region among its holders so that all ranks write about equal bytes.
+
+    ``regions`` maps a region id to (bytes, holders). Largest regions go first, each to the
+    holder with the fewest bytes so far (ties: lower rank), which is deterministic on every
+    rank and within one region's size of the best balance.
+    """
+    load = {r: 0 for r in ranks}
+    out: dict[str, int] = {}
+    for rid, (nbytes, holders) in sorted(regions.items(), key=lambda kv: (-kv[1][0], kv[0])):
+        writer = min(holders, key=lambda r: (load[r], r))
+        load[writer] += nbytes
+        out[rid] = writer
+    return out

@@ -1,0 +1,309 @@
+"""Saving: snapshot to reused CPU staging, write in the background, commit atomically.
+
+The shell around :mod:`checkpoint.saveplan`. Only the snapshot stalls the caller; the
+writer thread writes and fsyncs this rank's file, then the ranks agree over ``group``
+(a collective), and group rank 0 writes the manifest and commits the directory.
+
+``group`` must carry CPU tensors (gloo) and, for async saves, must be used by nothing else
+while a save is in flight: the writer thread runs its collectives on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from checkpoint import store
+from checkpoint.comm import all_gather_json, broadcast_json, group_rank, group_size
+from checkpoint.errors import CheckpointError, SaveFailedError
+from checkpoint.manifest import MANIFEST, FileEntry, Manifest, TensorEntry
+from checkpoint.planner import relative
+from checkpoint.saveplan import FilePlan, LocalEntry, SavePlan, build_save_plan
+from checkpoint.shards import ShardInfo
+from checkpoint.stfile import fsync_dir, write_all, write_file
+
+log = logging.getLogger("checkpoint.save")
+
+Sharded = tuple[torch.Tensor, ShardInfo]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SaveOptions:
+    async_: bool = True
+    """Return after the snapshot and write in the background."""
+    keep: int = 3
+    """Committed checkpoints to keep (`latest` is never deleted)."""
+    job: str = ""
+    """Job name recorded in the manifest."""
+    chunk_min_bytes: int = 1 << 20
+    """Smallest stored chunk; chunks are what a resharded load reads and verifies whole."""
+
+
+@dataclass(frozen=True, slots=True)
+class SaveResult:
+    step: int
+    committed: bool
+    stall_s: float
+    """Time the caller was blocked (snapshot, plus everything for a sync save)."""
+    total_s: float
+    bytes_written: int
+    """Bytes this rank wrote."""
+
+
+class Saver:
+    """Saves checkpoints of one rank into ``ckpt_dir``; one save in flight at a time."""
+
+    def __init__(
+        self, ckpt_dir: str, *, group: dist.ProcessGroup | None, options: SaveOptions
+    ) -> None:
+        self.ckpt_dir = ckpt_dir
+        self.group = group
+        self.options = options
+        self.rank = group_rank(group)
+        self.world = group_size(group)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer")
+        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash")
+        self._inflight: Future[SaveResult] | None = None
+        self._staging: torch.Tensor | None = None
+        self._plan_cache: tuple[str, SavePlan] | None = None
+        self.last: SaveResult | None = None
+        os.makedirs(ckpt_dir, exist_ok=True)
+
+    # -- public ---------------------------------------------------------------------------
+
+    def save(
+        self,
+        *,
+        step: int,
+        consumed_samples: int,
+        model: Mapping[str, Sharded],
+        optimizer: Mapping[str, Sharded] | None = None,
+        rank_state: Mapping[str, torch.Tensor] | None = None,
+        scalars: Mapping[str, Any] | None = None,
+        extra: Mapping[str, Any] | None = None,
+        layout: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Checkpoint ``step``. Model/optimizer tensors are (local tensor, ShardInfo) by
+        global name; ``rank_state`` tensors belong to this rank only (RNG states)."""
+        self.wait()  # the previous save must finish first; its failure surfaces here
+        t0 = time.perf_counter()
+        local = self._local_tensors(model, optimizer or {}, rank_state or {})
+        if self.rank == 0:
+            store.remove_leftovers(self.ckpt_dir)
+            os.makedirs(self._tmp(step), exist_ok=True)
+        plan = self._plan(step, local)  # a collective: also orders the mkdir before writes
+        mine = plan.files.get(self.rank)
+        data = self._snapshot(mine, local)
+        head = {
+            "step": step,
+            "consumed_samples": int(consumed_samples),
+            "scalars": dict(scalars or {}),
+            "extra": dict(extra or {}),
+            "layout": dict(layout) if layout is not None else None,
+        }
+        stall = time.perf_counter() - t0
+        if self.options.async_:
+            self._inflight = self._pool.submit(
+                self._write_and_commit, plan, mine, data, head, t0, stall
+            )
+        else:
+            self.last = self._write_and_commit(plan, mine, data, head, t0, None)
+
+    def check(self) -> None:
+        """Raise now if a background save has failed (cheap; call once per step)."""
+        if self._inflight is not None and self._inflight.done():
+            self.wait()
+
+    def wait(self) -> SaveResult | None:
+        """Block until the save in flight is committed; raise SaveFailedError if it was not."""
+        fut, self._inflight = self._inflight, None
+        if fut is None:
+            return None
+        try:
+            self.last = fut.result()
+        except SaveFailedError:
+            raise
+        except Exception as exc:
+            raise SaveFailedError(f"checkpoint save failed in the background: {exc}") from exc
+        return self.last
+
+    def close(self) -> None:
+        """Wait for the save in flight, then stop the writer threads."""
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+            self._hasher.shutdown(wait=True)
+
+    # -- snapshot ---------------------------------------------------------------------------
+
+    def _local_tensors(
+        self, model, optimizer, rank_state
+    ) -> dict[str, tuple[torch.Tensor, ShardInfo, str]]:
+        out: dict[str, tuple[torch.Tensor, ShardInfo, str]] = {}
+        for name, (t, info) in model.items():
+            out[name] = (t, info, "model")
+        for name, (t, info) in optimizer.items():
+            out[f"optimizer/{name}"] = (t, info, "optimizer")
+        for name, t in rank_state.items():
+            full = f"rank/{self.rank}/{name}"
+            out[full] = (t, ShardInfo.whole(full, tuple(t.shape)), "rank")
+        return out
+
+    def _plan(self, step: int, local) -> SavePlan:
+        entries = [
+            LocalEntry(
+                name=name,
+                kind=kind,
+                dtype=t.dtype,
+                shape=info.global_shape,
+                offsets=info.offsets,
+                sizes=info.sizes,
+            )
+            for name, (t, info, kind) in local.items()
+        ]
+        gathered = all_gather_json(
+            {"step": step, "entries": [e.to_json() for e in entries]}, self.group
+        )
+        steps = {g["step"] for g in gathered}
+        if steps != {step}:
+            raise CheckpointError(f"ranks are saving different steps: {sorted(steps)}")
+        signature = repr([g["entries"] for g in gathered])
+        if self._plan_cache is not None and self._plan_cache[0] == signature:
+            return self._plan_cache[1]
+        per_rank = [[LocalEntry.from_json(e) for e in g["entries"]] for g in gathered]
+        plan = build_save_plan(per_rank, chunk_min_bytes=self.options.chunk_min_bytes)
+        self._plan_cache = (signature, plan)
+        return plan
+
+    def _snapshot(self, mine: FilePlan | None, local) -> torch.Tensor:
+        """Copy this rank's share into the staging buffer, reused across saves."""
+        need = mine.data_bytes if mine else 0
+        on_gpu = any(t.is_cuda for t, _, _ in local.values())
+        if self._staging is None or self._staging.numel() < need:
+            self._staging = torch.empty(need, dtype=torch.uint8, pin_memory=on_gpu)
+        data = self._staging[:need]
+        for c in mine.copies if mine else ():
+            src, info, _ = local[c.name]
+            view = data[c.slot.begin : c.slot.end].view(c.slot.dtype).view(c.slot.shape)
+            view.copy_(src[relative(c.box, info.offsets)].detach(), non_blocking=on_gpu)
+        if on_gpu:
+            torch.cuda.synchronize()
+        return data
+
+    # -- write and commit (writer thread for async saves) --------------------------------
+
+    def _tmp(self, step: int) -> str:
+        return store.step_path(self.ckpt_dir, step) + ".tmp"
+
+    def _write_and_commit(self, plan, mine, data, head, t0, stall) -> SaveResult:
+        step = head["step"]
+        report: dict[str, Any] = {"ok": True}
+        written = 0
+        try:
+            if mine is not None:
+                w = write_file(
+                    os.path.join(self._tmp(step), mine.name),
+                    mine.slots,
+                    data,
+                    hasher_pool=self._hasher,
+                )
+                written = w.bytes
+                report["file"] = {
+                    "name": mine.name,
+                    "bytes": w.bytes,
+                    "sha256": w.sha256,
+                    "header_sha256": w.header_sha256,
+                    "chunks": w.chunk_sha256,
+                }
+        except Exception as exc:  # reported to every rank, then raised below
+            report = {"ok": False, "error": f"rank {self.rank}: {exc}"}
+        reports = all_gather_json(report, self.group)
+        status = {
+            "committed": False,
+            "error": "; ".join(r["error"] for r in reports if not r["ok"]),
+        }
+        if self.rank == 0:
+            if not status["error"]:
+                try:
+                    self._commit(plan, reports, head)
+                    status = {"committed": True, "error": ""}
+                except Exception as exc:
+                    status = {"committed": False, "error": f"rank 0: commit: {exc}"}
+            if not status["committed"]:
+                shutil.rmtree(self._tmp(step), ignore_errors=True)
+        status = broadcast_json(status, self.group)
+        if not status["committed"]:
+            raise SaveFailedError(f"checkpoint step {step} was not committed: {status['error']}")
+        total = time.perf_counter() - t0
+        return SaveResult(
+            step=step,
+            committed=True,
+            stall_s=total if stall is None else stall,
+            total_s=total,
+            bytes_written=written,
+        )
+
+    def _commit(self, plan: SavePlan, reports: list[dict[str, Any]], head: dict[str, Any]) -> None:
+        step = head["step"]
+        files, chunk_sha = {}, {}
+        for rank, r in enumerate(reports):
+            if "file" in r:
+                f = r["file"]
+                files[f["name"]] = FileEntry(
+                    name=f["name"],
+                    bytes=f["bytes"],
+                    sha256=f["sha256"],
+                    header_sha256=f["header_sha256"],
+                    rank=rank,
+                )
+                chunk_sha.update({(f["name"], k): v for k, v in f["chunks"].items()})
+        tensors = {
+            t.name: TensorEntry(
+                name=t.name,
+                kind=t.kind,
+                dtype=t.dtype,
+                shape=t.shape,
+                chunks=t.chunks,
+                sha256={c.key: chunk_sha[(c.file, c.key)] for c in t.chunks},
+            )
+            for t in plan.tensors.values()
+        }
+        manifest = Manifest(
+            step=step,
+            consumed_samples=head["consumed_samples"],
+            job=self.options.job,
+            world=self.world,
+            layout=head["layout"],
+            files=files,
+            tensors=tensors,
+            optimizer=head["scalars"],
+            extra=head["extra"],
+            created_unix=time.time(),
+        )
+        tmp = self._tmp(step)
+        path = os.path.join(tmp, MANIFEST)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            write_all(fd, manifest.to_json())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_dir(tmp)
+        final = store.step_path(self.ckpt_dir, step)
+        if os.path.exists(final):  # a step saved again after resuming from an older one
+            os.replace(final, final + ".replaced.tmp")
+        os.replace(tmp, final)
+        fsync_dir(self.ckpt_dir)
+        store.write_latest(self.ckpt_dir, step)
+        shutil.rmtree(final + ".replaced.tmp", ignore_errors=True)
+        store.prune(self.ckpt_dir, keep=self.options.keep, log=log.info)

@@ -1,0 +1,156 @@
+"""Who writes what: the deterministic save plan computed from every rank's local metadata.
+
+Pure: every rank computes the same plan from the same gathered metadata, so no second
+round of messages is needed to agree on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from checkpoint.errors import CheckpointError
+from checkpoint.manifest import dtype_name, dtype_of
+from checkpoint.planner import Box, SavedChunk, assign_writers, chunk_grid, coverage_problem, numel
+from checkpoint.stfile import FileSlot
+
+
+@dataclass(frozen=True, slots=True)
+class LocalEntry:
+    """What one rank holds of one global tensor (sent to every rank as JSON)."""
+
+    name: str
+    kind: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+    def to_json(self) -> list:
+        return [self.name, self.kind, dtype_name(self.dtype), self.shape, self.offsets, self.sizes]
+
+    @classmethod
+    def from_json(cls, raw: Sequence) -> LocalEntry:
+        name, kind, dtype, shape, offsets, sizes = raw
+        return cls(
+            name=name,
+            kind=kind,
+            dtype=dtype_of(dtype),
+            shape=tuple(shape),
+            offsets=tuple(offsets),
+            sizes=tuple(sizes),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """Copy the local tensor ``name``'s ``src`` region into the file slot ``slot``."""
+
+    name: str
+    box: Box
+    slot: FileSlot
+
+
+@dataclass(frozen=True, slots=True)
+class FilePlan:
+    name: str
+    rank: int
+    slots: tuple[FileSlot, ...]
+    copies: tuple[Copy, ...]
+
+    @property
+    def data_bytes(self) -> int:
+        return self.slots[-1].end if self.slots else 0
+
+
+@dataclass(frozen=True, slots=True)
+class TensorPlan:
+    name: str
+    kind: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    chunks: tuple[SavedChunk, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SavePlan:
+    files: dict[int, FilePlan]
+    """The file each rank writes (ranks assigned nothing write no file)."""
+    tensors: dict[str, TensorPlan]
+
+
+def file_name(rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors"
+
+
+def chunk_key(name: str, offsets: Sequence[int]) -> str:
+    return f"{name}@{'_'.join(str(o) for o in offsets)}"
+
+
+def build_save_plan(per_rank: Sequence[Sequence[LocalEntry]], *, chunk_min_bytes: int) -> SavePlan:
+    """Deduplicate replicas, balance the writers, and lay out each rank's file."""
+    meta: dict[str, LocalEntry] = {}
+    holders: dict[tuple[str, Box], list[int]] = {}
+    for rank, entries in enumerate(per_rank):
+        for e in entries:
+            first = meta.setdefault(e.name, e)
+            if (first.kind, first.dtype, first.shape) != (e.kind, e.dtype, e.shape):
+                raise CheckpointError(
+                    f"{e.name}: ranks disagree on kind/dtype/shape: "
+                    f"{first.kind} {first.dtype} {list(first.shape)} vs "
+                    f"{e.kind} {e.dtype} {list(e.shape)} (rank {rank})"
+                )
+            holders.setdefault((e.name, (e.offsets, e.sizes)), []).append(rank)
+    boxes: dict[str, list[Box]] = {}
+    for name, box in holders:
+        boxes.setdefault(name, []).append(box)
+    for name, bs in boxes.items():
+        problem = coverage_problem(name, meta[name].shape, bs)
+        if problem:
+            raise CheckpointError(f"the ranks' shards do not tile the tensor: {problem}")
+    rid = {key: f"{key[0]}|{key[1]}" for key in holders}
+    writers = assign_writers(
+        {
+            rid[key]: (numel(key[1][1]) * meta[key[0]].dtype.itemsize, ranks)
+            for key, ranks in holders.items()
+        },
+        ranks=range(len(per_rank)),
+    )
+    mine: dict[int, list[tuple[str, Box]]] = {}
+    for key in holders:
+        mine.setdefault(writers[rid[key]], []).append(key)
+    chunks: dict[str, list[SavedChunk]] = {name: [] for name in meta}
+    files: dict[int, FilePlan] = {}
+    for rank in sorted(mine):
+        fname = file_name(rank)
+        # Widest dtypes first keeps every tensor aligned to its itemsize in the file.
+        regions = sorted(mine[rank], key=lambda k: (-meta[k[0]].dtype.itemsize, k[0], k[1]))
+        slots, copies, at = [], [], 0
+        for name, box in regions:
+            entry = meta[name]
+            size = entry.dtype.itemsize
+            for piece in chunk_grid(box, itemsize=size, min_bytes=chunk_min_bytes):
+                key = chunk_key(name, piece[0])
+                slot = FileSlot(
+                    key=key,
+                    dtype=entry.dtype,
+                    shape=piece[1],
+                    begin=at,
+                    end=at + numel(piece[1]) * size,
+                )
+                at = slot.end
+                slots.append(slot)
+                copies.append(Copy(name=name, box=piece, slot=slot))
+                chunks[name].append(
+                    SavedChunk(file=fname, key=key, offsets=piece[0], sizes=piece[1])
+                )
+        files[rank] = FilePlan(name=fname, rank=rank, slots=tuple(slots), copies=tuple(copies))
+    tensors = {
+        name: TensorPlan(
+            name=name, kind=e.kind, dtype=e.dtype, shape=e.shape, chunks=tuple(chunks[name])
+        )
+        for name, e in sorted(meta.items())
+    }
+    return SavePlan(files=files, tensors=tensors)
