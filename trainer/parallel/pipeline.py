@@ -1,0 +1,183 @@
+"""The pipeline executor: runs one stage's schedule (:mod:`schedule`) with real tensors.
+
+Each maximal run of transfers in the action list is posted as one ``batch_isend_irecv``
+and waited for as a whole, the way Megatron's ``communicate()`` does; the simulator in the
+tests proves the schedules cannot deadlock under exactly those semantics, and that each
+pair of stages sends and receives the same tensors in the same order (so untagged FIFO
+matching, as NCCL and gloo do it, pairs them correctly). Receive buffers are allocated
+from a shape known in advance: every activation and gradient crossing a stage boundary
+is the hidden state of one micro-batch.
+
+Memory: a micro-batch's stashed input and output are dropped at its backward, so a stage
+holds at most what the schedule keeps in flight (pp − s micro-batches for 1F1B; the tests
+assert it). The executor knows nothing of the model: the caller passes ``forward``, which
+runs one chunk on one micro-batch, and optional hooks for gradient synchronisation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from trainer.parallel.schedule import (
+    Action,
+    Kind,
+    Op,
+    ScheduleError,
+    comm_batches,
+    stage_actions,
+    virtual_stage,
+)
+
+# forward(chunk, microbatch, input) -> output. ``input`` is None on the model's first
+# virtual stage (the chunk reads its own micro-batch of tokens); on the last virtual stage
+# the output is the scalar loss to back-propagate, already scaled by the caller.
+ForwardFn = Callable[[int, int, torch.Tensor | None], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StagePlan:
+    """Where this rank sits in its pipeline and what one step runs."""
+
+    pp: int  # pipeline stages
+    vpp: int  # model chunks per stage
+    microbatches: int  # micro-batches per optimizer step (per data-parallel rank)
+    stage: int  # this rank's stage, 0..pp-1
+    kind: Kind = Kind.ONE_F_ONE_B  # schedule kind (interleaved when vpp > 1)
+
+    def actions(self) -> list[Action]:
+        return stage_actions(
+            pp=self.pp, vpp=self.vpp, microbatches=self.microbatches, stage=self.stage,
+            kind=self.kind,
+        )  # fmt: skip
+
+    def is_last_virtual(self, chunk: int) -> bool:
+        return virtual_stage(pp=self.pp, stage=self.stage, chunk=chunk) == self.pp * self.vpp - 1
+
+    def is_first_virtual(self, chunk: int) -> bool:
+        return virtual_stage(pp=self.pp, stage=self.stage, chunk=chunk) == 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Wire:
+    """How this stage talks to its neighbours."""
+
+    ranks: Sequence[int]  # global rank of each stage of this rank's pipeline, by stage
+    group: dist.ProcessGroup | None  # the pp group (None only when pp = 1)
+    shape: tuple[int, ...]  # every activation/gradient crossing a stage boundary
+    dtype: torch.dtype = torch.float32  # and its dtype
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # and device
+
+
+@dataclass(slots=True, kw_only=True)
+class StepResult:
+    """What one pipelined step produced on this rank."""
+
+    losses: list[torch.Tensor]  # detached per-micro-batch losses (last stage only), by mb
+    peak_stashed: int  # most (chunk, micro-batch) activations held at once
+
+
+def run_step(
+    *,
+    plan: StagePlan,
+    wire: Wire,
+    forward: ForwardFn,
+    before_backward: Callable[[int, bool], None] | None = None,
+    after_chunk_backward: Callable[[int], None] | None = None,
+) -> StepResult:
+    """Run every action of ``plan`` on this rank.
+
+    ``before_backward(chunk, is_last)`` runs before each backward (``is_last`` is true for
+    the chunk's final micro-batch, so a data-parallel wrapper can arm its gradient sync);
+    ``after_chunk_backward(chunk)`` runs right after a chunk's final backward, so the
+    chunk's gradient buckets can start their all-reduce while other chunks still compute.
+    """
+    backwards_left = [plan.microbatches] * plan.vpp
+    stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
+    to_send: dict[tuple[Op, int, int], torch.Tensor] = {}
+    received: dict[tuple[Op, int, int], torch.Tensor] = {}
+    losses: dict[int, torch.Tensor] = {}
+    peak = 0
+    for item in comm_batches(plan.actions()):
+        if isinstance(item, list):
+            _exchange(item, wire=wire, to_send=to_send, received=received)
+            continue
+        key = (item.chunk, item.microbatch)
+        if item.op is Op.FORWARD:
+            inp = None
+            if not plan.is_first_virtual(item.chunk):
+                inp = received.pop((Op.RECV_ACT, *key)).requires_grad_()
+            out = forward(item.chunk, item.microbatch, inp)
+            if plan.is_last_virtual(item.chunk):
+                if out.dim() != 0:
+                    raise ScheduleError("the last virtual stage's forward must return a scalar")
+                losses[item.microbatch] = out.detach()
+            else:
+                _check_shape(out, wire, what=f"output of chunk {item.chunk}")
+                to_send[(Op.SEND_ACT, *key)] = out.detach()
+            stash[key] = (inp, out)
+            peak = max(peak, len(stash))
+            continue
+        inp, out = stash.pop(key)
+        backwards_left[item.chunk] -= 1
+        last = backwards_left[item.chunk] == 0
+        if before_backward is not None:
+            before_backward(item.chunk, last)
+        if plan.is_last_virtual(item.chunk):
+            torch.autograd.backward(out)
+        else:
+            grad = received.pop((Op.RECV_GRAD, *key))
+            torch.autograd.backward(out, grad_tensors=grad)
+        del out
+        if inp is not None:
+            if inp.grad is None:
+                raise ScheduleError(f"chunk {item.chunk} does not use its input activation")
+            to_send[(Op.SEND_GRAD, *key)] = inp.grad
+        if last and after_chunk_backward is not None:
+            after_chunk_backward(item.chunk)
+    if stash or to_send or received:
+        raise ScheduleError("pipeline step ended with tensors left over (schedule bug)")
+    return StepResult(losses=[losses[i] for i in sorted(losses)], peak_stashed=peak)
+
+
+def _exchange(
+    batch: list[Action],
+    *,
+    wire: Wire,
+    to_send: dict[tuple[Op, int, int], torch.Tensor],
+    received: dict[tuple[Op, int, int], torch.Tensor],
+) -> None:
+    """Post one batch of sends and receives together, then wait for all of it."""
+    ops = []
+    for act in batch:
+        peer = wire.ranks[act.peer]
+        key = (act.op, act.chunk, act.microbatch)
+        if act.op in (Op.SEND_ACT, Op.SEND_GRAD):
+            ops.append(dist.P2POp(dist.isend, to_send.pop(key).contiguous(), peer, wire.group))
+        else:
+            buf = torch.empty(wire.shape, dtype=wire.dtype, device=wire.device)
+            received[key] = buf
+            ops.append(dist.P2POp(dist.irecv, buf, peer, wire.group))
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+
+
+def _check_shape(t: torch.Tensor, wire: Wire, *, what: str) -> None:
+    # A wrong shape would make the peer's receive hang or read garbage; fail loudly here.
+    if tuple(t.shape) != tuple(wire.shape) or t.dtype != wire.dtype:
+        raise ScheduleError(
+            f"{what} is {tuple(t.shape)} {t.dtype}, but stages exchange "
+            f"{tuple(wire.shape)} {wire.dtype}"
+        )
+
+
+def sync_tied_grads(grads: Sequence[torch.Tensor], *, group: dist.ProcessGroup | None) -> None:
+    """Sum the gradients of weights tied across stages (the word embedding and the output
+    head live on the first and last stage) over the ``embedding`` group, every step."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    for g in grads:
+        dist.all_reduce(g, group=group)
