@@ -1,0 +1,144 @@
+"""``python -m trainer JOB.yaml [--set key.sub=value]...``: the worker entry point.
+
+Runs under ``elasticd agent`` or plain ``torchrun`` (it reads RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR and MASTER_PORT), or alone as one process. The layout comes from
+``elasticd.layout.plan``, or from the JSON file named by ``ELASTICD_LAYOUT`` when the agent
+planned it already. Ranks beyond the layout's active ones are spares: they join the process
+groups and idle until the others finish. A bad job or data file is one line on stderr and
+exit code 2, before training starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import NoReturn
+
+EXIT_USER_ERROR = 2
+DONE_KEY = "elasticd/trainer/done"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        print(f"trainer: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USER_ERROR)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = _Parser(prog="python -m trainer", description="The built-in elasticd GPT trainer.")
+    p.add_argument("job", help="the job file (job.yaml)")
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a job field by dotted path, e.g. --set train.steps=5 (YAML value)",
+    )  # fmt: skip
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
+    # Heavy imports after argument parsing, so `--help` and usage errors are instant.
+    from elasticd.errors import ElasticdError
+    from elasticd.jobspec import load_job
+    from elasticd.layout import Layout, plan
+    from trainer.errors import TrainerConfigError
+    from trainer.train import check_supported
+
+    args = parse_args(argv)
+    env = os.environ if env is None else env
+    try:
+        rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
+        job = load_job(args.job, args.overrides).with_paths_resolved(os.getcwd())
+        if env.get("ELASTICD_LAYOUT"):
+            layout = _read_layout(env["ELASTICD_LAYOUT"], Layout)
+        else:
+            layout = plan(world, job)
+        if layout.world != world:
+            raise TrainerConfigError(
+                f"ELASTICD_LAYOUT: the layout is for {layout.world} ranks, WORLD_SIZE is {world}"
+            )
+        check_supported(job, layout)
+        from trainer.data import open_source
+
+        open_source(job.data, model_cfg=job.model, seed=job.train.seed)  # fail early
+    except (ElasticdError, TrainerConfigError, ValueError) as exc:
+        print(f"trainer: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    return _run(job=job, layout=layout, rank=rank, world=world, env=env)
+
+
+def _read_layout(path: str, layout_cls):
+    from trainer.errors import TrainerConfigError
+
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return layout_cls.from_dict(json.load(fh))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise TrainerConfigError(f"ELASTICD_LAYOUT: cannot read {path}: {exc}") from exc
+
+
+def _run(*, job, layout, rank: int, world: int, env: Mapping[str, str]) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from elasticd.worker import WorkerChannel
+    from trainer.parallel.context import ParallelContext, slot_of
+    from trainer.parallel.groups import ProcessGroups
+    from trainer.train import MetricsWriter, Trainer
+
+    use_cuda = torch.cuda.is_available()
+    backend = "nccl" if use_cuda else "gloo"
+    device = torch.device("cpu")
+    if use_cuda:
+        device = torch.device("cuda", int(env.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if world == 1 and "MASTER_ADDR" not in env:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    else:
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                timeout=timedelta(minutes=10))  # fmt: skip
+    channel = WorkerChannel.from_env(env)
+    groups = ProcessGroups.build(layout, rank=rank)
+    channel.mark("pg_ready")
+    store = dist.distributed_c10d._get_default_store()
+    trainer = None
+    try:
+        if groups.is_spare:
+            print(f"rank {rank}: spare in a world of {world}; idling until the end", flush=True)
+            # Poll the store rather than sit in a collective, which would time out.
+            while not store.check([DONE_KEY]):
+                time.sleep(0.2)
+        else:
+            torch.manual_seed(job.train.seed + groups.index("dp"))
+            ctx = ParallelContext.from_groups(groups)
+            model_groups = (slot_of(groups, "tp-dp-cp"),)
+            trainer = Trainer(job=job, layout=layout, ctx=ctx, dp_rank=groups.index("dp"),
+                              model_groups=model_groups, device=device)  # fmt: skip
+            metrics = None
+            if rank == 0:
+                metrics = MetricsWriter(
+                    path=os.path.join(job.out_dir, "metrics.jsonl"), layout=layout,
+                    round_=int(env.get("ELASTICD_ROUND", "0") or 0), total_steps=job.train.steps,
+                    echo=lambda line: print(line, flush=True),
+                )  # fmt: skip
+
+            def progress(r) -> None:
+                channel.progress(step=r.step, loss=r.loss, tokens_per_s=r.tokens_per_s)
+
+            trainer.run(metrics=metrics, progress=progress)
+            if rank == 0:
+                store.set(DONE_KEY, "1")
+        dist.barrier()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        groups.destroy()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

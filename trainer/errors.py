@@ -1,0 +1,19 @@
+"""The error hierarchy of the `trainer` package.
+
+One root, :class:`TrainerError`. A :class:`TrainerConfigError` is a user error found before
+training starts: the entry point prints its one-line message and exits with code 2.
+"""
+
+from __future__ import annotations
+
+
+class TrainerError(Exception):
+    """Root of every error the trainer raises on purpose."""
+
+
+class TrainerConfigError(TrainerError):
+    """A job the built-in trainer cannot run as given (one line, names what is wrong)."""
+
+
+class DataError(TrainerConfigError):
+    """A token file that is missing, malformed or does not fit the model."""

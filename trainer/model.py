@@ -1,0 +1,332 @@
+"""A GPT with GPT-2's exact architecture, built as pipeline-ready chunks.
+
+GPT-2: token embedding plus learned positions; pre-LayerNorm blocks (causal self-attention,
+then an MLP with tanh-approximated GeLU), each with a residual; a final LayerNorm; and an
+output head tied to the token embedding. LayerNorms have a bias and eps 1e-5; every linear
+layer has a bias. With ``model.experts > 0`` each block's MLP is a mixture of experts.
+
+The model is a list of **chunks** (:func:`build_chunks`). A chunk holds a contiguous run of
+global layer indexes, plus the embedding if it starts the model and the final LayerNorm and
+the head if it ends it; with one pipeline stage the whole model is one chunk. Module paths
+are the global parameter names (``decoder.layers.7.mlp.fc1.weight``), so a layer's name
+does not depend on which stage holds it.
+
+Global tensor shapes (what checkpoints record; HF GPT-2 export is a transpose/reshape away):
+
+- ``embedding.word_embeddings.weight`` (vocab, hidden), padded locally to a multiple of tp
+- ``embedding.position_embeddings.weight`` (seq_len, hidden)
+- ``decoder.layers.i.attn.qkv.weight`` (3, hidden, hidden), bias (3, hidden): q, k, v
+- ``decoder.layers.i.attn.proj.weight`` (hidden, hidden); ``mlp.fc1`` (ffn, hidden);
+  ``mlp.fc2`` (hidden, ffn); ``ln1``, ``ln2``, ``decoder.final_norm``: weight and bias
+- MoE: ``mlp.router.weight`` (experts, hidden); ``mlp.experts.e.fc1`` / ``fc2`` as above
+- ``output_layer.weight`` (vocab, hidden) only when the head is not tied
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from checkpoint.shards import ShardInfo
+from trainer.init import ones_param, sharded_param
+from trainer.parallel.context import ParallelContext
+from trainer.parallel.expert import MoE
+from trainer.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    copy_to,
+    vocab_parallel_cross_entropy,
+    vocab_param,
+)
+
+LN_EPS = 1e-5
+
+
+class LayerNorm(nn.Module):
+    """GPT-2's LayerNorm (with bias, eps 1e-5), replicated on every tp rank."""
+
+    def __init__(self, name: str, hidden: int, *, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = ones_param(f"{name}.weight", (hidden,), dtype=dtype)
+        self.bias = sharded_param(f"{name}.bias", (hidden,), seed=0, std=None, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, LN_EPS)
+
+
+class Attention(nn.Module):
+    """Causal self-attention; this rank computes heads/tp of the heads."""
+
+    def __init__(
+        self, name: str, cfg, *, ctx: ParallelContext, seed: int, out_std: float, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        h, tp = cfg.hidden, ctx.tp
+        self.local_heads = cfg.heads // tp.size
+        self.head_dim = h // cfg.heads
+        self.dropout = cfg.dropout
+        self.qkv = ColumnParallelLinear(
+            f"{name}.qkv", h, h, slot=tp, seed=seed, std=0.02, parts=3, dtype=dtype
+        )
+        self.proj = RowParallelLinear(
+            f"{name}.proj", h, h, slot=tp, seed=seed, std=out_std, dtype=dtype
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        qkv = self.qkv(x).view(b, s, 3, self.local_heads, self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )
+        return self.proj(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """fc1 (column-parallel), tanh GeLU, fc2 (row-parallel)."""
+
+    def __init__(
+        self, name: str, cfg, *, ctx: ParallelContext, seed: int, out_std: float, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        common = dict(slot=ctx.tp, seed=seed, dtype=dtype)
+        self.fc1 = ColumnParallelLinear(
+            f"{name}.fc1", cfg.hidden, cfg.ffn_hidden, std=0.02, **common
+        )
+        self.fc2 = RowParallelLinear(
+            f"{name}.fc2", cfg.ffn_hidden, cfg.hidden, std=out_std, **common
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    """One pre-LayerNorm transformer block."""
+
+    def __init__(
+        self, name: str, cfg, *, ctx: ParallelContext, seed: int, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        # GPT-2 scales the init of the projections into the residual by 1/sqrt(2·layers).
+        out_std = 0.02 / math.sqrt(2 * cfg.layers)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.ln1 = LayerNorm(f"{name}.ln1", cfg.hidden, dtype=dtype)
+        self.attn = Attention(f"{name}.attn", cfg, ctx=ctx, seed=seed, out_std=out_std, dtype=dtype)
+        self.ln2 = LayerNorm(f"{name}.ln2", cfg.hidden, dtype=dtype)
+        if cfg.experts:
+            self.mlp = MoE(
+                f"{name}.mlp",
+                hidden=cfg.hidden,
+                ffn=cfg.ffn_hidden,
+                experts=cfg.experts,
+                top_k=cfg.top_k,
+                ctx=ctx,
+                seed=seed,
+                out_std=out_std,
+                dtype=dtype,
+            )
+        else:
+            self.mlp = MLP(f"{name}.mlp", cfg, ctx=ctx, seed=seed, out_std=out_std, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.ln1(x)))
+        return x + self.dropout(self.mlp(self.ln2(x)))
+
+
+class Embedding(nn.Module):
+    """Token embedding (vocabulary-parallel) plus learned positions."""
+
+    def __init__(self, cfg, *, ctx: ParallelContext, seed: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.word_embeddings = VocabParallelEmbedding(
+            "embedding.word_embeddings.weight",
+            cfg.vocab,
+            cfg.hidden,
+            slot=ctx.tp,
+            seed=seed,
+            dtype=dtype,
+        )
+        self.position_embeddings = nn.Module()
+        # GPT-2 initialises its position table with std 0.01.
+        self.position_embeddings.weight = sharded_param(
+            "embedding.position_embeddings.weight",
+            (cfg.seq_len, cfg.hidden),
+            seed=seed,
+            std=0.01,
+            dtype=dtype,
+        )
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        pos = self.position_embeddings.weight[: ids.shape[1]]
+        return self.dropout(self.word_embeddings(ids) + pos)
+
+
+class OutputLayer(nn.Module):
+    """The head: logits from this rank's vocabulary rows, and the vocab-parallel loss.
+
+    ``weight`` is the token embedding's when tied in the same chunk. A last pipeline stage
+    without the embedding holds its own copy under the embedding's global name (same init,
+    so same values; the pipeline keeps the two in step through the embedding group).
+    """
+
+    def __init__(
+        self, cfg, *, ctx: ParallelContext, seed: int, dtype: torch.dtype, tied: nn.Parameter | None
+    ) -> None:
+        super().__init__()
+        self.slot, self.vocab = ctx.tp, cfg.vocab
+        self.tied = tied is not None
+        if tied is None:
+            name = (
+                "embedding.word_embeddings.weight" if cfg.tie_embeddings else "output_layer.weight"
+            )
+            self.weight = vocab_param(
+                name, cfg.vocab, cfg.hidden, slot=ctx.tp, seed=seed, dtype=dtype
+            )
+            self.weight.embedding_copy = cfg.tie_embeddings
+        else:
+            self._tied = [tied]  # a plain list keeps it out of this module's parameters
+
+    @property
+    def head_weight(self) -> nn.Parameter:
+        return self._tied[0] if self.tied else self.weight
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        w = self.head_weight
+        logits = F.linear(copy_to(x, self.slot), w)
+        start = self.slot.rank * w.shape[0]
+        return vocab_parallel_cross_entropy(
+            logits, targets, start=start, vocab=self.vocab, slot=self.slot
+        )
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's logits columns (padding included) for inference and export checks."""
+        return F.linear(copy_to(x, self.slot), self.head_weight)
+
+
+class Decoder(nn.Module):
+    """The blocks of one chunk, keyed by global layer index, and the final LayerNorm if the
+    chunk ends the model."""
+
+    def __init__(
+        self,
+        cfg,
+        layers: Sequence[int],
+        *,
+        last: bool,
+        ctx: ParallelContext,
+        seed: int,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict(
+            {
+                str(i): Block(f"decoder.layers.{i}", cfg, ctx=ctx, seed=seed, dtype=dtype)
+                for i in layers
+            }
+        )
+        self.final_norm = LayerNorm("decoder.final_norm", cfg.hidden, dtype=dtype) if last else None
+
+
+class ModelChunk(nn.Module):
+    """A contiguous run of global layers, with the embedding and/or head at the ends.
+
+    ``forward(inputs, targets)``: ``inputs`` are token ids (first chunk) or the hidden
+    states from the previous chunk; the result is the hidden states, or, for the last
+    chunk, the per-token loss ``(batch, seq)``. MoE load-balancing losses are
+    back-propagated through the MoE outputs themselves (see :mod:`trainer.parallel.expert`);
+    :meth:`set_aux_scale` switches them on and :meth:`aux_losses` reads the last values.
+    """
+
+    def __init__(
+        self,
+        cfg,
+        layers: Sequence[int],
+        *,
+        first: bool,
+        last: bool,
+        ctx: ParallelContext,
+        seed: int,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.layer_ids, self.first, self.last = tuple(layers), first, last
+        self.embedding = Embedding(cfg, ctx=ctx, seed=seed, dtype=dtype) if first else None
+        self.decoder = Decoder(cfg, layers, last=last, ctx=ctx, seed=seed, dtype=dtype)
+        self.output_layer = None
+        if last:
+            tied = self.embedding.word_embeddings.weight if (first and cfg.tie_embeddings) else None
+            self.output_layer = OutputLayer(cfg, ctx=ctx, seed=seed, dtype=dtype, tied=tied)
+        _check_names(self)
+
+    def moe_layers(self) -> list[MoE]:
+        return [b.mlp for b in self.decoder.layers.values() if isinstance(b.mlp, MoE)]
+
+    def set_aux_scale(self, scale: float) -> None:
+        """Weight of the aux loss in the loss being back-propagated (0 turns it off)."""
+        for moe in self.moe_layers():
+            moe.aux_scale = scale
+
+    def aux_losses(self) -> list[torch.Tensor]:
+        """The aux losses of the last forward (detached; empty when switched off)."""
+        return [m.last_aux for m in self.moe_layers() if m.aux_scale > 0 and m.last_aux is not None]
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embedding(inputs) if self.first else inputs
+        for block in self.decoder.layers.values():
+            x = block(x)
+        if not self.last:
+            return x
+        x = self.decoder.final_norm(x)
+        if targets is None:
+            return self.output_layer.logits(x)
+        return self.output_layer(x, targets)
+
+
+def build_chunks(
+    cfg,
+    layer_ranges: Sequence[Sequence[int]],
+    *,
+    ctx: ParallelContext,
+    seed: int,
+    aux_loss: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> list[ModelChunk]:
+    """The chunks this rank holds, one per range of global layer indexes.
+
+    With pipeline parallelism a rank holds one range per virtual stage; the chunk holding
+    layer 0 gets the embedding and the one holding the last layer the head. ``cfg`` is the
+    job's ``model`` section.
+    """
+    chunks = []
+    for layers in layer_ranges:
+        layers = list(layers)
+        if not layers or layers != list(range(layers[0], layers[0] + len(layers))):
+            raise ValueError(f"chunk layers {layers} are not a non-empty contiguous run")
+        first, last = layers[0] == 0, layers[-1] == cfg.layers - 1
+        chunks.append(
+            ModelChunk(
+                cfg,
+                layers,
+                first=first,
+                last=last,
+                ctx=ctx,
+                seed=seed,
+                dtype=dtype,
+            )
+        )
+    return chunks
+
+
+def _check_names(chunk: nn.Module) -> None:
+    """Module paths must equal global names (a copy of the tied embedding excepted)."""
+    for path, param in chunk.named_parameters():
+        info: ShardInfo = param.shard_info
+        if info.name != path and not getattr(param, "embedding_copy", False):
+            raise AssertionError(f"parameter {path} is named {info.name} globally")

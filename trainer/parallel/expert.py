@@ -1,0 +1,259 @@
+"""Mixture of experts with expert parallelism: a top-k softmax router, experts partitioned
+over the expert-parallel group, and a dropless dispatch over ``all_to_all_single``.
+
+Dropless: every token goes to all of its top-k experts (no capacity factor), so what a
+token computes does not depend on which other tokens share its batch or its rank, and
+every layout gives the same result as one process.
+
+Per MoE layer and micro-batch:
+
+1. route: logits = router(x); the top-k logits, softmaxed, weight the chosen experts;
+2. sort the (token, expert) assignments by expert and count them per expert;
+3. exchange the counts (an all-to-all of E integers), then the token rows themselves with
+   variable split sizes, so each rank receives the rows for its own experts;
+4. run each local expert on its rows (every expert runs, with zero rows if need be, so all
+   parameters take part in backward and the gradient buckets always fill);
+5. send the outputs back the same way, undo the sort, and sum the k weighted outputs.
+
+Expert tensor parallelism: etp may be 1 or equal to tp.
+
+- etp = tp: each expert's MLP is column/row split over the expert-tp group, which is the tp
+  group; every tp rank routes the same tokens, and ranks with the same tp index exchange
+  them, so an expert's shards see identical rows.
+- etp = 1 with tp > 1: the tp ranks hold identical tokens, so each takes a contiguous
+  chunk of them into the MoE (scatter forward, all-gather backward) and the outputs are
+  all-gathered afterwards (all-gather forward, take own chunk backward). Each token is then
+  computed exactly once.
+
+Expert gradients are reduced over expert-dp, not dp (see trainer/parallel/data.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd import Function
+
+from trainer.init import sharded_param
+from trainer.parallel.context import GroupSlot, ParallelContext
+from trainer.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
+
+class _AllToAll(Function):
+    @staticmethod
+    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def _chunk_bounds(n: int, slot: GroupSlot) -> tuple[int, int, int]:
+    size = math.ceil(n / slot.size)
+    start = min(n, slot.rank * size)
+    return start, min(n, start + size), size
+
+
+class _TakeChunk(Function):
+    """Forward: this rank's rows of a replicated tensor. Backward: all-gather the row grads."""
+
+    @staticmethod
+    def forward(ctx, x, group, rank: int, world: int):
+        n = x.shape[0]
+        size = math.ceil(n / world)
+        start, stop = min(n, rank * size), min(n, (rank + 1) * size)
+        ctx.meta = (group, n, size, start, stop)
+        return x[start:stop].clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, n, size, _, _ = ctx.meta
+        return _gather_rows(grad, group, n, size), None, None, None
+
+
+class _GatherChunks(Function):
+    """Forward: all-gather every rank's rows. Backward: keep this rank's rows' gradient."""
+
+    @staticmethod
+    def forward(ctx, x, group, n: int, size: int, start: int, stop: int):
+        ctx.bounds = (start, stop)
+        return _gather_rows(x, group, n, size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        start, stop = ctx.bounds
+        return grad[start:stop].contiguous(), None, None, None, None, None
+
+
+def _gather_rows(x: torch.Tensor, group, n: int, size: int) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    padded = x.new_zeros((size, *x.shape[1:]))
+    padded[: x.shape[0]] = x
+    out = x.new_empty((size * world, *x.shape[1:]))
+    dist.all_gather_into_tensor(out, padded.contiguous(), group=group)
+    return out[:n]
+
+
+class Expert(nn.Module):
+    """One expert: GPT-2's MLP (fc1, tanh GeLU, fc2), tensor-split over expert-tp."""
+
+    def __init__(
+        self,
+        name: str,
+        hidden: int,
+        ffn: int,
+        *,
+        slot: GroupSlot,
+        seed: int,
+        out_std: float,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        common = dict(slot=slot, seed=seed, expert=True, dtype=dtype)
+        self.fc1 = ColumnParallelLinear(f"{name}.fc1", hidden, ffn, std=0.02, **common)
+        self.fc2 = RowParallelLinear(f"{name}.fc2", ffn, hidden, std=out_std, **common)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
+
+
+class _AttachAux(Function):
+    """Identity on the output whose backward also feeds ``scale`` into the aux loss, so the
+    aux loss is back-propagated with the chunk that computed it (any pipeline stage)."""
+
+    @staticmethod
+    def forward(ctx, out, aux, scale: float):
+        ctx.scale = scale
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad.new_full((), ctx.scale), None
+
+
+class MoE(nn.Module):
+    """A dropless MoE MLP.
+
+    ``aux_scale`` > 0 switches the load-balancing loss on: the trainer sets it to
+    ``aux_loss_coeff / grad_accum``; the last value is kept (detached) in ``last_aux``.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        hidden: int,
+        ffn: int,
+        experts: int,
+        top_k: int,
+        ctx: ParallelContext,
+        seed: int,
+        out_std: float,
+        aux_loss: bool,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        if ctx.etp.size not in (1, ctx.tp.size):
+            raise ValueError(f"expert tensor parallelism {ctx.etp.size} must be 1 or tp")
+        self.num_experts, self.top_k = experts, top_k
+        self.aux_scale = 0.0
+        self.last_aux: torch.Tensor | None = None
+        self.ctx = ctx
+        # Tokens are split over tp inside the layer only when the experts are not tp-split.
+        self.split_tokens = ctx.tp.active and not ctx.etp.active
+        self.local = experts // ctx.ep.size
+        first = ctx.ep.rank * self.local
+        # The router is small and replicated everywhere (GPT-2 has none; it has no bias).
+        self.router = nn.Module()
+        self.router.weight = sharded_param(
+            f"{name}.router.weight", (experts, hidden), seed=seed, std=0.02, dtype=dtype
+        )
+        self.experts = nn.ModuleDict(
+            {
+                str(e): Expert(
+                    f"{name}.experts.{e}",
+                    hidden,
+                    ffn,
+                    slot=ctx.etp,
+                    seed=seed,
+                    out_std=out_std,
+                    dtype=dtype,
+                )
+                for e in range(first, first + self.local)
+            }
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        xf = x.reshape(-1, shape[-1])
+        logits = F.linear(xf, self.router.weight)
+        top_logits, top_idx = logits.topk(self.top_k, dim=-1)
+        weights = F.softmax(top_logits, dim=-1, dtype=torch.float32).to(x.dtype)
+        if self.split_tokens:
+            tp = self.ctx.tp
+            n = xf.shape[0]
+            start, stop, size = _chunk_bounds(n, tp)
+            xf = _TakeChunk.apply(xf, tp.group, tp.rank, tp.size)
+            weights = _TakeChunk.apply(weights, tp.group, tp.rank, tp.size)
+            top_idx = top_idx[start:stop]
+        out = self._dispatch_compute_combine(xf, weights, top_idx)
+        if self.split_tokens:
+            out = _GatherChunks.apply(out, tp.group, n, size, start, stop)
+        out = out.reshape(shape)
+        if self.aux_scale > 0:
+            aux = self._aux_loss(logits, top_idx)
+            self.last_aux = aux.detach()
+            out = _AttachAux.apply(out, aux, self.aux_scale)
+        return out
+
+    def _dispatch_compute_combine(self, xf, weights, top_idx) -> torch.Tensor:
+        n_tokens, k, ep = xf.shape[0], self.top_k, self.ctx.ep
+        flat = top_idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        token_of = order // k
+        rows = xf[token_of]
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        if ep.active:
+            recv_counts = torch.empty_like(counts)
+            dist.all_to_all_single(recv_counts, counts, group=ep.group)
+            send = counts.view(ep.size, self.local).sum(1).tolist()
+            recv = recv_counts.view(ep.size, self.local).sum(1).tolist()
+            rows = _AllToAll.apply(rows, recv, send, ep.group)
+            # Received rows are grouped by source rank, then by expert: regroup by expert.
+            expert_of_row = torch.repeat_interleave(
+                torch.arange(self.local).repeat(ep.size), recv_counts
+            )
+            regroup = torch.argsort(expert_of_row, stable=True)
+            rows = rows[regroup]
+            per_expert = recv_counts.view(ep.size, self.local).sum(0).tolist()
+        else:
+            per_expert = counts.tolist()
+        outs = [
+            expert(chunk)
+            for expert, chunk in zip(self.experts.values(), rows.split(per_expert), strict=True)
+        ]
+        out_rows = torch.cat(outs) if outs else rows
+        if ep.active:
+            out_rows = out_rows[torch.argsort(regroup)]
+            out_rows = _AllToAll.apply(out_rows, send, recv, ep.group)
+        w = weights.reshape(-1)[order].unsqueeze(-1)
+        out = xf.new_zeros(n_tokens, xf.shape[-1])
+        return out.index_add(0, token_of, out_rows * w)
+
+    def _aux_loss(self, logits: torch.Tensor, top_idx: torch.Tensor) -> torch.Tensor:
+        """Switch-style load balance: E · Σ_e (share of assignments to e) · (mean prob of e)."""
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        share = torch.bincount(top_idx.reshape(-1), minlength=self.num_experts).float()
+        share = share / top_idx.numel()
+        return self.num_experts * (share * probs.mean(0)).sum()

@@ -1,0 +1,231 @@
+"""Megatron tensor parallelism (seed ``002_*``): the f/g conjugates and the layers built on
+them.
+
+- ``copy_to`` (f): identity forward, all-reduce backward. It sits where a replicated
+  activation enters a column-parallel layer: each rank's shard contributes part of the
+  input's gradient, so the parts are summed on the way back.
+- ``reduce_from`` (g): all-reduce forward, identity backward. It sits after a row-parallel
+  layer, whose ranks each hold a partial sum of the output.
+
+A column-parallel linear splits the output features (attention heads, MLP width); the
+row-parallel linear after it splits the input features, so an MLP or attention block needs
+one all-reduce forward and one backward. The vocabulary is split the same way: an embedding
+whose rows are partitioned, and a cross-entropy that all-reduces the per-token max and
+sum-exp (b·s numbers) instead of gathering the logits (b·s·v numbers).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd import Function
+
+from checkpoint.shards import ShardInfo
+from trainer.init import annotate, global_init, sharded_param
+from trainer.parallel.context import GroupSlot
+
+
+class _CopyTo(Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFrom(Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def copy_to(x: torch.Tensor, slot: GroupSlot) -> torch.Tensor:
+    """f: identity forward, all-reduce of the gradient backward."""
+    return _CopyTo.apply(x, slot.group) if slot.active else x
+
+
+def reduce_from(x: torch.Tensor, slot: GroupSlot) -> torch.Tensor:
+    """g: all-reduce forward, identity backward."""
+    return _ReduceFrom.apply(x, slot.group) if slot.active else x
+
+
+class ColumnParallelLinear(nn.Module):
+    """``y = x Wᵀ + b`` with W's output features split over the group.
+
+    ``parts > 1`` fuses several same-shaped projections (q, k and v) into one global tensor
+    of shape ``(parts, out, in)``, split along ``out`` so every rank keeps its slice of each
+    part: this keeps a rank's heads together and its shard a contiguous global region.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        in_features: int,
+        out_features: int,
+        *,
+        slot: GroupSlot,
+        seed: int,
+        std: float,
+        parts: int = 1,
+        expert: bool = False,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        lead = (parts,) if parts > 1 else ()
+        dim = len(lead)
+        common = dict(index=slot.rank, parts=slot.size, expert=expert, dtype=dtype, seed=seed)
+        self.in_features = in_features
+        self.slot = slot
+        self.weight = sharded_param(
+            f"{name}.weight", (*lead, out_features, in_features), std=std, dim=dim, **common
+        )
+        self.bias = sharded_param(
+            f"{name}.bias", (*lead, out_features), std=None, dim=dim, **common
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to(x, self.slot)
+        return F.linear(x, self.weight.reshape(-1, self.in_features), self.bias.reshape(-1))
+
+
+class RowParallelLinear(nn.Module):
+    """``y = x Wᵀ + b`` with W's input features split; the partial sums meet in g."""
+
+    def __init__(
+        self,
+        name: str,
+        in_features: int,
+        out_features: int,
+        *,
+        slot: GroupSlot,
+        seed: int,
+        std: float,
+        expert: bool = False,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.slot = slot
+        self.weight = sharded_param(
+            f"{name}.weight",
+            (out_features, in_features),
+            seed=seed,
+            std=std,
+            dim=1,
+            index=slot.rank,
+            parts=slot.size,
+            expert=expert,
+            dtype=dtype,
+        )
+        # The bias is added once, after the reduction, so it is replicated.
+        self.bias = sharded_param(
+            f"{name}.bias", (out_features,), seed=seed, std=None, expert=expert, dtype=dtype
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return reduce_from(F.linear(x, self.weight), self.slot) + self.bias
+
+
+def padded_vocab(vocab: int, tp: int) -> int:
+    """The vocabulary rounded up to a multiple of tp (the extra rows are padding)."""
+    return math.ceil(vocab / tp) * tp
+
+
+def vocab_param(
+    name: str, vocab: int, hidden: int, *, slot: GroupSlot, seed: int, dtype: torch.dtype
+) -> nn.Parameter:
+    """This rank's rows of a ``(vocab, hidden)`` table padded to a multiple of tp.
+
+    Padding rows are zero and stay zero (they are masked out of the loss, so their gradient
+    is zero); the shard info covers only the real rows this rank holds.
+    """
+    per = padded_vocab(vocab, slot.size) // slot.size
+    start = slot.rank * per
+    real = max(0, min(start + per, vocab) - start)
+    full = global_init(seed, name, (vocab, hidden), 0.02)
+    local = torch.zeros(per, hidden, dtype=torch.float32)
+    local[:real] = full[start : start + real]
+    info = ShardInfo(name, (vocab, hidden), (min(start, vocab), 0), (real, hidden))
+    return annotate(nn.Parameter(local.to(dtype)), info, tp_split=slot.active)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary rows split over tp; lookups outside this rank's
+    rows give zeros, and g sums the ranks' partial results."""
+
+    def __init__(
+        self, name: str, vocab: int, hidden: int, *, slot: GroupSlot, seed: int, dtype: torch.dtype
+    ) -> None:
+        super().__init__()
+        self.slot = slot
+        self.weight = vocab_param(name, vocab, hidden, slot=slot, seed=seed, dtype=dtype)
+        self.start = slot.rank * self.weight.shape[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.slot.active:
+            return F.embedding(ids, self.weight)
+        rows = self.weight.shape[0]
+        outside = (ids < self.start) | (ids >= self.start + rows)
+        local = (ids - self.start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from(out, self.slot)
+
+
+class _VocabParallelCrossEntropy(Function):
+    @staticmethod
+    def forward(ctx, logits, target, start: int, vocab: int, group):
+        logits = logits.float()
+        n = logits.shape[-1]
+        cols = torch.arange(start, start + n, device=logits.device)
+        if bool((cols >= vocab).any()):
+            logits = logits.masked_fill(cols >= vocab, float("-inf"))
+        # The max only shifts for stability; it is a constant, so no gradient flows through it.
+        lmax = logits.max(dim=-1).values
+        if group is not None:
+            dist.all_reduce(lmax, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - lmax.unsqueeze(-1)
+        mine = (target >= start) & (target < start + n)
+        local_t = (target - start).clamp(0, n - 1)
+        picked = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1)
+        picked = torch.where(mine, picked, torch.zeros_like(picked))
+        exp = shifted.exp()
+        sumexp = exp.sum(dim=-1)
+        if group is not None:
+            both = torch.stack([picked, sumexp])
+            dist.all_reduce(both, group=group)
+            picked, sumexp = both[0], both[1]
+        ctx.save_for_backward(exp.div_(sumexp.unsqueeze(-1)), mine, local_t)
+        return sumexp.log() - picked
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, mine, local_t = ctx.saved_tensors
+        g = softmax.clone()
+        g.scatter_add_(-1, local_t.unsqueeze(-1), -mine.to(g.dtype).unsqueeze(-1))
+        return g * grad.unsqueeze(-1), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, *, start: int, vocab: int, slot: GroupSlot
+) -> torch.Tensor:
+    """Per-token loss from this rank's logits columns ``[start, start + n)``.
+
+    Columns at or beyond the true ``vocab`` are padding and are masked to -inf.
+    """
+    return _VocabParallelCrossEntropy.apply(
+        logits, target, start, vocab, slot.group if slot.active else None
+    )

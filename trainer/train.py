@@ -1,0 +1,289 @@
+"""The training loop, factored so that a pipeline executor and the checkpoint store can plug
+into it at single, obvious places.
+
+One optimizer step is, in order (each a method of :class:`Trainer`)::
+
+    begin_step()                        zero the gradient buckets, set this step's lr
+    for each micro-batch m:             (pp = 1; a pipeline executor drives this instead)
+        grad_syncs[c].set_sync(last)    arm the data-parallel all-reduce on the last one
+        loss = chunk_forward(c, m, x)   forward of chunk c on micro-batch m: the hidden
+                                        state, or on the last chunk the loss already
+                                        scaled by 1/grad_accum
+        loss.backward()                 the buckets' all-reduces start from backward hooks
+    finish_step(lr=, started=)          wait for the buckets, global norm, clip, AdamW,
+                                        advance ``state`` -> StepResult
+
+**Pipeline seam.** ``chunk_forward(chunk, microbatch, inputs)`` matches the executor's
+``ForwardFn``: with ``inputs`` None the chunk reads micro-batch ``microbatch``'s tokens
+(prepared by ``begin_step``); the last chunk returns the scaled scalar loss. Its
+``before_backward(chunk, is_last)`` hook is ``lambda c, last: trainer.grad_syncs[c]
+.set_sync(last)``. ``layer_ranges`` in :meth:`Trainer.__init__` says which global layers
+each chunk holds; today only pp = 1 (one chunk, every layer) is wired.
+
+**Checkpoint seam.** Every parameter has ``shard_info`` (:mod:`trainer.init`);
+``named_parameters()`` yields them by global name; ``optimizer`` is a plain AdamW over the
+local shards; ``state`` (:class:`TrainState`: ``step``, ``consumed_samples``) is all the
+loop position there is. In :meth:`Trainer.run`, resuming belongs before the first step and
+saving right after ``finish_step``; both places are marked.
+
+**Supervision.** :meth:`Trainer.run` calls ``progress(result)`` after every step (the agent's
+heartbeat).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from elasticd.layout import Layout
+from trainer.data import BatchPlan, micro_batches, open_source
+from trainer.errors import TrainerConfigError
+from trainer.model import build_chunks
+from trainer.optim import (
+    build_optimizer,
+    clip_grads,
+    global_grad_norm,
+    grad_replicas,
+    lr_at,
+    set_lr,
+)
+from trainer.parallel.context import GroupSlot, ParallelContext
+from trainer.parallel.data import GradSync
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainState:
+    """Where training stands; this and the optimizer are everything a resume needs."""
+
+    step: int = 0
+    """Completed optimizer steps."""
+    consumed_samples: int = 0
+    """Global samples consumed so far (the data position, valid on any layout)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepResult:
+    """What one optimizer step reports (a metrics.jsonl record, less the layout fields)."""
+
+    step: int
+    """1-based count of completed steps."""
+    loss: float
+    """Mean loss over every token of the global batch (without the aux loss)."""
+    grad_norm: float
+    """Global gradient norm before clipping."""
+    lr: float
+    """Learning rate used by this step."""
+    step_s: float
+    """Wall time of the step."""
+    tokens_per_s: float
+    """Global batch tokens over step_s."""
+
+
+def check_supported(job, layout: Layout) -> None:
+    """Reject what the built-in trainer cannot run, before any process group exists."""
+    p = layout.parallel
+    if job.train.dtype not in DTYPES:
+        raise TrainerConfigError(
+            f"train.dtype: {job.train.dtype} needs loss scaling, which the built-in trainer "
+            "does not do; use bfloat16 or float32"
+        )
+    if job.model.experts and p.expert_tp not in (1, p.tp):
+        raise TrainerConfigError(
+            f"parallel.etp: {p.expert_tp}: the built-in trainer supports etp = 1 or etp = tp ({p.tp})"
+        )
+    if p.pp > 1:
+        raise TrainerConfigError(
+            f"parallel.pp: {p.pp}: the pipeline is not wired into the built-in trainer yet"
+        )
+
+
+class Trainer:
+    """One rank's model shard, optimizer, data position and step."""
+
+    def __init__(
+        self,
+        *,
+        job,
+        layout: Layout,
+        ctx: ParallelContext,
+        dp_rank: int,
+        model_groups: tuple[GroupSlot, ...] = (),
+        device: torch.device | None = None,
+        overlap_grads: bool = True,
+    ) -> None:
+        check_supported(job, layout)
+        self.job, self.layout, self.ctx = job, layout, ctx
+        self.device = device or torch.device("cpu")
+        m, t, p = job.model, job.train, layout.parallel
+        self.source = open_source(job.data, model_cfg=m, seed=t.seed)
+        self.batches = BatchPlan(
+            global_batch=t.global_batch, micro_batch=t.micro_batch, dp=layout.dp, dp_rank=dp_rank
+        )
+        self.layer_ranges = [range(m.layers)]
+        self.chunks = build_chunks(
+            m, self.layer_ranges, ctx=ctx, seed=t.seed, dtype=DTYPES[t.dtype],
+        )  # fmt: skip
+        accum = self.batches.grad_accum
+        for chunk in self.chunks:
+            chunk.to(self.device)
+            chunk.train()
+            chunk.set_aux_scale(t.aux_loss_coeff / accum)
+        self.params = [q for c in self.chunks for q in c.parameters()]
+        sizes = dict(tp=p.tp, dp_cp=layout.dp * p.cp, etp=p.expert_tp, expert_dp=layout.expert_dp)
+        for q in self.params:
+            q.grad_replicas = grad_replicas(q, **sizes)
+        self.model_groups = model_groups
+        bucket_bytes = max(1, int(t.bucket_mb * (1 << 20)))
+        self.grad_syncs = [
+            GradSync(list(c.parameters()), dense=ctx.dp_cp, expert=ctx.expert_dp,
+                     divisor=layout.dp * p.cp, bucket_bytes=bucket_bytes, overlap=overlap_grads)
+            for c in self.chunks
+        ]  # fmt: skip
+        self.optimizer = build_optimizer(self.params, lr=t.lr, weight_decay=t.weight_decay)
+        self.state = TrainState()
+        self._batch: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._losses: list[torch.Tensor] = []
+
+    # -- identity, for checkpoints -------------------------------------------------------
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """``(global name, local shard)`` for every parameter this rank holds."""
+        for q in self.params:
+            yield q.shard_info.name, q
+
+    # -- one step, in pieces -----------------------------------------------------------------
+
+    def begin_step(self) -> float:
+        """Zero the gradients, set and return this step's lr, and read its micro-batches."""
+        self._losses = []
+        for sync in self.grad_syncs:
+            sync.zero()
+        lr = lr_at(self.state.step, lr=self.job.train.lr, warmup=self.job.train.warmup)
+        set_lr(self.optimizer, lr)
+        self._batch = [
+            (x.to(self.device), y.to(self.device))
+            for x, y in micro_batches(self.source, self.batches, self.state.consumed_samples)
+        ]
+        return lr
+
+    def chunk_forward(
+        self, chunk: int, microbatch: int, inputs: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Forward of one chunk on one micro-batch. The last chunk returns the scalar loss
+        to back-propagate, the micro-batch's mean token loss over grad_accum, and records it
+        for the step's report. (MoE aux losses flow back through the MoE outputs.)"""
+        c = self.chunks[chunk]
+        x, y = self._batch[microbatch]
+        out = c(x if inputs is None else inputs, y if c.last else None)
+        if not c.last:
+            return out
+        loss = out.float().mean() / self.batches.grad_accum
+        self._losses.append(loss.detach())
+        return loss
+
+    def forward_backward(self) -> None:
+        """All micro-batches of the step with pp = 1."""
+        sync = self.grad_syncs[0]
+        for m in range(len(self._batch)):
+            sync.set_sync(m == len(self._batch) - 1)
+            self.chunk_forward(0, m, None).backward()
+
+    def local_loss(self) -> torch.Tensor:
+        """This rank's mean loss over its share of the step (meaningful on the last chunk's
+        ranks; a pipeline must bring it to rank 0)."""
+        if not self._losses:
+            return torch.zeros((), device=self.device)
+        return torch.stack(self._losses).sum()
+
+    def finish_step(self, *, lr: float, started: float) -> StepResult:
+        """Wait for the gradient reductions, clip by the global norm, step AdamW, and
+        advance the state."""
+        for sync in self.grad_syncs:
+            sync.finish()
+        norm = global_grad_norm(self.params, groups=self.model_groups)
+        clip_grads(self.params, norm=norm, max_norm=self.job.train.grad_clip)
+        self.optimizer.step()
+        loss = self.local_loss()
+        if self.ctx.dp_cp.active:
+            dist.all_reduce(loss, group=self.ctx.dp_cp.group)
+            loss /= self.ctx.dp_cp.size
+        self.state.step += 1
+        self.state.consumed_samples += self.job.train.global_batch
+        step_s = time.perf_counter() - started
+        tokens = self.job.train.global_batch * self.job.model.seq_len
+        return StepResult(step=self.state.step, loss=float(loss), grad_norm=norm, lr=lr,
+                          step_s=step_s, tokens_per_s=tokens / step_s)  # fmt: skip
+
+    def train_step(self) -> StepResult:
+        started = time.perf_counter()
+        lr = self.begin_step()
+        self.forward_backward()
+        return self.finish_step(lr=lr, started=started)
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def run(
+        self,
+        *,
+        metrics: MetricsWriter | None = None,
+        progress: Callable[[StepResult], None] | None = None,
+    ) -> list[StepResult]:
+        """Train until ``train.steps`` steps are complete."""
+        # Resume point: the checkpoint store restores the parameters, self.optimizer and
+        # self.state here, before the first step.
+        results = []
+        while self.state.step < self.job.train.steps:
+            result = self.train_step()
+            # Save point: a checkpoint of step self.state.step belongs here.
+            if metrics is not None:
+                metrics.write(result)
+            if progress is not None:
+                progress(result)
+            results.append(result)
+        return results
+
+    def close(self) -> None:
+        for sync in self.grad_syncs:
+            sync.close()
+
+
+class MetricsWriter:
+    """Appends one record per step to ``metrics.jsonl`` and prints a readable line (rank 0)."""
+
+    def __init__(
+        self,
+        *,
+        path: str,
+        layout: Layout,
+        round_: int,
+        total_steps: int,
+        echo: Callable[[str], None] | None = print,
+    ) -> None:
+        self.path, self.layout, self.round, self.total = path, layout, round_, total_steps
+        self.echo = echo
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+    def record(self, r: StepResult) -> dict:
+        p = self.layout.parallel
+        rec = asdict(r)
+        rec.update(world=self.layout.world, dp=self.layout.dp, tp=p.tp, pp=p.pp, vpp=p.vpp,
+                   ep=p.ep, round=self.round)  # fmt: skip
+        return rec
+
+    def write(self, r: StepResult) -> None:
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(json.dumps(self.record(r), separators=(",", ":")) + "\n")
+        if self.echo is not None:
+            self.echo(
+                f"step {r.step}/{self.total}  loss {r.loss:.4f}  grad_norm {r.grad_norm:.4f}  "
+                f"lr {r.lr:.2e}  {r.step_s * 1000:.0f} ms  {r.tokens_per_s:,.0f} tokens/s"
+            )
