@@ -76,6 +76,8 @@ class Saver:
         self._staging: torch.Tensor | None = None
         self._plan_cache: tuple[str, SavePlan] | None = None
         self.last: SaveResult | None = None
+        self.staging_allocations = 0
+        """How many times the staging buffer was (re)allocated; stays 1 for a fixed layout."""
         os.makedirs(ckpt_dir, exist_ok=True)
 
     # -- public ---------------------------------------------------------------------------
@@ -191,6 +193,7 @@ class Saver:
         on_gpu = any(t.is_cuda for t, _, _ in local.values())
         if self._staging is None or self._staging.numel() < need:
             self._staging = torch.empty(need, dtype=torch.uint8, pin_memory=on_gpu)
+            self.staging_allocations += 1
         data = self._staging[:need]
         for c in mine.copies if mine else ():
             src, info, _ = local[c.name]
