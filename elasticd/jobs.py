@@ -7,6 +7,12 @@ Keys (``<job>`` is the job name)::
     /elasticd/jobs/<job>/status   world, layout, round, step, loss, checkpoint, restarts,
                                   last failure, and a bounded history of world changes
                                   and recoveries
+    /elasticd/jobs/<job>/failures/<round>
+                                  why round <round> ended early, written once by whichever
+                                  agent saw it first (so a failure is counted once)
+
+``state`` also holds the ``run_id`` of this submission (``<job>-<8 hex>``): the rendezvous
+of a replaced job starts fresh rather than finding the old run closed.
 
 Every read-modify-write is a compare-and-set on the key's ``mod_revision``, retried on
 conflict, so several agents may update one job at once and nothing is lost. The legal
@@ -20,6 +26,7 @@ from __future__ import annotations
 import enum
 import json
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -93,6 +100,8 @@ class JobRecord:
     """Why it entered that state (a failure message, 'cancelled by user', ...)."""
     status: dict[str, Any] = field(default_factory=dict)
     """World, layout, step, checkpoint, restarts, last failure, history."""
+    run_id: str = ""
+    """Rendezvous run id of this submission."""
 
     def job(self) -> JobSpec:
         """The spec parsed back into a JobSpec (validated again)."""
@@ -105,6 +114,7 @@ class JobRecord:
             "since": self.since,
             "reason": self.reason,
             "status": self.status,
+            "run_id": self.run_id,
             "spec": self.spec,
         }
 
@@ -139,10 +149,15 @@ class JobRegistry:
         With ``replace`` a running job must be cancelled first (agents would otherwise
         keep training the old spec); a finished one is overwritten, status and all.
         """
-        from elasticd.etcd.client import compare, put_op
+        from elasticd.etcd.client import compare, delete_op, put_op
 
         now = self._clock()
-        state = {"state": str(JobState.PENDING), "since": now, "reason": "submitted"}
+        state = {
+            "state": str(JobState.PENDING),
+            "since": now,
+            "reason": "submitted",
+            "run_id": f"{job.name}-{uuid.uuid4().hex[:8]}",
+        }
         writes = [
             put_op(_key(job.name, "spec"), _dump(job.to_dict())),
             put_op(_key(job.name, "state"), _dump(state)),
@@ -159,9 +174,9 @@ class JobRegistry:
                 )
             if old is not None and not old.state.terminal:
                 raise UsageError(f"job {job.name!r} is {old.state}; cancel it before replacing it")
-            # spec, state and status are the only keys of a job: overwriting all three
-            # replaces it whole.
-            self._client.txn([], writes)
+            # Overwriting spec, state and status and dropping the failure records replaces
+            # the job whole.
+            self._client.txn([], [delete_op(_key(job.name, "failures/"), prefix=True), *writes])
         record = self.get(job.name)
         assert record is not None
         return record
@@ -198,6 +213,7 @@ class JobRegistry:
             since=float(state.get("since", 0.0)),
             reason=str(state.get("reason", "")),
             status=status,
+            run_id=str(state.get("run_id", name)),
         )
 
     # -- changes -----------------------------------------------------------------------------
@@ -231,7 +247,7 @@ class JobRegistry:
             cur = JobState(old.get("state", "pending"))
             if cur == new or not can_move(cur, new):
                 return None
-            return {"state": str(new), "since": now, "reason": reason}
+            return {**old, "state": str(new), "since": now, "reason": reason}
 
         after = self._update(_key(name, "state"), change, f"job {name!r}")
         return after.get("state") == str(new)
@@ -274,3 +290,20 @@ class JobRegistry:
             status.update(fields)
 
         self.update_status(name, change)
+
+    def claim_failure(self, name: str, round_: int, info: dict[str, Any]) -> tuple[dict, bool]:
+        """Record why round ``round_`` ended, once: ``(the record in force, whether ours)``.
+
+        Every agent of a broken round sees the break in its own way (its worker died, a
+        peer vanished); the first to write names the cause and the rest adopt it, so a
+        failure counts once against ``restart.max_restarts``.
+        """
+        from elasticd.etcd.client import compare, put_op
+
+        key = _key(name, f"failures/{round_}")
+        claim = {"t": round(self._clock(), 3), "round": round_, **info}
+        result = self._client.txn([compare(key, "version", "==", 0)], [put_op(key, _dump(claim))])
+        if result.succeeded:
+            return claim, True
+        current = self._client.get(key)
+        return (_load(current.value, key) if current else claim), False

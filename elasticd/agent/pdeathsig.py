@@ -1,0 +1,38 @@
+"""Exec a command that dies with its parent: ``python -m elasticd.agent.pdeathsig PPID CMD...``.
+
+The agent could set the parent-death signal in a ``preexec_fn``, but that forces a plain
+``fork()`` of a process full of gRPC threads, and gRPC's fork handlers then abort the
+child now and then (seen: ``epoll_wait error: Bad file descriptor``, SIGABRT). Without a
+preexec_fn, ``subprocess`` uses vfork/posix_spawn and runs no fork handlers; this tiny
+program sets ``PR_SET_PDEATHSIG = SIGKILL`` in its own process and then execs the real
+command, which keeps the setting (it is only cleared for set-uid programs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+_PR_SET_PDEATHSIG = 1
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2 or not argv[0].isdigit():
+        print("usage: python -m elasticd.agent.pdeathsig PPID CMD [ARG]...", file=sys.stderr)
+        return 2
+    parent, cmd = int(argv[0]), argv[1:]
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        print(f"pdeathsig: prctl failed: errno {ctypes.get_errno()}", file=sys.stderr)
+        return 1
+    # The parent may have died before prctl took effect; then no signal would ever come.
+    if os.getppid() != parent:
+        return 1
+    os.execvp(cmd[0], cmd)
+    return 1  # not reached
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

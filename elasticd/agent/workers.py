@@ -1,0 +1,235 @@
+"""The local worker processes of one round: spawn, watch, signal, stop.
+
+Why not torch's ``start_processes``: its log files live under its own
+``<log_dir>/<run_id>/attempt_<n>/<local_rank>/`` tree and it offers no hook to set a
+parent-death signal. We need ``<output_dir>/logs/round-<r>/rank-<n>.log`` and workers that
+die with their agent, so we spawn with ``subprocess`` and keep torch's conventions where
+they matter: the torchrun environment, and ``TORCHELASTIC_ERROR_FILE`` so a worker whose
+entry point uses torch's ``@record`` leaves its exception as JSON, which we read back as
+the failure message.
+
+Each worker gets ``PR_SET_PDEATHSIG = SIGKILL`` (through :mod:`elasticd.agent.pdeathsig`):
+if the agent is SIGKILLed, the kernel kills its workers at once, so they never train
+unsupervised. Each worker also leads
+its own process group, so a stop reaches the processes it started too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from elasticd.worker import ENV_HEARTBEAT, PREEMPTED_EXIT_CODE, read_heartbeat
+
+
+def with_pdeathsig(argv: Sequence[str], python: str = sys.executable) -> list[str]:
+    """``argv`` wrapped so that the process gets SIGKILL when this process dies."""
+    return [python, "-m", "elasticd.agent.pdeathsig", str(os.getpid()), *argv]
+
+
+class WorkerState(enum.StrEnum):
+    STARTING = "starting"
+    """Spawned; no heartbeat yet."""
+    RUNNING = "running"
+    """Has reported progress."""
+    STOPPING = "stopping"
+    """Signalled to stop; not yet exited."""
+    EXITED = "exited"
+    """Exited 0 (or with the preemption code)."""
+    FAILED = "failed"
+    """Exited non-zero or was killed by a signal."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Worker:
+    """One local worker process."""
+
+    local_rank: int
+    """Index on this node."""
+    rank: int
+    """Global rank."""
+    proc: subprocess.Popen
+    """The process."""
+    log_path: str
+    """Its combined stdout/stderr."""
+    heartbeat_path: str
+    """Where it reports progress."""
+    error_path: str
+    """torch's error file (TORCHELASTIC_ERROR_FILE)."""
+    started: float
+    """Wall-clock spawn time."""
+    stopping: bool = False
+    """Whether we asked it to stop."""
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
+    def state(self) -> WorkerState:
+        code = self.proc.poll()
+        if code is None:
+            if self.stopping:
+                return WorkerState.STOPPING
+            running = read_heartbeat(self.heartbeat_path) is not None
+            return WorkerState.RUNNING if running else WorkerState.STARTING
+        ok = code == 0 or code == PREEMPTED_EXIT_CODE
+        return WorkerState.EXITED if ok else WorkerState.FAILED
+
+    def failure_message(self) -> str:
+        """What went wrong, from the error file if the worker left one, else the exit code."""
+        code = self.proc.poll()
+        how = f"exit code {code}" if code is None or code >= 0 else f"signal {-code}"
+        try:
+            with open(self.error_path, encoding="utf-8") as fh:
+                message = json.load(fh).get("message", {})
+            text = message.get("message") if isinstance(message, dict) else str(message)
+            if text:
+                last = str(text).strip().splitlines()[-1]
+                return f"rank {self.rank}: {how}: {last}"[:500]
+        except (OSError, ValueError, AttributeError):
+            pass
+        return f"rank {self.rank}: {how} (log {self.log_path})"
+
+
+@dataclass(kw_only=True, slots=True)
+class WorkerGroup:
+    """The nproc workers of this node in one round."""
+
+    workers: list[Worker] = field(default_factory=list)
+    """In local-rank order."""
+
+    @classmethod
+    def spawn(
+        cls,
+        *,
+        argv: Sequence[str],
+        envs: Sequence[Mapping[str, str]],
+        log_dir: str,
+        run_dir: str,
+        cwd: str | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> WorkerGroup:
+        """Start one process per env (local rank order); ``envs[i]['RANK']`` names its log."""
+        os.makedirs(log_dir, exist_ok=True)
+        os.makedirs(run_dir, exist_ok=True)
+        group = cls()
+        try:
+            for local_rank, base_env in enumerate(envs):
+                rank = int(base_env["RANK"])
+                hb = os.path.join(run_dir, f"heartbeat-{local_rank}.json")
+                err = os.path.join(run_dir, f"error-{local_rank}.json")
+                for stale in (hb, err):
+                    if os.path.exists(stale):
+                        os.unlink(stale)
+                env = {**base_env, ENV_HEARTBEAT: hb, "TORCHELASTIC_ERROR_FILE": err}
+                log_path = os.path.join(log_dir, f"rank-{rank}.log")
+                with open(log_path, "ab") as log:
+                    proc = subprocess.Popen(
+                        with_pdeathsig(argv),
+                        env=env,
+                        cwd=cwd,
+                        stdin=subprocess.DEVNULL,
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                    )
+                group.workers.append(
+                    Worker(
+                        local_rank=local_rank,
+                        rank=rank,
+                        proc=proc,
+                        log_path=log_path,
+                        heartbeat_path=hb,
+                        error_path=err,
+                        started=clock(),
+                    )
+                )
+        except OSError:
+            group.kill()
+            raise
+        return group
+
+    def pids(self) -> dict[int, int]:
+        """Global rank → pid."""
+        return {w.rank: w.proc.pid for w in self.workers}
+
+    def states(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for w in self.workers:
+            s = str(w.state())
+            counts[s] = counts.get(s, 0) + 1
+        return counts
+
+    def all_exited(self) -> bool:
+        return all(w.proc.poll() is not None for w in self.workers)
+
+    def failed(self) -> list[Worker]:
+        """Workers that exited with a real failure (not 0, not the preemption code)."""
+        return [w for w in self.workers if w.state() == WorkerState.FAILED]
+
+    def preempted(self) -> list[Worker]:
+        return [w for w in self.workers if w.proc.poll() == PREEMPTED_EXIT_CODE]
+
+    def send(self, signum: int) -> None:
+        """Send ``signum`` to every live worker's process group."""
+        for w in self.workers:
+            if w.proc.poll() is None:
+                w.stopping = True
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(w.proc.pid, signum)
+
+    def wait(self, timeout: float) -> bool:
+        """Wait until all exited or ``timeout`` passed; returns whether all exited."""
+        deadline = time.monotonic() + timeout
+        while not self.all_exited():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def stop(self, grace: float, first: int = signal.SIGTERM) -> None:
+        """``first`` (SIGTERM), up to ``grace`` seconds, then SIGKILL; reaps everything."""
+        if not self.all_exited():
+            self.send(first)
+            if not self.wait(grace):
+                self.kill()
+
+    def kill(self) -> None:
+        self.send(signal.SIGKILL)
+        for w in self.workers:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                w.proc.wait(timeout=10)
+
+    def heartbeats(self) -> dict[int, dict]:
+        """Local rank → its last heartbeat record (workers that reported)."""
+        out = {}
+        for w in self.workers:
+            hb = read_heartbeat(w.heartbeat_path)
+            if hb is not None:
+                out[w.local_rank] = hb
+        return out
+
+    def stalest_progress(self, now: float) -> tuple[Worker, float] | None:
+        """The live worker whose last heartbeat is oldest, and its age in seconds.
+
+        Only workers that reported at least once are judged: a command that never calls
+        the heartbeat is not declared hung (docs/agent.md)."""
+        worst: tuple[Worker, float] | None = None
+        for w in self.workers:
+            if w.proc.poll() is not None:
+                continue
+            try:
+                age = now - os.stat(w.heartbeat_path).st_mtime
+            except OSError:
+                continue
+            if worst is None or age > worst[1]:
+                worst = (w, age)
+        return worst
