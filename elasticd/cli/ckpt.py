@@ -1,0 +1,232 @@
+"""`elasticd ckpt`: list, inspect, verify, export and prune checkpoints.
+
+`checkpoint` is imported inside each run function (the CLI's rule), and its errors become
+:class:`~elasticd.errors.ElasticdError` here, so the user sees one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from elasticd.errors import ElasticdError, UsageError
+
+
+class CheckpointCheckFailed(ElasticdError):
+    """`ckpt verify` found problems (already printed, one per line)."""
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "ckpt",
+        help="list, inspect, verify, export or prune checkpoints",
+        description="Work with a checkpoint directory (the job's checkpoint.dir).",
+    )
+    cmds = p.add_subparsers(dest="ckpt_command", metavar="ACTION", parser_class=type(p))
+    cmds.required = True
+
+    ls = cmds.add_parser("ls", help="committed steps, their sizes, and which is latest")
+    ls.add_argument("dir", metavar="DIR")
+    ls.add_argument("--json", action="store_true", help="print one JSON object")
+    ls.set_defaults(func=_guard(run_ls))
+
+    for name, text, func in (
+        ("inspect", "tensors, global shapes, layout at save and sizes", run_inspect),
+        ("verify", "check every checksum and that every tensor is covered exactly", run_verify),
+    ):
+        c = cmds.add_parser(name, help=text)
+        c.add_argument("dir", metavar="DIR")
+        c.add_argument("--step", type=int, default=None, help="step (default: latest)")
+        if name == "inspect":
+            c.add_argument("--json", action="store_true", help="print one JSON object")
+        c.set_defaults(func=_guard(func))
+
+    ex = cmds.add_parser("export", help="consolidated model weights as safetensors")
+    ex.add_argument("dir", metavar="DIR")
+    ex.add_argument("out", metavar="OUT", help="output directory")
+    ex.add_argument("--step", type=int, default=None, help="step (default: latest)")
+    ex.add_argument(
+        "--max-file-size",
+        type=_size,
+        default=_size("5GB"),
+        help="split into model-0000i-of-0000n files plus an index above this (default 5GB)",
+    )
+    ex.set_defaults(func=_guard(run_export))
+
+    pr = cmds.add_parser("prune", help="keep only the newest N committed steps (never latest)")
+    pr.add_argument("dir", metavar="DIR")
+    pr.add_argument("--keep", type=int, required=True, help="committed steps to keep")
+    pr.set_defaults(func=_guard(run_prune))
+
+
+def _size(text: str) -> int:
+    units = {
+        "": 1,
+        "B": 1,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "KIB": 1 << 10,
+        "MIB": 1 << 20,
+        "GIB": 1 << 30,
+    }
+    t = text.strip().upper()
+    num = t.rstrip("KMGIB")
+    try:
+        return int(float(num) * units[t[len(num) :]])
+    except (ValueError, KeyError) as exc:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 500MB, 5GB)") from exc
+
+
+def _guard(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Turn checkpoint errors into one-line user errors."""
+
+    def run(args: argparse.Namespace) -> int:
+        from checkpoint import CheckpointError
+
+        if not os.path.isdir(args.dir):
+            raise UsageError(f"ckpt {args.ckpt_command}: {args.dir}: no such directory")
+        try:
+            return func(args)
+        except CheckpointError as exc:
+            raise UsageError(str(exc)) from exc
+        except OSError as exc:
+            raise UsageError(f"ckpt {args.ckpt_command}: {exc}") from exc
+
+    return run
+
+
+def _open(args: argparse.Namespace):
+    from checkpoint import Checkpoint, open_step
+
+    if os.path.isfile(os.path.join(args.dir, "manifest.json")):  # a step directory itself
+        if args.step is not None:
+            raise UsageError("--step cannot be used with a step directory")
+        return Checkpoint.open(args.dir)
+    return open_step(args.dir, args.step)
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
+def run_ls(args: argparse.Namespace) -> int:
+    from checkpoint import Checkpoint, committed_steps, read_latest
+    from checkpoint.store import leftovers, step_path
+
+    latest = read_latest(args.dir)
+    rows: list[dict[str, Any]] = []
+    for step in committed_steps(args.dir):
+        row: dict[str, Any] = {"step": step, "latest": step == latest}
+        try:
+            m = Checkpoint.open(step_path(args.dir, step)).manifest
+            row.update(
+                bytes=m.total_bytes,
+                files=len(m.files),
+                world=m.world,
+                consumed_samples=m.consumed_samples,
+            )
+        except Exception as exc:  # one unreadable manifest must not hide the others
+            row["error"] = str(exc)
+        rows.append(row)
+    if args.json:
+        print(
+            json.dumps(
+                {"dir": args.dir, "latest": latest, "steps": rows, "leftovers": leftovers(args.dir)}
+            )
+        )
+        return 0
+    if not rows:
+        print(f"{args.dir}: no committed checkpoints")
+        return 0
+    print(f"{'STEP':>10}  {'SIZE':>12}  {'FILES':>5}  {'WORLD':>5}  {'SAMPLES':>10}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['step']:>10}  unreadable: {r['error']}")
+            continue
+        mark = "  latest" if r["latest"] else ""
+        print(
+            f"{r['step']:>10}  {_mb(r['bytes']):>12}  {r['files']:>5}  {r['world']:>5}  {r['consumed_samples']:>10}{mark}"
+        )
+    return 0
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    m = _open(args).manifest
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "step": m.step,
+                    "consumed_samples": m.consumed_samples,
+                    "job": m.job,
+                    "world": m.world,
+                    "layout": m.layout,
+                    "bytes": m.total_bytes,
+                    "optimizer": m.optimizer,
+                    "extra": m.extra,
+                    "tensors": {
+                        n: {
+                            "kind": t.kind,
+                            "dtype": str(t.dtype).removeprefix("torch."),
+                            "shape": list(t.shape),
+                            "shards": len(t.chunks),
+                        }
+                        for n, t in m.tensors.items()
+                    },
+                }
+            )
+        )
+        return 0
+    print(
+        f"step {m.step}  consumed_samples {m.consumed_samples}  job {m.job or '-'}  world {m.world}"
+    )
+    print(f"size {_mb(m.total_bytes)} in {len(m.files)} files")
+    print(f"layout at save: {json.dumps(m.layout) if m.layout else '-'}")
+    if m.optimizer:
+        print(f"optimizer: {json.dumps(m.optimizer)}")
+    print(f"{'KIND':<10} {'DTYPE':<9} {'SHAPE':<18} {'SHARDS':>6} {'SIZE':>10}  NAME")
+    for n, t in sorted(m.tensors.items()):
+        shape = "x".join(map(str, t.shape)) or "scalar"
+        dtype = str(t.dtype).removeprefix("torch.")
+        print(f"{t.kind:<10} {dtype:<9} {shape:<18} {len(t.chunks):>6} {_mb(t.nbytes):>10}  {n}")
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from checkpoint import verify
+
+    ckpt = _open(args)
+    problems = verify(ckpt)
+    for p in problems:
+        print(p, file=sys.stderr)
+    if problems:
+        raise CheckpointCheckFailed(f"{ckpt.path}: {len(problems)} problem(s) found")
+    m = ckpt.manifest
+    print(f"{ckpt.path}: ok ({len(m.files)} files, {len(m.tensors)} tensors, {_mb(m.total_bytes)})")
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from checkpoint import export
+
+    ckpt = _open(args)
+    files = export(ckpt, args.out, max_file_bytes=args.max_file_size)
+    print(f"exported step {ckpt.step} to {args.out}: {', '.join(files)}")
+    return 0
+
+
+def run_prune(args: argparse.Namespace) -> int:
+    from checkpoint import prune
+
+    if args.keep < 1:
+        raise UsageError(f"ckpt prune: --keep must be at least 1, got {args.keep}")
+    removed = prune(args.dir, keep=args.keep)
+    print(
+        f"removed {len(removed)} step(s)" + (f": {', '.join(map(str, removed))}" if removed else "")
+    )
+    return 0

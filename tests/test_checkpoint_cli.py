@@ -1,0 +1,109 @@
+"""`elasticd ckpt ls|inspect|verify|export|prune` on real checkpoint directories."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from checkpoint import SaveOptions, Saver, ShardInfo
+from checkpoint.store import step_path
+from elasticd.cli import main
+
+W = torch.arange(48 * 8, dtype=torch.float32).reshape(48, 8)
+B = torch.linspace(0, 1, 8)
+
+
+def save_steps(ckpt: str, steps) -> None:
+    saver = Saver(ckpt, group=None, options=SaveOptions(async_=False, chunk_min_bytes=64))
+    for step in steps:
+        model = {
+            "w": (W + step, ShardInfo.whole("w", (48, 8))),
+            "b": (B, ShardInfo.whole("b", (8,))),
+        }
+        saver.save(
+            step=step,
+            consumed_samples=step * 4,
+            model=model,
+            optimizer={"exp_avg/w": (W * 0, ShardInfo.whole("w", (48, 8)))},
+            layout={"world": 1, "tp": 1},
+        )
+    saver.close()
+
+
+def run(capsys, *argv):
+    code = main(["ckpt", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_ls_lists_committed_steps_with_sizes_and_marks_latest(tmp_path, capsys):
+    save_steps(str(tmp_path), [2, 4])
+    code, out, _ = run(capsys, "ls", str(tmp_path))
+    lines = out.strip().splitlines()
+    assert code == 0 and len(lines) == 3
+    assert lines[1].split()[0] == "2" and "latest" not in lines[1]
+    assert lines[2].split()[0] == "4" and lines[2].endswith("latest")
+    code, out, _ = run(capsys, "ls", str(tmp_path), "--json")
+    assert json.loads(out)["latest"] == 4
+
+
+def test_inspect_shows_tensors_shapes_layout_and_sizes(tmp_path, capsys):
+    save_steps(str(tmp_path), [2, 4])
+    code, out, _ = run(capsys, "inspect", str(tmp_path), "--step", "2")
+    assert code == 0 and "step 2" in out and '"tp": 1' in out
+    assert any(line.split()[-1] == "w" and "48x8" in line for line in out.splitlines())
+    code, out, _ = run(capsys, "inspect", str(tmp_path), "--json")
+    info = json.loads(out)
+    assert info["step"] == 4 and info["tensors"]["optimizer/exp_avg/w"]["kind"] == "optimizer"
+
+
+def test_verify_passes_a_sound_checkpoint_and_names_a_corrupted_file_with_exit_2(tmp_path, capsys):
+    save_steps(str(tmp_path), [2])
+    code, out, _ = run(capsys, "verify", str(tmp_path))
+    assert code == 0 and "ok" in out
+    data = next(Path(step_path(str(tmp_path), 2)).glob("*.safetensors"))
+    raw = bytearray(data.read_bytes())
+    raw[-5] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    code, _, err = run(capsys, "verify", str(tmp_path))
+    assert code == 2 and str(data) in err and "problem" in err.splitlines()[-1]
+
+
+def test_export_writes_consolidated_safetensors_that_plain_load_file_reads(tmp_path, capsys):
+    save_steps(str(tmp_path / "ckpt"), [3])
+    out_dir = tmp_path / "hf"
+    code, _, _ = run(capsys, "export", str(tmp_path / "ckpt"), str(out_dir))
+    assert code == 0
+    weights = load_file(str(out_dir / "model.safetensors"))
+    assert set(weights) == {"w", "b"}
+    assert torch.equal(weights["w"], W + 3) and torch.equal(weights["b"], B)
+    # Above the size limit: several files plus the index Hugging Face loaders follow.
+    code, _, _ = run(
+        capsys, "export", str(tmp_path / "ckpt"), str(tmp_path / "split"), "--max-file-size", "100B"
+    )
+    index = json.loads((tmp_path / "split" / "model.safetensors.index.json").read_text())
+    assert code == 0 and set(index["weight_map"]) == {"w", "b"}
+    for name, fname in index["weight_map"].items():
+        assert torch.equal(load_file(str(tmp_path / "split" / fname))[name], weights[name])
+
+
+def test_prune_keeps_the_newest_n(tmp_path, capsys):
+    save_steps(str(tmp_path), [1, 2, 3])
+    code, out, _ = run(capsys, "prune", str(tmp_path), "--keep", "1")
+    assert code == 0 and "1, 2" in out
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("step-")) == ["step-000000003"]
+
+
+def test_user_errors_are_one_line_with_exit_2(tmp_path, capsys):
+    for argv in (
+        ["ls", str(tmp_path / "nope")],
+        ["inspect", str(tmp_path)],
+        ["prune", str(tmp_path), "--keep", "0"],
+        ["export", str(tmp_path), str(tmp_path / "o"), "--max-file-size", "lots"],
+    ):
+        code, _, err = run(capsys, *argv)
+        assert code == 2 and len(err.strip().splitlines()) == 1, (argv, err)

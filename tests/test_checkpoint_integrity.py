@@ -1,0 +1,164 @@
+"""Integrity of committed checkpoints: corruption, missing files, versions, commits, retention."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoint import (
+    Checkpoint,
+    CorruptCheckpointError,
+    FormatError,
+    NoCheckpointError,
+    SaveOptions,
+    Saver,
+    ShardInfo,
+    committed_steps,
+    load_latest,
+    open_step,
+    read_latest,
+    verify,
+)
+from checkpoint.store import step_path
+
+
+def tensors(step: int):
+    model = {
+        "a": (torch.full((64, 32), float(step)), ShardInfo.whole("a", (64, 32))),
+        "b": (torch.arange(100, dtype=torch.float64) + step, ShardInfo.whole("b", (100,))),
+    }
+    optim = {"exp_avg/a": (torch.full((64, 32), -float(step)), ShardInfo.whole("a", (64, 32)))}
+    return model, optim
+
+
+def save_steps(ckpt: str, steps, *, keep: int = 10, async_: bool = True) -> Saver:
+    saver = Saver(
+        ckpt, group=None, options=SaveOptions(async_=async_, keep=keep, chunk_min_bytes=1024)
+    )
+    for step in steps:
+        model, optim = tensors(step)
+        saver.save(
+            step=step, consumed_samples=step * 8, model=model, optimizer=optim, extra={"s": step}
+        )
+    saver.close()
+    return saver
+
+
+def blank():
+    model, optim = tensors(0)
+    for t, _ in [*model.values(), *optim.values()]:
+        t.fill_(float("nan"))
+    return model, optim
+
+
+def data_file(ckpt: str, step: int) -> str:
+    d = step_path(ckpt, step)
+    return os.path.join(d, next(f for f in os.listdir(d) if f.endswith(".safetensors")))
+
+
+def flip_byte(path: str, offset_from_end: int = 100) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-offset_from_end, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-offset_from_end, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def test_a_flipped_byte_is_named_by_verify_and_at_load_and_resume_falls_back_with_a_warning(
+    tmp_path,
+):
+    ckpt = str(tmp_path)
+    save_steps(ckpt, [1, 2])
+    bad = data_file(ckpt, 2)
+    flip_byte(bad)
+    problems = verify(open_step(ckpt, 2))
+    assert len(problems) == 1 and bad in problems[0] and "sha256" in problems[0]
+    assert verify(open_step(ckpt, 1)) == []
+    model, optim = blank()
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch") as err:
+        Checkpoint.open(step_path(ckpt, 2)).load_into(model, optim)
+    assert bad in str(err.value)
+    warnings: list[str] = []
+    loaded = load_latest(ckpt, model=model, optimizer=optim, warn=warnings.append)
+    assert (
+        loaded.step == 1
+        and torch.all(model["a"][0] == 1)
+        and torch.all(optim["exp_avg/a"][0] == -1)
+    )
+    assert len(warnings) == 1 and "step 2" in warnings[0] and bad in warnings[0]
+
+
+def test_a_missing_or_truncated_file_is_named_and_the_previous_step_loads(tmp_path):
+    ckpt = str(tmp_path)
+    save_steps(ckpt, [1, 2, 3])
+    os.remove(data_file(ckpt, 3))
+    with open(data_file(ckpt, 2), "r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(CorruptCheckpointError, match="missing"):
+        Checkpoint.open(step_path(ckpt, 3)).load_into(*blank())
+    assert any("bytes" in p or "truncated" in p for p in verify(open_step(ckpt, 2)))
+    warnings: list[str] = []
+    model, optim = blank()
+    assert load_latest(ckpt, model=model, optimizer=optim, warn=warnings.append).step == 1
+    assert [w.split(" ")[2] for w in warnings] == ["3", "2"]
+
+
+def test_a_manifest_of_an_unknown_format_version_is_refused_clearly(tmp_path):
+    ckpt = str(tmp_path)
+    save_steps(ckpt, [5])
+    path = os.path.join(step_path(ckpt, 5), "manifest.json")
+    raw = json.loads(Path(path).read_text())
+    raw["version"] = 99
+    Path(path).write_text(json.dumps(raw))
+    with pytest.raises(FormatError, match="format version 99 is not supported"):
+        open_step(ckpt, 5)
+
+
+def test_an_edited_manifest_fails_its_own_checksum(tmp_path):
+    ckpt = str(tmp_path)
+    save_steps(ckpt, [5])
+    path = os.path.join(step_path(ckpt, 5), "manifest.json")
+    text = Path(path).read_text().replace('"consumed_samples": 40', '"consumed_samples": 41')
+    Path(path).write_text(text)
+    with pytest.raises(FormatError, match="checksum"):
+        open_step(ckpt, 5)
+
+
+def test_a_directory_without_a_commit_is_never_loaded(tmp_path):
+    ckpt = str(tmp_path)
+    save_steps(ckpt, [1, 2])
+    # A save that died after writing everything but before the rename stays `.tmp`.
+    os.rename(step_path(ckpt, 2), step_path(ckpt, 2) + ".tmp")
+    assert committed_steps(ckpt) == [1]
+    model, optim = blank()
+    assert load_latest(ckpt, model=model, optimizer=optim).step == 1
+    with pytest.raises(NoCheckpointError):
+        Checkpoint.open(step_path(ckpt, 2) + ".tmp")
+    os.remove(os.path.join(step_path(ckpt, 1), "manifest.json"))
+    with pytest.raises(NoCheckpointError, match="never committed"):
+        Checkpoint.open(step_path(ckpt, 1))
+    with pytest.raises(NoCheckpointError):
+        load_latest(ckpt, model=model, optimizer=optim)
+
+
+def test_retention_keeps_the_newest_steps_and_never_deletes_latest(tmp_path):
+    ckpt = str(tmp_path)
+    save_steps(ckpt, [1, 2, 3, 4], keep=2)
+    assert committed_steps(ckpt) == [3, 4] and read_latest(ckpt) == 4
+    # Resumed from step 2 of an older run: `latest` (6) is lower than an existing step 9.
+    save_steps(ckpt, [9, 6], keep=1)
+    assert read_latest(ckpt) == 6 and committed_steps(ckpt) == [6, 9]
+
+
+def test_async_saves_reuse_one_staging_buffer_and_a_step_saved_again_replaces_the_old(tmp_path):
+    ckpt = str(tmp_path)
+    saver = save_steps(ckpt, [1, 2, 3, 2])
+    assert saver.staging_allocations == 1
+    assert read_latest(ckpt) == 2
+    model, optim = blank()
+    assert load_latest(ckpt, model=model, optimizer=optim).manifest.extra == {"s": 2}
+    assert not [n for n in os.listdir(ckpt) if n.endswith(".tmp")]
