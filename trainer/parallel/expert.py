@@ -160,7 +160,6 @@ class MoE(nn.Module):
         ctx: ParallelContext,
         seed: int,
         out_std: float,
-        aux_loss: bool,
         dtype: torch.dtype,
     ) -> None:
         super().__init__()
@@ -200,6 +199,8 @@ class MoE(nn.Module):
         logits = F.linear(xf, self.router.weight)
         top_logits, top_idx = logits.topk(self.top_k, dim=-1)
         weights = F.softmax(top_logits, dim=-1, dtype=torch.float32).to(x.dtype)
+        # The aux loss sees every token of the micro-batch, before any split over tp.
+        aux = self._aux_loss(logits, top_idx) if self.aux_scale > 0 else None
         if self.split_tokens:
             tp = self.ctx.tp
             n = xf.shape[0]
@@ -211,8 +212,7 @@ class MoE(nn.Module):
         if self.split_tokens:
             out = _GatherChunks.apply(out, tp.group, n, size, start, stop)
         out = out.reshape(shape)
-        if self.aux_scale > 0:
-            aux = self._aux_loss(logits, top_idx)
+        if aux is not None:
             self.last_aux = aux.detach()
             out = _AttachAux.apply(out, aux, self.aux_scale)
         return out
