@@ -9,6 +9,7 @@
 from elasticd.etcd.client import (
     EtcdAuthError,
     EtcdClient,
+    EtcdLeaseNotFound,
     EtcdUnavailableError,
     KeyValue,
     TxnResult,
@@ -28,6 +29,7 @@ __all__ = [
     "EtcdClient",
     "EtcdCluster",
     "EtcdConfig",
+    "EtcdLeaseNotFound",
     "EtcdUnavailableError",
     "Event",
     "KeyValue",

@@ -35,11 +35,16 @@ _RETRYABLE = {
     grpc.StatusCode.ABORTED,
 }
 # etcd answers these while it has no leader or its leader moved; another member may be fine.
+_AUTH_TEXT = ("authentication failed", "user name is empty", "permission denied", "auth token")
 _RETRYABLE_TEXT = ("leader changed", "no leader", "timed out", "too many requests", "stopped")
 
 
 class EtcdUnavailableError(EtcdError):
     """No member answered within the configured timeout."""
+
+
+class EtcdLeaseNotFound(EtcdError):
+    """The lease named in a request has expired or was revoked."""
 
 
 class EtcdAuthError(EtcdError):
@@ -107,7 +112,9 @@ def compare(key: str, target: str, op: str, value: int | bytes) -> Any:
 
 def put_op(key: str, value: bytes | str, lease: int = 0) -> Any:
     data = value.encode() if isinstance(value, str) else value
-    return etcdrpc.RequestOp(request_put=etcdrpc.PutRequest(key=key.encode(), value=data, lease=lease))
+    return etcdrpc.RequestOp(
+        request_put=etcdrpc.PutRequest(key=key.encode(), value=data, lease=lease)
+    )
 
 
 def delete_op(key: str, prefix: bool = False) -> Any:
@@ -228,10 +235,19 @@ class EtcdClient:
             except grpc.RpcError as exc:
                 last = exc
                 code, detail = exc.code(), (exc.details() or "")
-                if code == grpc.StatusCode.INVALID_ARGUMENT and "auth token" in detail:
+                if (
+                    code == grpc.StatusCode.INVALID_ARGUMENT
+                    and "auth token" in detail
+                    and self.config.user
+                ):
                     self._token = None  # expired simple token: log in again
-                elif code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+                elif code in (
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    grpc.StatusCode.PERMISSION_DENIED,
+                ) or any(t in detail for t in _AUTH_TEXT):
                     raise EtcdAuthError(f"etcd refused {what}: {detail}") from exc
+                elif code == grpc.StatusCode.NOT_FOUND and "lease not found" in detail:
+                    raise EtcdLeaseNotFound(f"etcd {what}: {detail}") from exc
                 elif code in _RETRYABLE or any(t in detail.lower() for t in _RETRYABLE_TEXT):
                     self.rotate(member)
                 else:
@@ -275,8 +291,12 @@ class EtcdClient:
         resp = self.call("delete", lambda m, t, md: m.kv.DeleteRange(req, timeout=t, metadata=md))
         return resp.deleted
 
-    def txn(self, compares: Sequence[Any], success: Sequence[Any], failure: Sequence[Any] = ()) -> TxnResult:
-        req = etcdrpc.TxnRequest(compare=list(compares), success=list(success), failure=list(failure))
+    def txn(
+        self, compares: Sequence[Any], success: Sequence[Any], failure: Sequence[Any] = ()
+    ) -> TxnResult:
+        req = etcdrpc.TxnRequest(
+            compare=list(compares), success=list(success), failure=list(failure)
+        )
         resp = self.call("txn", lambda m, t, md: m.kv.Txn(req, timeout=t, metadata=md))
         return TxnResult(resp.succeeded, resp.header.revision, tuple(resp.responses))
 
@@ -284,7 +304,9 @@ class EtcdClient:
 
     def lease_grant(self, ttl: float) -> int:
         req = etcdrpc.LeaseGrantRequest(TTL=max(1, round(ttl)))
-        resp = self.call("lease grant", lambda m, t, md: m.lease.LeaseGrant(req, timeout=t, metadata=md))
+        resp = self.call(
+            "lease grant", lambda m, t, md: m.lease.LeaseGrant(req, timeout=t, metadata=md)
+        )
         if resp.error:
             raise EtcdError(f"etcd lease grant failed: {resp.error}")
         return resp.ID
@@ -325,9 +347,13 @@ class EtcdClient:
             member = _Member(endpoint, None)
         req = etcdrpc.StatusRequest()
         if member is None:
-            return self.call("status", lambda m, t, md: m.maintenance.Status(req, timeout=t, metadata=md))
+            return self.call(
+                "status", lambda m, t, md: m.maintenance.Status(req, timeout=t, metadata=md)
+            )
         try:
-            return member.maintenance.Status(req, timeout=self.config.request_timeout, metadata=self.metadata())
+            return member.maintenance.Status(
+                req, timeout=self.config.request_timeout, metadata=self.metadata()
+            )
         except grpc.RpcError as exc:
             raise EtcdUnavailableError(f"etcd member {endpoint} did not answer status") from exc
 
@@ -351,7 +377,12 @@ def connect(config: EtcdConfig, *, check: bool = True) -> EtcdClient:
     client = EtcdClient(config)
     if check:
         try:
-            client.call("status", lambda m, t, md: m.maintenance.Status(etcdrpc.StatusRequest(), timeout=t, metadata=md))
+            client.call(
+                "status",
+                lambda m, t, md: m.maintenance.Status(
+                    etcdrpc.StatusRequest(), timeout=t, metadata=md
+                ),
+            )
         except BaseException:
             client.close()
             raise

@@ -164,7 +164,9 @@ class EmbeddedEtcd:
         with EtcdClient(config) as probe:
             while True:
                 if self.proc is not None and self.proc.poll() is not None:
-                    raise EtcdError(f"etcd {self.name} exited with {self.proc.returncode}: {self.tail_log()}")
+                    raise EtcdError(
+                        f"etcd {self.name} exited with {self.proc.returncode}: {self.tail_log()}"
+                    )
                 try:
                     probe.get("/elasticd/health-probe")
                     return

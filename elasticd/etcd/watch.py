@@ -93,7 +93,8 @@ class Watch:
                         raise grpc.RpcError(f"watch cancelled: {resp.cancel_reason}")
                     if resp.events:
                         events = [
-                            Event("delete" if e.type == 1 else "put", _kv(e.kv)) for e in resp.events
+                            Event("delete" if e.type == 1 else "put", _kv(e.kv))
+                            for e in resp.events
                         ]
                         self._next = resp.events[-1].kv.mod_revision + 1
                         try:

@@ -2,15 +2,15 @@
 
 Two ways in:
 
-- ``etcd-v3`` — :class:`EtcdRendezvousHandler`, the native event-driven handler (leases,
-  watches, one transaction per world). It implements torch's ``RendezvousHandler`` and
-  gives the elasticd agent a direct API::
+- ``etcd-v3`` — the native event-driven rendezvous (leases, watches, one transaction per
+  world). :class:`EtcdRendezvous` is its torch-free core and the elasticd agent's API;
+  :class:`EtcdRendezvousHandler` wraps it as torch's ``RendezvousHandler``::
 
       from elasticd.etcd import connect, EtcdConfig
-      from elasticd.rendezvous import EtcdRendezvousHandler, RendezvousSettings
+      from elasticd.rendezvous import EtcdRendezvous, RendezvousSettings
 
       client = connect(EtcdConfig(endpoints=("10.0.0.1:2379",)))
-      handler = EtcdRendezvousHandler(
+      handler = EtcdRendezvous(
           client=client,
           settings=RendezvousSettings(run_id="tiny", min_nodes=1, max_nodes=4,
                                       ttl=3, settle=1, join_timeout=300),
@@ -28,13 +28,16 @@ Two ways in:
   and join_timeout from job.yaml's ``rendezvous:``; torchrun passes them as
   ``--rdzv-conf ttl=3,settle=1,join_timeout=300``. Timeouts raise
   :class:`RendezvousTimeout`, a closed run :class:`RendezvousClosed`, an unreachable etcd
-  :class:`RendezvousConnection` — each both an ``ElasticdError`` and torch's error type.
+  :class:`RendezvousConnection` (all ``ElasticdError``; through the torch handler they are
+  also torch's own error types).
 
 - ``etcd-v3-dynamic`` — torch's DynamicRendezvousHandler on :func:`create_backend`, a
   backend fenced by the state key's etcd mod_revision.
 """
 
-from elasticd.rendezvous.backend import EtcdRendezvousBackend, EtcdStore, create_backend
+from typing import Any
+
+from elasticd.rendezvous.core import Change, EtcdRendezvous
 from elasticd.rendezvous.decisions import Member, RendezvousSettings, World
 from elasticd.rendezvous.errors import (
     RendezvousClosed,
@@ -42,12 +45,31 @@ from elasticd.rendezvous.errors import (
     RendezvousState,
     RendezvousTimeout,
 )
-from elasticd.rendezvous.handler import Change, EtcdRendezvousHandler
-from elasticd.rendezvous.params import settings_from_job, settings_from_params
-from elasticd.rendezvous.plugin import create_dynamic_handler, create_handler
+from elasticd.rendezvous.params import settings_from_job
+
+# These need torch; they load on first use so the agent and CLI start without it.
+_LAZY = {
+    "EtcdRendezvousBackend": "elasticd.rendezvous.backend",
+    "EtcdStore": "elasticd.rendezvous.backend",
+    "create_backend": "elasticd.rendezvous.backend",
+    "EtcdRendezvousHandler": "elasticd.rendezvous.torch_handler",
+    "create_handler": "elasticd.rendezvous.plugin",
+    "create_dynamic_handler": "elasticd.rendezvous.plugin",
+    "settings_from_params": "elasticd.rendezvous.params",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'elasticd.rendezvous' has no attribute {name!r}")
+
 
 __all__ = [
     "Change",
+    "EtcdRendezvous",
     "EtcdRendezvousBackend",
     "EtcdRendezvousHandler",
     "EtcdStore",

@@ -23,7 +23,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousBa
 from elasticd.errors import EtcdError
 from elasticd.etcd.client import EtcdClient, compare, put_op
 from elasticd.etcd.watch import Watch
-from elasticd.rendezvous.errors import RendezvousConnection, RendezvousState
+from elasticd.rendezvous.torch_handler import TorchRendezvousConnection as RendezvousConnection
+from elasticd.rendezvous.torch_handler import TorchRendezvousState as RendezvousState
 
 Token = object
 
@@ -64,7 +65,9 @@ class EtcdRendezvousBackend(RendezvousBackend):
             return None
         return _decode(item.value, self.key), item.mod_revision
 
-    def set_state(self, state: bytes, token: Token | None = None) -> tuple[bytes, Token, bool] | None:
+    def set_state(
+        self, state: bytes, token: Token | None = None
+    ) -> tuple[bytes, Token, bool] | None:
         if token is None:
             fence = compare(self.key, "create", "==", 0)  # only if absent
         elif isinstance(token, int) and not isinstance(token, bool) and token > 0:
@@ -90,7 +93,9 @@ class EtcdRendezvousBackend(RendezvousBackend):
 class EtcdStore(dist.Store):
     """A c10d ``Store`` on etcd: blocking ``get``/``wait`` are woken by a watch."""
 
-    def __init__(self, client: EtcdClient, prefix: str, timeout: timedelta = timedelta(seconds=300)) -> None:
+    def __init__(
+        self, client: EtcdClient, prefix: str, timeout: timedelta = timedelta(seconds=300)
+    ) -> None:
         super().__init__()
         self._client = client
         self._prefix = prefix.rstrip("/") + "/"
@@ -115,7 +120,11 @@ class EtcdStore(dist.Store):
         while True:
             item = self._client.get(full)
             value = (int(item.value) if item else 0) + int(amount)
-            fence = compare(full, "mod", "==", item.mod_revision) if item else compare(full, "create", "==", 0)
+            fence = (
+                compare(full, "mod", "==", item.mod_revision)
+                if item
+                else compare(full, "create", "==", 0)
+            )
             if self._client.txn([fence], [put_op(full, str(value))]).succeeded:
                 return value
 
@@ -183,5 +192,9 @@ def create_backend(params: RendezvousParameters) -> tuple[EtcdRendezvousBackend,
     except EtcdError as exc:
         raise RendezvousConnection(str(exc)) from exc
     backend = EtcdRendezvousBackend(client, settings.run_id, settings.prefix)
-    store = EtcdStore(client, f"{settings.run_prefix}dynamic/store", timeout=timedelta(seconds=settings.join_timeout))
+    store = EtcdStore(
+        client,
+        f"{settings.run_prefix}dynamic/store",
+        timeout=timedelta(seconds=settings.join_timeout),
+    )
     return backend, store

@@ -209,7 +209,9 @@ def parse_member(node: str, raw: bytes) -> Member:
         doc = json.loads(raw)
         return Member(node=node, addr=str(doc["addr"]), port=int(doc["port"]))
     except (ValueError, KeyError, TypeError) as exc:
-        raise RendezvousState(f"rendezvous join record of {node!r} is not valid JSON: {exc}") from exc
+        raise RendezvousState(
+            f"rendezvous join record of {node!r} is not valid JSON: {exc}"
+        ) from exc
 
 
 def parse_world(raw: bytes, revision: int = 0) -> World:
@@ -222,7 +224,9 @@ def parse_world(raw: bytes, revision: int = 0) -> World:
             Member(node=str(m["node"]), addr=str(m["addr"]), port=int(m["port"]))
             for m in doc["members"]
         )
-        return World(run_id=str(doc["run_id"]), round=int(doc["round"]), members=members, revision=revision)
+        return World(
+            run_id=str(doc["run_id"]), round=int(doc["round"]), members=members, revision=revision
+        )
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise RendezvousState(f"rendezvous world record is not valid: {exc}") from exc
 

@@ -1,27 +1,23 @@
-"""Rendezvous errors that are both ours (``ElasticdError``) and torch's.
-
-torch's elastic agent catches its own ``RendezvousError`` subclasses by type, and our CLI
-catches ``ElasticdError``; each error here is both, so either side handles it right.
-"""
+"""Rendezvous errors. These are torch-free (the agent need not import torch); the torch
+adapter (``torch_handler``) re-raises them as subclasses that are also torch's own
+``RendezvousError`` types, which torch's elastic agent catches by type."""
 
 from __future__ import annotations
-
-from torch.distributed.elastic.rendezvous import api as torch_api
 
 from elasticd.errors import RendezvousError
 
 
-class RendezvousClosed(RendezvousError, torch_api.RendezvousClosedError):
+class RendezvousClosed(RendezvousError):
     """The run was closed (finished or cancelled); no further rounds will form."""
 
 
-class RendezvousTimeout(RendezvousError, torch_api.RendezvousTimeoutError):
+class RendezvousTimeout(RendezvousError):
     """No world formed within ``join_timeout``."""
 
 
-class RendezvousConnection(RendezvousError, torch_api.RendezvousConnectionError):
+class RendezvousConnection(RendezvousError):
     """etcd could not be reached within its configured timeout."""
 
 
-class RendezvousState(RendezvousError, torch_api.RendezvousStateError):
+class RendezvousState(RendezvousError):
     """What is stored in etcd is not a valid rendezvous state."""

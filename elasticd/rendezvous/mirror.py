@@ -26,7 +26,9 @@ from elasticd.rendezvous.errors import RendezvousState
 class Mirror:
     """The run's keys as of ``revision``, with the derived facts the handler needs."""
 
-    def __init__(self, settings: RendezvousSettings, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, settings: RendezvousSettings, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.settings = settings
         self.cond = threading.Condition()
         self.kvs: dict[str, KeyValue] = {}

@@ -13,12 +13,14 @@ import ipaddress
 import os
 import socket
 import uuid
-
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from typing import TYPE_CHECKING
 
 from elasticd.errors import UsageError
 from elasticd.etcd.config import EtcdConfig, config_from_options, parse_endpoints
 from elasticd.rendezvous.decisions import RendezvousSettings
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 
 def _seconds(params: RendezvousParameters, *names: str, default: float | None) -> float | None:
@@ -28,7 +30,9 @@ def _seconds(params: RendezvousParameters, *names: str, default: float | None) -
             try:
                 return float(value)
             except (TypeError, ValueError) as exc:
-                raise UsageError(f"--rdzv-conf {name}={value!r} is not a number of seconds") from exc
+                raise UsageError(
+                    f"--rdzv-conf {name}={value!r} is not a number of seconds"
+                ) from exc
     return default
 
 
@@ -45,7 +49,9 @@ def settings_from_params(params: RendezvousParameters) -> RendezvousSettings:
     )
 
 
-def settings_from_job(job: object, *, run_id: str, min_nodes: int, max_nodes: int) -> RendezvousSettings:
+def settings_from_job(
+    job: object, *, run_id: str, min_nodes: int, max_nodes: int
+) -> RendezvousSettings:
     """Settings from a parsed job spec (``job.rendezvous`` has ttl, settle, join_timeout)."""
     r = job.rendezvous  # type: ignore[attr-defined]
     return RendezvousSettings(

@@ -2,34 +2,45 @@
 DynamicRendezvousHandler on our fenced backend).
 
 torch loads each entry point of the ``torchrun.handlers`` group, calls it with no
-arguments, and registers what it returns as the handler creator for that name.
+arguments, and registers what it returns as the handler creator for that name. It does
+so *while importing* ``torch.distributed.elastic.rendezvous``, so this module imports
+nothing from torch at module level: the creators import lazily.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+if TYPE_CHECKING:
+    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
 
-from elasticd.errors import EtcdError
-from elasticd.etcd.client import EtcdClient
-from elasticd.rendezvous.errors import RendezvousConnection
-from elasticd.rendezvous.handler import EtcdRendezvousHandler
-from elasticd.rendezvous.params import (
-    etcd_config_from_params,
-    local_address,
-    node_id_from_params,
-    settings_from_params,
-)
+    from elasticd.rendezvous.torch_handler import EtcdRendezvousHandler
 
 
 def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
     """The native handler for torch's ``RendezvousParameters``."""
+    from elasticd.rendezvous.torch_handler import as_torch_errors
+
+    return as_torch_errors(_create_handler)(params)
+
+
+def _create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
+    from elasticd.etcd.client import EtcdClient
+    from elasticd.rendezvous.core import EtcdRendezvous
+    from elasticd.rendezvous.params import (
+        etcd_config_from_params,
+        local_address,
+        node_id_from_params,
+        settings_from_params,
+    )
+    from elasticd.rendezvous.torch_handler import EtcdRendezvousHandler
+
     settings = settings_from_params(params)
     config = etcd_config_from_params(params)
     addr = local_address(params, config.endpoints)
     client = EtcdClient(config)
-    handler = EtcdRendezvousHandler(
+    rendezvous = EtcdRendezvous(
         client=client,
         settings=settings,
         node_id=node_id_from_params(params, addr),
@@ -37,11 +48,11 @@ def create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
         owns_client=True,
     )
     try:
-        handler.start()
-    except (EtcdError, RendezvousConnection):
+        rendezvous.start()
+    except BaseException:
         client.close()
         raise
-    return handler
+    return EtcdRendezvousHandler(rendezvous)
 
 
 def create_dynamic_handler(params: RendezvousParameters) -> RendezvousHandler:

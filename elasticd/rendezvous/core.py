@@ -1,8 +1,8 @@
-"""The native etcd v3 rendezvous handler (torchrun backend ``etcd-v3``).
+"""The native etcd v3 rendezvous, torch-free (``torch_handler`` adapts it to torchrun).
 
-API for the agent (it also implements torch's ``RendezvousHandler``)::
+API for the agent::
 
-    handler = EtcdRendezvousHandler(client=client, settings=RendezvousSettings(
+    handler = EtcdRendezvous(client=client, settings=RendezvousSettings(
         run_id="job", min_nodes=2, max_nodes=4, ttl=3, settle=1, join_timeout=300),
         node_id="node-a", addr="10.0.0.5", on_change=lambda change: ...)
     world = handler.next_world()      # blocks until a round including us closes
@@ -33,14 +33,9 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
-
-import torch.distributed as dist
-from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo
-from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
 from elasticd.errors import EtcdError
-from elasticd.etcd.client import EtcdClient, compare, delete_op, put_op
+from elasticd.etcd.client import EtcdClient, EtcdLeaseNotFound, compare, delete_op, put_op
 from elasticd.etcd.server import free_port
 from elasticd.etcd.watch import Watch
 from elasticd.log import kv
@@ -69,7 +64,7 @@ class Change:
     nodes: tuple[str, ...] = ()
 
 
-class EtcdRendezvousHandler(RendezvousHandler):
+class EtcdRendezvous:
     """Event-driven world formation on etcd leases, watches and transactions."""
 
     def __init__(
@@ -99,7 +94,6 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self._reported: set[tuple[str, str]] = set()
         self._stop = threading.Event()
         self._keeper: threading.Thread | None = None
-        self._tcp_store: dist.TCPStore | None = None
         self._start_lock = threading.Lock()
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -121,14 +115,18 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 on_events=self._on_events,
             )
             if not self._watch.ready.wait(self._client.config.timeout):
-                raise RendezvousConnection(f"etcd watch on {self.settings.run_prefix} did not start")
+                raise RendezvousConnection(
+                    f"etcd watch on {self.settings.run_prefix} did not start"
+                )
 
     def _ensure_lease(self) -> int:
         if self._lease:
             return self._lease
         self._lease = self._client.lease_grant(self.settings.ttl)
         if self._keeper is None or not self._keeper.is_alive():
-            self._keeper = threading.Thread(target=self._keep_alive, name="rdzv-keepalive", daemon=True)
+            self._keeper = threading.Thread(
+                target=self._keep_alive, name="rdzv-keepalive", daemon=True
+            )
             self._keeper.start()
         return self._lease
 
@@ -177,7 +175,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def _check_change(self) -> None:
         with self._mirror.cond:
             changes = self._pending_changes()
-            fresh = [c for c in changes if any((c.kind, n) not in self._reported for n in c.nodes or ("",))]
+            fresh = [
+                c
+                for c in changes
+                if any((c.kind, n) not in self._reported for n in c.nodes or ("",))
+            ]
             for c in fresh:
                 self._reported.update((c.kind, n) for n in c.nodes or ("",))
         if changes:
@@ -210,7 +212,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
                 if m.world_error is not None:
                     raise m.world_error
                 world, open_round = m.world, m.open_round()
-                if world is not None and world.round == self._joined_round and world.rank_of(self.node_id) is not None:
+                if (
+                    world is not None
+                    and world.round == self._joined_round
+                    and world.rank_of(self.node_id) is not None
+                ):
                     if self._current is None or world.round > self._current.round:
                         return self._become_member(world)
                 seen_world_mod = m.world_mod
@@ -228,18 +234,33 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def _join(self, round_: int, seen_world_mod: int) -> bool:
         s = self.settings
         lease = self._ensure_lease()
-        me = Member(node=self.node_id, addr=self.addr, port=free_port(self.addr if self.addr else "127.0.0.1"))
+        me = Member(
+            node=self.node_id,
+            addr=self.addr,
+            port=free_port(self.addr if self.addr else "127.0.0.1"),
+        )
         fence = compare(s.world_key(), "mod", "==", seen_world_mod)
-        ops = [put_op(s.join_key(round_, self.node_id), member_json(me), lease), put_op(s.seq_key(round_), self.node_id)]
+        ops = [
+            put_op(s.join_key(round_, self.node_id), member_json(me), lease),
+            put_op(s.seq_key(round_), self.node_id),
+        ]
         if self._joined_round and self._joined_round != round_:
             ops.append(delete_op(s.join_key(self._joined_round, self.node_id)))
-        result = self._client.txn([fence], ops)
+        try:
+            result = self._client.txn([fence], ops)
+        except EtcdLeaseNotFound:
+            # Our lease expired (or was revoked) before the keep-alive noticed: take a new one.
+            self._lease = 0
+            return self._join(round_, seen_world_mod)
         if not result.succeeded:
             return False
         self._joined_round = round_
         log.info("joined round", **kv(node=self.node_id, round=round_))
         # Our own join must be in the mirror before we judge the round from it.
-        self._wait(self._clock() + self._client.config.timeout, lambda: self._mirror.revision >= result.revision)
+        self._wait(
+            self._clock() + self._client.config.timeout,
+            lambda: self._mirror.revision >= result.revision,
+        )
         return True
 
     def _wait(self, deadline: float, predicate: Callable[[], bool]) -> None:
@@ -267,7 +288,9 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     return  # our membership expired: join again
                 previous = m.world
                 joined = m.joins(round_)
-                pend = pending_previous(previous, m.joined_nodes(previous.round) if previous else ())
+                pend = pending_previous(
+                    previous, m.joined_nodes(previous.round) if previous else ()
+                )
                 delay = close_delay(
                     joined=len(joined),
                     pending_previous=pend,
@@ -283,7 +306,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
                     m.cond.wait(min(left, delay if delay is not None else left, 1.0))
                     continue
                 world, waiting = build_world(
-                    run_id=s.run_id, round_=round_, previous=previous, joined=joined, max_nodes=s.max_nodes
+                    run_id=s.run_id,
+                    round_=round_,
+                    previous=previous,
+                    joined=joined,
+                    max_nodes=s.max_nodes,
                 )
                 fences = [
                     compare(s.world_key(), "mod", "==", m.world_mod),
@@ -311,7 +338,12 @@ class EtcdRendezvousHandler(RendezvousHandler):
         self.changed.clear()
         log.info(
             "world formed",
-            **kv(node=self.node_id, round=world.round, rank=world.rank_of(self.node_id), world=world.size),
+            **kv(
+                node=self.node_id,
+                round=world.round,
+                rank=world.rank_of(self.node_id),
+                world=world.size,
+            ),
         )
         # A member that died between the close and now is already missing from the
         # mirror: report it at once rather than never.
@@ -342,38 +374,10 @@ class EtcdRendezvousHandler(RendezvousHandler):
             self._watch.cancel()
         if self._keeper is not None:
             self._keeper.join(timeout=5)
-        # The TCPStore server (if we host one) stays up until the process exits: peers may
-        # still be passing torch's exit barrier through it.
         if self._owns_client:
             self._client.close()
 
-    # -- torch's RendezvousHandler ---------------------------------------------------------------
-
-    def get_backend(self) -> str:
-        return "etcd-v3"
-
-    @property
-    def use_agent_store(self) -> bool:
-        return True
-
-    def next_rendezvous(self) -> RendezvousInfo:
-        world = self.next_world()
-        rank = world.rank_of(self.node_id)
-        assert rank is not None
-        timeout = timedelta(seconds=self.settings.join_timeout)
-        # Node rank 0 hosts the run's TCPStore on the port it reserved when it joined; the
-        # agents of this round and (through TORCHELASTIC_USE_AGENT_STORE) the workers use it.
-        if rank == 0:
-            self._tcp_store = dist.TCPStore(
-                world.master_addr, world.master_port, is_master=True, wait_for_workers=False, timeout=timeout
-            )
-            base = self._tcp_store
-        else:
-            self._tcp_store = None
-            base = dist.TCPStore(world.master_addr, world.master_port, is_master=False, timeout=timeout)
-        store = dist.PrefixStore(f"torchelastic/{self.settings.run_id}/{world.round}", base)
-        info = RendezvousStoreInfo(master_addr=world.master_addr, master_port=world.master_port)
-        return RendezvousInfo(store, rank, world.size, info)
+    # -- run state ------------------------------------------------------------------------------
 
     def is_closed(self) -> bool:
         self.start()
@@ -394,16 +398,6 @@ class EtcdRendezvousHandler(RendezvousHandler):
             changes = self._pending_changes()
         return sum(max(1, len(c.nodes)) for c in changes if c.kind != "closed")
 
-    def get_run_id(self) -> str:
+    @property
+    def run_id(self) -> str:
         return self.settings.run_id
-
-    def shutdown(self) -> bool:
-        """torch semantics: close the run for everyone, then leave and release resources."""
-        try:
-            self.set_closed()
-        except RendezvousConnection as exc:
-            log.warning("could not close the run", **kv(error=str(exc)))
-            self.close()
-            return False
-        self.close()
-        return True

@@ -1,0 +1,152 @@
+"""The etcd client against a real etcd: key/value, transactions, leases, watches,
+failover across members, auth, and clear errors (not hangs) when etcd is unreachable."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from conftest import fresh_prefix
+
+from elasticd.errors import EtcdError, UsageError
+from elasticd.etcd import (
+    EmbeddedEtcd,
+    EtcdAuthError,
+    EtcdClient,
+    EtcdConfig,
+    EtcdUnavailableError,
+    Watch,
+    compare,
+    config_from_options,
+    connect,
+    free_port,
+    parse_endpoints,
+    put_op,
+)
+
+
+def test_endpoints_parse_with_schemes_spaces_and_several_members():
+    assert parse_endpoints("http://a:2379, b:1") == ("a:2379", "b:1")
+    assert parse_endpoints(None) == ("127.0.0.1:2379",)
+
+
+@pytest.mark.parametrize("bad", ["a", "a:b", ":1", "a:70000"])
+def test_a_malformed_endpoint_is_a_one_line_usage_error(bad):
+    with pytest.raises(UsageError, match="host:port"):
+        parse_endpoints(bad)
+
+
+def test_options_need_cert_and_key_together():
+    with pytest.raises(UsageError, match="cert"):
+        config_from_options({"endpoints": "a:1", "cert": "c.pem"})
+    cfg = config_from_options({"etcd": "a:1", "timeout": "1.5"}, env={})
+    assert cfg.endpoints == ("a:1",) and cfg.timeout == 1.5 and cfg.request_timeout == 1.5
+
+
+def test_put_get_delete_and_prefix_reads(etcd_client):
+    p = fresh_prefix()
+    rev = etcd_client.put(p + "a", "1")
+    etcd_client.put(p + "b", b"2")
+    item = etcd_client.get(p + "a")
+    assert item.value == b"1" and item.mod_revision == rev
+    items, head = etcd_client.get_prefix(p)
+    assert [i.key for i in items] == [p + "a", p + "b"] and head >= rev
+    assert etcd_client.delete(p, prefix=True) == 2
+    assert etcd_client.get(p + "a") is None
+
+
+def test_a_transaction_runs_its_success_branch_only_when_the_compare_holds(etcd_client):
+    p = fresh_prefix()
+    rev = etcd_client.put(p + "k", "v1")
+    ok = etcd_client.txn([compare(p + "k", "mod", "==", rev)], [put_op(p + "k", "v2")])
+    stale = etcd_client.txn([compare(p + "k", "mod", "==", rev)], [put_op(p + "k", "v3")])
+    assert ok.succeeded and not stale.succeeded
+    assert etcd_client.get(p + "k").value == b"v2"
+
+
+def test_a_leased_key_disappears_on_revoke_and_the_watch_sees_it(etcd_client):
+    p = fresh_prefix()
+    seen: list = []
+    got_delete = threading.Event()
+
+    def on_events(events):
+        seen.extend(events)
+        if any(e.kind == "delete" for e in events):
+            got_delete.set()
+
+    _, rev = etcd_client.get_prefix(p)
+    watch = Watch(etcd_client, p, start_revision=rev + 1, on_events=on_events)
+    try:
+        lease = etcd_client.lease_grant(5)
+        assert etcd_client.lease_keepalive(lease) == 5
+        etcd_client.put(p + "node", "x", lease=lease)
+        etcd_client.lease_revoke(lease)
+        assert got_delete.wait(5)
+        assert [(e.kind, e.kv.key) for e in seen] == [("put", p + "node"), ("delete", p + "node")]
+        assert etcd_client.lease_keepalive(lease) == 0
+    finally:
+        watch.cancel()
+
+
+def test_an_unreachable_endpoint_fails_with_a_clear_error_within_the_timeout():
+    port = free_port()
+    t0 = time.monotonic()
+    with pytest.raises(EtcdUnavailableError, match=f"127.0.0.1:{port} did not answer"):
+        connect(EtcdConfig(endpoints=(f"127.0.0.1:{port}",), timeout=1.5, request_timeout=0.5))
+    assert time.monotonic() - t0 < 3.0
+
+
+def test_a_dead_first_member_fails_over_to_a_live_one(etcd_server):
+    config = EtcdConfig(endpoints=(f"127.0.0.1:{free_port()}", etcd_server.endpoint), timeout=5)
+    with EtcdClient(config) as client:
+        p = fresh_prefix()
+        client.put(p + "k", "v")
+        assert client.get(p + "k").value == b"v"
+        assert client.endpoint == etcd_server.endpoint
+
+
+def test_an_etcd_that_goes_down_gives_a_clear_error_not_a_hang(tmp_path):
+    server = EmbeddedEtcd(data_dir=str(tmp_path / "down")).start()
+    client = connect(server.client_config(timeout=1.0, request_timeout=0.5))
+    try:
+        client.put("/k", "v")
+        server.stop()
+        t0 = time.monotonic()
+        with pytest.raises(EtcdUnavailableError):
+            client.get("/k")
+        assert time.monotonic() - t0 < 2.5
+    finally:
+        client.close()
+        server.stop()
+
+
+def test_user_and_password_auth_is_enforced(tmp_path):
+    from etcd3 import etcdrpc
+
+    server = EmbeddedEtcd(data_dir=str(tmp_path / "auth")).start()
+    try:
+        with EtcdClient(server.client_config()) as admin:
+
+            def setup(m, t, md):
+                m.auth.UserAdd(
+                    etcdrpc.AuthUserAddRequest(name="root", password="s3cret"), timeout=t
+                )
+                m.auth.UserGrantRole(
+                    etcdrpc.AuthUserGrantRoleRequest(user="root", role="root"), timeout=t
+                )
+                m.auth.AuthEnable(etcdrpc.AuthEnableRequest(), timeout=t)
+
+            admin.call("auth setup", setup)
+        with EtcdClient(server.client_config(user="root", password="s3cret")) as good:
+            good.put("/secret", "v")
+            assert good.get("/secret").value == b"v"
+        with (
+            pytest.raises(EtcdAuthError),
+            EtcdClient(server.client_config(user="root", password="nope")) as bad,
+        ):
+            bad.get("/secret")
+        with pytest.raises(EtcdError), EtcdClient(server.client_config()) as anonymous:
+            anonymous.get("/secret")
+    finally:
+        server.stop()

@@ -1,0 +1,127 @@
+"""The pure rendezvous core: the close rule, rank assignment, the world record."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from elasticd.errors import UsageError
+from elasticd.rendezvous.decisions import (
+    Member,
+    RendezvousSettings,
+    World,
+    build_world,
+    close_delay,
+    order_members,
+    parse_join_key,
+    parse_world,
+    pending_previous,
+)
+from elasticd.rendezvous.errors import RendezvousState
+
+
+def _delay(**kw):
+    base = dict(
+        joined=2, pending_previous=0, min_nodes=2, max_nodes=4, since_last_join=0.0, settle=1.0
+    )
+    base.update(kw)
+    return close_delay(**base)
+
+
+def test_a_round_closes_at_once_when_max_nodes_joined():
+    assert _delay(joined=4, since_last_join=0.0) == 0.0
+
+
+def test_a_round_at_min_nodes_closes_after_settle_without_new_joins():
+    assert _delay(joined=2, since_last_join=0.25) == pytest.approx(0.75)
+    assert _delay(joined=3, since_last_join=1.5) == 0.0
+
+
+def test_a_round_below_min_nodes_never_closes_on_time_alone():
+    assert _delay(joined=1, since_last_join=100.0) is None
+
+
+def test_a_round_waits_for_live_members_of_the_previous_world_even_at_max():
+    assert _delay(joined=4, pending_previous=1) is None
+
+
+def test_survivors_keep_their_relative_order_and_newcomers_follow_in_join_order():
+    members, waiting = order_members(["c", "a", "b"], {"b": 9, "z": 5, "c": 7, "y": 3}, 8)
+    assert members == ["c", "b", "y", "z"]
+    assert waiting == []
+
+
+def test_over_max_nodes_survivors_win_and_the_latest_newcomers_wait():
+    members, waiting = order_members(["b", "a"], {"a": 1, "b": 2, "n1": 3, "n2": 4}, 3)
+    assert members == ["b", "a", "n1"]
+    assert waiting == ["n2"]
+
+
+@given(
+    previous=st.lists(st.sampled_from("abcdefgh"), unique=True),
+    joined=st.dictionaries(st.sampled_from("abcdefghijk"), st.integers(1, 100), min_size=1),
+    max_nodes=st.integers(1, 12),
+)
+def test_rank_order_is_a_deterministic_partition_of_the_joined_nodes(previous, joined, max_nodes):
+    members, waiting = order_members(previous, joined, max_nodes)
+    assert sorted(members + waiting) == sorted(joined)
+    assert len(members) == min(max_nodes, len(joined))
+    kept = [n for n in previous if n in members]
+    assert members[: len(kept)] == kept  # survivors first, in their old order
+    assert (members, waiting) == order_members(
+        list(previous), dict(reversed(joined.items())), max_nodes
+    )
+
+
+def test_a_world_round_trips_through_json_with_rank_zero_as_master():
+    members = (
+        Member(node="b", addr="10.0.0.2", port=29500),
+        Member(node="a", addr="10.0.0.1", port=1),
+    )
+    world = World(run_id="job", round=3, members=members)
+    again = parse_world(world.to_json().encode(), revision=17)
+    assert again.nodes == ("b", "a") and again.round == 3 and again.revision == 17
+    assert (again.master_addr, again.master_port) == ("10.0.0.2", 29500)
+    assert again.rank_of("a") == 1 and again.rank_of("zz") is None
+
+
+@pytest.mark.parametrize(
+    "raw", [b"\x80\x04pickle", b"{}", b'{"version": 1, "members": "x"}', b"[]"]
+)
+def test_a_corrupt_world_record_is_a_state_error_not_a_crash(raw):
+    with pytest.raises(RendezvousState):
+        parse_world(raw)
+
+
+def test_build_world_uses_the_previous_world_to_keep_ranks_stable():
+    old = World(run_id="r", round=1, members=tuple(Member(node=n, addr="h", port=1) for n in "abc"))
+    joined = {n: (i, Member(node=n, addr="h", port=i)) for i, n in enumerate(["d", "c", "a"])}
+    world, waiting = build_world(run_id="r", round_=2, previous=old, joined=joined, max_nodes=8)
+    assert world.nodes == ("a", "c", "d") and world.round == 2 and waiting == []
+    assert pending_previous(old, ["b", "x"]) == 1
+
+
+def test_join_keys_parse_back_to_round_and_node():
+    s = RendezvousSettings(run_id="job", min_nodes=1, max_nodes=2)
+    assert parse_join_key(s, s.join_key(7, "node-a")) == (7, "node-a")
+    assert parse_join_key(s, s.world_key()) is None
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(run_id=""),
+        dict(run_id="a/b"),
+        dict(min_nodes=0),
+        dict(min_nodes=3, max_nodes=2),
+        dict(ttl=0.5),
+    ],
+)
+def test_impossible_settings_are_usage_errors(kw):
+    with pytest.raises(UsageError):
+        RendezvousSettings(**{"run_id": "r", **kw})
+
+
+def test_keepalive_defaults_to_a_third_of_the_ttl():
+    assert RendezvousSettings(run_id="r", ttl=3).keepalive == pytest.approx(1.0)

@@ -1,0 +1,219 @@
+"""The native etcd-v3 handler: world formation, push-based failure detection, scale-up,
+min/max, timeouts and closed semantics, against a real etcd. Processes where the
+behaviour is about processes dying; threads where it is about the protocol."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+from conftest import fresh_run_id
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+
+from elasticd.etcd import connect
+from elasticd.rendezvous import (
+    EtcdRendezvous,
+    EtcdRendezvousHandler,
+    RendezvousClosed,
+    RendezvousSettings,
+    RendezvousTimeout,
+)
+
+
+def _node_args(etcd_server, run, node, *extra):
+    return ["--etcd", etcd_server.endpoint, "--run-id", run, "--node-id", node, *extra]
+
+
+def _handlers(etcd_config, run, n, **kw):
+    settings = RendezvousSettings(run_id=run, **{"min_nodes": n, "max_nodes": n, **kw})
+    return [
+        EtcdRendezvous(
+            client=connect(etcd_config), settings=settings, node_id=f"n{i}", owns_client=True
+        )
+        for i in range(n)
+    ]
+
+
+def _form_all(handlers, timeout=30):
+    out, errors = {}, []
+
+    def go(h):
+        try:
+            out[h.node_id] = h.next_world()
+        except Exception as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=go, args=(h,)) for h in handlers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not errors, errors
+    return out
+
+
+def test_a_world_of_four_node_processes_forms_with_ranks_zero_to_three(etcd_server, spawn_node):
+    run = fresh_run_id()
+    nodes = [
+        spawn_node(_node_args(etcd_server, run, f"node{i}", "--min", "4", "--max", "4"))
+        for i in range(4)
+    ]
+    worlds = [n.next_event("world", 60) for n in nodes]
+    assert sorted(w["rank"] for w in worlds) == [0, 1, 2, 3]
+    assert len({tuple(w["nodes"]) for w in worlds}) == 1  # everyone agrees on one world
+    assert len({w["master"] for w in worlds}) == 1 and {w["round"] for w in worlds} == {1}
+    rank0 = next(w for w in worlds if w["rank"] == 0)
+    assert worlds[0]["nodes"][0] == rank0["node"]
+
+
+def test_a_sigkilled_member_is_reported_to_every_survivor_within_ttl_plus_one_second(
+    etcd_server, spawn_node
+):
+    run, ttl = fresh_run_id(), 3.0
+    nodes = [
+        spawn_node(
+            _node_args(etcd_server, run, f"node{i}", "--min", "4", "--max", "4", "--ttl", str(ttl))
+        )
+        for i in range(4)
+    ]
+    for n in nodes:
+        n.next_event("world", 60)
+    victim, survivors = nodes[1], nodes[:1] + nodes[2:]
+    killed_at = time.time()
+    os.kill(victim.proc.pid, signal.SIGKILL)
+    for s in survivors:
+        change = s.next_event("change", ttl + 5)
+        assert change["kind"] == "lost" and change["nodes"] == ["node1"]
+        assert change["t"] - killed_at <= ttl + 1.0, f"told after {change['t'] - killed_at:.2f} s"
+
+
+def test_survivors_reform_without_the_dead_node_and_keep_their_relative_order(
+    etcd_server, spawn_node
+):
+    run = fresh_run_id()
+    args = ("--min", "2", "--max", "3", "--ttl", "2", "--settle", "0.3", "--reform")
+    nodes = [spawn_node(_node_args(etcd_server, run, f"node{i}", *args)) for i in range(3)]
+    first = {n: n.next_event("world", 60) for n in nodes}
+    assert {w["round"] for w in first.values()} == {1}
+    order = first[nodes[0]]["nodes"]
+    victim = next(n for n in nodes if first[n]["rank"] == 1)
+    os.kill(victim.proc.pid, signal.SIGKILL)
+    survivors = [n for n in nodes if n is not victim]
+    second = [n.next_event("world", 15) for n in survivors]
+    expected = [x for x in order if x != first[victim]["node"]]
+    assert all(w["nodes"] == expected and w["round"] == 2 for w in second)
+
+
+def test_a_late_joiner_is_reported_as_waiting_and_joins_the_next_round(etcd_server, spawn_node):
+    run = fresh_run_id()
+    args = ("--min", "2", "--max", "3", "--settle", "0.5", "--reform")
+    a, b = (spawn_node(_node_args(etcd_server, run, n, *args)) for n in ("a", "b"))
+    w1 = a.next_event("world", 60)
+    b.next_event("world", 10)
+    assert w1["round"] == 1 and sorted(w1["nodes"]) == ["a", "b"]
+    c = spawn_node(_node_args(etcd_server, run, "c", *args))
+    change = a.next_event("change", 30)
+    assert change["kind"] == "waiting" and change["nodes"] == ["c"]
+    w2 = [x.next_event("world", 15) for x in (a, b, c)]
+    assert {tuple(w["nodes"]) for w in w2} == {(*w1["nodes"], "c")}
+    assert {w["round"] for w in w2} == {2}
+
+
+def test_max_nodes_caps_the_world_and_the_extra_node_waits_until_a_member_leaves(etcd_config):
+    run = fresh_run_id()
+    handlers = _handlers(etcd_config, run, 3, min_nodes=2, max_nodes=2, settle=0.2)
+    out: dict = {}
+
+    def form(h):
+        out[h.node_id] = h.next_world()
+
+    try:
+        for h in handlers:
+            threading.Thread(target=form, args=(h,), daemon=True).start()
+        assert _until(lambda: len(out) == 2, 20)
+        (world,) = {w.nodes for w in out.values()}
+        assert len(world) == 2
+        members = [h for h in handlers if h.node_id in world]
+        (extra,) = [h for h in handlers if h.node_id not in world]
+        assert _until(lambda: members[0].num_nodes_waiting() == 1, 5)
+        assert members[0].changed.wait(5)
+        # A member leaves; the other re-forms and lets the waiting node in, keeping rank 0.
+        members[1].leave()
+        threading.Thread(target=form, args=(members[0],), daemon=True).start()
+        assert _until(lambda: extra.node_id in out, 20)
+        assert out[extra.node_id].nodes == (members[0].node_id, extra.node_id)
+        assert out[extra.node_id].round == 2
+    finally:
+        for h in handlers:
+            h.close()
+
+
+def _until(predicate, timeout):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_min_nodes_not_reached_times_out_with_a_timeout_error(etcd_config, etcd_client):
+    (alone,) = _handlers(etcd_config, fresh_run_id(), 1, min_nodes=2, max_nodes=2, join_timeout=1.0)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RendezvousTimeout, match="within 1 s"):
+            alone.next_world()
+        assert time.monotonic() - t0 < 3.0
+        assert etcd_client.get(alone.settings.join_key(1, "n0")) is None  # it withdrew
+    finally:
+        alone.close()
+
+
+def test_a_closed_run_refuses_new_rounds_and_shutdown_closes_it(etcd_config):
+    run = fresh_run_id()
+    a, b = _handlers(etcd_config, run, 2, min_nodes=1, max_nodes=2, settle=0.1)
+    try:
+        assert a.next_world().nodes == ("n0",)
+        assert not b.is_closed()
+        assert EtcdRendezvousHandler(a).shutdown() is True  # torch's shutdown closes the run
+        deadline = time.monotonic() + 5
+        while not b.is_closed() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert b.is_closed()
+        with pytest.raises(RendezvousClosed):
+            b.next_world()
+        with pytest.raises(RendezvousClosedError):
+            EtcdRendezvousHandler(b).next_rendezvous()
+    finally:
+        b.close()
+
+
+def test_a_graceful_leave_is_known_by_peers_well_before_a_ttl(etcd_config):
+    a, b = _handlers(etcd_config, fresh_run_id(), 2, ttl=10.0)
+    changes = []
+    b.on_change = changes.append
+    try:
+        _form_all([a, b])
+        t0 = time.monotonic()
+        a.leave()
+        assert b.changed.wait(2.0)
+        assert time.monotonic() - t0 < 1.0
+        assert changes[0].kind == "lost" and changes[0].nodes == ("n0",)
+        assert b.num_nodes_waiting() == 1
+    finally:
+        a.close()
+        b.close()
+
+
+def test_losing_our_own_lease_is_reported_to_ourselves(etcd_config, etcd_client):
+    (a,) = _handlers(etcd_config, fresh_run_id(), 1, ttl=10.0)
+    try:
+        a.next_world()
+        etcd_client.lease_revoke(a._lease)  # what an expiry would do
+        assert a.changed.wait(3.0)
+        assert a.next_world().round == 2  # and it can re-join with a fresh lease
+    finally:
+        a.close()
