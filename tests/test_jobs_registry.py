@@ -1,0 +1,153 @@
+"""The job registry on a real etcd, and the client commands on top of it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+
+from elasticd.cli import main
+from elasticd.errors import UsageError
+from elasticd.jobs import TRANSITIONS, JobRegistry, JobState, can_move
+from elasticd.jobspec import parse_job
+
+
+def unique(label: str = "job") -> str:
+    return f"{label}-{uuid.uuid4().hex[:8]}"
+
+
+def test_every_state_has_a_row_and_terminal_states_lead_nowhere():
+    assert set(TRANSITIONS) == set(JobState)
+    for state in JobState:
+        assert can_move(state, state)
+        if state.terminal:
+            assert not TRANSITIONS[state]
+    assert not can_move(JobState.SUCCEEDED, JobState.CANCELLED)
+    assert can_move(JobState.RUNNING, JobState.RECOVERING)
+
+
+def test_a_submitted_job_is_stored_as_json_and_read_back_pending(etcd_client):
+    reg = JobRegistry(etcd_client)
+    job = parse_job({"name": unique(), "train": {"steps": 7}})
+    record = reg.submit(job)
+    assert record.state == JobState.PENDING and record.spec["train"]["steps"] == 7
+    raw = etcd_client.get(f"/elasticd/jobs/{job.name}/spec").value
+    assert json.loads(raw)["name"] == job.name
+    assert record.run_id.startswith(job.name + "-")
+    assert record.job() == job
+    assert job.name in [r.name for r in reg.list()]
+
+
+def test_a_second_submit_is_refused_and_replace_needs_a_finished_job(etcd_client):
+    reg = JobRegistry(etcd_client)
+    job = parse_job({"name": unique()})
+    first = reg.submit(job)
+    with pytest.raises(UsageError, match="already exists"):
+        reg.submit(job)
+    with pytest.raises(UsageError, match="cancel it before replacing"):
+        reg.submit(job, replace=True)
+    reg.cancel(job.name)
+    reg.claim_failure(job.name, 1, {"reason": "worker_failed"})
+    second = reg.submit(job, replace=True)
+    assert second.state == JobState.PENDING and second.run_id != first.run_id
+    assert etcd_client.get(f"/elasticd/jobs/{job.name}/failures/1") is None
+
+
+def test_illegal_transitions_are_refused_and_write_nothing(etcd_client):
+    reg = JobRegistry(etcd_client)
+    job = parse_job({"name": unique()})
+    reg.submit(job)
+    assert reg.set_state(job.name, JobState.RUNNING, "round 1")
+    assert reg.set_state(job.name, JobState.SUCCEEDED, "done")
+    assert not reg.set_state(job.name, JobState.CANCELLED, "too late")
+    assert reg.get(job.name).state == JobState.SUCCEEDED
+    with pytest.raises(UsageError, match="already succeeded"):
+        reg.cancel(job.name)
+
+
+def test_concurrent_status_updates_lose_nothing(etcd_client):
+    reg = JobRegistry(etcd_client)
+    job = parse_job({"name": unique()})
+    reg.submit(job)
+
+    def bump() -> None:
+        for _ in range(10):
+            reg.update_status(job.name, lambda st: st.update(n=st.get("n", 0) + 1))
+
+    threads = [threading.Thread(target=bump) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert reg.get(job.name).status["n"] == 40
+
+
+def test_a_round_failure_is_claimed_once_and_the_rest_adopt_it(etcd_client):
+    reg = JobRegistry(etcd_client)
+    job = parse_job({"name": unique()})
+    reg.submit(job)
+    _claim, ours = reg.claim_failure(job.name, 3, {"reason": "worker_failed", "node": "a"})
+    again, ours_again = reg.claim_failure(job.name, 3, {"reason": "peer_lost", "node": "b"})
+    assert ours and not ours_again
+    assert again["reason"] == "worker_failed" and again["node"] == "a"
+
+
+def run_cli(*args, etcd=None, cwd=None, timeout=30):
+    cmd = [sys.executable, "-m", "elasticd", *args]
+    if etcd:
+        cmd += ["--etcd", etcd]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=timeout)
+
+
+def test_submit_status_list_cancel_through_the_cli(etcd_server, tmp_path):
+    name = unique("cli")
+    (tmp_path / "job.yaml").write_text(f"name: {name}\noutput_dir: out\ntrain: {{steps: 5}}\n")
+    ep = etcd_server.endpoint
+    r = run_cli("submit", "job.yaml", etcd=ep, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    r = run_cli("status", name, "--json", etcd=ep)
+    doc = json.loads(r.stdout)
+    assert doc["state"] == "pending" and doc["steps"] == 5
+    # Relative paths were resolved where submit ran, and stored absolute.
+    assert doc["output_dir"] == str((tmp_path / "out").resolve())
+    assert name in run_cli("list", etcd=ep).stdout
+    r = run_cli("cancel", name, etcd=ep)
+    assert r.returncode == 0 and "cancelled" in r.stdout
+    assert json.loads(run_cli("status", name, "--json", etcd=ep).stdout)["state"] == "cancelled"
+    r = run_cli("status", unique("nope"), etcd=ep)
+    assert r.returncode == 2 and "no such job" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_a_malformed_job_writes_nothing_to_etcd(etcd_client, etcd_server, tmp_path, capsys):
+    name = unique("bad")
+    (tmp_path / "job.yaml").write_text(f"name: {name}\nparallel: {{tp: 3}}\n")
+    code = main(["submit", str(tmp_path / "job.yaml"), "--etcd", etcd_server.endpoint])
+    assert code == 2 and "parallel.tp: 3 does not divide" in capsys.readouterr().err
+    assert etcd_client.get_prefix(f"/elasticd/jobs/{name}/")[0] == []
+
+
+@pytest.mark.parametrize("command", [["list"], ["status"], ["cancel", "x"], ["logs", "x"]])
+def test_an_unreachable_etcd_is_one_line_within_the_timeout(command, capsys):
+    started = time.monotonic()
+    code = main([*command, "--etcd", "127.0.0.1:1", "--etcd-timeout", "1.5"])
+    took = time.monotonic() - started
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "etcd at 127.0.0.1:1 did not answer" in err
+    assert took < 10  # bounded by the timeout, not a hang (generous for a loaded machine)
+
+
+def test_a_stopped_etcd_is_one_line_too(tmp_path, capsys):
+    from elasticd.etcd import EmbeddedEtcd
+
+    server = EmbeddedEtcd(data_dir=str(tmp_path / "etcd")).start()
+    endpoint = server.endpoint
+    server.stop()
+    code = main(["list", "--etcd", endpoint, "--etcd-timeout", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"etcd at {endpoint} did not answer" in err
