@@ -87,6 +87,7 @@ def _run(*, job, layout, rank: int, world: int, env: Mapping[str, str]) -> int:
     from elasticd.worker import WorkerChannel
     from trainer.parallel.context import ParallelContext, slot_of
     from trainer.parallel.groups import ProcessGroups
+    from trainer.parallel.pipeline import PipelineGroups
     from trainer.train import MetricsWriter, Trainer
 
     use_cuda = torch.cuda.is_available()
@@ -116,7 +117,8 @@ def _run(*, job, layout, rank: int, world: int, env: Mapping[str, str]) -> int:
             ctx = ParallelContext.from_groups(groups)
             model_groups = (slot_of(groups, "tp-dp-cp"),)
             trainer = Trainer(job=job, layout=layout, ctx=ctx, dp_rank=groups.index("dp"),
-                              model_groups=model_groups, device=device)  # fmt: skip
+                              model_groups=model_groups, device=device,
+                              pipeline=PipelineGroups.from_groups(groups))  # fmt: skip
             metrics = None
             if rank == 0:
                 metrics = MetricsWriter(

@@ -18,7 +18,8 @@ One optimizer step is, in order (each a method of :class:`Trainer`)::
 (prepared by ``begin_step``); the last chunk returns the scaled scalar loss. Its
 ``before_backward(chunk, is_last)`` hook is ``lambda c, last: trainer.grad_syncs[c]
 .set_sync(last)``. ``layer_ranges`` in :meth:`Trainer.__init__` says which global layers
-each chunk holds; today only pp = 1 (one chunk, every layer) is wired.
+each chunk holds. With pp > 1, ``pipeline`` (:class:`~trainer.parallel.pipeline.
+PipelineGroups`) places the chunks and runs the schedule in :meth:`Trainer.forward_backward`.
 
 **Checkpoint seam.** Every parameter has ``shard_info`` (:mod:`trainer.init`);
 ``named_parameters()`` yields them by global name; ``optimizer`` is a plain AdamW over the
@@ -56,6 +57,10 @@ from trainer.optim import (
 )
 from trainer.parallel.context import GroupSlot, ParallelContext
 from trainer.parallel.data import GradSync
+from trainer.parallel.pipeline import PipelineGroups
+
+# The tied word embedding: the first stage's embedding and the last stage's head copy.
+TIED_EMBEDDING = "embedding.word_embeddings.weight"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -100,10 +105,6 @@ def check_supported(job, layout: Layout) -> None:
         raise TrainerConfigError(
             f"parallel.etp: {p.expert_tp}: the built-in trainer supports etp = 1 or etp = tp ({p.tp})"
         )
-    if p.pp > 1:
-        raise TrainerConfigError(
-            f"parallel.pp: {p.pp}: the pipeline is not wired into the built-in trainer yet"
-        )
 
 
 class Trainer:
@@ -119,8 +120,13 @@ class Trainer:
         model_groups: tuple[GroupSlot, ...] = (),
         device: torch.device | None = None,
         overlap_grads: bool = True,
+        pipeline: PipelineGroups | None = None,
     ) -> None:
         check_supported(job, layout)
+        if layout.parallel.pp > 1 and pipeline is None:
+            raise TrainerConfigError(f"parallel.pp: {layout.parallel.pp} needs the pipeline groups")
+        self.pipeline = pipeline if layout.parallel.pp > 1 else None
+        self._tied_name = TIED_EMBEDDING if job.model.tie_embeddings else None
         self.job, self.layout, self.ctx = job, layout, ctx
         self.device = device or torch.device("cpu")
         m, t, p = job.model, job.train, layout.parallel
@@ -128,7 +134,9 @@ class Trainer:
         self.batches = BatchPlan(
             global_batch=t.global_batch, micro_batch=t.micro_batch, dp=layout.dp, dp_rank=dp_rank
         )
-        self.layer_ranges = [range(m.layers)]
+        self.layer_ranges = (
+            [range(m.layers)] if self.pipeline is None else self.pipeline.layer_ranges(m.layers)
+        )
         self.chunks = build_chunks(
             m, self.layer_ranges, ctx=ctx, seed=t.seed, dtype=DTYPES[t.dtype],
         )  # fmt: skip
@@ -142,6 +150,9 @@ class Trainer:
         for q in self.params:
             q.grad_replicas = grad_replicas(q, **sizes)
         self.model_groups = model_groups
+        if self.pipeline is not None:
+            self.pipeline.mark_tied_replicas(self.params, name=self._tied_name)
+            self.model_groups = (*model_groups, self.pipeline.slot)
         bucket_bytes = max(1, int(t.bucket_mb * (1 << 20)))
         self.grad_syncs = [
             GradSync(list(c.parameters()), dense=ctx.dp_cp, expert=ctx.expert_dp,
@@ -191,7 +202,18 @@ class Trainer:
         return loss
 
     def forward_backward(self) -> None:
-        """All micro-batches of the step with pp = 1."""
+        """All micro-batches of the step (pp = 1), or this stage's part of the pipeline."""
+        if self.pipeline is not None:
+            m, t = self.job.model, self.job.train
+            self.pipeline.run(
+                microbatches=len(self._batch),
+                shape=(t.micro_batch, m.seq_len, m.hidden),
+                dtype=DTYPES[t.dtype],
+                device=self.device,
+                forward=self.chunk_forward,
+                before_backward=lambda c, last: self.grad_syncs[c].set_sync(last),
+            )
+            return
         sync = self.grad_syncs[0]
         for m in range(len(self._batch)):
             sync.set_sync(m == len(self._batch) - 1)
@@ -209,6 +231,8 @@ class Trainer:
         advance the state."""
         for sync in self.grad_syncs:
             sync.finish()
+        if self.pipeline is not None:
+            self.pipeline.sync_tied(self.params, name=self._tied_name)
         norm = global_grad_norm(self.params, groups=self.model_groups)
         clip_grads(self.params, norm=norm, max_norm=self.job.train.grad_clip)
         self.optimizer.step()
@@ -216,6 +240,8 @@ class Trainer:
         if self.ctx.dp_cp.active:
             dist.all_reduce(loss, group=self.ctx.dp_cp.group)
             loss /= self.ctx.dp_cp.size
+        if self.pipeline is not None:
+            loss = self.pipeline.share_loss(loss)
         self.state.step += 1
         self.state.consumed_samples += self.job.train.global_batch
         step_s = time.perf_counter() - started

@@ -16,21 +16,28 @@ runs one chunk on one micro-batch, and optional hooks for gradient synchronisati
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from trainer.parallel.context import GroupSlot, slot_of
 from trainer.parallel.schedule import (
     Action,
     Kind,
     Op,
     ScheduleError,
     comm_batches,
+    layer_range,
     stage_actions,
     virtual_stage,
 )
+
+if TYPE_CHECKING:
+    from trainer.parallel.groups import ProcessGroups
 
 # forward(chunk, microbatch, input) -> output. ``input`` is None on the model's first
 # virtual stage (the chunk reads its own micro-batch of tokens); on the last virtual stage
@@ -181,3 +188,85 @@ def sync_tied_grads(grads: Sequence[torch.Tensor], *, group: dist.ProcessGroup |
         return
     for g in grads:
         dist.all_reduce(g, group=group)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PipelineGroups:
+    """This rank's place in its pipeline, built once per world from the process groups."""
+
+    pp: int  # pipeline stages
+    vpp: int  # model chunks per stage
+    stage: int  # this rank's stage
+    ranks: tuple[int, ...]  # global rank of every stage of this rank's pipeline
+    group: dist.ProcessGroup | None  # the pp group; None when pp = 1
+    embedding: dist.ProcessGroup | None  # first + last stage (tied embedding); None elsewhere
+    slot: GroupSlot  # the pp group as a GroupSlot (the global grad norm sums over it)
+
+    @classmethod
+    def from_groups(cls, groups: ProcessGroups) -> PipelineGroups:
+        p = groups.layout.parallel
+        piped = p.pp > 1
+        return cls(
+            pp=p.pp,
+            vpp=p.vpp,
+            stage=groups.index("pp"),
+            ranks=tuple(groups.ranks("pp")),
+            group=groups.get("pp") if piped else None,
+            embedding=groups.get("embedding") if piped else None,
+            slot=slot_of(groups, "pp"),
+        )
+
+    def layer_ranges(self, layers: int) -> list[range]:
+        """The global layers of each of this stage's chunks, chunk 0 first."""
+        return [
+            layer_range(layers=layers, pp=self.pp, vpp=self.vpp, stage=self.stage, chunk=c)
+            for c in range(self.vpp)
+        ]
+
+    def run(
+        self,
+        *,
+        microbatches: int,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        forward: ForwardFn,
+        before_backward: Callable[[int, bool], None] | None = None,
+        after_chunk_backward: Callable[[int], None] | None = None,
+    ) -> StepResult:
+        """One pipelined forward/backward of every micro-batch (1F1B, or interleaved)."""
+        return run_step(
+            plan=StagePlan(pp=self.pp, vpp=self.vpp, microbatches=microbatches, stage=self.stage),
+            wire=Wire(ranks=self.ranks, group=self.group, shape=shape, dtype=dtype, device=device),
+            forward=forward,
+            before_backward=before_backward,
+            after_chunk_backward=after_chunk_backward,
+        )
+
+    def tied_params(
+        self, params: Iterable[nn.Parameter], *, name: str | None
+    ) -> list[nn.Parameter]:
+        """This rank's copies of the weight called ``name`` that another stage also holds
+        (the word embedding on the first stage, and the head's copy on the last); none when
+        ``name`` is None (embeddings not tied)."""
+        if self.pp == 1 or name is None:
+            return []
+        return [p for p in params if p.shard_info.name == name]
+
+    def mark_tied_replicas(self, params: Iterable[nn.Parameter], *, name: str | None) -> None:
+        """Two stages hold the tied weight and, after :meth:`sync_tied`, the same gradient:
+        count each copy half, so the global gradient norm counts the weight once."""
+        for p in self.tied_params(params, name=name):
+            p.grad_replicas *= 2
+
+    def sync_tied(self, params: Iterable[nn.Parameter], *, name: str | None) -> None:
+        """Sum the tied weight's gradient over the first and last stage, every step."""
+        tied = [p.grad for p in self.tied_params(params, name=name) if p.grad is not None]
+        sync_tied_grads(tied, group=self.embedding)
+
+    def share_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Only the last stage computes the loss; sum it over the pipeline (the other
+        stages contribute zero) so that every rank, rank 0 included, reports it."""
+        if self.group is not None:
+            dist.all_reduce(loss, group=self.group)
+        return loss
