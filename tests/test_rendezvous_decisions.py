@@ -46,16 +46,16 @@ def test_a_round_waits_for_live_members_of_the_previous_world_even_at_max():
     assert _delay(joined=4, pending_previous=1) is None
 
 
-def test_survivors_keep_their_relative_order_and_newcomers_follow_in_join_order():
-    members, waiting = order_members(["c", "a", "b"], {"b": 9, "z": 5, "c": 7, "y": 3}, 8)
+def test_survivors_keep_their_relative_order_and_newcomers_follow_sorted_by_name():
+    members, waiting = order_members(["c", "a", "b"], {"b": 9, "z": 3, "c": 7, "y": 5}, 8)
     assert members == ["c", "b", "y", "z"]
     assert waiting == []
 
 
 def test_over_max_nodes_survivors_win_and_the_latest_newcomers_wait():
-    members, waiting = order_members(["b", "a"], {"a": 1, "b": 2, "n1": 3, "n2": 4}, 3)
-    assert members == ["b", "a", "n1"]
-    assert waiting == ["n2"]
+    members, waiting = order_members(["b", "a"], {"a": 1, "b": 2, "n2": 3, "n1": 4}, 3)
+    assert members == ["b", "a", "n2"]
+    assert waiting == ["n1"]
 
 
 @given(
@@ -69,6 +69,7 @@ def test_rank_order_is_a_deterministic_partition_of_the_joined_nodes(previous, j
     assert len(members) == min(max_nodes, len(joined))
     kept = [n for n in previous if n in members]
     assert members[: len(kept)] == kept  # survivors first, in their old order
+    assert members[len(kept) :] == sorted(members[len(kept) :])  # then newcomers by name
     assert (members, waiting) == order_members(
         list(previous), dict(reversed(joined.items())), max_nodes
     )

@@ -54,7 +54,7 @@ class EtcdRendezvousBackend(RendezvousBackend):
 
     @property
     def name(self) -> str:
-        return "etcd-v3"
+        return "etcd-v3-dynamic"
 
     def get_state(self) -> tuple[bytes, Token] | None:
         try:

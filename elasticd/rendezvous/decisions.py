@@ -124,14 +124,15 @@ def order_members(
     """``(members in rank order, left waiting)`` for a closing round.
 
     Survivors of the previous world keep their relative order (so their node ranks move
-    as little as possible); newcomers follow, in join order then by name. If more than
-    ``max_nodes`` joined, survivors are preferred and the latest newcomers wait.
+    as little as possible); newcomers follow, sorted by name. If more than ``max_nodes``
+    joined, survivors are preferred and the newcomers who arrived last wait.
     """
-    survivors = [n for n in previous if n in joined]
+    survivors = [n for n in previous if n in joined][:max_nodes]
     seen = set(survivors)
-    newcomers = sorted((n for n in joined if n not in seen), key=lambda n: (joined[n], n))
-    ranked = survivors + newcomers
-    return ranked[:max_nodes], ranked[max_nodes:]
+    by_arrival = sorted((n for n in joined if n not in seen), key=lambda n: (joined[n], n))
+    room = max_nodes - len(survivors)
+    admitted, waiting = by_arrival[:room], by_arrival[room:]
+    return survivors + sorted(admitted), waiting
 
 
 # -- the world record -----------------------------------------------------------------------
