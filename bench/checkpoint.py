@@ -1,0 +1,299 @@
+"""Checkpoint benchmark: our store against torch.distributed.checkpoint (DCP), side by side.
+
+    OMP_NUM_THREADS=1 python bench/checkpoint.py [--hidden 1024 --layers 2 --dir DIR]
+
+Four gloo ranks in a tp2 x dp2 layout save a GPT-like state (model + AdamW moments, a few
+hundred MB) with: our sync save, our async save (twice: the second reuses the staging
+buffers), a raw write of the same bytes with fsync by the same writers (the physical
+limit), DCP `save` and DCP `async_save` (twice). Then they load it in the same layout and
+resharded to tp4, with ours and with DCP. Every time is the slowest rank's. Files are
+read back from the page cache (this box cannot drop it), for both systems alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from checkpoint import SaveOptions, Saver, ShardInfo, load_latest
+
+TP, DP = 2, 2
+
+
+def spec(
+    hidden: int, layers: int, vocab: int
+) -> list[tuple[str, tuple[int, int] | tuple[int], int | None]]:
+    """(name, global shape, split dim under tp or None for replicated)."""
+    h = hidden
+    out = [("embedding.weight", (vocab, h), 0)]
+    for i in range(layers):
+        p = f"decoder.layers.{i}"
+        out += [
+            (f"{p}.attn.qkv.weight", (3 * h, h), 0),
+            (f"{p}.attn.proj.weight", (h, h), 1),
+            (f"{p}.mlp.fc1.weight", (4 * h, h), 0),
+            (f"{p}.mlp.fc2.weight", (h, 4 * h), 1),
+            (f"{p}.ln1.weight", (h,), None),
+            (f"{p}.ln2.weight", (h,), None),
+        ]
+    return out
+
+
+def local_state(tensors, tp: int, tp_rank: int, fill: bool):
+    model, optim = {}, {}
+    for name, shape, dim in tensors:
+        info = (
+            ShardInfo.whole(name, shape)
+            if dim is None
+            else ShardInfo.split(name, shape, dim, tp_rank, tp)
+        )
+        for key, target in (
+            (name, model),
+            (f"exp_avg/{name}", optim),
+            (f"exp_avg_sq/{name}", optim),
+        ):
+            target[key] = (torch.rand(info.sizes) if fill else torch.empty(info.sizes), info)
+    return model, optim
+
+
+def dtensor_state(model, optim, mesh, tp_dim_name: str):
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    out = {}
+    for key, (t, info) in [*model.items(), *optim.items()]:
+        split = next(
+            (
+                d
+                for d, (s, g) in enumerate(zip(info.sizes, info.global_shape, strict=True))
+                if s != g
+            ),
+            None,
+        )
+        placements = [
+            Replicate() if split is None or n != tp_dim_name else Shard(split)
+            for n in mesh.mesh_dim_names
+        ]
+        out[key] = DTensor.from_local(t, mesh, placements, run_check=False)
+    return out
+
+
+def timed(fn, group=None):
+    """Run ``fn`` on every rank; return (its result, the slowest rank's seconds)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    result = fn()
+    took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return result, float(took.item())
+
+
+def total(value: int) -> int:
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t)
+    return int(t.item())
+
+
+def rchar() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
+
+
+def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    group = dist.new_group(backend="gloo")
+    tensors = spec(args.hidden, args.layers, args.vocab)
+    tp_rank = rank % TP
+    model, optim = local_state(tensors, TP, tp_rank, fill=True)
+    r: dict[str, float] = {}
+    base = args.dir
+    ours = os.path.join(base, "ours")
+
+    saver = Saver(ours, group=group, options=SaveOptions(async_=True, keep=10))
+    for step in (1, 2):
+        _, stall = timed(
+            lambda s=step: saver.save(step=s, consumed_samples=s, model=model, optimizer=optim)
+        )
+        _res, rest = timed(saver.wait)
+        r[f"async{step}_stall"], r[f"async{step}_total"] = stall, stall + rest
+    saver.close()
+    sync = Saver(ours, group=group, options=SaveOptions(async_=False, keep=10))
+    _, r["sync"] = timed(
+        lambda: sync.save(step=3, consumed_samples=3, model=model, optimizer=optim)
+    )
+    written = sync.last.bytes_written
+    r["bytes_written"] = total(written)
+    sync.close()
+
+    raw_dir = os.path.join(base, "raw")
+    os.makedirs(raw_dir, exist_ok=True)
+    payload = torch.rand(written // 4 + 1).view(torch.uint8)[:written].numpy()
+
+    def raw_write():
+        fd = os.open(os.path.join(raw_dir, f"{rank}.bin"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        mv = memoryview(payload)
+        while mv:
+            mv = mv[os.write(fd, mv[: 1 << 30]) :]
+        os.fsync(fd)
+        os.close(fd)
+
+    _, r["raw"] = timed(raw_write)
+
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    state = dtensor_state(model, optim, mesh, "tp")
+    _, r["dcp_sync"] = timed(
+        lambda: dcp.save(state, checkpoint_id=os.path.join(base, "dcp-sync"), process_group=group)
+    )
+    for i in (1, 2):
+        fut, r[f"dcp_async{i}_stall"] = timed(
+            lambda i=i: dcp.async_save(
+                state, checkpoint_id=os.path.join(base, f"dcp-async{i}"), process_group=group
+            )
+        )
+        _, rest = timed(fut.result)
+        r[f"dcp_async{i}_total"] = r[f"dcp_async{i}_stall"] + rest
+
+    # Loads: same layout (tp2 x dp2) and resharded (tp4).
+    for label, tp in (("same", TP), ("reshard", 4)):
+        tgt_model, tgt_optim = local_state(tensors, tp, rank % tp, fill=False)
+        for verify in (True, False):
+            ck, took = timed(
+                lambda m=tgt_model, o=tgt_optim, v=verify: load_latest(
+                    ours, model=m, optimizer=o, group=group, verify=v
+                )
+            )
+            suffix = "" if verify else "_noverify"
+            r[f"load_{label}{suffix}"] = took
+            r[f"load_{label}{suffix}_read"] = total(ck.stats.bytes_read)
+            r[f"load_{label}{suffix}_needed"] = total(ck.stats.bytes_needed)
+        if tp == TP:
+            tgt_mesh = mesh
+        else:
+            tgt_mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+        tgt = dtensor_state(tgt_model, tgt_optim, tgt_mesh, "tp")
+        before = rchar()
+        _, r[f"dcp_load_{label}"] = timed(
+            lambda t=tgt: dcp.load(
+                t, checkpoint_id=os.path.join(base, "dcp-sync"), process_group=group
+            )
+        )
+        r[f"dcp_load_{label}_read"] = total(rchar() - before)
+    dist.barrier()
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(r, f)
+    dist.destroy_process_group()
+
+
+def report(r: dict[str, float], state_bytes: int) -> None:
+    mb = 1e6
+    written = r["bytes_written"]
+
+    def rate(nbytes, secs):
+        return f"{nbytes / mb / secs:8.0f} MB/s"
+
+    print(
+        f"state: {state_bytes / mb:.0f} MB global (model + exp_avg + exp_avg_sq), layout tp2 x dp2, 4 gloo ranks, 2 cores"
+    )
+    print(f"bytes written per save: ours {written / mb:.0f} MB (each region once)\n")
+    print("SAVE                                  seconds   throughput")
+    rows = [
+        ("raw write + fsync (same bytes, 4 writers)", r["raw"]),
+        ("ours sync save", r["sync"]),
+        ("DCP save", r["dcp_sync"]),
+        ("ours async save #1, total", r["async1_total"]),
+        ("ours async save #2, total", r["async2_total"]),
+        ("DCP async_save #1, total", r["dcp_async1_total"]),
+        ("DCP async_save #2, total", r["dcp_async2_total"]),
+    ]
+    for label, s in rows:
+        print(f"  {label:<42} {s:7.3f}  {rate(written, s)}")
+    print("\nASYNC STALL (caller blocked)          seconds")
+    for label, key in (
+        ("ours async #1 (allocates staging)", "async1_stall"),
+        ("ours async #2 (reuses staging)", "async2_stall"),
+        ("DCP async_save #1", "dcp_async1_stall"),
+        ("DCP async_save #2", "dcp_async2_stall"),
+    ):
+        print(f"  {label:<42} {r[key]:7.3f}")
+    print("\nLOAD                                  seconds   throughput   read/needed")
+    for label, key in (
+        ("ours same layout (tp2 x dp2)", "load_same"),
+        ("ours same layout, no verify", "load_same_noverify"),
+        ("DCP same layout", "dcp_load_same"),
+        ("ours resharded tp2 x dp2 -> tp4", "load_reshard"),
+        ("ours resharded, no verify", "load_reshard_noverify"),
+        ("DCP resharded -> tp4", "dcp_load_reshard"),
+    ):
+        needed = r.get(
+            f"{key}_needed", r["load_same_needed"] if "same" in key else r["load_reshard_needed"]
+        )
+        print(
+            f"  {label:<42} {r[key]:7.3f}  {rate(needed, r[key])}   {r[f'{key}_read'] / needed:5.2f}x"
+        )
+    print("  (DCP bytes read = rchar of its read() calls; ours = bytes our loader asked for)")
+
+    def goal(text, value, target, ok):
+        print(f"  {text:<58} {value:6.2f}x   goal {target:<8} {'met' if ok else 'NOT met'}")
+
+    print("\nGOALS (from the issue)")
+    v = r["raw"] / r["sync"]
+    goal("sync save speed vs raw write (raw_s / ours_s)", v, ">= 0.9", v >= 0.9)
+    v = r["dcp_sync"] / r["sync"]
+    goal("sync save speed vs DCP save (dcp_s / ours_s)", v, "> 1", v > 1)
+    v = r["dcp_load_reshard"] / r["load_reshard"]
+    goal("resharded load speed vs DCP resharded (dcp_s / ours_s)", v, ">= 2", v >= 2)
+    v = r["load_reshard"] / r["load_same"]
+    goal("resharded load time vs our same-layout load", v, "<= 1.2", v <= 1.2)
+    v = r["load_reshard_read"] / r["load_reshard_needed"]
+    goal("resharded load: bytes read / bytes needed", v, "<= 1.1", v <= 1.1)
+    v = r["async2_stall"] / r["dcp_async2_stall"]
+    goal("async stall vs DCP async_save blocked time", v, "<= 0.5", v <= 0.5)
+    v = r["async2_stall"] / r["sync"]
+    goal("async stall vs our sync save", v, "<= 0.2", v <= 0.2)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument(
+        "--dir", default=None, help="scratch directory (default: a temp dir under the cwd)"
+    )
+    args = p.parse_args()
+    base = args.dir or tempfile.mkdtemp(prefix="bench-ckpt-", dir=os.getcwd())
+    args.dir = base
+    os.makedirs(base, exist_ok=True)
+    try:
+        out = os.path.join(base, "result.json")
+        store = os.path.join(base, "store")
+        mp.spawn(worker, args=(TP * DP, store, args, out), nprocs=TP * DP, join=True)
+        with open(out) as f:
+            r = json.load(f)
+        numel = sum(
+            torch.Size(shape).numel() for _, shape, _ in spec(args.hidden, args.layers, args.vocab)
+        )
+        report(r, 3 * 4 * numel)
+    finally:
+        if args.dir == base:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
