@@ -144,10 +144,14 @@ class EmbeddedEtcd:
         self.client_port = self.client_port or free_port(self.host)
         self.peer_port = self.peer_port or free_port(self.host)
         log_path = os.path.join(self.data_dir, "etcd.log")
-        with open(log_path, "ab") as out:
-            self.proc = subprocess.Popen(
-                self.command(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-            )
+        command = self.command()
+        try:
+            with open(log_path, "ab") as out:
+                self.proc = subprocess.Popen(
+                    command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                )
+        except OSError as exc:
+            raise EtcdError(f"cannot start {command[0]}: {exc.strerror}") from exc
         log.info("etcd started", **kv(name=self.name, endpoint=self.endpoint, pid=self.proc.pid))
 
     def start(self, timeout: float = 20.0, client: EtcdConfig | None = None) -> EmbeddedEtcd:
@@ -180,9 +184,19 @@ class EmbeddedEtcd:
     def tail_log(self, lines: int = 5) -> str:
         try:
             with open(os.path.join(self.data_dir, "etcd.log"), errors="replace") as fh:
-                return " | ".join(fh.read().strip().splitlines()[-lines:])
+                text = fh.read().strip().splitlines()
         except OSError:
             return "(no log)"
+        # etcd prints usage after a flag error; the lines that say what went wrong matter.
+        wanted = [
+            t
+            for t in text
+            if any(
+                w in t.lower()
+                for w in ("error", "fatal", "panic", "flag provided", "invalid", "failed")
+            )
+        ]
+        return " | ".join((wanted or text)[-lines:])
 
     def kill(self) -> None:
         """SIGKILL, as a crash would."""

