@@ -339,11 +339,13 @@ class JobRunner:
         if outcome == Outcome.PREEMPTED:
             # Claimed before the workers stop: our peers' workers exit with the
             # preemption code a moment later and must find the cause already named.
-            self._registry.claim_failure(
+            claim, ours = self._registry.claim_failure(
                 self.name, rnd.number,
                 {"reason": "preempted", "node": self._node.node_id, "detail": "agent got SIGTERM",
                  "detected_at": detected_at},
             )  # fmt: skip
+            if ours:
+                self._count(rnd, claim)
         self._stop_workers(rnd, outcome)
         stopped_at = self._clock()
         self._after(rnd, outcome, detail, detected_at, stopped_at)

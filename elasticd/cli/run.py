@@ -152,7 +152,8 @@ def print_summary(result: dict[str, Any], *, out) -> None:
         if e.get("kind") != "recovery":
             continue
         cause = failures.get(e["round"] - 1, {})
-        parts = ", ".join(f"{k} {v:.2f}s" for k, v in e.get("parts", {}).items())
+        got = e.get("parts", {})
+        parts = ", ".join(f"{k} {got[k]:.2f}s" for k in PART_ORDER if k in got)
         fault_t = _fault_before(result.get("faults", []), e.get("detected_at", 0))
         detect = f"detection {e['detected_at'] - fault_t:.2f}s, " if fault_t else ""
         out.write(
@@ -160,6 +161,9 @@ def print_summary(result: dict[str, Any], *, out) -> None:
             f"{': ' + cause.get('detail', '') if cause.get('detail') else ''}): "
             f"{e['seconds']:.2f}s = {detect}{parts}\n"
         )
+
+
+PART_ORDER = ("stop", "rendezvous", "spawn", "pg_init", "ckpt_load", "first_step")
 
 
 def _fault_before(faults: list[dict[str, Any]], t: float) -> float | None:

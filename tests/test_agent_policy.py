@@ -1,0 +1,203 @@
+"""The agent's pure decisions, the worker channel, the fault specs and the metric names."""
+
+from __future__ import annotations
+
+import os
+import signal
+import urllib.request
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+
+from elasticd.agent.policy import (
+    Observation,
+    Outcome,
+    WorkerEnvInputs,
+    backoff,
+    decide,
+    latest_checkpoint_step,
+    worker_argv,
+    worker_envs,
+)
+from elasticd.errors import UsageError
+from elasticd.jobs import JobState
+from elasticd.localcluster import parse_fault
+from elasticd.metrics import AgentMetrics
+from elasticd.worker import PREEMPTED_EXIT_CODE, WorkerChannel, read_heartbeat
+
+
+def test_healthy_running_workers_keep_the_round_going():
+    assert decide(Observation(exit_codes=(None, None), stalest_heartbeat=1.0)) is None
+
+
+def test_our_own_preemption_beats_everything_else():
+    obs = Observation(preempting=True, job_state=JobState.CANCELLED, lost=("b",), exit_codes=(1,))
+    assert decide(obs) == Outcome.PREEMPTED
+
+
+def test_a_cancel_beats_a_worker_failure():
+    assert decide(Observation(job_state=JobState.CANCELLED, exit_codes=(1,))) == Outcome.CANCELLED
+
+
+def test_a_lost_peer_beats_the_local_crash_it_caused():
+    assert decide(Observation(lost=("node-1",), exit_codes=(1, None))) == Outcome.PEER_LOST
+
+
+def test_all_workers_exiting_zero_is_success_even_if_peers_already_left():
+    assert decide(Observation(lost=("b",), run_closed=True, exit_codes=(0, 0))) == Outcome.SUCCEEDED
+
+
+def test_the_preemption_exit_code_re_forms_without_counting_a_failure():
+    out = decide(Observation(exit_codes=(PREEMPTED_EXIT_CODE, None)))
+    assert out == Outcome.PEER_PREEMPTED and not out.counts_as_failure and out.reforms
+
+
+def test_a_non_zero_exit_is_a_failure_that_counts():
+    out = decide(Observation(exit_codes=(0, -9)))
+    assert out == Outcome.WORKER_FAILED and out.counts_as_failure
+
+
+def test_a_stale_heartbeat_past_the_hang_timeout_is_a_hang():
+    assert decide(Observation(exit_codes=(None,), stalest_heartbeat=5.1, hang_timeout=5)) == (
+        Outcome.WORKER_HUNG
+    )
+    assert decide(Observation(exit_codes=(None,), stalest_heartbeat=4.9, hang_timeout=5)) is None
+
+
+def test_scale_up_is_immediate_or_waits_for_the_next_committed_checkpoint():
+    base = {"exit_codes": (None,), "waiting": ("node-9",)}
+    assert decide(Observation(**base, scale_up_policy="immediate")) == Outcome.SCALE_UP
+    waiting = Observation(**base, checkpoint_at_waiting=10, checkpoint_now=10)
+    assert decide(waiting) is None
+    committed = Observation(**base, checkpoint_at_waiting=10, checkpoint_now=20)
+    assert decide(committed) == Outcome.SCALE_UP
+    first_ever = Observation(**base, checkpoint_at_waiting=-1, checkpoint_now=5)
+    assert decide(first_ever) == Outcome.SCALE_UP
+
+
+def test_a_job_that_succeeded_elsewhere_lets_our_workers_finish():
+    assert decide(Observation(job_state=JobState.SUCCEEDED, exit_codes=(None,))) == (
+        Outcome.FINISHED
+    )
+
+
+@given(st.integers(min_value=0, max_value=60))
+def test_backoff_doubles_and_is_capped(n):
+    value = backoff(n, base=0.5, cap=10.0)
+    assert 0 <= value <= 10.0
+    if n == 0:
+        assert value == 0
+    elif n < 5:
+        assert value == 0.5 * 2 ** (n - 1)
+    if n >= 1:
+        assert backoff(n + 1) >= value
+
+
+def test_workers_get_the_torchrun_environment_and_elasticd_variables():
+    envs = worker_envs(
+        WorkerEnvInputs(
+            job="j",
+            run_id="j-1",
+            round=4,
+            node_rank=1,
+            nodes=3,
+            nproc=2,
+            master_addr="10.0.0.1",
+            master_port=29400,
+            restart_count=2,
+            max_restarts=5,
+            layout_path="/s/layout.json",
+            job_path="/s/job.json",
+            extra={"PATH": "/bin"},
+        )
+    )
+    assert [e["RANK"] for e in envs] == ["2", "3"]
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1"]
+    e = envs[1]
+    assert (e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"], e["GROUP_RANK"]) == ("6", "2", "1")
+    assert (e["MASTER_ADDR"], e["MASTER_PORT"]) == ("10.0.0.1", "29400")
+    assert (e["TORCHELASTIC_RESTART_COUNT"], e["TORCHELASTIC_RUN_ID"]) == ("2", "j-1")
+    assert (e["ELASTICD_JOB"], e["ELASTICD_ROUND"], e["ELASTICD_LAYOUT"]) == (
+        "j", "4", "/s/layout.json",
+    )  # fmt: skip
+    assert e["PATH"] == "/bin"
+
+
+def test_the_default_command_is_the_built_in_trainer_on_the_job_file():
+    assert worker_argv(None, "/s/job.json", "/py") == ["/py", "-m", "trainer", "/s/job.json"]
+    assert worker_argv(["bash", "x.sh"], "/s/job.json", "/py") == ["bash", "x.sh"]
+
+
+def test_the_latest_committed_checkpoint_is_read_from_the_pointer_or_the_manifests(tmp_path):
+    assert latest_checkpoint_step(str(tmp_path / "none")) is None
+    for step in (5, 10):
+        (tmp_path / f"step-{step:09d}").mkdir()
+        (tmp_path / f"step-{step:09d}" / "manifest.json").write_text("{}")
+    (tmp_path / "step-000000015.tmp").mkdir()  # uncommitted: ignored
+    (tmp_path / "step-000000020").mkdir()  # no manifest: ignored
+    assert latest_checkpoint_step(str(tmp_path)) == 10
+    (tmp_path / "latest").write_text("step-000000005\n")
+    assert latest_checkpoint_step(str(tmp_path)) == 5
+
+
+def test_the_worker_channel_writes_whole_heartbeats_and_turns_sigterm_into_a_flag(tmp_path):
+    path = str(tmp_path / "hb.json")
+    ch = WorkerChannel(path=path, rank=3, clock=lambda: 123.0)
+    ch.mark("pg_ready")
+    ch.progress(step=4, loss=2.5, tokens_per_s=1000.0)
+    hb = read_heartbeat(path)
+    assert hb["step"] == 4 and hb["loss"] == 2.5 and hb["rank"] == 3
+    assert hb["phases"] == {"pg_ready": 123.0}
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        ch.install_preemption_handler()
+        assert not ch.preempt_requested()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert ch.preempt_requested() and ch.preempt_agreed()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_outside_an_agent_the_channel_is_a_no_op(tmp_path):
+    ch = WorkerChannel.from_env({})
+    ch.install_preemption_handler()  # must not take over SIGTERM under plain torchrun
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    ch.progress(step=1)
+    assert not ch.supervised and not ch.preempt_agreed()
+
+
+@pytest.mark.parametrize(
+    ("text", "kind", "target", "step"),
+    [("kill-node=1@step=8", "kill-node", 1, 8), ("add-node@step=3", "add-node", None, 3),
+     ("hang-worker=0@step=2", "hang-worker", 0, 2)],
+)  # fmt: skip
+def test_fault_specs_parse(text, kind, target, step):
+    f = parse_fault(text)
+    assert (f.kind, f.target, f.step) == (kind, target, step) and str(f) == text
+
+
+@pytest.mark.parametrize("text", ["kill-node@step=3", "add-node=2@step=3", "explode=1@step=2",
+                                  "kill-node=1@step=0", "kill-node=1"])  # fmt: skip
+def test_bad_fault_specs_are_usage_errors(text):
+    with pytest.raises(UsageError, match="--fault"):
+        parse_fault(text)
+
+
+def test_metrics_follow_prometheus_names_and_are_served():
+    reg = CollectorRegistry()
+    m = AgentMetrics(reg)
+    m.world_size.labels(job="j").set(3)
+    m.restarts.labels(job="j", reason="worker_failed").inc()
+    m.recovery_seconds.labels(job="j", reason="peer_lost").observe(4.2)
+    m.set_worker_states("j", {"running": 2})
+    port = m.serve(0, addr="127.0.0.1")
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert 'elasticd_world_size{job="j"} 3.0' in body
+    assert 'elasticd_restarts_total{job="j",reason="worker_failed"} 1.0' in body
+    assert 'elasticd_recovery_seconds_bucket{job="j",le="5.0",reason="peer_lost"} 1.0' in body
+    assert 'elasticd_workers{job="j",state="running"} 2.0' in body
+    assert 'elasticd_workers{job="j",state="failed"} 0.0' in body
+    names = {metric.name for metric in reg.collect()}
+    assert all(n.startswith("elasticd_") for n in names)
