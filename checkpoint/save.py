@@ -146,6 +146,13 @@ class Saver:
             self._pool.shutdown(wait=True)
             self._hasher.shutdown(wait=True)
 
+    def abandon(self) -> None:
+        """Stop without waiting (an error path: peers of an in-flight save may be gone).
+        The uncommitted step stays a `.tmp` leftover for the next save to clean."""
+        self._inflight = None
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._hasher.shutdown(wait=False, cancel_futures=True)
+
     # -- snapshot ---------------------------------------------------------------------------
 
     def _local_tensors(

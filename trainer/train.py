@@ -263,18 +263,27 @@ class Trainer:
         metrics: MetricsWriter | None = None,
         progress: Callable[[StepResult], None] | None = None,
     ) -> list[StepResult]:
-        """Train until ``train.steps`` steps are complete."""
-        # Resume point: the checkpoint store restores the parameters, self.optimizer and
-        # self.state here, before the first step.
+        """Train until ``train.steps`` steps are complete, resuming from the latest committed
+        checkpoint when there is one (unless ``checkpoint.resume`` is false) and saving every
+        ``checkpoint.every`` steps and after the last."""
+        from trainer.checkpointing import Checkpointing
+
+        ckpt = Checkpointing.create(self)
+        ckpt.resume()
         results = []
-        while self.state.step < self.job.train.steps:
-            result = self.train_step()
-            # Save point: a checkpoint of step self.state.step belongs here.
-            if metrics is not None:
-                metrics.write(result)
-            if progress is not None:
-                progress(result)
-            results.append(result)
+        try:
+            while self.state.step < self.job.train.steps:
+                result = self.train_step()
+                ckpt.after_step()
+                if metrics is not None:
+                    metrics.write(result)
+                if progress is not None:
+                    progress(result)
+                results.append(result)
+            ckpt.finish()
+        except BaseException:
+            ckpt.abandon()
+            raise
         return results
 
     def close(self) -> None:

@@ -1,0 +1,180 @@
+"""The trainer's side of the checkpoint store: what a resume needs, by global name.
+
+- Parameters: every ``param.shard_info`` (global name, shape and region; vocabulary
+  padding rows excluded), saved as model tensors.
+- AdamW: ``exp_avg/<name>`` and ``exp_avg_sq/<name>`` sharded exactly like the parameter,
+  and ``step/<name>`` (AdamW's per-parameter step count, a 0-d tensor), so all of it
+  reshards the same way.
+- Position: ``step`` and ``consumed_samples`` (the global data position).
+- RNG: each rank's generator states as rank tensors. They cannot map to another layout, so
+  on resume they are restored only when the layout is unchanged; otherwise each rank
+  reseeds with :func:`reseed_value` (seed, step, rank). See docs/checkpoint-format.md.
+
+Checkpoints go through a gloo group of the active ranks made for the store alone (its
+writer thread runs collectives on it while training uses the other groups).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from checkpoint import SaveOptions, Saver, ShardInfo, committed_steps, load_latest
+
+log = logging.getLogger("trainer.checkpointing")
+
+RESEED_STRIDE = 1_000_003
+
+
+def reseed_value(seed: int, step: int, rank: int) -> int:
+    """The generator seed of ``rank`` resuming at ``step`` in a layout other than the saved one."""
+    return seed + RESEED_STRIDE * step + rank
+
+
+class Checkpointing:
+    """Resume at start, save every ``checkpoint.every`` steps and after the last one."""
+
+    def __init__(self, trainer, *, rank: int, group: dist.ProcessGroup | None) -> None:
+        self.trainer = trainer
+        self.job = trainer.job
+        self.rank = rank
+        self.group = group
+        self.dir = self.job.ckpt_dir
+        cfg = self.job.checkpoint
+        self.saver = Saver(
+            self.dir,
+            group=group,
+            options=SaveOptions(async_=cfg.async_, keep=cfg.keep, job=self.job.name),
+        )
+        self.last_saved: int | None = None
+        self.layout = json.loads(json.dumps(trainer.layout.to_dict()))
+
+    @classmethod
+    def create(cls, trainer) -> Checkpointing:
+        """Make the store's group over the active ranks (every active rank must call this)."""
+        if not dist.is_initialized():
+            return cls(trainer, rank=0, group=None)
+        active = list(range(trainer.layout.active))
+        group = dist.new_group(active, backend="gloo", use_local_synchronization=True)
+        return cls(trainer, rank=dist.get_rank(), group=group)
+
+    # -- what is saved --------------------------------------------------------------------
+
+    def _model(self) -> dict[str, tuple[torch.Tensor, ShardInfo]]:
+        return {name: (p.detach(), p.shard_info) for name, p in self.trainer.named_parameters()}
+
+    def _optimizer(self, *, create: bool) -> dict[str, tuple[torch.Tensor, ShardInfo]]:
+        opt = self.trainer.optimizer
+        out = {}
+        for name, p in self.trainer.named_parameters():
+            state = opt.state[p]
+            if create and not state:
+                # What AdamW's first step would create; the load then overwrites it.
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if not state:
+                continue
+            info = p.shard_info
+            out[f"exp_avg/{name}"] = (state["exp_avg"], info)
+            out[f"exp_avg_sq/{name}"] = (state["exp_avg_sq"], info)
+            out[f"step/{name}"] = (state["step"], ShardInfo.whole(f"step/{name}", ()))
+        return out
+
+    def _rank_state(self) -> dict[str, torch.Tensor]:
+        out = {"rng/cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and self.trainer.device.type == "cuda":
+            out["rng/cuda"] = torch.cuda.get_rng_state(self.trainer.device)
+        return out
+
+    # -- resume -----------------------------------------------------------------------------
+
+    def resume(self) -> bool:
+        """Load the latest committed checkpoint, resharded to this layout, if there is one."""
+        if not self.job.checkpoint.resume or not committed_steps(self.dir):
+            return False
+        ckpt = load_latest(
+            self.dir,
+            model=self._model(),
+            optimizer=self._optimizer(create=True),
+            group=self.group,
+        )
+        state = self.trainer.state
+        state.step = ckpt.manifest.step
+        state.consumed_samples = ckpt.manifest.consumed_samples
+        same_layout = ckpt.manifest.layout == self.layout
+        if same_layout:
+            rng = ckpt.rank_state(self.rank)
+            torch.set_rng_state(rng["rng/cpu"])
+            if "rng/cuda" in rng and self.trainer.device.type == "cuda":
+                torch.cuda.set_rng_state(rng["rng/cuda"], self.trainer.device)
+        else:
+            seed = reseed_value(self.job.train.seed, state.step, self.rank)
+            torch.manual_seed(seed)
+        self.last_saved = state.step
+        if self.rank == 0:
+            how = "RNG restored" if same_layout else "layout changed, RNG reseeded"
+            print(
+                f"resumed from {ckpt.path} at step {state.step} "
+                f"(consumed_samples {state.consumed_samples}; {how}; "
+                f"read {ckpt.stats.bytes_read / 1e6:.1f} MB in {ckpt.stats.seconds:.2f} s)",
+                flush=True,
+            )
+        ckpt.close()
+        return True
+
+    # -- save ---------------------------------------------------------------------------------
+
+    def after_step(self) -> None:
+        """Surface a failed background save; save when the cadence or the last step says so."""
+        self.saver.check()
+        step = self.trainer.state.step
+        every = self.job.checkpoint.every
+        if (every > 0 and step % every == 0) or step >= self.job.train.steps:
+            self.save()
+
+    def save(self) -> None:
+        state = self.trainer.state
+        if self.last_saved == state.step:
+            return
+        opt = self.trainer.optimizer
+        scalars: dict[str, Any] = {
+            "type": type(opt).__name__,
+            "param_groups": [
+                {k: v for k, v in g.items() if k != "params" and _jsonable(v)}
+                for g in opt.param_groups
+            ],
+        }
+        self.saver.save(
+            step=state.step,
+            consumed_samples=state.consumed_samples,
+            model=self._model(),
+            optimizer=self._optimizer(create=False),
+            rank_state=self._rank_state(),
+            scalars=scalars,
+            extra={"seed": self.job.train.seed},
+            layout=self.layout,
+        )
+        self.last_saved = state.step
+
+    def finish(self) -> None:
+        """Save the final step if not saved yet, and wait until it is committed."""
+        if self.trainer.state.step > 0:
+            self.save()
+        self.saver.close()
+
+    def abandon(self) -> None:
+        """On an error path: stop without waiting on peers that may be gone."""
+        self.saver.abandon()
+
+
+def _jsonable(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
