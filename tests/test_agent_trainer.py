@@ -92,3 +92,18 @@ def test_a_tp2_job_on_two_nodes_goes_on_from_the_resharded_checkpoint_on_the_las
     reference = reference_losses(tmp_path, job)
     for rec in records:
         assert rec["loss"] == pytest.approx(reference[rec["step"]], rel=1e-4), rec["step"]
+
+
+def test_a_preempted_node_makes_the_trainer_commit_an_emergency_checkpoint_and_lose_no_step(
+    tmp_path,
+):
+    job = make_job(tmp_path, "term", steps=12)
+    job = parse_job({**job.to_dict(), "checkpoint": {**job.to_dict()["checkpoint"], "every": 100}})
+    result = run(job, 2, ["term-node=1@step=5"])
+    assert result["state"] == "succeeded", result["reason"]
+    steps = [r["step"] for r in result["metrics"]]
+    assert steps == list(range(1, 13)), "a step was repeated or skipped across the preemption"
+    assert [r["world"] for r in result["metrics"]][-1] == 1
+    reference = reference_losses(tmp_path, job)
+    for rec in result["metrics"]:
+        assert rec["loss"] == pytest.approx(reference[rec["step"]], rel=1e-4), rec["step"]

@@ -102,16 +102,19 @@ def _run(*, job, layout, rank: int, world: int, env: Mapping[str, str]) -> int:
         dist.init_process_group(backend, rank=rank, world_size=world,
                                 timeout=timedelta(minutes=10))  # fmt: skip
     channel = WorkerChannel.from_env(env)
+    channel.install_preemption_handler()  # SIGTERM under an agent: save now, then exit
     groups = ProcessGroups.build(layout, rank=rank)
     channel.mark("pg_ready")
     store = dist.distributed_c10d._get_default_store()
     trainer = None
+    preempted = False
     try:
         if groups.is_spare:
             print(f"rank {rank}: spare in a world of {world}; idling until the end", flush=True)
             # Poll the store rather than sit in a collective, which would time out.
             while not store.check([DONE_KEY]):
                 time.sleep(0.2)
+            preempted = store.get(DONE_KEY) == b"preempted"
         else:
             torch.manual_seed(job.train.seed + groups.index("dp"))
             ctx = ParallelContext.from_groups(groups)
@@ -130,15 +133,21 @@ def _run(*, job, layout, rank: int, world: int, env: Mapping[str, str]) -> int:
             def progress(r) -> None:
                 channel.progress(step=r.step, loss=r.loss, tokens_per_s=r.tokens_per_s)
 
-            trainer.run(metrics=metrics, progress=progress)
+            preempt = channel.preempt_agreed if channel.supervised else None
+            trainer.run(metrics=metrics, progress=progress, preempt=preempt)
             if rank == 0:
-                store.set(DONE_KEY, "1")
+                store.set(DONE_KEY, "preempted" if trainer.preempted else "1")
+            preempted = trainer.preempted
         dist.barrier()
     finally:
         if trainer is not None:
             trainer.close()
         groups.destroy()
         dist.destroy_process_group()
+    if preempted:
+        from elasticd.worker import PREEMPTED_EXIT_CODE
+
+        return PREEMPTED_EXIT_CODE  # the agent re-forms; this is not a failure
     return 0
 
 

@@ -128,6 +128,7 @@ class Trainer:
         self.pipeline = pipeline if layout.parallel.pp > 1 else None
         self._tied_name = TIED_EMBEDDING if job.model.tie_embeddings else None
         self.job, self.layout, self.ctx = job, layout, ctx
+        self.preempted = False
         self.device = device or torch.device("cpu")
         m, t, p = job.model, job.train, layout.parallel
         self.source = open_source(job.data, model_cfg=m, seed=t.seed)
@@ -262,10 +263,15 @@ class Trainer:
         *,
         metrics: MetricsWriter | None = None,
         progress: Callable[[StepResult], None] | None = None,
+        preempt: Callable[[object], bool] | None = None,
     ) -> list[StepResult]:
         """Train until ``train.steps`` steps are complete, resuming from the latest committed
         checkpoint when there is one (unless ``checkpoint.resume`` is false) and saving every
-        ``checkpoint.every`` steps and after the last."""
+        ``checkpoint.every`` steps and after the last.
+
+        ``preempt(group)`` (``elasticd.worker.WorkerChannel.preempt_agreed``) is asked after
+        every step; when any active rank was told to stop, the step just done is saved and
+        committed and the loop ends early with ``self.preempted`` set."""
         from trainer.checkpointing import Checkpointing
 
         ckpt = Checkpointing.create(self)
@@ -280,6 +286,9 @@ class Trainer:
                 if progress is not None:
                     progress(result)
                 results.append(result)
+                if preempt is not None and preempt(ckpt.group):
+                    self.preempted = True  # an emergency checkpoint: finish() commits it
+                    break
             ckpt.finish()
         except BaseException:
             ckpt.abandon()
