@@ -143,6 +143,10 @@ def main() -> None:
         print(f"{name:>9}: {rows[name][0]:>10,.0f} tokens/s  (final loss {rows[name][1]:.6f})")
     print(f"ratio bucketed/naive: {rows['bucketed'][0] / rows['naive'][0]:.2f}x "
           f"(bucket_mb {args.bucket_mb})")  # fmt: skip
+    # Both must train the same model; a faster sync that changes the numbers is no win.
+    a, b = rows["naive"][1], rows["bucketed"][1]
+    if abs(a - b) > 1e-5 * abs(a):
+        raise SystemExit(f"bucketed and naive runs disagree: final loss {b} vs {a}")
 
 
 if __name__ == "__main__":
