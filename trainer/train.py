@@ -276,6 +276,12 @@ class Trainer:
 
         ckpt = Checkpointing.create(self)
         ckpt.resume()
+        flag_group = None
+        if preempt is not None and dist.is_initialized():
+            # A group of its own: the async saver's thread talks on ckpt.group, and two
+            # threads on one gloo group interleave their collectives and deadlock.
+            active = list(range(self.layout.active))
+            flag_group = dist.new_group(active, backend="gloo", use_local_synchronization=True)
         results = []
         try:
             while self.state.step < self.job.train.steps:
@@ -286,7 +292,7 @@ class Trainer:
                 if progress is not None:
                     progress(result)
                 results.append(result)
-                if preempt is not None and preempt(ckpt.group):
+                if preempt is not None and preempt(flag_group):
                     self.preempted = True  # an emergency checkpoint: finish() commits it
                     break
             ckpt.finish()
