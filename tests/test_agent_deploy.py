@@ -1,0 +1,84 @@
+"""deploy/ stays in step with the code: manifests parse, the example job is valid, and the
+dashboard and scrape config use metric names the agent really exports."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import yaml
+from prometheus_client import CollectorRegistry
+
+from elasticd.cli import build_parser
+from elasticd.jobspec import parse_job
+from elasticd.metrics import AgentMetrics
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+
+
+def exported_names() -> set[str]:
+    names = set()
+    for metric in AgentMetrics(CollectorRegistry()).registry.collect():
+        names.add(metric.name)
+        for suffix in ("_total", "_bucket", "_count", "_sum", "_created"):
+            names.add(metric.name + suffix)
+    return names
+
+
+def test_every_metric_on_the_dashboard_is_one_the_agent_exports():
+    dashboard = json.loads((DEPLOY / "grafana-dashboard.json").read_text())
+    used = set()
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            used.update(re.findall(r"\belasticd_[a-z_]+", target["expr"]))
+    assert used, "the dashboard charts nothing"
+    assert used <= exported_names(), used - exported_names()
+    # Every series the agent exports is on the dashboard somewhere.
+    base = {m.name for m in AgentMetrics(CollectorRegistry()).registry.collect()}
+    charted = {n.removesuffix("_bucket").removesuffix("_total") for n in used}
+    assert base <= charted | {n.removesuffix("_total") for n in used}, base - charted
+
+
+def test_the_kubernetes_manifests_parse_and_the_submitted_job_is_valid():
+    docs = []
+    for path in sorted((DEPLOY / "kubernetes").glob("*.yaml")):
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    kinds = {d["kind"] for d in docs}
+    assert {"DaemonSet", "StatefulSet", "Job", "ConfigMap", "Service"} <= kinds
+    config = next(d for d in docs if d["kind"] == "ConfigMap")
+    job = parse_job(yaml.safe_load(config["data"]["job.yaml"]))
+    assert job.output_dir.startswith("/shared/")
+    daemonset = next(d for d in docs if d["kind"] == "DaemonSet")
+    pod = daemonset["spec"]["template"]["spec"]
+    grace = pod["terminationGracePeriodSeconds"]
+    assert grace > job.restart.grace_period  # the emergency checkpoint fits in the eviction
+    args = pod["containers"][0]["args"]
+    agent = build_parser().parse_args(
+        ["agent", *[a.replace("$(", "").replace(")", "") for a in args]]
+    )
+    assert agent.metrics_port == 9400 and agent.nproc_per_node == 8
+
+
+def test_the_systemd_unit_lets_the_agent_drive_a_stop_and_names_real_options():
+    unit = (DEPLOY / "systemd" / "elasticd-agent.service").read_text()
+    assert "KillMode=mixed" in unit and "KillSignal=SIGTERM" in unit
+    exec_start = re.search(r"ExecStart=(.*?)\n(?!\s)", unit, re.S).group(1)
+    words = exec_start.replace("\\\n", " ").split()
+    assert words[1:3] == ["agent", "--node-id"]
+    options = [w for w in words if w.startswith("--")]
+    parsed = build_parser().parse_args(
+        ["agent", *[x for o in options for x in (o, "1" if "port" in o or "nproc" in o else "x")]]
+    )
+    assert parsed.command == "agent"
+    env = (DEPLOY / "systemd" / "elasticd-agent.env").read_text()
+    for var in re.findall(r"\$\{(\w+)\}", unit):
+        assert re.search(rf"^{var}=", env, re.M), var
+
+
+def test_the_scrape_config_parses_and_keeps_the_agent_pods():
+    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    jobs = {c["job_name"]: c for c in config["scrape_configs"]}
+    assert {"elasticd", "elasticd-kubernetes"} <= set(jobs)
+    keep = jobs["elasticd-kubernetes"]["relabel_configs"][0]
+    assert keep["action"] == "keep" and keep["regex"] == "elasticd-agent"
