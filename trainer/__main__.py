@@ -134,7 +134,10 @@ def _run(*, job, layout, rank: int, world: int, env: Mapping[str, str]) -> int:
                 channel.progress(step=r.step, loss=r.loss, tokens_per_s=r.tokens_per_s)
 
             preempt = channel.preempt_agreed if channel.supervised else None
-            trainer.run(metrics=metrics, progress=progress, preempt=preempt)
+            trainer.run(
+                metrics=metrics, progress=progress, preempt=preempt,
+                checkpoint_group=groups.side("checkpoint"), control_group=groups.side("control"),
+            )  # fmt: skip
             if rank == 0:
                 store.set(DONE_KEY, "preempted" if trainer.preempted else "1")
             preempted = trainer.preempted

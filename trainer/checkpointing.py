@@ -54,12 +54,20 @@ class Checkpointing:
         self.layout = json.loads(json.dumps(trainer.layout.to_dict()))
 
     @classmethod
-    def create(cls, trainer) -> Checkpointing:
-        """Make the store's group over the active ranks (every active rank must call this)."""
-        if not dist.is_initialized():
-            return cls(trainer, rank=0, group=None)
-        active = list(range(trainer.layout.active))
-        group = dist.new_group(active, backend="gloo", use_local_synchronization=True)
+    def create(cls, trainer, *, group: dist.ProcessGroup | None = None) -> Checkpointing:
+        """``group``: a gloo group over the active ranks used by nothing else
+        (``ProcessGroups.side("checkpoint")``). Without one, a world with no spares makes it
+        here (every rank must then call this)."""
+        if group is not None or not dist.is_initialized():
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            return cls(trainer, rank=rank, group=group)
+        layout = trainer.layout
+        if layout.active != dist.get_world_size():
+            raise RuntimeError(
+                "a world with spare ranks needs the checkpoint group passed in "
+                "(ProcessGroups.side('checkpoint')), built by every rank"
+            )
+        group = dist.new_group(list(range(layout.active)), backend="gloo")
         return cls(trainer, rank=dist.get_rank(), group=group)
 
     # -- what is saved --------------------------------------------------------------------

@@ -264,6 +264,8 @@ class Trainer:
         metrics: MetricsWriter | None = None,
         progress: Callable[[StepResult], None] | None = None,
         preempt: Callable[[object], bool] | None = None,
+        checkpoint_group: dist.ProcessGroup | None = None,
+        control_group: dist.ProcessGroup | None = None,
     ) -> list[StepResult]:
         """Train until ``train.steps`` steps are complete, resuming from the latest committed
         checkpoint when there is one (unless ``checkpoint.resume`` is false) and saving every
@@ -271,13 +273,16 @@ class Trainer:
 
         ``preempt(group)`` (``elasticd.worker.WorkerChannel.preempt_agreed``) is asked after
         every step; when any active rank was told to stop, the step just done is saved and
-        committed and the loop ends early with ``self.preempted`` set."""
+        committed and the loop ends early with ``self.preempted`` set.
+
+        ``checkpoint_group`` and ``control_group`` (``ProcessGroups.side(...)``): gloo groups
+        over the active ranks for the checkpoint store and for the flags."""
         from trainer.checkpointing import Checkpointing
 
-        ckpt = Checkpointing.create(self)
+        ckpt = Checkpointing.create(self, group=checkpoint_group)
         ckpt.resume()
-        flag_group = None
-        if preempt is not None and dist.is_initialized():
+        flag_group = control_group
+        if preempt is not None and flag_group is None and dist.is_initialized():
             # A group of its own: the async saver's thread talks on ckpt.group, and two
             # threads on one gloo group interleave their collectives and deadlock.
             active = list(range(self.layout.active))

@@ -22,6 +22,14 @@ from elasticd.layout import GROUP_KINDS, Layout
 # agreement), so they get a gloo twin when the main backend is NCCL.
 GLOO_TWIN_KINDS = ("dp", "dp-cp", "expert-dp")
 
+# Gloo groups over all active ranks, one communicator per purpose: the checkpoint store's
+# writer thread runs collectives on "checkpoint" while the loop runs its own on "control"
+# (preemption flags); two threads on one group would interleave and deadlock. Every rank,
+# spares included, creates them here: `use_local_synchronization` would skip the spares,
+# but it names groups by the count of groups each rank is in, which differs between pipeline
+# stages (a pp=4 world hung).
+SIDE_PURPOSES = ("checkpoint", "control")
+
 
 class ProcessGroups:
     """This rank's groups, by kind; ``None`` where the rank is not a member."""
@@ -34,12 +42,14 @@ class ProcessGroups:
         backend: str,
         groups: dict[str, dist.ProcessGroup | None],
         gloo_groups: dict[str, dist.ProcessGroup | None],
+        side_groups: dict[str, dist.ProcessGroup | None] | None = None,
     ) -> None:
         self.layout = layout
         self.rank = rank
         self.backend = backend
         self._groups = groups
         self._gloo = gloo_groups
+        self._side = dict(side_groups or {})
         self._destroyed = False
 
     @classmethod
@@ -84,7 +94,15 @@ class ProcessGroups:
                 pg = make(ranks, "gloo")
                 if rank in ranks:
                     gloo[kind] = pg
-        return cls(layout=layout, rank=rank, backend=backend, groups=groups, gloo_groups=gloo)
+        active = list(range(layout.active))
+        side = {}
+        for purpose in SIDE_PURPOSES:
+            pg = dist.new_group(active, backend="gloo", **kwargs)  # never shared: no cache
+            side[purpose] = pg if rank in active else None
+        return cls(
+            layout=layout, rank=rank, backend=backend, groups=groups, gloo_groups=gloo,
+            side_groups=side,
+        )  # fmt: skip
 
     @property
     def is_spare(self) -> bool:
@@ -104,6 +122,14 @@ class ProcessGroups:
         if kind not in self._gloo:
             raise KeyError(f"no gloo twin for {kind!r}; kinds with one: {GLOO_TWIN_KINDS}")
         return self._gloo[kind]
+
+    def side(self, purpose: str) -> dist.ProcessGroup | None:
+        """The gloo group over all active ranks for ``purpose`` (see SIDE_PURPOSES); None
+        on a spare."""
+        self._check_alive()
+        if purpose not in self._side:
+            raise KeyError(f"no side group {purpose!r}; purposes: {SIDE_PURPOSES}")
+        return self._side[purpose]
 
     def ranks(self, kind: str) -> tuple[int, ...] | None:
         """Global ranks of this rank's group of ``kind``, in generator order."""
@@ -125,6 +151,7 @@ class ProcessGroups:
         """Drop the references; the default group's teardown releases the communicators."""
         self._groups = {k: None for k in self._groups}
         self._gloo = {k: None for k in self._gloo}
+        self._side = {k: None for k in self._side}
         self._destroyed = True
 
     def _check_alive(self) -> None:
