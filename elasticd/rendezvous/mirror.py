@@ -6,12 +6,14 @@ then applies every watch event to this mirror and wakes whoever waits on ``cond`
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, KeysView
 
 from elasticd.etcd.client import KeyValue
 from elasticd.etcd.watch import Event
+from elasticd.log import kv
 from elasticd.rendezvous.decisions import (
     Member,
     RendezvousSettings,
@@ -21,6 +23,8 @@ from elasticd.rendezvous.decisions import (
     parse_world,
 )
 from elasticd.rendezvous.errors import RendezvousState
+
+log = logging.getLogger("elasticd.rendezvous")
 
 
 class Mirror:
@@ -37,6 +41,7 @@ class Mirror:
         self.world_mod = 0
         self.world_error: RendezvousState | None = None
         self.seq_seen: dict[int, float] = {}
+        self.rounds: dict[int, dict[str, tuple[int, Member]]] = {}
         self._clock = clock
 
     def load(self, kvs: list[KeyValue], revision: int) -> None:
@@ -50,18 +55,38 @@ class Mirror:
         with self.cond:
             for ev in events:
                 if ev.kind == "delete":
-                    self.kvs.pop(ev.kv.key, None)
-                    if ev.kv.key == self.settings.world_key():
-                        self.world, self.world_mod = None, 0
+                    self._delete(ev.kv.key)
                 else:
                     self._set(ev.kv)
                 self.revision = max(self.revision, ev.kv.mod_revision)
             self.cond.notify_all()
 
+    def _delete(self, key: str) -> None:
+        self.kvs.pop(key, None)
+        if key == self.settings.world_key():
+            self.world, self.world_mod = None, 0
+            return
+        parsed = parse_join_key(self.settings, key)
+        if parsed is not None:
+            members = self.rounds.get(parsed[0], {})
+            members.pop(parsed[1], None)
+            if not members:
+                self.rounds.pop(parsed[0], None)
+
     def _set(self, item: KeyValue) -> None:
         s = self.settings
         self.kvs[item.key] = item
-        if item.key == s.world_key():
+        parsed = parse_join_key(s, item.key)
+        if parsed is not None:
+            # Indexed per round as events arrive, so that judging a round of N nodes costs
+            # O(1) per wake-up rather than a scan and N JSON parses.
+            try:
+                member = parse_member(parsed[1], item.value)
+            except RendezvousState as exc:
+                log.warning("ignoring a malformed join record", **kv(key=item.key, error=str(exc)))
+                return
+            self.rounds.setdefault(parsed[0], {})[parsed[1]] = (item.create_revision, member)
+        elif item.key == s.world_key():
             self.world_mod = item.mod_revision
             try:
                 self.world = parse_world(item.value, item.mod_revision)
@@ -85,19 +110,12 @@ class Mirror:
         return (self.world.round if self.world else 0) + 1
 
     def joins(self, round_: int) -> dict[str, tuple[int, Member]]:
-        """``node -> (join revision, member)`` for the live joins of ``round_``."""
-        out: dict[str, tuple[int, Member]] = {}
-        prefix = self.settings.join_prefix(round_)
-        for key, item in self.kvs.items():
-            if key.startswith(prefix):
-                parsed = parse_join_key(self.settings, key)
-                if parsed is not None:
-                    out[parsed[1]] = (item.create_revision, parse_member(parsed[1], item.value))
-        return out
+        """``node -> (join revision, member)`` for the live joins of ``round_`` (a copy)."""
+        return dict(self.rounds.get(round_, {}))
 
-    def joined_nodes(self, round_: int) -> set[str]:
-        prefix = self.settings.join_prefix(round_)
-        return {k[len(prefix) :] for k in self.kvs if k.startswith(prefix)}
+    def joined_nodes(self, round_: int) -> KeysView[str]:
+        """The nodes with a live join in ``round_`` (a live view: do not keep it)."""
+        return self.rounds.get(round_, {}).keys()
 
     def seq_mod(self, round_: int) -> int:
         item = self.kvs.get(self.settings.seq_key(round_))
