@@ -209,23 +209,18 @@ def roundtrip(tmp: Path, saved: Synth, loads: list[Synth], *, step: int, async_:
 def test_a_checkpoint_saved_in_one_layout_loads_exactly_into_other_layouts(
     tmp_path, saved, loaded_as, async_
 ):
-    _, results = roundtrip(tmp_path, saved, [saved, *loaded_as], step=6, async_=async_)
+    ckpt, results = roundtrip(tmp_path, saved, [saved, *loaded_as], step=6, async_=async_)
     loads_done = sum(1 for per_rank in results for r in per_rank if "layout" in r)
     assert loads_done == sum(lay.world for lay in [saved, *loaded_as])
-
-
-def test_replicated_tensors_are_stored_once_and_every_replica_writes_about_equal_bytes(
-    tmp_path,
-):
-    ckpt, results = roundtrip(tmp_path, Synth(dp=4), [], step=2)
+    # Replicas (dp copies, the tied embedding on two stages) are stored once, and the
+    # writes are spread so that every rank writes about the same bytes.
     manifest = open_step(ckpt).manifest
     for entry in manifest.tensors.values():
         stored = sum(torch.Size(c.sizes).numel() for c in entry.chunks)
-        assert stored == torch.Size(entry.shape).numel()
+        assert stored == torch.Size(entry.shape).numel(), entry.name
     largest = max(e.nbytes for e in manifest.tensors.values())
-    written = [per_rank[0]["written"] for per_rank in results]
-    assert min(written) > 0
-    assert max(written) - min(written) <= largest + 4096  # + header
+    written = [per_rank[0]["written"] for per_rank in results[: saved.world]]
+    assert min(written) > 0 and max(written) - min(written) <= largest + 8192  # + headers
 
 
 def test_a_write_error_on_one_rank_commits_nothing_and_every_rank_is_told(tmp_path):
