@@ -76,8 +76,12 @@ class LocalCluster:
     """Interpreter that runs the agents."""
     etcd: object | None = None
     """The EmbeddedEtcd, once started."""
+    metrics: bool = False
+    """Serve each agent's Prometheus metrics on a free port (see ``metrics_ports``)."""
     agents: list[subprocess.Popen] = field(default_factory=list)
     """Agent processes by node index."""
+    metrics_ports: list[int] = field(default_factory=list)
+    """Each agent's metrics port (0: off)."""
 
     @property
     def endpoint(self) -> str:
@@ -98,12 +102,15 @@ class LocalCluster:
 
     def add_node(self) -> int:
         """Start one more agent; returns its node index."""
+        from elasticd.etcd.server import free_port
+
         index = len(self.agents)
+        port = free_port() if self.metrics else 0
         argv = [
             self.python, "-m", "elasticd", "agent", "--etcd", self.endpoint,
             "--node-id", f"node-{index}", "--addr", "127.0.0.1",
             "--nproc-per-node", str(self.nproc), "--state-dir", self.state_dir(index),
-            "--metrics-port", "0",
+            "--metrics-port", str(port),
         ]  # fmt: skip
         log = open(os.path.join(self.base_dir, f"agent-{index}.log"), "ab")  # noqa: SIM115
         with log:
@@ -117,6 +124,7 @@ class LocalCluster:
                 start_new_session=True,
             )
         self.agents.append(proc)
+        self.metrics_ports.append(port)
         return index
 
     def worker_pids(self, index: int) -> dict[int, int]:

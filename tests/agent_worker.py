@@ -81,6 +81,7 @@ def main() -> int:
                 record = {"step": step, "loss": loss, "world": world,
                           "round": int(os.environ["ELASTICD_ROUND"]), "step_s": time.time() - t0}  # fmt: skip
                 fh.write(json.dumps(record) + "\n")
+        print(f"rank {rank} step {step} loss {loss:.6f}", flush=True)
         channel.progress(step=step, loss=loss, tokens_per_s=100.0)
         if (every and step % every == 0) or step == steps:
             save(ckpt, step, value, rank)

@@ -365,8 +365,10 @@ class JobRunner:
             for change in self._take_changes():
                 if change.kind in ("lost", "lease-lost"):
                     lost.update(change.nodes)
-                elif change.kind == "waiting":
-                    # A member of our world that re-joins is also reported lost.
+                elif change.kind == "waiting" and len(rnd.nodes) < job.nodes.max:
+                    # A member of our world that re-joins is also reported lost. At
+                    # nodes.max a waiting node is a spare: it stays out until one is lost,
+                    # then takes its place without a layout change.
                     waiting.update(n for n in change.nodes if n not in rnd.nodes)
                 elif change.kind == "closed":
                     closed = True

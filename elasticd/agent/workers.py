@@ -220,11 +220,15 @@ class WorkerGroup:
     def stalest_progress(self, now: float) -> tuple[Worker, float] | None:
         """The live worker whose last heartbeat is oldest, and its age in seconds.
 
-        Only workers that reported at least once are judged: a command that never calls
-        the heartbeat is not declared hung (docs/agent.md)."""
+        Only workers that reported a completed step are judged: a command that never calls
+        the heartbeat, and a spare rank that idles without steps, are not declared hung
+        (docs/agent.md)."""
         worst: tuple[Worker, float] | None = None
         for w in self.workers:
             if w.proc.poll() is not None:
+                continue
+            beat = read_heartbeat(w.heartbeat_path)
+            if beat is None or "step" not in beat:
                 continue
             try:
                 age = now - os.stat(w.heartbeat_path).st_mtime

@@ -262,9 +262,9 @@ def run_logs(args: argparse.Namespace) -> int:
                 with open(path, "rb") as fh:
                     fh.seek(offsets.get(path, 0))
                     data = fh.read()
+                if path not in offsets:
+                    print(f"==> {path} <==", flush=True)
                 if data:
-                    if path not in offsets:
-                        print(f"==> {path} <==", flush=True)
                     sys.stdout.write(data.decode(errors="replace"))
                     sys.stdout.flush()
                 offsets[path] = offsets.get(path, 0) + len(data)

@@ -1,0 +1,135 @@
+"""The client commands and the agent's outward faces against real agents: node records,
+`submit --follow`, `logs`, `status`, the Prometheus endpoint, the restart limit, spares."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from elasticd.etcd import connect
+from elasticd.jobs import JobRegistry
+from elasticd.jobspec import parse_job
+from elasticd.localcluster import LocalCluster
+
+WORKER = os.path.join(os.path.dirname(__file__), "agent_worker.py")
+
+
+def job_dict(tmp_path, name, *, steps=5, nodes=(2, 2), **extra):
+    raw = {
+        "name": name,
+        "output_dir": str(tmp_path / name),
+        "nodes": {"min": nodes[0], "max": nodes[1]},
+        "command": [sys.executable, WORKER],
+        "train": {"steps": steps, "global_batch": 12, "micro_batch": 2},
+        "checkpoint": {"every": 100},
+        "rendezvous": {"ttl": 2, "settle": 0.3},
+    }
+    for section, values in extra.items():
+        raw.setdefault(section, {}).update(values)
+    return raw
+
+
+def wait_for(predicate, *, timeout: float, interval: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(interval)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    base = tmp_path_factory.mktemp("cli-cluster")
+    env = {**os.environ, "AGENT_TEST_STEP_S": "0.2", "OMP_NUM_THREADS": "1"}
+    with LocalCluster(base_dir=str(base), nproc=1, metrics=True, env=env) as c:
+        c.start(2)
+        with connect(c.etcd.client_config()) as client:
+            wait_for(lambda: len(client.get_prefix("/elasticd/nodes/")[0]) == 2, timeout=30)
+        yield c
+
+
+def cli(cluster, *args, cwd=None, timeout=120):
+    return subprocess.run(
+        [sys.executable, "-m", "elasticd", *args, "--etcd", cluster.endpoint],
+        capture_output=True, text=True, cwd=cwd, timeout=timeout,
+    )  # fmt: skip
+
+
+def test_each_agent_registers_its_node_on_a_lease(cluster):
+    with connect(cluster.etcd.client_config()) as client:
+        kvs, _ = client.get_prefix("/elasticd/nodes/")
+    records = {json.loads(kv.value)["node"]: (json.loads(kv.value), kv.lease) for kv in kvs}
+    assert set(records) == {"node-0", "node-1"}
+    record, lease = records["node-0"]
+    assert lease != 0
+    assert {"hostname", "addr", "nproc", "devices", "version", "pid"} <= set(record)
+    assert record["nproc"] == 1 and record["addr"] == "127.0.0.1"
+
+
+def test_submit_follow_status_logs_and_metrics_of_a_finished_job(cluster, tmp_path):
+    (tmp_path / "job.yaml").write_text(json.dumps(job_dict(tmp_path, "follow")))
+    r = cli(cluster, "submit", "job.yaml", "--follow", cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[########################] step 5/5" in r.stdout and "succeeded" in r.stdout
+    status = json.loads(cli(cluster, "status", "follow", "--json").stdout)
+    assert status["state"] == "succeeded" and status["step"] == 5 and status["world"] == 2
+    assert status["checkpoint"] == 5 and status["layout"]["dp"] == 2
+    logs = cli(cluster, "logs", "follow", "--rank", "1")
+    assert logs.returncode == 0 and "round-1/rank-1.log <==" in logs.stdout
+    assert "rank 1 step 5 loss" in logs.stdout and "rank 0 step" not in logs.stdout
+    assert "follow" in cli(cluster, "list").stdout
+    bodies = [
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        for port in cluster.metrics_ports
+    ]
+    assert all("elasticd_nodes_alive 2.0" in b for b in bodies)
+    assert all('elasticd_rendezvous_rounds_total{job="follow"} 1.0' in b for b in bodies)
+    assert any('elasticd_job_step{job="follow"} 5.0' in b for b in bodies)
+    assert any('elasticd_checkpoint_step{job="follow"} 5.0' in b for b in bodies)
+
+
+def test_a_job_past_its_restart_limit_fails_and_says_why(cluster, tmp_path):
+    raw = job_dict(tmp_path, "limit", steps=400, restart={"max_restarts": 0})
+    job = parse_job(raw).with_paths_resolved(tmp_path)
+    with connect(cluster.etcd.client_config()) as client:
+        reg = JobRegistry(client)
+        reg.submit(job)
+        wait_for(lambda: (reg.get("limit").status.get("step") or 0) >= 2, timeout=60)
+        pid = next(p for i in range(2) for r, p in cluster.worker_pids(i).items() if r == 0)
+        os.kill(pid, 9)
+        final = wait_for(lambda: (rec := reg.get("limit")).state.terminal and rec, timeout=60)
+    assert final.state == "failed"
+    assert "restart limit reached (0)" in final.reason and "worker_failed" in final.reason
+
+
+def test_a_spare_node_replaces_a_lost_one_without_a_layout_change(tmp_path):
+    env = {**os.environ, "AGENT_TEST_STEP_S": "0.2", "OMP_NUM_THREADS": "1"}
+    job = parse_job(job_dict(tmp_path, "spare", steps=14, nodes=(2, 2), checkpoint={"every": 3}))
+    job = job.with_paths_resolved(tmp_path)
+    with LocalCluster(base_dir=str(tmp_path / "c"), nproc=1, env=env) as c:
+        c.start(3)
+        with connect(c.etcd.client_config()) as client:
+            wait_for(lambda: len(client.get_prefix("/elasticd/nodes/")[0]) == 3, timeout=30)
+            reg = JobRegistry(client)
+            reg.submit(job)
+            wait_for(lambda: (reg.get("spare").status.get("step") or 0) >= 4, timeout=60)
+            members = [i for i in range(3) if c.worker_pids(i)]
+            assert len(members) == 2  # nodes.max is 2: the third agent is a spare
+            c.kill_node(members[0])
+            final = wait_for(lambda: (r := reg.get("spare")).state.terminal and r, timeout=90)
+    assert final.state == "succeeded", final.reason
+    worlds = [e for e in final.status["history"] if e["kind"] == "world"]
+    assert [w["world"] for w in worlds] == [2, 2]
+    assert worlds[0]["layout"] == worlds[1]["layout"] == "tp1 pp1 dp2"
+    spare = ({"node-0", "node-1", "node-2"} - set(worlds[0]["nodes"])).pop()
+    assert spare in worlds[1]["nodes"]
