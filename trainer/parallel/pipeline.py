@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainer.errors import TrainerError
 from trainer.parallel.context import GroupSlot, slot_of
 from trainer.parallel.schedule import (
     Action,
     Kind,
     Op,
-    ScheduleError,
     comm_batches,
     layer_range,
     stage_actions,
@@ -38,6 +38,11 @@ from trainer.parallel.schedule import (
 
 if TYPE_CHECKING:
     from trainer.parallel.groups import ProcessGroups
+
+
+class PipelineError(TrainerError):
+    """A chunk that does not fit the pipeline contract (shapes, loss, use of its input)."""
+
 
 # forward(chunk, microbatch, input) -> output. ``input`` is None on the model's first
 # virtual stage (the chunk reads its own micro-batch of tokens); on the last virtual stage
@@ -120,7 +125,7 @@ def run_step(
             out = forward(item.chunk, item.microbatch, inp)
             if plan.is_last_virtual(item.chunk):
                 if out.dim() != 0:
-                    raise ScheduleError("the last virtual stage's forward must return a scalar")
+                    raise PipelineError("the last virtual stage's forward must return a scalar")
                 losses[item.microbatch] = out.detach()
             else:
                 _check_shape(out, wire, what=f"output of chunk {item.chunk}")
@@ -141,12 +146,12 @@ def run_step(
         del out
         if inp is not None:
             if inp.grad is None:
-                raise ScheduleError(f"chunk {item.chunk} does not use its input activation")
+                raise PipelineError(f"chunk {item.chunk} does not use its input activation")
             to_send[(Op.SEND_GRAD, *key)] = inp.grad
         if last and after_chunk_backward is not None:
             after_chunk_backward(item.chunk)
     if stash or to_send or received:
-        raise ScheduleError("pipeline step ended with tensors left over (schedule bug)")
+        raise PipelineError("pipeline step ended with tensors left over (schedule bug)")
     return StepResult(losses=[losses[i] for i in sorted(losses)], peak_stashed=peak)
 
 
@@ -175,7 +180,7 @@ def _exchange(
 def _check_shape(t: torch.Tensor, wire: Wire, *, what: str) -> None:
     # A wrong shape would make the peer's receive hang or read garbage; fail loudly here.
     if tuple(t.shape) != tuple(wire.shape) or t.dtype != wire.dtype:
-        raise ScheduleError(
+        raise PipelineError(
             f"{what} is {tuple(t.shape)} {t.dtype}, but stages exchange "
             f"{tuple(wire.shape)} {wire.dtype}"
         )

@@ -19,21 +19,23 @@ Nothing here touches torch or processes; the executor (``pipeline_exec``) is the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
+from enum import Enum
+
+from trainer.errors import TrainerConfigError
 
 
-class ScheduleError(ValueError):
-    """Pipeline sizes that no schedule can run."""
+class ScheduleError(TrainerConfigError, ValueError):
+    """Pipeline sizes that no schedule can run, or a schedule that cannot progress."""
 
 
-class Kind(StrEnum):
+class Kind(str, Enum):
     """Which schedule to build."""
 
     GPIPE = "gpipe"  # fill-drain: every forward, then every backward
     ONE_F_ONE_B = "1f1b"  # one forward, one backward in the steady state (interleaved if vpp > 1)
 
 
-class Op(StrEnum):
+class Op(str, Enum):
     """What an action does."""
 
     FORWARD = "F"
