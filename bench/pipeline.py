@@ -61,6 +61,9 @@ def _wait(ms: float, spin: bool) -> float:
 
 
 def worker(cfg: dict) -> None:
+    # The script's own folder comes first on sys.path and holds other benchmarks (a
+    # bench/trainer.py would shadow the package); the repository must win.
+    sys.path.insert(0, str(REPO))
     import torch.distributed as dist
 
     from trainer.parallel.pipeline import StagePlan, Wire, run_step
