@@ -113,8 +113,9 @@ CASES = {
     "pp2-ep2-moe": (4, MOE, ("parallel.pp=2", "parallel.ep=2"), 2, 1),
     "pp4": (4, (), ("parallel.pp=4",), 4, 1),
     "pp4-vpp2": (4, (), ("parallel.pp=4", "parallel.vpp=2", "model.layers=8"), 4, 2),
+    "pp2-untied": (2, ("model.tie_embeddings=false",), ("parallel.pp=2",), 2, 1),
 }
-SLOW = {"pp4", "pp4-vpp2"}
+SLOW = {"pp4", "pp4-vpp2", "pp2-untied"}
 
 
 @pytest.mark.parametrize(
