@@ -2,7 +2,7 @@
 
 The pure planner (:func:`checkpoint.planner.plan_reads`) says which saved chunks feed which
 part of a local tensor; this shell opens the files with ``safe_open`` and copies. With
-``verify`` (the default) every chunk read is checked against its sha256, so a chunk only
+``verify`` (the default) every chunk read is checked against its CRC-32, so a chunk only
 partly needed is read whole (chunks are small grid cells, so aligned reshards read nothing
 extra); without it, only the exact overlap is read through ``get_slice``.
 """
@@ -31,7 +31,7 @@ from checkpoint.errors import (
 from checkpoint.manifest import MANIFEST, Manifest, parse_step_dirname
 from checkpoint.planner import SavedChunk, plan_reads
 from checkpoint.shards import ShardInfo
-from checkpoint.stfile import read_header, tensor_bytes
+from checkpoint.stfile import crc32_hex, read_header, tensor_bytes
 
 log = logging.getLogger("checkpoint.load")
 
@@ -143,7 +143,7 @@ class Checkpoint:
                 cache_key = (op.chunk.file, op.chunk.key)
                 chunk = partial.get(cache_key)
                 if chunk is None:
-                    chunk = self._read_chunk(op.chunk, entry.sha256[op.chunk.key], verify)
+                    chunk = self._read_chunk(op.chunk, entry.crc32[op.chunk.key], verify)
                     if not op.whole_chunk:
                         partial[cache_key] = chunk
                 region[op.dst].copy_(chunk[op.src])
@@ -175,7 +175,7 @@ class Checkpoint:
         self._handles[file] = h
         return h
 
-    def _read_chunk(self, chunk: SavedChunk, sha256: str, verify: bool) -> torch.Tensor:
+    def _read_chunk(self, chunk: SavedChunk, crc32: str, verify: bool) -> torch.Tensor:
         path = os.path.join(self.path, chunk.file)
         try:
             t = self._handle(chunk.file).get_tensor(chunk.key)
@@ -186,7 +186,7 @@ class Checkpoint:
             raise CorruptCheckpointError(
                 f"{path}: {chunk.key}: shape {list(t.shape)} is not {list(chunk.sizes)}"
             )
-        if verify and hashlib.sha256(tensor_bytes(t)).hexdigest() != sha256:
+        if verify and crc32_hex(tensor_bytes(t)) != crc32:
             raise CorruptCheckpointError(f"{path}: {chunk.key}: checksum mismatch (corrupted data)")
         return t
 

@@ -73,8 +73,8 @@ class TensorEntry:
     dtype: torch.dtype
     shape: tuple[int, ...]
     chunks: tuple[SavedChunk, ...]
-    sha256: dict[str, str] = field(default_factory=dict)
-    """Checksum of each chunk's bytes, by safetensors key."""
+    crc32: dict[str, str] = field(default_factory=dict)
+    """CRC-32 of each chunk's bytes, by safetensors key (checked by every load)."""
 
     @property
     def nbytes(self) -> int:
@@ -142,7 +142,7 @@ class Manifest:
                             "key": c.key,
                             "offsets": list(c.offsets),
                             "sizes": list(c.sizes),
-                            "sha256": t.sha256[c.key],
+                            "crc32": t.crc32[c.key],
                         }
                         for c in t.chunks
                     ],
@@ -199,7 +199,7 @@ class Manifest:
                     dtype=dtype_of(t["dtype"]),
                     shape=tuple(int(x) for x in t["shape"]),
                     chunks=chunks,
-                    sha256={s["key"]: str(s["sha256"]) for s in t["shards"]},
+                    crc32={s["key"]: str(s["crc32"]) for s in t["shards"]},
                 )
             return cls(
                 step=int(raw["step"]),

@@ -233,7 +233,7 @@ class Saver:
                     "bytes": w.bytes,
                     "sha256": w.sha256,
                     "header_sha256": w.header_sha256,
-                    "chunks": w.chunk_sha256,
+                    "chunks": w.chunk_crc32,
                 }
         except Exception as exc:  # reported to every rank, then raised below
             report = {"ok": False, "error": f"rank {self.rank}: {exc}"}
@@ -265,7 +265,7 @@ class Saver:
 
     def _commit(self, plan: SavePlan, reports: list[dict[str, Any]], head: dict[str, Any]) -> None:
         step = head["step"]
-        files, chunk_sha = {}, {}
+        files, chunk_crc = {}, {}
         for rank, r in enumerate(reports):
             if "file" in r:
                 f = r["file"]
@@ -276,7 +276,7 @@ class Saver:
                     header_sha256=f["header_sha256"],
                     rank=rank,
                 )
-                chunk_sha.update({(f["name"], k): v for k, v in f["chunks"].items()})
+                chunk_crc.update({(f["name"], k): v for k, v in f["chunks"].items()})
         tensors = {
             t.name: TensorEntry(
                 name=t.name,
@@ -284,7 +284,7 @@ class Saver:
                 dtype=t.dtype,
                 shape=t.shape,
                 chunks=t.chunks,
-                sha256={c.key: chunk_sha[(c.file, c.key)] for c in t.chunks},
+                crc32={c.key: chunk_crc[(c.file, c.key)] for c in t.chunks},
             )
             for t in plan.tensors.values()
         }
