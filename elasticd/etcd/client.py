@@ -110,6 +110,13 @@ def compare(key: str, target: str, op: str, value: int | bytes) -> Any:
     return cmp
 
 
+def compare_range(prefix: str, target: str, op: str, value: int) -> Any:
+    """A compare that must hold for *every* key under ``prefix`` (true when there is none)."""
+    cmp = compare(prefix, target, op, value)
+    cmp.range_end = prefix_end(prefix)
+    return cmp
+
+
 def put_op(key: str, value: bytes | str, lease: int = 0) -> Any:
     data = value.encode() if isinstance(value, str) else value
     return etcdrpc.RequestOp(
@@ -190,6 +197,7 @@ class EtcdClient:
         self._lock = threading.Lock()
         self._token: str | None = None
         self._closed = False
+        self._keeper: Any = None
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -357,8 +365,19 @@ class EtcdClient:
         except grpc.RpcError as exc:
             raise EtcdUnavailableError(f"etcd member {endpoint} did not answer status") from exc
 
+    def keeper(self) -> Any:
+        """The client's ``LeaseKeeper``: one keep-alive stream for all its leases."""
+        from elasticd.etcd.lease import LeaseKeeper
+
+        with self._lock:
+            if self._keeper is None:
+                self._keeper = LeaseKeeper(self)
+            return self._keeper
+
     def close(self) -> None:
         self._closed = True
+        if self._keeper is not None:
+            self._keeper.close()
         for member in self._members:
             member.channel.close()
 

@@ -18,7 +18,8 @@ How a round works: a node joins the open round r (= last world's round + 1) by p
 ``join/<r>/<node>`` on its lease, fenced by a compare on the world key, so it cannot join
 a round that just closed. Every participant mirrors the run's keys through one watch and
 evaluates the pure close rule (``decisions.close_delay``); the first whose timer fires
-writes the world in one transaction fenced on the world key and ``seq/<r>``; the others'
+writes the world in one transaction fenced on the world key and on "no join key of round
+r changed since I looked" (a range compare); the others'
 transactions fail harmlessly and everyone learns the world from the watch. Members keep
 their join key (and lease) while the world runs: its deletion — lease expiry after a
 crash, a revoke on leave, or a move to the next round — is pushed to every survivor.
@@ -35,7 +36,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from elasticd.errors import EtcdError
-from elasticd.etcd.client import EtcdClient, EtcdLeaseNotFound, compare, delete_op, put_op
+from elasticd.etcd.client import (
+    EtcdClient,
+    EtcdLeaseNotFound,
+    compare,
+    compare_range,
+    delete_op,
+    put_op,
+)
 from elasticd.etcd.server import free_port
 from elasticd.etcd.watch import Watch
 from elasticd.log import kv
@@ -91,9 +99,8 @@ class EtcdRendezvous:
         self._lease = 0
         self._joined_round = 0
         self._current: World | None = None
+        self._current_nodes: frozenset[str] = frozenset()
         self._reported: set[tuple[str, str]] = set()
-        self._stop = threading.Event()
-        self._keeper: threading.Thread | None = None
         self._start_lock = threading.Lock()
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -113,6 +120,7 @@ class EtcdRendezvous:
                 self.settings.run_prefix,
                 start_revision=revision + 1,
                 on_events=self._on_events,
+                on_error=self._on_watch_lost,
             )
             if not self._watch.ready.wait(self._client.config.timeout):
                 raise RendezvousConnection(
@@ -122,29 +130,34 @@ class EtcdRendezvous:
     def _ensure_lease(self) -> int:
         if self._lease:
             return self._lease
-        self._lease = self._client.lease_grant(self.settings.ttl)
-        if self._keeper is None or not self._keeper.is_alive():
-            self._keeper = threading.Thread(
-                target=self._keep_alive, name="rdzv-keepalive", daemon=True
-            )
-            self._keeper.start()
-        return self._lease
+        lease = self._client.lease_grant(self.settings.ttl)
+        self._client.keeper().add(lease, self.settings.keepalive, self._on_lease_lost)
+        self._lease = lease
+        return lease
 
-    def _keep_alive(self) -> None:
-        while not self._stop.wait(self.settings.keepalive):
-            lease = self._lease
-            if not lease:
-                continue
+    def _on_lease_lost(self, lease: int) -> None:
+        with self._mirror.cond:
+            if lease != self._lease:
+                return
+            self._lease = 0
+            self._mirror.cond.notify_all()
+        self._check_change()
+
+    def _on_watch_lost(self, exc: Exception) -> None:
+        """The history we needed was compacted (a long disconnection): read afresh."""
+        log.warning("rendezvous watch lost its history; resyncing", **kv(error=str(exc)))
+
+        def resync() -> None:
+            with self._start_lock:
+                self._watch = None
             try:
-                ttl = self._client.lease_keepalive(lease)
-            except EtcdError as exc:
-                log.warning("lease keep-alive failed", **kv(node=self.node_id, error=str(exc)))
-                continue
-            if ttl <= 0 and lease == self._lease:
-                log.warning("lease lost", **kv(node=self.node_id))
-                with self._mirror.cond:
-                    self._lease = 0
-                    self._mirror.cond.notify_all()
+                self._mirror.reset()
+                self.start()
+                self._check_change()
+            except Exception:
+                log.exception("rendezvous resync failed")
+
+        threading.Thread(target=resync, name="rdzv-resync", daemon=True).start()
 
     def _on_events(self, events: list) -> None:
         self._mirror.apply(events)
@@ -165,7 +178,8 @@ class EtcdRendezvous:
         if lost:
             out.append(Change("lost", lost))
         waiting = tuple(sorted(m.joined_nodes(world.round + 1) - {self.node_id}))
-        waiting += tuple(sorted(n for n in live if world.rank_of(n) is None))
+        members = self._current_nodes
+        waiting += tuple(sorted(n for n in live if n not in members))
         if waiting:
             out.append(Change("waiting", waiting))
         if self.node_id not in live and self._joined_round == world.round:
@@ -240,10 +254,7 @@ class EtcdRendezvous:
             port=free_port(self.addr if self.addr else "127.0.0.1"),
         )
         fence = compare(s.world_key(), "mod", "==", seen_world_mod)
-        ops = [
-            put_op(s.join_key(round_, self.node_id), member_json(me), lease),
-            put_op(s.seq_key(round_), self.node_id),
-        ]
+        ops = [put_op(s.join_key(round_, self.node_id), member_json(me), lease)]
         if self._joined_round and self._joined_round != round_:
             ops.append(delete_op(s.join_key(self._joined_round, self.node_id)))
         try:
@@ -310,7 +321,7 @@ class EtcdRendezvous:
                 )
                 fences = [
                     compare(s.world_key(), "mod", "==", m.world_mod),
-                    compare(s.seq_key(round_), "mod", "==", m.seq_mod(round_)),
+                    compare_range(s.join_prefix(round_), "mod", "<", m.last_join_mod(round_) + 1),
                 ]
             result = self._client.txn(fences, [put_op(s.world_key(), world.to_json())])
             if result.succeeded:
@@ -329,7 +340,7 @@ class EtcdRendezvous:
         self._timeout()
 
     def _become_member(self, world: World) -> World:
-        self._current = world
+        self._current, self._current_nodes = world, frozenset(world.nodes)
         self._reported.clear()
         self.changed.clear()
         log.info(
@@ -357,6 +368,7 @@ class EtcdRendezvous:
         lease, self._lease = self._lease, 0
         self._current, self._joined_round = None, 0
         if lease:
+            self._client.keeper().remove(lease)
             try:
                 self._client.lease_revoke(lease)
             except EtcdError as exc:
@@ -365,11 +377,8 @@ class EtcdRendezvous:
     def close(self) -> None:
         """Leave and release threads and connections (does not close the run)."""
         self.leave()
-        self._stop.set()
         if self._watch is not None:
             self._watch.cancel()
-        if self._keeper is not None:
-            self._keeper.join(timeout=5)
         if self._owns_client:
             self._client.close()
 

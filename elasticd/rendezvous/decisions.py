@@ -5,8 +5,6 @@ Key layout under ``<prefix>/<run_id>/`` (all values JSON):
 
 - ``world``            the last closed world (round r): members in rank order, master.
 - ``join/<r>/<node>``  a node's membership of round r, on the node's lease.
-- ``seq/<r>``          rewritten by every join of round r, so a close can be fenced on
-                       "nobody joined since I looked".
 - ``closed``           present once the run is closed.
 """
 
@@ -74,9 +72,6 @@ class RendezvousSettings:
 
     def join_key(self, round_: int, node: str) -> str:
         return self.join_prefix(round_) + node
-
-    def seq_key(self, round_: int) -> str:
-        return f"{self.run_prefix}seq/{round_}"
 
 
 def parse_join_key(settings: RendezvousSettings, key: str) -> tuple[int, str] | None:

@@ -40,9 +40,17 @@ class Mirror:
         self.world: World | None = None
         self.world_mod = 0
         self.world_error: RendezvousState | None = None
-        self.seq_seen: dict[int, float] = {}
+        self.join_seen: dict[int, float] = {}
+        self.join_mod: dict[int, int] = {}
         self.rounds: dict[int, dict[str, tuple[int, Member]]] = {}
         self._clock = clock
+
+    def reset(self) -> None:
+        """Forget everything (before a fresh read after the watch lost its history)."""
+        with self.cond:
+            self.kvs.clear()
+            self.rounds.clear()
+            self.world, self.world_mod, self.world_error = None, 0, None
 
     def load(self, kvs: list[KeyValue], revision: int) -> None:
         with self.cond:
@@ -86,6 +94,10 @@ class Mirror:
                 log.warning("ignoring a malformed join record", **kv(key=item.key, error=str(exc)))
                 return
             self.rounds.setdefault(parsed[0], {})[parsed[1]] = (item.create_revision, member)
+            self.join_mod[parsed[0]] = max(self.join_mod.get(parsed[0], 0), item.mod_revision)
+            # When *we* saw the latest join: the settle timer is local, so clocks of
+            # different nodes never need to agree.
+            self.join_seen[parsed[0]] = self._clock()
         elif item.key == s.world_key():
             self.world_mod = item.mod_revision
             try:
@@ -93,12 +105,6 @@ class Mirror:
                 self.world_error = None
             except RendezvousState as exc:
                 self.world, self.world_error = None, exc
-        elif item.key.startswith(s.run_prefix + "seq/"):
-            tail = item.key.rsplit("/", 1)[-1]
-            if tail.isdigit():
-                # When *we* saw the latest join: the settle timer is local, so clocks of
-                # different nodes never need to agree.
-                self.seq_seen[int(tail)] = self._clock()
 
     # -- derived facts (call with cond held) ------------------------------------------------
 
@@ -117,10 +123,10 @@ class Mirror:
         """The nodes with a live join in ``round_`` (a live view: do not keep it)."""
         return self.rounds.get(round_, {}).keys()
 
-    def seq_mod(self, round_: int) -> int:
-        item = self.kvs.get(self.settings.seq_key(round_))
-        return item.mod_revision if item else 0
+    def last_join_mod(self, round_: int) -> int:
+        """The highest mod_revision of any join of ``round_`` seen (the close fence)."""
+        return self.join_mod.get(round_, 0)
 
     def since_last_join(self, round_: int) -> float:
-        seen = self.seq_seen.get(round_)
+        seen = self.join_seen.get(round_)
         return float("inf") if seen is None else self._clock() - seen

@@ -1,0 +1,127 @@
+"""Keep many leases alive over one ``LeaseKeepAlive`` stream per client.
+
+One stream per client (rather than one RPC per refresh) keeps refreshes cheap and on
+time when a process holds many leases (tests and benchmarks simulate hundreds of nodes
+in a few processes) and when the machine is busy: a late refresh is a lost lease.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import grpc
+from etcd3 import etcdrpc
+
+from elasticd.log import kv
+
+log = logging.getLogger("elasticd.etcd")
+
+
+@dataclass(slots=True)
+class _Kept:
+    interval: float
+    on_lost: Callable[[int], None]
+    due: float
+
+
+class LeaseKeeper:
+    """Refreshes registered leases every ``interval``; calls ``on_lost(lease)`` once when
+    etcd answers that a lease no longer exists. Reconnects to another member on error."""
+
+    def __init__(self, client: object) -> None:
+        self._client = client
+        self._leases: dict[int, _Kept] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._requests: queue.Queue | None = None
+        self._thread = threading.Thread(target=self._run, name="etcd-lease-keeper", daemon=True)
+        self._thread.start()
+
+    def add(self, lease: int, interval: float, on_lost: Callable[[int], None]) -> None:
+        with self._lock:
+            self._leases[lease] = _Kept(interval, on_lost, time.monotonic() + interval)
+        self._wake.set()
+
+    def remove(self, lease: int) -> None:
+        with self._lock:
+            self._leases.pop(lease, None)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        q = self._requests
+        if q is not None:
+            q.put(None)
+        self._thread.join(timeout=5)
+
+    def _stream_requests(self, q: queue.Queue) -> Iterator[object]:
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            yield item
+
+    def _read(self, stream: object, q: queue.Queue) -> None:
+        try:
+            for resp in stream:  # type: ignore[attr-defined]
+                if resp.TTL <= 0:
+                    with self._lock:
+                        kept = self._leases.pop(resp.ID, None)
+                    if kept is not None:
+                        log.warning("lease lost", **kv(lease=f"{resp.ID:x}"))
+                        try:
+                            kept.on_lost(resp.ID)
+                        except Exception:
+                            log.exception("lease-lost callback failed")
+        except grpc.RpcError as exc:
+            if not self._stop.is_set():
+                log.debug(
+                    "lease stream broke", **kv(why=exc.code().name if hasattr(exc, "code") else exc)
+                )
+        finally:
+            q.put(None)
+
+    def _run(self) -> None:
+        attempt = 0
+        while not self._stop.is_set():
+            member = self._client.member()  # type: ignore[attr-defined]
+            q: queue.Queue = queue.Queue()
+            self._requests = q
+            try:
+                stream = member.lease.LeaseKeepAlive(
+                    self._stream_requests(q),
+                    metadata=self._client.metadata(),  # type: ignore[attr-defined]
+                )
+            except grpc.RpcError:
+                stream = None
+            if stream is not None:
+                reader = threading.Thread(target=self._read, args=(stream, q), daemon=True)
+                reader.start()
+                self._pump(q, reader)
+                stream.cancel()
+                reader.join(timeout=2)
+            if self._stop.is_set():
+                return
+            self._client.rotate(member)  # type: ignore[attr-defined]
+            attempt += 1
+            self._stop.wait(min(0.05 * 2 ** min(attempt, 5), 1.0))
+
+    def _pump(self, q: queue.Queue, reader: threading.Thread) -> None:
+        """Send refreshes as they fall due, until the stream breaks or we stop."""
+        while not self._stop.is_set() and reader.is_alive():
+            now = time.monotonic()
+            with self._lock:
+                due = [lid for lid, k in self._leases.items() if k.due <= now]
+                for lid in due:
+                    self._leases[lid].due = now + self._leases[lid].interval
+                nxt = min((k.due for k in self._leases.values()), default=now + 1.0)
+            for lid in due:
+                q.put(etcdrpc.LeaseKeepAliveRequest(ID=lid))
+            self._wake.wait(max(0.01, min(nxt - time.monotonic(), 0.5)))
+            self._wake.clear()
