@@ -348,8 +348,29 @@ class JobRunner:
                 self._count(rnd, claim)
         self._stop_workers(rnd, outcome)
         stopped_at = self._clock()
+        if outcome == Outcome.SUCCEEDED and rnd.node_rank != 0:
+            outcome, detail = self._await_success(rnd)
+            detected_at = stopped_at = self._clock()
         self._after(rnd, outcome, detail, detected_at, stopped_at)
         return outcome
+
+    def _await_success(self, rnd: _Round) -> tuple[Outcome, str]:
+        """Our workers are done; node rank 0 reports the job (its final step, then the
+        state). Stay in the world until it has: leaving now would look like a lost node to
+        a rank 0 whose workers are still finishing. If rank 0's node dies meanwhile, the
+        world re-forms and resumes from the final checkpoint, which ends at once."""
+        deadline = self._clock() + FINISH_WAIT
+        while self._clock() < deadline:
+            record = self._registry.get(self.name)
+            if record is None or record.state.terminal or self._preempt.is_set():
+                return Outcome.FINISHED, "reported by node rank 0"
+            for change in self._take_changes():
+                if change.kind == "closed":
+                    return Outcome.FINISHED, "run closed"
+                if change.kind in ("lost", "lease-lost"):
+                    return Outcome.PEER_LOST, "lost " + ",".join(change.nodes)
+            time.sleep(STATE_POLL / 5)
+        return Outcome.FINISHED, "node rank 0 never reported"
 
     def _supervise(self, handler: Any, rnd: _Round) -> tuple[Outcome, str]:
         job = self.job
@@ -508,7 +529,8 @@ class JobRunner:
             **kv(job=self.name, round=rnd.number, outcome=str(outcome), detail=detail),
         )
         if outcome == Outcome.SUCCEEDED:
-            # Idempotent, and refused (by the transition table) if cancelled meanwhile.
+            # Node rank 0 only (the others wait for it in _await_success), after its final
+            # status write; refused by the transition table if cancelled meanwhile.
             self._registry.set_state(self.name, JobState.SUCCEEDED, "all workers exited 0")
             return
         if outcome in (Outcome.CANCELLED, Outcome.FINISHED):
