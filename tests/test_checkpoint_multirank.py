@@ -32,6 +32,7 @@ from checkpoint import (
     open_step,
     read_latest,
 )
+from checkpoint.stfile import read_header
 
 H, V, L, E, F = 16, 50, 4, 4, 32
 
@@ -240,3 +241,44 @@ def test_a_write_error_on_one_rank_commits_nothing_and_every_rank_learns_it_at_i
     assert read_latest(ckpt) == 3
     assert sorted(os.listdir(ckpt)) == ["latest", "step-000000003"]
     assert Checkpoint.open(os.path.join(ckpt, "step-000000003")).step == 3
+
+
+def _fallback_worker(rank, world, store, ckpt, out):
+    group = _init(rank, world, store)
+    lay = Synth(tp=2)
+    try:
+        saver = Saver(ckpt, group=group, options=SaveOptions(async_=False, chunk_min_bytes=256))
+        for step in (1, 2):
+            model, optim = make_state(lay, rank, step)
+            saver.save(step=step, consumed_samples=16 * step, model=model, optimizer=optim)
+        saver.close()
+        if rank == 0:
+            # Damage a chunk that only tp rank 1 reads: rows 24.. of a qkv weight.
+            manifest = open_step(ckpt, 2).manifest
+            chunk = next(
+                c
+                for c in manifest.tensors["decoder.layers.0.qkv.weight"].chunks
+                if c.offsets[0] >= 24
+            )
+            path = os.path.join(ckpt, "step-000000002", chunk.file)
+            _, head = read_header(path)
+            raw = bytearray(Path(path).read_bytes())
+            prefix = int.from_bytes(raw[:8], "little")
+            raw[8 + prefix + head[chunk.key]["data_offsets"][0] + 3] ^= 0x10
+            Path(path).write_bytes(bytes(raw))
+        dist.barrier()
+        warnings: list[str] = []
+        model, optim = make_state(lay, rank, 0, fill=float("nan"))
+        loaded = load_latest(ckpt, model=model, optimizer=optim, group=group, warn=warnings.append)
+        result = {"step": loaded.step, "wrong": check_state(model, optim, 1), "warnings": warnings}
+    finally:
+        dist.destroy_process_group()
+    Path(out, f"rank-{rank}.json").write_text(json.dumps(result))
+
+
+def test_corruption_seen_by_one_rank_makes_every_rank_fall_back_together(tmp_path):
+    results = spawn(_fallback_worker, 2, tmp_path, str(tmp_path / "ckpt"))
+    for r in results:
+        assert r["step"] == 1 and r["wrong"] == []
+        assert len(r["warnings"]) == 1 and "step 2" in r["warnings"][0]
+        assert "checksum mismatch" in r["warnings"][0]
