@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 
-from elasticd.agent.runner import JobRunner, NodeInfo
+from elasticd.agent.launch import NodeInfo
+from elasticd.agent.runner import JobRunner
 from elasticd.errors import ElasticdError
 from elasticd.jobs import JobRegistry, JobState
 from elasticd.log import kv

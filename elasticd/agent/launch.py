@@ -1,0 +1,127 @@
+"""Starting one round's workers on this node: layout and job files, environment, spawn.
+
+The files a round leaves in ``<state-dir>/jobs/<run_id>/round-<r>/``: ``layout.json`` (the
+plan, read by the workers through ELASTICD_LAYOUT), ``job.json`` (the spec; JSON is YAML,
+so the trainer reads it as its job file), ``workers.json`` (global rank → pid), and the
+workers' heartbeat and error files. ``<state-dir>/workers.json`` names the current round's
+pids for tools (``elasticd run``'s fault injection).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from elasticd.agent.policy import WorkerEnvInputs, worker_argv, worker_envs
+from elasticd.agent.workers import WorkerGroup
+from elasticd.jobspec import JobSpec
+from elasticd.layout import Layout, plan
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class NodeInfo:
+    """Who this agent is."""
+
+    node_id: str
+    """Stable node id (rendezvous member name)."""
+    addr: str
+    """Address peers and workers reach this node at."""
+    state_dir: str
+    """Per-node scratch: layouts, heartbeats, error files."""
+    python: str = sys.executable
+    """Interpreter for the built-in trainer."""
+
+
+@dataclass(kw_only=True, slots=True)
+class Round:
+    """Book-keeping of the round being supervised."""
+
+    number: int
+    """Rendezvous round."""
+    node_rank: int
+    """Our rank in its world."""
+    nodes: tuple[str, ...]
+    """The world's nodes in rank order."""
+    workers: WorkerGroup
+    """Our workers."""
+    layout: Layout
+    """The plan for the world."""
+    formed_at: float
+    """When the world closed."""
+    spawned_at: float
+    """When our workers were started."""
+    resume_step: int | None
+    """Latest committed checkpoint at spawn (where the workers resume)."""
+    recovery: dict[str, Any] | None = None
+    """The failure this round recovers from: reason, detected_at, stopped_at."""
+    first_step_seen: bool = False
+    """Whether rank 0 completed a step in this round yet."""
+
+
+def write_json(path: str, obj: Any) -> None:
+    """Write ``obj`` as JSON atomically (a reader never sees half a file)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(obj, fh, separators=(",", ":"))
+    os.replace(tmp, path)
+
+
+def launch(
+    *,
+    job: JobSpec,
+    run_id: str,
+    world: Any,
+    node: NodeInfo,
+    restarts: int,
+    resume_step: int | None,
+    env: Mapping[str, str],
+    clock: Callable[[], float],
+) -> Round:
+    """Plan the layout for ``world``, write the round's files and start our workers."""
+    formed_at = clock()
+    nproc = job.nproc_per_node
+    node_rank = world.rank_of(node.node_id)
+    layout = plan(world.size * nproc, job)
+    run_dir = os.path.join(node.state_dir, "jobs", run_id, f"round-{world.round}")
+    os.makedirs(run_dir, exist_ok=True)
+    layout_path = os.path.join(run_dir, "layout.json")
+    job_path = os.path.join(run_dir, "job.json")
+    write_json(layout_path, layout.to_dict())
+    write_json(job_path, job.to_dict())
+    envs = worker_envs(
+        WorkerEnvInputs(
+            job=job.name, run_id=run_id, round=world.round, node_rank=node_rank,
+            nodes=world.size, nproc=nproc, master_addr=world.master_addr,
+            master_port=world.master_port, restart_count=restarts,
+            max_restarts=job.restart.max_restarts, layout_path=layout_path,
+            job_path=job_path, extra=dict(env),
+        )
+    )  # fmt: skip
+    workers = WorkerGroup.spawn(
+        argv=worker_argv(job.command, job_path, node.python),
+        envs=envs,
+        log_dir=os.path.join(job.out_dir, "logs", f"round-{world.round}"),
+        run_dir=run_dir,
+        cwd=os.getcwd(),
+        clock=clock,
+    )
+    pids = workers.pids()
+    write_json(os.path.join(run_dir, "workers.json"), {str(r): p for r, p in pids.items()})
+    write_json(
+        os.path.join(node.state_dir, "workers.json"),
+        {"job": job.name, "round": world.round, "pids": pids},
+    )
+    return Round(
+        number=world.round,
+        node_rank=node_rank,
+        nodes=tuple(world.nodes),
+        workers=workers,
+        layout=layout,
+        formed_at=formed_at,
+        spawned_at=clock(),
+        resume_step=resume_step,
+    )

@@ -1,0 +1,161 @@
+"""What the agents write about a job into its etcd status, and into the metrics.
+
+Node rank 0 of each world is the job's reporter: the world and layout when a round
+starts, step/loss/checkpoint as training goes, and the recovery record (with its parts)
+when the first step after a re-form completes. Failures are counted by whichever agent
+claimed the round's cause (``JobRegistry.claim_failure``), so each counts once.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from elasticd.errors import ElasticdError
+from elasticd.jobs import JobRegistry, JobState
+from elasticd.log import kv
+from elasticd.metrics import AgentMetrics
+
+log = logging.getLogger("elasticd.agent")
+
+FAILURE_REASONS = ("worker_failed", "worker_hung")
+"""Round-ending causes that use up one of restart.max_restarts."""
+PART_MARKS = ("stop", "rendezvous", "spawn", "pg_init", "ckpt_load", "first_step")
+"""The parts of a recovery, in order."""
+
+
+def recovery_parts(t0: float, marks: list[tuple[str, float | None]]) -> dict[str, float]:
+    """Durations between consecutive known moments from ``t0``; unknown moments are skipped
+    (their time falls into the next known part)."""
+    parts, prev = {}, t0
+    for name, t in marks:
+        if t is None:
+            continue
+        parts[name] = round(max(0.0, float(t) - prev), 3)
+        prev = max(prev, float(t))
+    return parts
+
+
+class JobReporter:
+    """Writes one job's status through the registry and observes the metrics."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        registry: JobRegistry,
+        metrics: AgentMetrics,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.name = name
+        self._registry = registry
+        self._metrics = metrics
+        self._clock = clock
+
+    def world_formed(self, world: Any, layout: Any, ckpt_step: int | None) -> None:
+        """A round started with us as node rank 0: the job runs in this world."""
+        self._registry.set_state(self.name, JobState.RUNNING, f"round {world.round}")
+        p = layout.parallel
+        summary = {"world": world.size, "ranks": layout.world, "active": layout.active,
+                   "dp": layout.dp, "tp": p.tp, "pp": p.pp, "vpp": p.vpp, "ep": p.ep}  # fmt: skip
+        text = "tp{tp} pp{pp} dp{dp}".format(**summary)
+        self._registry.add_event(
+            self.name,
+            {"kind": "world", "round": world.round, "world": world.size, "nodes": list(world.nodes),
+             "layout": text, "resume_step": ckpt_step},
+            world=world.size, nodes=list(world.nodes), round=world.round, layout=summary,
+            layout_text=text, checkpoint=ckpt_step,
+        )  # fmt: skip
+
+    def reattribute(self, world: Any) -> list[str]:
+        """A node death usually shows up first as our workers crashing (their collectives
+        break at once, the dead node's lease expires a TTL later), so the previous round's
+        claim may say worker_failed. The new world tells the truth: if members of the
+        previous world are missing, the round ended because a node was lost, and that is
+        not a worker restart. Returns the missing nodes (call before ``world_formed``)."""
+        record = self._registry.get(self.name)
+        previous = record.status.get("nodes") if record is not None else None
+        lost = sorted(set(previous or ()) - set(world.nodes))
+        if not lost:
+            return []
+        prev_round = world.round - 1
+
+        def change(st: dict[str, Any]) -> None:
+            for event in st.get("history", []):
+                if (event.get("kind") == "failure" and event.get("round") == prev_round
+                        and event.get("reason") in FAILURE_REASONS):  # fmt: skip
+                    event["reason"] = "peer_lost"
+                    event["detail"] = f"lost {','.join(lost)} ({event.get('detail', '')})"
+                    st["restarts"] = max(0, int(st.get("restarts", 0)) - 1)
+
+        self._registry.update_status(self.name, change)
+        return lost
+
+    def progress(self, lead: dict[str, Any], *, checkpoint: int | None, write: bool) -> None:
+        """Rank 0's last heartbeat: into the metrics, and into the status if ``write``."""
+        m = self._metrics
+        m.step.labels(job=self.name).set(lead["step"])
+        if "loss" in lead:
+            m.loss.labels(job=self.name).set(lead["loss"])
+        if "tokens_per_s" in lead:
+            m.tokens_per_second.labels(job=self.name).set(lead["tokens_per_s"])
+        if checkpoint is not None:
+            m.checkpoint_step.labels(job=self.name).set(checkpoint)
+        if not write:
+            return
+        fields = {k: lead[k] for k in ("step", "loss", "tokens_per_s") if k in lead}
+        fields["checkpoint"] = checkpoint
+        try:
+            self._registry.update_status(self.name, lambda st: st.update(fields))
+        except ElasticdError as exc:
+            log.warning("status update failed", **kv(job=self.name, error=str(exc)))
+
+    def recovered(
+        self, *, round_: int, rec: dict[str, Any], marks: list[tuple[str, float | None]],
+        now: float, first_step: int | None, write: bool,
+    ) -> None:  # fmt: skip
+        """The first step after a re-form completed: the recovery is over."""
+        t0 = float(rec["detected_at"])
+        parts = recovery_parts(t0, marks)
+        total = round(now - t0, 3)
+        reason = str(rec.get("reason", "unknown"))
+        self._metrics.recovery_seconds.labels(job=self.name, reason=reason).observe(total)
+        log.info("recovered", **kv(job=self.name, round=round_, seconds=total, **parts))
+        if not write:
+            return
+        event = {"kind": "recovery", "round": round_, "reason": reason, "detected_at": t0,
+                 "seconds": total, "parts": parts, "first_step": first_step}  # fmt: skip
+        try:
+            self._registry.add_event(self.name, event)
+        except ElasticdError as exc:
+            log.warning("recovery record failed", **kv(job=self.name, error=str(exc)))
+
+    def count(self, *, round_: int, claim: dict[str, Any], limit: int) -> bool:
+        """Our claim names the cause of this round's end: count it. Returns whether the
+        job is now past its restart limit (and marks it failed if so)."""
+        failure = claim.get("reason") in FAILURE_REASONS
+
+        def change(st: dict[str, Any]) -> None:
+            st["reforms"] = int(st.get("reforms", 0)) + 1
+            if failure:
+                st["restarts"] = int(st.get("restarts", 0)) + 1
+                st["last_failure"] = (
+                    f"round {round_}: {claim.get('reason')}: {claim.get('detail', '')}"
+                )
+            st.setdefault("history", []).append(
+                {"t": round(self._clock(), 3), "kind": "failure", "round": round_,
+                 "reason": claim.get("reason"), "node": claim.get("node"),
+                 "detail": claim.get("detail", "")}
+            )  # fmt: skip
+
+        status = self._registry.update_status(self.name, change)
+        if failure and int(status.get("restarts", 0)) > limit:
+            self.fail(f"restart limit reached ({limit}): {status.get('last_failure')}")
+            return True
+        return False
+
+    def fail(self, reason: str) -> None:
+        log.error("job failed", **kv(job=self.name, reason=reason))
+        self._registry.set_state(self.name, JobState.FAILED, reason)
