@@ -228,8 +228,8 @@ def load_latest(
         try:
             ckpt = Checkpoint.open(path)
             ckpt.load_into(model, optimizer, verify=verify)
-        except (CheckpointError, OSError) as exc:
-            error = str(exc)
+        except Exception as exc:
+            error = str(exc) if isinstance(exc, (CheckpointError, OSError)) else repr(exc)
         errors = [r for r in (all_gather_json(error, group) if distributed else [error]) if r]
         if not errors:
             return ckpt  # type: ignore[return-value]
