@@ -241,6 +241,10 @@ def test_a_pipelined_step_gives_the_single_process_losses_and_gradients(
         elif vpp == 1:
             # The 1F1B bound: stage s holds at most pp − s micro-batches.
             assert r["peak"] == min(pp - r["stage"], microbatches)
+        else:
+            # Interleaved: the warm-up forwards plus the first steady-state forward.
+            warmup = 2 * (pp - r["stage"] - 1) + (vpp - 1) * pp
+            assert r["peak"] == min(warmup + 1, microbatches * vpp)
 
 
 def test_with_data_parallel_each_chunk_syncs_once_after_its_last_backward(tmp_path):
