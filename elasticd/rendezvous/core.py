@@ -272,12 +272,17 @@ class EtcdRendezvous:
         return True
 
     def _wait(self, deadline: float, predicate: Callable[[], bool]) -> None:
-        with self._mirror.cond:
-            while not predicate():
-                left = deadline - self._clock()
-                if left <= 0:
-                    self._timeout()
-                self._mirror.cond.wait(min(left, 0.5))
+        m = self._mirror
+        with m.cond:
+            try:
+                m.wake_when = predicate
+                while not predicate():
+                    left = deadline - self._clock()
+                    if left <= 0:
+                        self._timeout()
+                    m.cond.wait(min(left, 0.5))
+            finally:
+                m.wake_when = None
 
     def _timeout(self) -> None:
         raise RendezvousTimeout(
@@ -288,6 +293,7 @@ class EtcdRendezvous:
     def _wait_or_close(self, round_: int, deadline: float) -> None:
         """Wait until ``round_`` closes (closing it ourselves when the rule says so)."""
         s, m = self.settings, self._mirror
+        defer_until: float | None = None
         while True:
             with m.cond:
                 if m.closed or m.world_error is not None or (m.world and m.world.round >= round_):
@@ -298,19 +304,20 @@ class EtcdRendezvous:
                 pend = pending_previous(
                     previous, m.joined_nodes(previous.round) if previous else ()
                 )
+                count = len(m.joined_nodes(round_))
                 delay = close_delay(
-                    joined=len(m.joined_nodes(round_)),
+                    joined=count,
                     pending_previous=pend,
                     min_nodes=s.min_nodes,
                     max_nodes=s.max_nodes,
                     since_last_join=m.since_last_join(round_),
                     settle=s.settle,
                 )
-                left = deadline - self._clock()
-                if left <= 0:
+                now = self._clock()
+                if deadline - now <= 0:
                     self._abandon(round_)
                 if delay is None or delay > 0:
-                    m.cond.wait(min(left, delay if delay is not None else left, 1.0))
+                    self._sleep(round_, count, pend, min(deadline - now, delay or deadline - now))
                     continue
                 world, waiting = build_world(
                     run_id=s.run_id,
@@ -319,6 +326,13 @@ class EtcdRendezvous:
                     joined=m.joins(round_),
                     max_nodes=s.max_nodes,
                 )
+                # Every participant reaches this point together; let the would-be rank 0
+                # write the world, and step in only if it has not within a moment.
+                if world.members[0].node != self.node_id:
+                    defer_until = defer_until or now + min(0.5, s.ttl / 3)
+                    if now < defer_until:
+                        self._sleep(round_, count, 1, defer_until - now)
+                        continue
                 fences = [
                     compare(s.world_key(), "mod", "==", m.world_mod),
                     compare_range(s.join_prefix(round_), "mod", "<", m.last_join_mod(round_) + 1),
@@ -330,6 +344,22 @@ class EtcdRendezvous:
                     **kv(round=round_, world=world.size, by=self.node_id, waiting=len(waiting)),
                 )
             self._wait(deadline, lambda r=result.revision: m.revision >= r)
+
+    def _sleep(self, round_: int, count: int, pending: int, timeout: float) -> None:
+        """Sleep (mirror lock held) until ``timeout`` or an event that can change the
+        decision: a deletion, the world, closing (these always wake), or — when nothing
+        else blocks — the join count reaching the next threshold. Joins that cannot change
+        the decision do not wake us: with hundreds of nodes that is most of them."""
+        s, m = self.settings, self._mirror
+        if pending:
+            m.wake_when = lambda: False
+        else:
+            threshold = s.max_nodes if count >= s.min_nodes else s.min_nodes
+            m.wake_when = lambda: len(m.joined_nodes(round_)) >= threshold
+        try:
+            m.cond.wait(max(0.0, min(timeout, 1.0)))
+        finally:
+            m.wake_when = None
 
     def _abandon(self, round_: int) -> None:
         """Give up: drop our join so the others do not count us, then time out."""

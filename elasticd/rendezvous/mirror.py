@@ -43,6 +43,7 @@ class Mirror:
         self.join_seen: dict[int, float] = {}
         self.join_mod: dict[int, int] = {}
         self.rounds: dict[int, dict[str, tuple[int, Member]]] = {}
+        self.wake_when: Callable[[], bool] | None = None
         self._clock = clock
 
     def reset(self) -> None:
@@ -60,14 +61,21 @@ class Mirror:
             self.cond.notify_all()
 
     def apply(self, events: list[Event]) -> None:
+        join_root = self.settings.run_prefix + "join/"
         with self.cond:
+            important = False
             for ev in events:
                 if ev.kind == "delete":
                     self._delete(ev.kv.key)
+                    important = True
                 else:
                     self._set(ev.kv)
+                    important = important or not ev.kv.key.startswith(join_root)
                 self.revision = max(self.revision, ev.kv.mod_revision)
-            self.cond.notify_all()
+            # Waking a waiter costs a thread switch; a plain join wakes it only when its
+            # predicate says the join can matter.
+            if important or self.wake_when is None or self.wake_when():
+                self.cond.notify_all()
 
     def _delete(self, key: str) -> None:
         self.kvs.pop(key, None)
