@@ -28,7 +28,7 @@ def job_dict(tmp_path, name, *, steps=5, nodes=(2, 2), **extra):
         "command": [sys.executable, WORKER],
         "train": {"steps": steps, "global_batch": 12, "micro_batch": 2},
         "checkpoint": {"every": 100},
-        "rendezvous": {"ttl": 2, "settle": 0.3},
+        "rendezvous": {"ttl": 2, "settle": 1.5},
     }
     for section, values in extra.items():
         raw.setdefault(section, {}).update(values)

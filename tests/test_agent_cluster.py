@@ -38,7 +38,7 @@ def make_job(tmp_path, *, name="chaos", steps=12, every=3, nodes=(1, 3), nproc=1
         "command": [sys.executable, WORKER],
         "train": {"steps": steps, "global_batch": 12, "micro_batch": 2},
         "checkpoint": {"every": every},
-        "rendezvous": {"ttl": 2, "settle": 0.5},
+        "rendezvous": {"ttl": 2, "settle": 1.5},
     }
     for section, values in extra.items():
         raw.setdefault(section, {}).update(values)

@@ -26,7 +26,9 @@ def make_job(tmp_path, name: str, *, nproc: int = 1, tp: int = 1, steps: int = 1
         # Divisible by the micro-batch times 3 and times 2: every world keeps the batch.
         "train": {"steps": steps, "global_batch": 12, "micro_batch": 2},
         "checkpoint": {"every": 4},
-        "rendezvous": {"ttl": 2, "settle": 0.5},
+        # A loaded machine can start an agent late; a longer settle keeps the first world
+        # whole (a late agent would join as a scale-up instead).
+        "rendezvous": {"ttl": 2, "settle": 2.0},
     }
     return parse_job(raw).with_paths_resolved(tmp_path)
 
