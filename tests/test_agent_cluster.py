@@ -71,6 +71,7 @@ def assert_resumed_exactly(result, steps):
         assert rec["loss"] == pytest.approx(expected_loss(step), rel=1e-9)
 
 
+@pytest.mark.slow  # the trainer version in test_agent_trainer.py runs by default
 def test_a_killed_node_is_dropped_and_training_resumes_on_the_survivors(tmp_path, fast_steps):
     job = make_job(tmp_path, steps=12)
     result = run(job, 3, ["kill-node=1@step=5"])
@@ -115,6 +116,7 @@ def test_a_hung_worker_is_detected_within_the_hang_timeout(tmp_path, fast_steps)
     assert_resumed_exactly(result, 8)
 
 
+@pytest.mark.slow  # the trainer version in test_agent_trainer.py runs by default
 def test_a_preempted_node_saves_an_emergency_checkpoint_and_loses_no_step(tmp_path, fast_steps):
     job = make_job(tmp_path, steps=12, every=100)  # no periodic save: only the emergency one
     result = run(job, 2, ["term-node=1@step=5"])
