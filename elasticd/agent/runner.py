@@ -82,7 +82,8 @@ class JobRunner:
         self._preempt = preempt
         self._clock = clock
         self._make_handler = make_handler or self._default_handler
-        self._changes: list[Any] = []
+        self._changes: list[tuple[int, Any]] = []
+        self._handler: Any = None
         self._changes_lock = threading.Lock()
         self._pending_recovery: dict[str, Any] | None = None
         self._failures_here = 0
@@ -110,13 +111,17 @@ class JobRunner:
         )
 
     def _on_change(self, change: Any) -> None:
+        # Tag each change with the world it was judged against: a change about the previous
+        # world that arrives after we decided to leave it must not break the next one.
+        world = getattr(self._handler, "current_world", None)
         with self._changes_lock:
-            self._changes.append(change)
+            self._changes.append((world.round if world is not None else 0, change))
 
-    def _take_changes(self) -> list[Any]:
+    def _take_changes(self, round_: int) -> list[Any]:
+        """The changes reported about round ``round_`` since the last call (others dropped)."""
         with self._changes_lock:
             out, self._changes = self._changes, []
-        return out
+        return [change for r, change in out if r == round_]
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -124,7 +129,7 @@ class JobRunner:
         """Run rounds until the job ends for this node; returns the last outcome."""
         from elasticd.rendezvous import RendezvousClosed, RendezvousTimeout
 
-        handler = self._make_handler()
+        handler = self._handler = self._make_handler()
         try:
             while not self._preempt.is_set():
                 current = self._registry.get(self.name)
@@ -142,7 +147,6 @@ class JobRunner:
                 except RendezvousTimeout as exc:
                     self._report.fail(f"no world formed: {exc}")
                     break
-                self._take_changes()  # changes of the previous world are handled already
                 outcome = self._run_round(handler, world, joined_at)
                 self.outcome = outcome
                 if not outcome.reforms:
@@ -230,7 +234,7 @@ class JobRunner:
             record = self._registry.get(self.name)
             if record is None or record.state.terminal or self._preempt.is_set():
                 return Outcome.FINISHED, "reported by node rank 0"
-            for change in self._take_changes():
+            for change in self._take_changes(rnd.number):
                 if change.kind == "closed":
                     return Outcome.FINISHED, "run closed"
                 if change.kind in ("lost", "lease-lost"):
@@ -249,7 +253,7 @@ class JobRunner:
         ckpt_now: int | None = None
         while True:
             now = self._clock()
-            for change in self._take_changes():
+            for change in self._take_changes(rnd.number):
                 if change.kind in ("lost", "lease-lost"):
                     lost.update(change.nodes)
                 elif change.kind == "waiting" and len(rnd.nodes) < job.nodes.max:
