@@ -214,3 +214,29 @@ def test_the_run_command_prints_a_summary_and_exits_zero_on_success(tmp_path, fa
     assert r.returncode == 0, r.stdout + r.stderr
     assert "job cli: succeeded" in r.stdout and "steps completed: 4" in r.stdout
     assert (tmp_path / "runs" / "cli" / "logs" / "round-1" / "rank-0.log").exists()
+
+
+def test_an_etcd_outage_mid_run_does_not_stop_training(tmp_path, fast_steps):
+    from elasticd.etcd import connect
+    from elasticd.jobs import JobRegistry
+    from elasticd.localcluster import read_metrics
+
+    job = make_job(tmp_path, steps=24, every=100, nodes=(2, 2))
+    metrics = os.path.join(job.out_dir, "metrics.jsonl")
+    with LocalCluster(base_dir=str(tmp_path / "cluster"), nproc=1) as cluster:
+        cluster.start(2)
+        with connect(cluster.etcd.client_config()) as client:
+            wait_for(lambda: len(client.get_prefix("/elasticd/nodes/")[0]) == 2, timeout=30)
+            JobRegistry(client).submit(job)
+        wait_for(lambda: max((r["step"] for r in read_metrics(metrics)), default=0) >= 4,
+                 timeout=60)  # fmt: skip
+        cluster.etcd.stop()  # every agent loses etcd for a few seconds, mid-training
+        time.sleep(4)
+        cluster.etcd.start()
+        with connect(cluster.etcd.client_config()) as client:
+            reg = JobRegistry(client)
+            final = wait_for(lambda: (r := reg.get(job.name)).state.terminal and r, timeout=90)
+    assert final.state == "succeeded", final.reason
+    assert final.status["restarts"] == 0
+    assert [e["kind"] for e in final.status["history"]] == ["world"]  # no re-form
+    assert [r["step"] for r in read_metrics(metrics)] == list(range(1, 25))

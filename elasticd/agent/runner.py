@@ -127,12 +127,19 @@ class JobRunner:
 
     def run(self) -> Outcome | None:
         """Run rounds until the job ends for this node; returns the last outcome."""
-        from elasticd.rendezvous import RendezvousClosed, RendezvousTimeout
+        from elasticd.rendezvous import RendezvousClosed, RendezvousConnection, RendezvousTimeout
 
         handler = self._handler = self._make_handler()
         try:
             while not self._preempt.is_set():
-                current = self._registry.get(self.name)
+                try:
+                    current = self._registry.get(self.name)
+                except ElasticdError as exc:
+                    log.warning(
+                        "job registry unreachable; retrying", **kv(job=self.name, error=str(exc))
+                    )
+                    self._preempt.wait(1.0)
+                    continue
                 if (
                     current is None
                     or current.run_id != self.record.run_id
@@ -147,6 +154,14 @@ class JobRunner:
                 except RendezvousTimeout as exc:
                     self._report.fail(f"no world formed: {exc}")
                     break
+                except RendezvousConnection as exc:
+                    # etcd away for longer than the client's own retries: not the job's
+                    # fault. Try again; the job state check above ends this if it is over.
+                    log.warning(
+                        "rendezvous unreachable; retrying", **kv(job=self.name, error=str(exc))
+                    )
+                    self._preempt.wait(1.0)
+                    continue
                 outcome = self._run_round(handler, world, joined_at)
                 self.outcome = outcome
                 if not outcome.reforms:
