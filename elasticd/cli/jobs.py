@@ -193,7 +193,8 @@ def run_status(args: argparse.Namespace) -> int:
     for r in records:
         s = _summary(r)
         print(f"job {s['name']}: {s['state']}" + (f" ({s['reason']})" if s["reason"] else ""))
-        print(f"  world {s['world']}  round {s['round']}  layout {s['layout']}")
+        layout = r.status.get("layout_text") or s["layout"]
+        print(f"  world {s['world']}  round {s['round']}  layout {layout}")
         print(f"  step {s['step']}/{s['steps']}  loss {s['loss']}  checkpoint {s['checkpoint']}")
         print(f"  restarts {s['restarts']}  last failure {s['last_failure']}")
         print(f"  output {s['output_dir']}")
