@@ -1,16 +1,21 @@
 """Loading with reshard: each local tensor of the new layout reads only what overlaps it.
 
 The pure planner (:func:`checkpoint.planner.plan_reads`) says which saved chunks feed which
-part of a local tensor; this shell opens the files with ``safe_open`` and copies. With
-``verify`` (the default) every chunk read is checked against its CRC-32, so a chunk only
-partly needed is read whole (chunks are small grid cells, so aligned reshards read nothing
-extra); without it, only the exact overlap is read through ``get_slice``.
+part of a local tensor; this shell reads them and copies. With ``verify`` (the default)
+every chunk read is checked against its CRC-32, so a chunk only partly needed is read
+whole (chunks are small grid cells, so aligned reshards read nothing extra): whole chunks
+are viewed in place from a memory map of the safetensors file (header offsets checked
+against the manifest), checked, and copied once into the local tensor. Without
+``verify``, a partly needed chunk is read through ``safe_open(...).get_slice(...)``, which
+reads only the overlap.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
+import mmap
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -28,10 +33,10 @@ from checkpoint.errors import (
     LayoutMismatchError,
     NoCheckpointError,
 )
-from checkpoint.manifest import MANIFEST, Manifest, parse_step_dirname
+from checkpoint.manifest import MANIFEST, Manifest, parse_step_dirname, st_code
 from checkpoint.planner import SavedChunk, plan_reads
 from checkpoint.shards import ShardInfo
-from checkpoint.stfile import crc32_hex, read_header, tensor_bytes
+from checkpoint.stfile import crc32_hex, read_header
 
 log = logging.getLogger("checkpoint.load")
 
@@ -47,6 +52,26 @@ class LoadStats:
     seconds: float = 0.0
 
 
+@dataclass(slots=True)
+class _OpenFile:
+    """A tensor file whose size and header were checked, mapped for reading."""
+
+    path: str
+    header: dict
+    data_start: int
+    mm: mmap.mmap | None
+    st: object = None
+
+    def safetensors(self):
+        """The same file through ``safe_open``, for reading exact sub-slices."""
+        if self.st is None:
+            try:
+                self.st = safe_open(self.path, framework="pt", device="cpu")
+            except (SafetensorError, OSError) as exc:
+                raise CorruptCheckpointError(f"{self.path}: unreadable: {exc}") from exc
+        return self.st
+
+
 class Checkpoint:
     """One committed checkpoint, opened for reading."""
 
@@ -54,7 +79,7 @@ class Checkpoint:
         self.path = path
         self.manifest = manifest
         self.stats = LoadStats()
-        self._handles: dict[str, object] = {}
+        self._handles: dict[str, _OpenFile] = {}
 
     @classmethod
     def open(cls, path: str) -> Checkpoint:
@@ -143,14 +168,16 @@ class Checkpoint:
                 cache_key = (op.chunk.file, op.chunk.key)
                 chunk = partial.get(cache_key)
                 if chunk is None:
-                    chunk = self._read_chunk(op.chunk, entry.crc32[op.chunk.key], verify)
+                    chunk = self._read_chunk(
+                        op.chunk, entry.crc32[op.chunk.key], verify, entry.dtype
+                    )
                     if not op.whole_chunk:
                         partial[cache_key] = chunk
                 region[op.dst].copy_(chunk[op.src])
             else:
                 region[op.dst].copy_(self._read_slice(op.chunk, op.src, entry.dtype.itemsize))
 
-    def _handle(self, file: str):
+    def _handle(self, file: str) -> _OpenFile:
         h = self._handles.get(file)
         if h is not None:
             return h
@@ -164,36 +191,51 @@ class Checkpoint:
             raise CorruptCheckpointError(f"{path}: file is missing") from exc
         if size != meta.bytes:
             raise CorruptCheckpointError(f"{path}: {size} bytes, the manifest says {meta.bytes}")
-        header, _ = read_header(path)
+        header, parsed = read_header(path)
         self.stats.bytes_read += len(header)
         if hashlib.sha256(header).hexdigest() != meta.header_sha256:
             raise CorruptCheckpointError(f"{path}: header checksum mismatch")
-        try:
-            h = safe_open(path, framework="pt", device="cpu")
-        except (SafetensorError, OSError) as exc:
-            raise CorruptCheckpointError(f"{path}: unreadable: {exc}") from exc
+        with open(path, "rb") as f:
+            # A private mapping: tensors viewing it are writable without copying the file.
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+        h = _OpenFile(path=path, header=parsed, data_start=len(header), mm=mm)
         self._handles[file] = h
         return h
 
-    def _read_chunk(self, chunk: SavedChunk, crc32: str, verify: bool) -> torch.Tensor:
-        path = os.path.join(self.path, chunk.file)
-        try:
-            t = self._handle(chunk.file).get_tensor(chunk.key)
-        except SafetensorError as exc:
-            raise CorruptCheckpointError(f"{path}: {chunk.key}: {exc}") from exc
-        self.stats.bytes_read += t.numel() * t.element_size()
-        if tuple(t.shape) != chunk.sizes:
+    def _read_chunk(
+        self, chunk: SavedChunk, crc32: str, verify: bool, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """A whole chunk, viewed in place from the file's mapping (no copy), checked."""
+        f = self._handle(chunk.file)
+        info = f.header.get(chunk.key)
+        nbytes = math.prod(chunk.sizes) * dtype.itemsize
+        if (
+            not isinstance(info, dict)
+            or info.get("dtype") != st_code(dtype)
+            or info.get("shape") != list(chunk.sizes)
+            or len(info.get("data_offsets", ())) != 2
+            or info["data_offsets"][1] - info["data_offsets"][0] != nbytes
+        ):
             raise CorruptCheckpointError(
-                f"{path}: {chunk.key}: shape {list(t.shape)} is not {list(chunk.sizes)}"
+                f"{f.path}: {chunk.key}: missing or not as the manifest says"
             )
-        if verify and crc32_hex(tensor_bytes(t)) != crc32:
-            raise CorruptCheckpointError(f"{path}: {chunk.key}: checksum mismatch (corrupted data)")
-        return t
+        begin = f.data_start + info["data_offsets"][0]
+        if f.mm is None or begin + nbytes > len(f.mm):
+            raise CorruptCheckpointError(f"{f.path}: {chunk.key}: beyond the end of the file")
+        self.stats.bytes_read += nbytes
+        if nbytes == 0:
+            return torch.empty(chunk.sizes, dtype=dtype)
+        view = memoryview(f.mm)[begin : begin + nbytes]
+        if verify and crc32_hex(view) != crc32:
+            raise CorruptCheckpointError(
+                f"{f.path}: {chunk.key}: checksum mismatch (corrupted data)"
+            )
+        return torch.frombuffer(view, dtype=dtype).view(chunk.sizes)
 
     def _read_slice(self, chunk: SavedChunk, src: tuple[slice, ...], itemsize: int) -> torch.Tensor:
         path = os.path.join(self.path, chunk.file)
         try:
-            t = self._handle(chunk.file).get_slice(chunk.key)[src]
+            t = self._handle(chunk.file).safetensors().get_slice(chunk.key)[src]
         except SafetensorError as exc:
             raise CorruptCheckpointError(f"{path}: {chunk.key}: {exc}") from exc
         self.stats.bytes_read += t.numel() * itemsize

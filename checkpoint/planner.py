@@ -148,14 +148,22 @@ def chunk_grid(box: Box, *, itemsize: int, min_bytes: int, max_pieces: int = 4) 
     """
     offsets, sizes = box
     pieces = [1] * len(sizes)
-    nbytes = numel(sizes) * itemsize
+
+    def smallest_cell(p: list[int]) -> int:
+        return math.prod(n // k for n, k in zip(sizes, p, strict=True)) * itemsize
+
     grown = True
     while grown:
         grown = False
         for d in range(min(2, len(sizes))):
-            p = pieces[d] * 2
-            if p <= max_pieces and p <= sizes[d] and nbytes // (math.prod(pieces) * 2) >= min_bytes:
-                pieces[d] = p
+            trial = list(pieces)
+            trial[d] *= 2
+            if (
+                trial[d] <= max_pieces
+                and trial[d] <= sizes[d]
+                and smallest_cell(trial) >= min_bytes
+            ):
+                pieces = trial
                 grown = True
     axes = [
         [(offsets[d] + start, size) for start, size in _split(sizes[d], pieces[d])]

@@ -111,7 +111,7 @@ def test_a_chunk_grid_tiles_its_region_in_cells_of_at_least_the_minimum_size(
     grid = chunk_grid(box, itemsize=itemsize, min_bytes=min_bytes)
     assert coverage_problem("t", shape, grid) is None
     if len(grid) > 1:
-        assert min(torch.Size(s).numel() * itemsize for _, s in grid) >= min_bytes // 2
+        assert min(torch.Size(s).numel() * itemsize for _, s in grid) >= min_bytes
     assert len(grid) <= 16
 
 
