@@ -90,6 +90,8 @@ class Checkpoint:
             raise NoCheckpointError(
                 f"{path}: not a committed checkpoint directory (step-NNNNNNNNN)"
             )
+        if not os.path.isdir(path):
+            raise NoCheckpointError(f"{path}: no such checkpoint")
         try:
             with open(os.path.join(path, MANIFEST), "rb") as f:
                 raw = f.read()
