@@ -109,3 +109,19 @@ def test_a_preempted_node_makes_the_trainer_commit_an_emergency_checkpoint_and_l
     reference = reference_losses(tmp_path, job)
     for rec in result["metrics"]:
         assert rec["loss"] == pytest.approx(reference[rec["step"]], rel=1e-4), rec["step"]
+
+
+@pytest.mark.slow
+def test_a_run_through_several_faults_still_matches_an_uninterrupted_run(tmp_path):
+    job = make_job(tmp_path, "soak", steps=36)
+    faults = ["kill-worker=0@step=5", "kill-node=2@step=12", "add-node@step=18",
+              "term-node=1@step=26"]  # fmt: skip
+    result = run(job, 3, faults)
+    assert result["state"] == "succeeded", result["reason"]
+    assert len(result["faults"]) == len(faults)
+    by_step = {r["step"]: r for r in result["metrics"]}
+    assert sorted(by_step) == list(range(1, 37))
+    reference = reference_losses(tmp_path, job)
+    for step, rec in by_step.items():
+        assert rec["loss"] == pytest.approx(reference[step], rel=1e-4), step
+    assert result["status"]["restarts"] == 1  # only the killed worker counts
