@@ -115,7 +115,7 @@ CASES = {
     "pp4-vpp2": (4, (), ("parallel.pp=4", "parallel.vpp=2", "model.layers=8"), 4, 2),
     "pp2-untied": (2, ("model.tie_embeddings=false",), ("parallel.pp=2",), 2, 1),
 }
-SLOW = {"pp4", "pp4-vpp2", "pp2-untied"}
+SLOW = {"pp4", "pp2-untied"}
 
 
 @pytest.mark.parametrize(
