@@ -109,7 +109,8 @@ def test_a_hung_worker_is_detected_within_the_hang_timeout(tmp_path, fast_steps)
     result = run(job, 1, ["hang-worker=1@step=3"])
     assert result["state"] == "succeeded", result["reason"]
     failure = next(e for e in result["status"]["history"] if e["kind"] == "failure")
-    assert failure["reason"] == "worker_hung" and "rank 1: no progress" in failure["detail"]
+    # The stopped rank and its blocked local peer go quiet together; either may be named.
+    assert failure["reason"] == "worker_hung" and ": no progress for" in failure["detail"]
     fault_t = result["faults"][0]["t"]
     assert failure["t"] - fault_t < 3.0 + 3.0  # hang_timeout plus a step and some slack
     assert failure["t"] > started
