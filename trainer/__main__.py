@@ -137,6 +137,7 @@ def _run(*, job, layout, rank: int, world: int, env: Mapping[str, str]) -> int:
             trainer.run(
                 metrics=metrics, progress=progress, preempt=preempt,
                 checkpoint_group=groups.side("checkpoint"), control_group=groups.side("control"),
+                on_resumed=lambda: channel.mark("ckpt_loaded"),
             )  # fmt: skip
             if rank == 0:
                 store.set(DONE_KEY, "preempted" if trainer.preempted else "1")

@@ -266,6 +266,7 @@ class Trainer:
         preempt: Callable[[object], bool] | None = None,
         checkpoint_group: dist.ProcessGroup | None = None,
         control_group: dist.ProcessGroup | None = None,
+        on_resumed: Callable[[], None] | None = None,
     ) -> list[StepResult]:
         """Train until ``train.steps`` steps are complete, resuming from the latest committed
         checkpoint when there is one (unless ``checkpoint.resume`` is false) and saving every
@@ -276,11 +277,14 @@ class Trainer:
         committed and the loop ends early with ``self.preempted`` set.
 
         ``checkpoint_group`` and ``control_group`` (``ProcessGroups.side(...)``): gloo groups
-        over the active ranks for the checkpoint store and for the flags."""
+        over the active ranks for the checkpoint store and for the flags. ``on_resumed()`` is
+        called once the checkpoint is loaded (the agent times recovery parts with it)."""
         from trainer.checkpointing import Checkpointing
 
         ckpt = Checkpointing.create(self, group=checkpoint_group)
         ckpt.resume()
+        if on_resumed is not None:
+            on_resumed()
         flag_group = control_group
         if preempt is not None and flag_group is None and dist.is_initialized():
             # A group of its own: the async saver's thread talks on ckpt.group, and two
