@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from elasticd.errors import UsageError
 from elasticd.rendezvous.decisions import (
+    Change,
     Member,
     RendezvousSettings,
     World,
@@ -17,6 +18,7 @@ from elasticd.rendezvous.decisions import (
     parse_join_key,
     parse_world,
     pending_previous,
+    world_changes,
 )
 from elasticd.rendezvous.errors import RendezvousState
 
@@ -126,3 +128,33 @@ def test_impossible_settings_are_usage_errors(kw):
 
 def test_keepalive_defaults_to_a_third_of_the_ttl():
     assert RendezvousSettings(run_id="r", ttl=3).keepalive == pytest.approx(1.0)
+
+
+def _world(*nodes, round_=1):
+    return World(
+        run_id="r", round=round_, members=tuple(Member(node=n, addr="h", port=1) for n in nodes)
+    )
+
+
+def test_a_vanished_member_is_reported_lost_and_a_next_round_joiner_waiting():
+    w = _world("a", "b", "c")
+    changes = world_changes(world=w, members={"a", "b", "c"}, me="a", live={"a", "c"},
+                            next_round={"d"}, still_joined=True, closed=False)  # fmt: skip
+    assert changes == [Change("lost", ("b",)), Change("waiting", ("d",))]
+
+
+def test_our_own_missing_key_is_a_lost_lease_and_a_closed_run_trumps_everything():
+    w = _world("a", "b")
+    changes = world_changes(world=w, members={"a", "b"}, me="a", live={"b"}, next_round=(),
+                            still_joined=True, closed=False)  # fmt: skip
+    assert changes == [Change("lease-lost", ("a",))]
+    assert world_changes(world=w, members={"a", "b"}, me="a", live=(), next_round=(),
+                         still_joined=True, closed=True) == [Change("closed")]  # fmt: skip
+
+
+def test_a_steady_world_has_no_changes_and_an_excluded_joiner_counts_as_waiting():
+    w = _world("a", "b")
+    assert world_changes(world=w, members={"a", "b"}, me="a", live={"a", "b"}, next_round=(),
+                         still_joined=True, closed=False) == []  # fmt: skip
+    assert world_changes(world=w, members={"a", "b"}, me="a", live={"a", "b", "x"},
+                         next_round=(), still_joined=True, closed=False) == [Change("waiting", ("x",))]  # fmt: skip

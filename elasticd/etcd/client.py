@@ -24,10 +24,33 @@ from etcd3 import etcdrpc
 
 from elasticd.errors import EtcdError
 from elasticd.etcd.config import EtcdConfig
+from elasticd.etcd.ops import (  # re-exported: callers build transactions from here
+    compare,
+    compare_range,
+    delete_op,
+    get_op,
+    prefix_end,
+    put_op,
+)
 from elasticd.log import kv
 
 log = logging.getLogger("elasticd.etcd")
 T = TypeVar("T")
+__all__ = [
+    "EtcdAuthError",
+    "EtcdClient",
+    "EtcdLeaseNotFound",
+    "EtcdUnavailableError",
+    "KeyValue",
+    "TxnResult",
+    "compare",
+    "compare_range",
+    "connect",
+    "delete_op",
+    "get_op",
+    "prefix_end",
+    "put_op",
+]
 
 _RETRYABLE = {
     grpc.StatusCode.UNAVAILABLE,
@@ -79,63 +102,6 @@ def _kv(msg: Any) -> KeyValue:
         mod_revision=msg.mod_revision,
         lease=msg.lease,
     )
-
-
-def prefix_end(prefix: str) -> bytes:
-    """The ``range_end`` that selects every key starting with ``prefix``."""
-    raw = bytearray(prefix.encode())
-    for i in range(len(raw) - 1, -1, -1):
-        if raw[i] < 0xFF:
-            raw[i] += 1
-            return bytes(raw[: i + 1])
-    return b"\0"
-
-
-# -- transaction building blocks ------------------------------------------------------------
-
-_RESULTS = {"==": "EQUAL", "!=": "NOT_EQUAL", "<": "LESS", ">": "GREATER"}
-
-
-def compare(key: str, target: str, op: str, value: int | bytes) -> Any:
-    """A txn compare: ``target`` is mod, create, version or value; ``op`` is == != < >."""
-    cmp = etcdrpc.Compare()
-    cmp.key = key.encode()
-    cmp.result = etcdrpc.Compare.CompareResult.Value(_RESULTS[op])
-    cmp.target = etcdrpc.Compare.CompareTarget.Value(target.upper())
-    field = {"mod": "mod_revision", "create": "create_revision", "version": "version"}
-    if target == "value":
-        cmp.value = value if isinstance(value, bytes) else str(value).encode()
-    else:
-        setattr(cmp, field[target], int(value))
-    return cmp
-
-
-def compare_range(prefix: str, target: str, op: str, value: int) -> Any:
-    """A compare that must hold for *every* key under ``prefix`` (true when there is none)."""
-    cmp = compare(prefix, target, op, value)
-    cmp.range_end = prefix_end(prefix)
-    return cmp
-
-
-def put_op(key: str, value: bytes | str, lease: int = 0) -> Any:
-    data = value.encode() if isinstance(value, str) else value
-    return etcdrpc.RequestOp(
-        request_put=etcdrpc.PutRequest(key=key.encode(), value=data, lease=lease)
-    )
-
-
-def delete_op(key: str, prefix: bool = False) -> Any:
-    req = etcdrpc.DeleteRangeRequest(key=key.encode())
-    if prefix:
-        req.range_end = prefix_end(key)
-    return etcdrpc.RequestOp(request_delete_range=req)
-
-
-def get_op(key: str, prefix: bool = False) -> Any:
-    req = etcdrpc.RangeRequest(key=key.encode())
-    if prefix:
-        req.range_end = prefix_end(key)
-    return etcdrpc.RequestOp(request_range=req)
 
 
 # -- the client -----------------------------------------------------------------------------
@@ -378,8 +344,16 @@ class EtcdClient:
         self._closed = True
         if self._keeper is not None:
             self._keeper.close()
-        for member in self._members:
-            member.channel.close()
+        # grpc's channel.close() can block on a stream whose request iterator is still
+        # parked; closing must never hang a shutdown, so give each close a bounded wait.
+        closers = [
+            threading.Thread(target=m.channel.close, name="etcd-close", daemon=True)
+            for m in self._members
+        ]
+        for t in closers:
+            t.start()
+        for t in closers:
+            t.join(timeout=2.0)
 
     def __enter__(self) -> EtcdClient:
         return self

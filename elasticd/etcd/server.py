@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -165,11 +166,16 @@ class EmbeddedEtcd:
                     stdout=out,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
-                    preexec_fn=_die_with_parent if self.die_with_parent else None,
+                    preexec_fn=_die_with_parent if self._tie_to_parent() else None,
                 )
         except OSError as exc:
             raise EtcdError(f"cannot start {command[0]}: {exc.strerror}") from exc
         log.info("etcd started", **kv(name=self.name, endpoint=self.endpoint, pid=self.proc.pid))
+
+    def _tie_to_parent(self) -> bool:
+        # The kernel signals on the death of the *thread* that forked, so tie etcd only
+        # to the main thread, which lives as long as the process.
+        return self.die_with_parent and threading.current_thread() is threading.main_thread()
 
     def start(self, timeout: float = 20.0, client: EtcdConfig | None = None) -> EmbeddedEtcd:
         """Start and wait until the member answers a status request."""

@@ -81,6 +81,7 @@ class Watch:
                 with self._lock:
                     if self._stop.is_set():
                         stream.cancel()
+                        q.put(None)
                         return
                     self._stream = stream
                 for resp in stream:

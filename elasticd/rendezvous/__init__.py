@@ -37,8 +37,8 @@ Two ways in:
 
 from typing import Any
 
-from elasticd.rendezvous.core import Change, EtcdRendezvous
-from elasticd.rendezvous.decisions import Member, RendezvousSettings, World
+from elasticd.rendezvous.core import EtcdRendezvous
+from elasticd.rendezvous.decisions import Change, Member, RendezvousSettings, World
 from elasticd.rendezvous.errors import (
     RendezvousClosed,
     RendezvousConnection,

@@ -18,8 +18,8 @@ import time
 from elasticd.errors import ElasticdError
 from elasticd.etcd.client import connect
 from elasticd.etcd.config import config_from_options
-from elasticd.rendezvous.core import Change, EtcdRendezvous
-from elasticd.rendezvous.decisions import RendezvousSettings
+from elasticd.rendezvous.core import EtcdRendezvous
+from elasticd.rendezvous.decisions import Change, RendezvousSettings
 
 
 class _Terminated(Exception):

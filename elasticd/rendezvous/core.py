@@ -1,18 +1,6 @@
 """The native etcd v3 rendezvous, torch-free (``torch_handler`` adapts it to torchrun).
 
-API for the agent::
-
-    handler = EtcdRendezvous(client=client, settings=RendezvousSettings(
-        run_id="job", min_nodes=2, max_nodes=4, ttl=3, settle=1, join_timeout=300),
-        node_id="node-a", addr="10.0.0.5", on_change=lambda change: ...)
-    world = handler.next_world()      # blocks until a round including us closes
-    world.round, world.nodes, world.rank_of("node-a"), world.master_addr, world.master_port
-    handler.changed.wait()            # set (and on_change(Change) called) when a member of
-                                      # our world is lost or left, a node waits to join, our
-                                      # own lease is lost, or the run is closed
-    handler.num_nodes_waiting()       # > 0 in all those cases: re-form with next_world()
-    handler.leave()                   # graceful: revoke our lease, peers are told at once
-    handler.set_closed(); handler.shutdown()
+The agent's API is documented in ``elasticd.rendezvous`` and docs/rendezvous.md.
 
 How a round works: a node joins the open round r (= last world's round + 1) by putting
 ``join/<r>/<node>`` on its lease, fenced by a compare on the world key, so it cannot join
@@ -33,7 +21,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from elasticd.errors import EtcdError
 from elasticd.etcd.client import (
@@ -48,6 +35,7 @@ from elasticd.etcd.server import free_port
 from elasticd.etcd.watch import Watch
 from elasticd.log import kv
 from elasticd.rendezvous.decisions import (
+    Change,
     Member,
     RendezvousSettings,
     World,
@@ -55,21 +43,12 @@ from elasticd.rendezvous.decisions import (
     close_delay,
     member_json,
     pending_previous,
+    world_changes,
 )
 from elasticd.rendezvous.errors import RendezvousClosed, RendezvousConnection, RendezvousTimeout
 from elasticd.rendezvous.mirror import Mirror
 
 log = logging.getLogger("elasticd.rendezvous")
-
-
-@dataclass(frozen=True, slots=True)
-class Change:
-    """Why the current world is no longer current: ``kind`` is ``lost`` (members whose key
-    vanished: crash, leave, or re-join), ``waiting`` (nodes joined the next round),
-    ``lease-lost`` (our own membership expired) or ``closed``."""
-
-    kind: str
-    nodes: tuple[str, ...] = ()
 
 
 class EtcdRendezvous:
@@ -168,23 +147,15 @@ class EtcdRendezvous:
     def _pending_changes(self) -> list[Change]:
         """What changed relative to our current world (call with the mirror lock held)."""
         m, world = self._mirror, self._current
-        if m.closed:
-            return [Change("closed")]
-        if world is None:
-            return []
-        out = []
-        live = m.joined_nodes(world.round)
-        lost = tuple(n for n in world.nodes if n != self.node_id and n not in live)
-        if lost:
-            out.append(Change("lost", lost))
-        waiting = tuple(sorted(m.joined_nodes(world.round + 1) - {self.node_id}))
-        members = self._current_nodes
-        waiting += tuple(sorted(n for n in live if n not in members))
-        if waiting:
-            out.append(Change("waiting", waiting))
-        if self.node_id not in live and self._joined_round == world.round:
-            out.append(Change("lease-lost", (self.node_id,)))
-        return out
+        return world_changes(
+            world=world,
+            members=self._current_nodes,
+            me=self.node_id,
+            live=m.joined_nodes(world.round) if world else (),
+            next_round=m.joined_nodes(world.round + 1) if world else (),
+            still_joined=world is not None and self._joined_round == world.round,
+            closed=m.closed,
+        )
 
     def _check_change(self) -> None:
         with self._mirror.cond:

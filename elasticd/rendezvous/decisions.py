@@ -248,3 +248,45 @@ def pending_previous(previous: World | None, live_old_joins: Collection[str]) ->
     if previous is None or not live_old_joins:
         return 0
     return sum(1 for n in previous.nodes if n in live_old_joins)
+
+
+# -- what makes a running world stale -------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """Why the current world is no longer current: ``kind`` is ``lost`` (members whose key
+    vanished: crash, leave, or re-join), ``waiting`` (nodes joined the next round),
+    ``lease-lost`` (our own membership expired) or ``closed``."""
+
+    kind: str
+    nodes: tuple[str, ...] = ()
+
+
+def world_changes(
+    *,
+    world: World | None,
+    members: Collection[str],
+    me: str,
+    live: Collection[str],
+    next_round: Collection[str],
+    still_joined: bool,
+    closed: bool,
+) -> list[Change]:
+    """The changes to report for our current ``world`` (``members`` = its node set) given
+    the live joins of its round and of the next one."""
+    if closed:
+        return [Change("closed")]
+    if world is None:
+        return []
+    out = []
+    lost = tuple(n for n in world.nodes if n != me and n not in live)
+    if lost:
+        out.append(Change("lost", lost))
+    waiting = tuple(sorted(n for n in next_round if n != me))
+    waiting += tuple(sorted(n for n in live if n not in members))
+    if waiting:
+        out.append(Change("waiting", waiting))
+    if me not in live and still_joined:
+        out.append(Change("lease-lost", (me,)))
+    return out
