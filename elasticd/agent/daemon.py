@@ -233,8 +233,13 @@ class Agent:
         thread.start()
 
     def _join_runners(self) -> None:
+        """Wait for runners with workers (they save and leave); let waiting ones go."""
         for runner, thread in list(self._runners.values()):
-            thread.join(timeout=runner.job.restart.grace_period + 15)
+            if runner.in_round:
+                thread.join(timeout=runner.job.restart.grace_period + 15)
+            else:
+                runner.abandon_wait()
+                thread.join(timeout=1.0)
 
     def _write_info(self, metrics_port: int) -> None:
         info = {"node": self.config.node_id, "pid": os.getpid(), "metrics_port": metrics_port}

@@ -84,6 +84,7 @@ class JobRunner:
         self._make_handler = make_handler or self._default_handler
         self._changes: list[tuple[int, Any]] = []
         self._handler: Any = None
+        self._in_round = False
         self._changes_lock = threading.Lock()
         self._pending_recovery: dict[str, Any] | None = None
         self._failures_here = 0
@@ -212,7 +213,25 @@ class JobRunner:
             self._report.world_formed(world, rnd.layout, resume_step)
         return rnd
 
+    @property
+    def in_round(self) -> bool:
+        """Whether workers are running (else the runner waits in the rendezvous)."""
+        return self._in_round
+
+    def abandon_wait(self) -> None:
+        """On agent shutdown while waiting for a world (a spare): stop keeping our
+        membership alive; it lapses within a TTL. (A runner in a round stops on its own.)"""
+        if not self._in_round and self._handler is not None:
+            self._handler.close()
+
     def _run_round(self, handler: Any, world: Any, joined_at: float) -> Outcome:
+        self._in_round = True
+        try:
+            return self._round(handler, world, joined_at)
+        finally:
+            self._in_round = False
+
+    def _round(self, handler: Any, world: Any, joined_at: float) -> Outcome:
         rnd = self._start_round(world, joined_at)
         self._pending_recovery = None
         try:
