@@ -201,3 +201,18 @@ def test_metrics_follow_prometheus_names_and_are_served():
     assert 'elasticd_workers{job="j",state="failed"} 0.0' in body
     names = {metric.name for metric in reg.collect()}
     assert all(n.startswith("elasticd_") for n in names)
+
+
+@given(
+    st.lists(st.one_of(st.none(), st.floats(min_value=0, max_value=100)), min_size=1, max_size=6)
+)
+def test_recovery_parts_add_up_to_the_time_from_detection_to_the_last_known_moment(moments):
+    from elasticd.agent.report import recovery_parts
+
+    names = [f"p{i}" for i in range(len(moments))]
+    parts = recovery_parts(10.0, list(zip(names, moments, strict=True)))
+    known = [m for m in moments if m is not None]
+    assert set(parts) == {n for n, m in zip(names, moments, strict=True) if m is not None}
+    assert all(v >= 0 for v in parts.values())
+    end = max([10.0, *known])
+    assert sum(parts.values()) == pytest.approx(end - 10.0, abs=1e-2)
