@@ -131,12 +131,12 @@ def test_a_preempted_node_saves_an_emergency_checkpoint_and_loses_no_step(tmp_pa
 
 
 def test_a_node_added_while_running_scales_the_job_up(tmp_path, fast_steps):
-    job = make_job(tmp_path, steps=24, every=4, restart={"scale_up": "checkpoint"})
+    job = make_job(tmp_path, steps=32, every=4, restart={"scale_up": "checkpoint"})
     result = run(job, 2, ["add-node@step=3"])
     assert result["state"] == "succeeded", result["reason"]
     worlds = [r["world"] for r in result["metrics"]]
     assert worlds[0] == 2 and worlds[-1] == 3
-    assert_resumed_exactly(result, 24)
+    assert_resumed_exactly(result, 32)
     assert result["status"]["restarts"] == 0
 
 
