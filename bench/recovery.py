@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import contextlib
 
-from elasticd.etcd.server import free_port
+from elasticd.etcd import free_port
 
 
 def job_dict(out: str, steps: int, ttl: float) -> dict:
@@ -78,7 +78,7 @@ def first_step_after(metrics: str, world: int, limit: float) -> float | None:
 
 
 def run_elasticd(base: str, *, steps: int, kill_step: int, kill_host: bool, limit: float) -> dict:
-    from elasticd.etcd.client import connect
+    from elasticd.etcd import connect
     from elasticd.jobs import JobRegistry
     from elasticd.jobspec import parse_job
     from elasticd.localcluster import LocalCluster

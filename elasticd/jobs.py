@@ -149,7 +149,7 @@ class JobRegistry:
         With ``replace`` a running job must be cancelled first (agents would otherwise
         keep training the old spec); a finished one is overwritten, status and all.
         """
-        from elasticd.etcd.client import compare, delete_op, put_op
+        from elasticd.etcd import compare, delete_op, put_op
 
         now = self._clock()
         state = {
@@ -221,7 +221,7 @@ class JobRegistry:
     def _update(self, key: str, change: Callable[[Any], Any | None], what: str) -> Any:
         """Compare-and-set read-modify-write of one JSON value; ``change`` returns the new
         value, or None to leave it as it is. Returns the value in force afterwards."""
-        from elasticd.etcd.client import compare, put_op
+        from elasticd.etcd import compare, put_op
 
         for _ in range(100):
             current = self._client.get(key)
@@ -298,7 +298,7 @@ class JobRegistry:
         peer vanished); the first to write names the cause and the rest adopt it, so a
         failure counts once against ``restart.max_restarts``.
         """
-        from elasticd.etcd.client import compare, put_op
+        from elasticd.etcd import compare, put_op
 
         key = _key(name, f"failures/{round_}")
         claim = {"t": round(self._clock(), 3), "round": round_, **info}

@@ -89,7 +89,7 @@ class LocalCluster:
         return self.etcd.endpoint  # type: ignore[attr-defined]
 
     def start(self, nodes: int) -> LocalCluster:
-        from elasticd.etcd.server import EmbeddedEtcd
+        from elasticd.etcd import EmbeddedEtcd
 
         os.makedirs(self.base_dir, exist_ok=True)
         self.etcd = EmbeddedEtcd(data_dir=os.path.join(self.base_dir, "etcd")).start()
@@ -102,7 +102,7 @@ class LocalCluster:
 
     def add_node(self) -> int:
         """Start one more agent; returns its node index."""
-        from elasticd.etcd.server import free_port
+        from elasticd.etcd import free_port
 
         index = len(self.agents)
         port = free_port() if self.metrics else 0

@@ -105,9 +105,7 @@ class Agent:
     # -- etcd ---------------------------------------------------------------------------------
 
     def _connect(self):
-        from elasticd.etcd.client import connect
-        from elasticd.etcd.config import EtcdConfig
-        from elasticd.etcd.server import EmbeddedEtcd
+        from elasticd.etcd import EmbeddedEtcd, EtcdConfig, connect
 
         if self.config.etcd is not None:
             return connect(self.config.etcd)

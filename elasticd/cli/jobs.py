@@ -38,7 +38,7 @@ def add_etcd_options(p: argparse.ArgumentParser) -> None:
 
 
 def etcd_config(args: argparse.Namespace, env: dict[str, str] | None = None):
-    from elasticd.etcd.config import config_from_options
+    from elasticd.etcd import config_from_options
 
     env = dict(os.environ) if env is None else env
     return config_from_options(
@@ -56,7 +56,7 @@ def etcd_config(args: argparse.Namespace, env: dict[str, str] | None = None):
 
 
 def open_registry(args: argparse.Namespace) -> tuple[Any, JobRegistry]:
-    from elasticd.etcd.client import connect
+    from elasticd.etcd import connect
 
     client = connect(etcd_config(args))
     return client, JobRegistry(client)

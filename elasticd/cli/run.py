@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
 def run_cluster(job: Any, *, nodes: int, faults: list, timeout: float, out) -> dict[str, Any]:
     """Start the cluster, submit ``job``, inject ``faults``, wait for the end; returns the
     final status with the fault times (``faults``) and the metrics records."""
-    from elasticd.etcd.client import connect
+    from elasticd.etcd import connect
     from elasticd.jobs import JobRegistry
     from elasticd.localcluster import LocalCluster, read_metrics
 
