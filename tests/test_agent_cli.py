@@ -74,6 +74,8 @@ def test_each_agent_registers_its_node_on_a_lease(cluster):
     assert lease != 0
     assert {"hostname", "addr", "nproc", "devices", "version", "pid"} <= set(record)
     assert record["nproc"] == 1 and record["addr"] == "127.0.0.1"
+    listing = cli(cluster, "nodes")
+    assert listing.returncode == 0 and "node-0" in listing.stdout and "node-1" in listing.stdout
 
 
 def test_submit_follow_status_logs_and_metrics_of_a_finished_job(cluster, tmp_path):

@@ -1,4 +1,4 @@
-"""Client commands of the job registry: submit, status, list, cancel, logs.
+"""Client commands of the job registry: submit, status, list, cancel, logs (and nodes).
 
 Every command reaches etcd with ``--etcd URLS`` (default ``$ELASTICD_ETCD``, else
 127.0.0.1:2379) plus TLS and auth options; an unreachable etcd is a one-line error within
@@ -81,6 +81,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("list", help="list jobs and their states")
     add_etcd_options(p)
     p.set_defaults(func=run_list)
+
+    p = sub.add_parser("nodes", help="list the agents registered in etcd (leases alive)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    add_etcd_options(p)
+    p.set_defaults(func=run_nodes)
 
     p = sub.add_parser("cancel", help="stop a job's workers and mark it cancelled")
     p.add_argument("name", metavar="JOB")
@@ -213,6 +218,31 @@ def run_list(args: argparse.Namespace) -> int:
             f"{r.name:<24} {r.state!s:<11} step {st.get('step', 0)}/"
             f"{r.spec.get('train', {}).get('steps')}  world {st.get('world', '-')}  "
             f"restarts {st.get('restarts', 0)}"
+        )
+    return 0
+
+
+def run_nodes(args: argparse.Namespace) -> int:
+    from elasticd.agent.daemon import NODES_PREFIX
+
+    client, _ = open_registry(args)
+    with client:
+        kvs, _ = client.get_prefix(NODES_PREFIX)
+    nodes = []
+    for kv in kvs:
+        try:
+            nodes.append(json.loads(kv.value))
+        except ValueError:
+            continue
+    if args.json:
+        print(json.dumps(nodes, indent=2, sort_keys=True))
+        return 0
+    if not nodes:
+        print("no agents registered")
+    for n in nodes:
+        print(
+            f"{n.get('node', '?'):<20} {n.get('addr', '?'):<16} nproc {n.get('nproc')}  "
+            f"devices {n.get('devices')}  host {n.get('hostname')}  version {n.get('version')}"
         )
     return 0
 
