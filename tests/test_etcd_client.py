@@ -28,10 +28,11 @@ from elasticd.etcd import (
 
 def test_endpoints_parse_with_schemes_spaces_and_several_members():
     assert parse_endpoints("http://a:2379, b:1") == ("a:2379", "b:1")
+    assert parse_endpoints("etcd-0") == ("etcd-0:2379",)
     assert parse_endpoints(None) == ("127.0.0.1:2379",)
 
 
-@pytest.mark.parametrize("bad", ["a", "a:b", ":1", "a:70000"])
+@pytest.mark.parametrize("bad", ["a:b", ":1", "a:70000", "a:"])
 def test_a_malformed_endpoint_is_a_one_line_usage_error(bad):
     with pytest.raises(UsageError, match="host:port"):
         parse_endpoints(bad)

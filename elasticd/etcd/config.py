@@ -43,7 +43,7 @@ class EtcdConfig:
 
 
 def parse_endpoints(text: str | None) -> tuple[str, ...]:
-    """``"http://a:2379, b:2379"`` → ``("a:2379", "b:2379")``; a bad entry is a UsageError."""
+    """``"http://a:2379, b"`` → ``("a:2379", "b:2379")``; a bad entry is a UsageError."""
     if not text or not text.strip():
         return (DEFAULT_ENDPOINT,)
     out = []
@@ -56,7 +56,9 @@ def parse_endpoints(text: str | None) -> tuple[str, ...]:
         if not item:
             continue
         host, sep, port = item.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if not sep and item and "]" not in item:
+            host, port = item, "2379"  # etcd's client port when none is given
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
             raise UsageError(f"etcd endpoint {raw.strip()!r} is not host:port")
         out.append(f"{host}:{int(port)}")
     if not out:
