@@ -117,7 +117,7 @@ def test_create_backend_returns_a_backend_and_a_working_store(etcd_server):
         max_nodes=2,
     )
     backend, store = create_backend(params)
-    assert backend.name == "etcd-v3" and isinstance(store, EtcdStore)
+    assert backend.name == "etcd-v3-dynamic" and isinstance(store, EtcdStore)
     prefixed = dist.PrefixStore("x", store)
     threading.Timer(0.2, lambda: prefixed.set("late", b"v")).start()
     assert prefixed.get("late") == b"v"  # get blocks until the key is set
