@@ -140,7 +140,8 @@ class EtcdRendezvous:
 
     def _on_events(self, events: list) -> None:
         self._mirror.apply(events)
-        self._check_change()
+        if self._current is not None or self._mirror.closed:  # nothing to report otherwise
+            self._check_change()
 
     # -- change detection -----------------------------------------------------------------------
 

@@ -42,7 +42,7 @@ class Mirror:
         self.world_error: RendezvousState | None = None
         self.join_seen: dict[int, float] = {}
         self.join_mod: dict[int, int] = {}
-        self.rounds: dict[int, dict[str, tuple[int, Member]]] = {}
+        self.rounds: dict[int, dict[str, tuple[int, bytes]]] = {}
         self.wake_when: Callable[[], bool] | None = None
         self._clock = clock
 
@@ -96,12 +96,8 @@ class Mirror:
         if parsed is not None:
             # Indexed per round as events arrive, so that judging a round of N nodes costs
             # O(1) per wake-up rather than a scan and N JSON parses.
-            try:
-                member = parse_member(parsed[1], item.value)
-            except RendezvousState as exc:
-                log.warning("ignoring a malformed join record", **kv(key=item.key, error=str(exc)))
-                return
-            self.rounds.setdefault(parsed[0], {})[parsed[1]] = (item.create_revision, member)
+            # The record is parsed only when a round is closed from it (``joins``).
+            self.rounds.setdefault(parsed[0], {})[parsed[1]] = (item.create_revision, item.value)
             self.join_mod[parsed[0]] = max(self.join_mod.get(parsed[0], 0), item.mod_revision)
             # When *we* saw the latest join: the settle timer is local, so clocks of
             # different nodes never need to agree.
@@ -124,8 +120,15 @@ class Mirror:
         return (self.world.round if self.world else 0) + 1
 
     def joins(self, round_: int) -> dict[str, tuple[int, Member]]:
-        """``node -> (join revision, member)`` for the live joins of ``round_`` (a copy)."""
-        return dict(self.rounds.get(round_, {}))
+        """``node -> (join revision, member)`` for the live joins of ``round_``; a
+        malformed record is left out (and logged), never fatal."""
+        out: dict[str, tuple[int, Member]] = {}
+        for node, (revision, raw) in self.rounds.get(round_, {}).items():
+            try:
+                out[node] = (revision, parse_member(node, raw))
+            except RendezvousState as exc:
+                log.warning("ignoring a malformed join record", **kv(node=node, error=str(exc)))
+        return out
 
     def joined_nodes(self, round_: int) -> KeysView[str]:
         """The nodes with a live join in ``round_`` (a live view: do not keep it)."""
