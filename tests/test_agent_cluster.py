@@ -130,6 +130,7 @@ def test_a_preempted_node_saves_an_emergency_checkpoint_and_loses_no_step(tmp_pa
     assert [r["world"] for r in result["metrics"]][-1] == 1
 
 
+@pytest.mark.slow  # the trainer version in test_agent_trainer.py runs by default
 def test_a_node_added_while_running_scales_the_job_up(tmp_path, fast_steps):
     job = make_job(tmp_path, steps=32, every=4, restart={"scale_up": "checkpoint"})
     result = run(job, 2, ["add-node@step=3"])

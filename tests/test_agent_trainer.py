@@ -111,6 +111,20 @@ def test_a_preempted_node_makes_the_trainer_commit_an_emergency_checkpoint_and_l
         assert rec["loss"] == pytest.approx(reference[rec["step"]], rel=1e-4), rec["step"]
 
 
+def test_a_node_added_mid_run_scales_the_trainer_up_without_harm(tmp_path):
+    job = make_job(tmp_path, "grow", steps=40)
+    result = run(job, 2, ["add-node@step=4"])
+    assert result["state"] == "succeeded", result["reason"]
+    records = result["metrics"]
+    assert records[0]["world"] == 2 and records[-1]["world"] == 3
+    by_step = {r["step"]: r for r in records}
+    assert sorted(by_step) == list(range(1, 41))
+    reference = reference_losses(tmp_path, job)
+    for step, rec in by_step.items():
+        assert rec["loss"] == pytest.approx(reference[step], rel=1e-4), step
+    assert result["status"]["restarts"] == 0
+
+
 @pytest.mark.slow
 def test_a_run_through_several_faults_still_matches_an_uninterrupted_run(tmp_path):
     job = make_job(tmp_path, "soak", steps=36)
