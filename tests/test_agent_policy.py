@@ -216,3 +216,14 @@ def test_recovery_parts_add_up_to_the_time_from_detection_to_the_last_known_mome
     assert all(v >= 0 for v in parts.values())
     end = max([10.0, *known])
     assert sum(parts.values()) == pytest.approx(end - 10.0, abs=1e-2)
+
+
+def test_sigterm_gets_the_full_grace_only_where_a_save_can_succeed():
+    from elasticd.agent.policy import stop_plan
+
+    assert stop_plan(Outcome.PREEMPTED, 30).grace == 30
+    assert stop_plan(Outcome.SCALE_UP, 30).grace == 30
+    assert stop_plan(Outcome.PEER_LOST, 30).grace <= 1.0
+    assert stop_plan(Outcome.WORKER_FAILED, 30).grace <= 1.0
+    assert stop_plan(Outcome.WORKER_HUNG, 30).kill
+    assert stop_plan(Outcome.FINISHED, 30).wait_first > 0

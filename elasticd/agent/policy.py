@@ -116,6 +116,42 @@ def decide(obs: Observation) -> Outcome | None:
     return None
 
 
+PEER_LOST_GRACE = 1.0
+"""Grace after SIGTERM when the world is already broken: no save can succeed, so be quick."""
+CANCEL_GRACE = 3.0
+"""Grace after SIGTERM on cancel."""
+FINISH_WAIT = 120.0
+"""How long workers may take to exit after the job succeeded elsewhere."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StopPlan:
+    """How to end a round's workers."""
+
+    wait_first: float = 0.0
+    """Seconds to let them exit on their own before signalling."""
+    grace: float = 0.0
+    """Seconds between SIGTERM and SIGKILL; 0 with ``kill`` means SIGKILL at once."""
+    kill: bool = False
+    """SIGKILL straight away."""
+
+
+def stop_plan(outcome: Outcome, grace_period: float) -> StopPlan:
+    """SIGTERM means "save now" to a worker (elasticd.worker), so it gets the full
+    restart.grace_period only where a save can succeed: our preemption, a scale-up (all
+    peers alive), or workers already exiting. A broken world gets a short grace; a hung
+    worker (possibly SIGSTOPped, which ignores SIGTERM) gets SIGKILL."""
+    if outcome in (Outcome.SUCCEEDED, Outcome.PEER_PREEMPTED, Outcome.PREEMPTED, Outcome.SCALE_UP):
+        return StopPlan(grace=grace_period)
+    if outcome == Outcome.FINISHED:
+        return StopPlan(wait_first=FINISH_WAIT, grace=CANCEL_GRACE)
+    if outcome == Outcome.CANCELLED:
+        return StopPlan(grace=CANCEL_GRACE)
+    if outcome == Outcome.WORKER_HUNG:
+        return StopPlan(kill=True)
+    return StopPlan(grace=PEER_LOST_GRACE)
+
+
 def backoff(failures: int, *, base: float = 0.5, cap: float = 10.0) -> float:
     """Seconds to wait before re-joining after the ``failures``-th failure: doubling from
     ``base``, at most ``cap``. Zero before any failure."""

@@ -26,11 +26,13 @@ from typing import Any
 
 from elasticd.agent.launch import NodeInfo, Round, launch
 from elasticd.agent.policy import (
+    FINISH_WAIT,
     Observation,
     Outcome,
     backoff,
     decide,
     latest_checkpoint_step,
+    stop_plan,
 )
 from elasticd.agent.report import FAILURE_REASONS, JobReporter
 from elasticd.errors import ElasticdError
@@ -49,12 +51,6 @@ STATE_POLL = 0.5
 """Seconds between reads of the job's state in etcd (cancel is noticed this fast)."""
 STATUS_EVERY = 1.0
 """Seconds between progress writes into the job's status."""
-PEER_LOST_GRACE = 1.0
-"""Grace after SIGTERM when the world is already broken: no save can succeed, so be quick."""
-CANCEL_GRACE = 3.0
-"""Grace after SIGTERM on cancel."""
-FINISH_WAIT = 120.0
-"""How long workers may take to exit after the job succeeded elsewhere."""
 
 
 class JobRunner:
@@ -376,25 +372,11 @@ class JobRunner:
     # -- reacting -------------------------------------------------------------------------------
 
     def _stop_workers(self, rnd: Round, outcome: Outcome) -> None:
-        w = rnd.workers
-        grace = self.job.restart.grace_period
-        if outcome in (Outcome.SUCCEEDED, Outcome.PEER_PREEMPTED):
-            w.stop(grace)  # they are exiting (or exited) on their own
-        elif outcome == Outcome.FINISHED:
-            if not w.wait(FINISH_WAIT):
-                w.stop(CANCEL_GRACE)
-        elif outcome == Outcome.PREEMPTED:
-            # SIGTERM = "save an emergency checkpoint now" (elasticd.worker).
-            w.stop(grace)
-        elif outcome == Outcome.SCALE_UP:
-            # Everyone is healthy: let the workers agree on an emergency save too.
-            w.stop(grace)
-        elif outcome == Outcome.CANCELLED:
-            w.stop(CANCEL_GRACE)
-        elif outcome == Outcome.WORKER_HUNG:
-            w.kill()  # a stopped (SIGSTOP) or wedged process ignores SIGTERM anyway
-        else:
-            w.stop(PEER_LOST_GRACE)
+        w, plan = rnd.workers, stop_plan(outcome, self.job.restart.grace_period)
+        if plan.kill:
+            w.kill()
+        elif not (plan.wait_first and w.wait(plan.wait_first)):
+            w.stop(plan.grace)
         self._metrics.set_worker_states(self.name, w.states())
         self._observe_progress(rnd, self._clock(), force=True, due=True)
 
