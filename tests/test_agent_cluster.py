@@ -86,6 +86,7 @@ def test_a_killed_node_is_dropped_and_training_resumes_on_the_survivors(tmp_path
     assert set(recovery[-1]["parts"]) >= {"rendezvous", "spawn", "pg_init", "first_step"}
 
 
+@pytest.mark.slow  # the trainer version in test_agent_trainer.py runs by default
 def test_killing_the_node_of_rank_zero_and_its_store_does_not_stop_the_job(tmp_path, fast_steps):
     job = make_job(tmp_path, steps=10)
     result = run(job, 2, ["kill-node=0@step=4"])

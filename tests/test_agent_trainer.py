@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -109,6 +110,40 @@ def test_a_preempted_node_makes_the_trainer_commit_an_emergency_checkpoint_and_l
     reference = reference_losses(tmp_path, job)
     for rec in result["metrics"]:
         assert rec["loss"] == pytest.approx(reference[rec["step"]], rel=1e-4), rec["step"]
+
+
+def test_killing_the_node_with_rank_zero_and_the_store_leaves_the_trainer_going(tmp_path):
+    from elasticd.etcd import connect
+    from elasticd.jobs import JobRegistry
+    from elasticd.localcluster import LocalCluster, read_metrics
+
+    job = make_job(tmp_path, "host", steps=16)
+    metrics = os.path.join(job.out_dir, "metrics.jsonl")
+    with LocalCluster(base_dir=str(tmp_path / "cluster"), nproc=1) as cluster:
+        cluster.start(2)
+        with connect(cluster.etcd.client_config()) as client:
+            reg = JobRegistry(client)
+            deadline = time.monotonic() + 30
+            while len(client.get_prefix("/elasticd/nodes/")[0]) < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+            reg.submit(job)
+            deadline = time.monotonic() + 120
+            while max((r["step"] for r in read_metrics(metrics)), default=0) < 6:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            # The node whose worker is global rank 0 hosts the TCPStore (MASTER_PORT).
+            host = next(i for i in range(2) if 0 in cluster.worker_pids(i))
+            cluster.kill_node(host)
+            deadline = time.monotonic() + 120
+            while not (final := reg.get(job.name)).state.terminal:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+    assert final.state == "succeeded", final.reason
+    records = read_metrics(metrics)
+    assert records[0]["world"] == 2 and records[-1]["world"] == 1
+    assert sorted({r["step"] for r in records}) == list(range(1, 17))
+    assert final.status["nodes"] == [f"node-{1 - host}"]
 
 
 def test_a_node_added_mid_run_scales_the_trainer_up_without_harm(tmp_path):
