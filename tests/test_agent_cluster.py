@@ -86,15 +86,6 @@ def test_a_killed_node_is_dropped_and_training_resumes_on_the_survivors(tmp_path
     assert set(recovery[-1]["parts"]) >= {"rendezvous", "spawn", "pg_init", "first_step"}
 
 
-@pytest.mark.slow  # the trainer version in test_agent_trainer.py runs by default
-def test_killing_the_node_of_rank_zero_and_its_store_does_not_stop_the_job(tmp_path, fast_steps):
-    job = make_job(tmp_path, steps=10)
-    result = run(job, 2, ["kill-node=0@step=4"])
-    assert result["state"] == "succeeded", result["reason"]
-    assert [r["world"] for r in result["metrics"]][-1] == 1
-    assert_resumed_exactly(result, 10)
-
-
 def test_a_killed_worker_is_restarted_and_counted(tmp_path, fast_steps):
     job = make_job(tmp_path, steps=10, nodes=(2, 2))
     result = run(job, 2, ["kill-worker=1@step=4"])
