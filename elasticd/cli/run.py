@@ -71,7 +71,7 @@ def run_cluster(job: Any, *, nodes: int, faults: list, timeout: float, out) -> d
         out.write(f"local cluster: etcd {cluster.endpoint}, {nodes} agents, logs in {base}\n")
         with connect(cluster.etcd.client_config()) as client:  # type: ignore[union-attr]
             registry = JobRegistry(client)
-            _wait_for_agents(client, nodes, timeout=60.0)
+            _wait_for_agents(client, cluster, nodes, timeout=60.0)
             registry.submit(job, replace=True)
             pending = sorted(faults, key=lambda f: f.step)
             deadline = time.monotonic() + timeout
@@ -106,12 +106,20 @@ def run_cluster(job: Any, *, nodes: int, faults: list, timeout: float, out) -> d
     return final
 
 
-def _wait_for_agents(client: Any, nodes: int, *, timeout: float) -> None:
+def _wait_for_agents(client: Any, cluster: Any, nodes: int, *, timeout: float) -> None:
     """Submit only once every agent registered, so the first world has all of them."""
     from elasticd.agent.daemon import NODES_PREFIX
 
     deadline = time.monotonic() + timeout
     while len(client.get_prefix(NODES_PREFIX)[0]) < nodes:
+        for index, proc in enumerate(cluster.agents):
+            if proc.poll() is not None:
+                log = os.path.join(cluster.base_dir, f"agent-{index}.log")
+                with open(log, encoding="utf-8", errors="replace") as fh:
+                    last = (fh.read().strip().splitlines() or ["(empty log)"])[-1]
+                raise UsageError(
+                    f"local cluster: agent {index} exited with {proc.returncode}: {last}"
+                )
         if time.monotonic() > deadline:
             raise UsageError(f"local cluster: {nodes} agents did not register within {timeout:g} s")
         time.sleep(0.1)
