@@ -30,12 +30,12 @@ test: lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; exit 0; fi; exit $$rc
 
-# Until the agent lands, the demo shows the most end-to-end piece there is: re-planning the
-# layout when a 4-rank tp2 world loses a rank (the global batch stays 16).
+# The main job on the embedded default: an embedded etcd, three agents as separate processes,
+# a small GPT trained on dp3, node 1 SIGKILLed after step 8; the survivors re-form on dp2,
+# resume from the last committed checkpoint and finish. Exits 0 iff the job succeeded.
 demo: $(STAMP)
-	$(VENV)/bin/elasticd layout --world 4 --tp 2 --global-batch 16 --micro-batch 2
-	@echo "--- one rank lost: re-planned ---"
-	$(VENV)/bin/elasticd layout --world 3 --tp 2 --global-batch 16 --micro-batch 2
+	OMP_NUM_THREADS=1 $(VENV)/bin/elasticd run examples/elastic.yaml --nodes 3 --nproc-per-node 1 \
+		--fault kill-node=1@step=8 --fresh
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache
