@@ -1,10 +1,11 @@
 """Rendezvous benchmark: elasticd's etcd-v3 against torch's c10d backend, side by side.
 
 Part 1 — time to form a world of N simulated nodes (N = 8, 64, 256 by default). Nodes
-are threads spread over a few processes; each etcd-v3 node has its own lease, watch and
-keep-alive (the nodes of one process share one gRPC connection); each c10d node has its
-own TCPStore connection and runs torch's DynamicRendezvousHandler on the c10d backend.
-min = max = N on both sides, so neither waits a last call.
+are threads spread over a few processes; each etcd-v3 node has its own lease, watches
+and keep-alive (the nodes of one process share one gRPC connection); each c10d node has
+its own TCPStore connection and runs torch's DynamicRendezvousHandler on the c10d backend.
+min = max = N on both sides, so neither waits a last call. A node counts as formed when
+``next_world`` returns, i.e. with its post-formation watch on the members in place.
 
 Part 2 — time from SIGKILL of one node (one node per process) until every survivor
 knows. etcd-v3: the survivor's watch reports the lease expiry (defaults: TTL 3 s).
@@ -14,6 +15,7 @@ often than torch does (it syncs on its 5 s heartbeat), so the c10d figure is a l
 bound.
 
     python bench/rendezvous.py [--sizes 8,64,256] [--procs 4] [--detect-nodes 4]
+                               [--parts formation,detection]
 """
 
 from __future__ import annotations
@@ -208,8 +210,23 @@ def main() -> int:
     p.add_argument(
         "--limit", type=float, default=180.0, help="give a case up after this many seconds"
     )
+    p.add_argument(
+        "--parts", default="formation,detection", help="which parts to run (comma-separated)"
+    )
     args = p.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s]
+    parts = {x.strip() for x in args.parts.split(",") if x.strip()}
+    unknown = parts - {"formation", "detection"}
+    if unknown:
+        p.error(f"--parts: unknown part(s) {', '.join(sorted(unknown))}")
+    if "formation" in parts:
+        _formation(sizes, args)
+    if "detection" in parts:
+        _detection(args)
+    return 0
+
+
+def _formation(sizes: list[int], args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         print(f"world formation (min = max = N, {args.procs} processes), seconds", flush=True)
         print(f"{'N':>5} {'etcd-v3':>9} {'c10d':>9} {'c10d/etcd-v3':>13}", flush=True)
@@ -218,16 +235,18 @@ def main() -> int:
             base = run_case("c10d", n, args.procs, False, args.limit, tmp)["form_s"]
             print(f"{n:>5} {_fmt(ours, args.limit):>9} {_fmt(base, args.limit):>9} "
                   f"{_ratio(base, ours, args.limit):>13}", flush=True)  # fmt: skip
+        print(flush=True)
+
+
+def _detection(args: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
         k = args.detect_nodes
-        print(
-            f"\nSIGKILL of 1 of {k} nodes -> every survivor knows, seconds (defaults)", flush=True
-        )
+        print(f"SIGKILL of 1 of {k} nodes -> every survivor knows, seconds (defaults)", flush=True)
         ours = run_case("etcd-v3", k, k, True, args.limit, tmp).get("detect_s")
         base = run_case("c10d", k, k, True, args.limit, tmp).get("detect_s")
         print(f"{'etcd-v3 (ttl 3 s)':>24} {_fmt(ours, args.limit):>9}")
         print(f"{'c10d (5 s x 3 beats)':>24} {_fmt(base, args.limit):>9}")
         print(f"{'c10d/etcd-v3':>24} {_ratio(base, ours, args.limit):>9}", flush=True)
-    return 0
 
 
 if __name__ == "__main__":

@@ -4,13 +4,17 @@ The agent's API is documented in ``elasticd.rendezvous`` and docs/rendezvous.md.
 
 How a round works: a node joins the open round r (= last world's round + 1) by putting
 ``join/<r>/<node>`` on its lease, fenced by a compare on the world key, so it cannot join
-a round that just closed. Every participant mirrors the run's keys through one watch and
-evaluates the pure close rule (``decisions.close_delay``); the first whose timer fires
-writes the world in one transaction fenced on the world key and on "no join key of round
-r changed since I looked" (a range compare); the others'
-transactions fail harmlessly and everyone learns the world from the watch. Members keep
-their join key (and lease) while the world runs: its deletion — lease expiry after a
-crash, a revoke on leave, or a move to the next round — is pushed to every survivor.
+a round that just closed. Then it runs for round r's *closer*: a create-if-absent of
+``state/closer/<r>`` on its lease. The one winner mirrors every join (a watch on
+``join/``), evaluates the pure close rule (``decisions.close_delay``) and writes the world
+in one transaction fenced on the world key and on "no join key of round r changed since I
+looked" (a range compare). Everyone else watches only the small ``state/`` directory: the
+world appears there, and so does the closer key's deletion if the closer dies (its lease
+expires within a TTL) or gives up — then they run for closer again and the winner takes
+over. So forming a world of N nodes costs O(N) watch events, not N per node.
+Members of a running world watch ``join/`` too and keep their join key (and lease): its
+deletion — lease expiry after a crash, a revoke on leave, or a move to the next round —
+is pushed to every survivor; a put under ``join/<r+1>/`` is a node waiting.
 """
 
 from __future__ import annotations
@@ -27,25 +31,23 @@ from elasticd.etcd.client import (
     EtcdClient,
     EtcdLeaseNotFound,
     compare,
-    compare_range,
     delete_op,
     put_op,
 )
 from elasticd.etcd.server import free_port
-from elasticd.etcd.watch import Watch
 from elasticd.log import kv
+from elasticd.rendezvous.closing import RoundCloser
 from elasticd.rendezvous.decisions import (
     Change,
     Member,
     RendezvousSettings,
     World,
-    build_world,
-    close_delay,
+    closer_json,
     member_json,
-    pending_previous,
     world_changes,
 )
 from elasticd.rendezvous.errors import RendezvousClosed, RendezvousConnection, RendezvousTimeout
+from elasticd.rendezvous.feeds import Feeds
 from elasticd.rendezvous.mirror import Mirror
 
 log = logging.getLogger("elasticd.rendezvous")
@@ -74,7 +76,21 @@ class EtcdRendezvous:
         self._owns_client = owns_client
         self._clock = clock
         self._mirror = Mirror(settings, clock)
-        self._watch: Watch | None = None
+        self._feeds = Feeds(
+            client=client,
+            mirror=self._mirror,
+            on_events=self._on_events,
+            on_resynced=self._check_change,
+        )
+        self._last_changes: list[Change] = []
+        self._closer = RoundCloser(
+            client=client,
+            settings=settings,
+            mirror=self._mirror,
+            node_id=self.node_id,
+            wait=self._wait,
+            clock=clock,
+        )
         self._lease = 0
         self._joined_round = 0
         self._current: World | None = None
@@ -85,26 +101,8 @@ class EtcdRendezvous:
     # -- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Read the run's keys once and start watching them (idempotent)."""
-        with self._start_lock:
-            if self._watch is not None:
-                return
-            try:
-                kvs, revision = self._client.get_prefix(self.settings.run_prefix)
-            except EtcdError as exc:
-                raise RendezvousConnection(str(exc)) from exc
-            self._mirror.load(kvs, revision)
-            self._watch = Watch(
-                self._client,
-                self.settings.run_prefix,
-                start_revision=revision + 1,
-                on_events=self._on_events,
-                on_error=self._on_watch_lost,
-            )
-            if not self._watch.ready.wait(self._client.config.timeout):
-                raise RendezvousConnection(
-                    f"etcd watch on {self.settings.run_prefix} did not start"
-                )
+        """Read the run's ``state/`` keys once and start watching them (idempotent)."""
+        self._feeds.start()
 
     def _ensure_lease(self) -> int:
         if self._lease:
@@ -122,33 +120,20 @@ class EtcdRendezvous:
             self._mirror.cond.notify_all()
         self._check_change()
 
-    def _on_watch_lost(self, exc: Exception) -> None:
-        """The history we needed was compacted (a long disconnection): read afresh."""
-        log.warning("rendezvous watch lost its history; resyncing", **kv(error=str(exc)))
-
-        def resync() -> None:
-            with self._start_lock:
-                self._watch = None
-            try:
-                self._mirror.reset()
-                self.start()
-                self._check_change()
-            except Exception:
-                log.exception("rendezvous resync failed")
-
-        threading.Thread(target=resync, name="rdzv-resync", daemon=True).start()
-
-    def _on_events(self, events: list) -> None:
-        self._mirror.apply(events)
+    def _on_events(self, feed: str) -> None:
         if self._current is not None or self._mirror.closed:  # nothing to report otherwise
             self._check_change()
 
     # -- change detection -----------------------------------------------------------------------
 
     def _pending_changes(self) -> list[Change]:
-        """What changed relative to our current world (call with the mirror lock held)."""
+        """What changed relative to our current world (call with the mirror lock held).
+        Without the ``join/`` feed (while we wait for another node to close a round) the
+        last answer stands: we are re-forming anyway."""
         m, world = self._mirror, self._current
-        return world_changes(
+        if not m.members_live and not m.closed:
+            return self._last_changes
+        self._last_changes = world_changes(
             world=world,
             members=self._current_nodes,
             me=self.node_id,
@@ -157,6 +142,7 @@ class EtcdRendezvous:
             still_joined=world is not None and self._joined_round == world.round,
             closed=m.closed,
         )
+        return self._last_changes
 
     def _check_change(self) -> None:
         with self._mirror.cond:
@@ -192,6 +178,7 @@ class EtcdRendezvous:
     def _form(self, deadline: float) -> World:
         s, m = self.settings, self._mirror
         while True:
+            formed = None
             with m.cond:
                 if m.closed:
                     raise RendezvousClosed(f"rendezvous {s.run_id} is closed")
@@ -202,20 +189,22 @@ class EtcdRendezvous:
                     world is not None
                     and world.round == self._joined_round
                     and world.rank_of(self.node_id) is not None
+                    and (self._current is None or world.round > self._current.round)
                 ):
-                    if self._current is None or world.round > self._current.round:
-                        return self._become_member(world)
+                    formed = world
                 seen_world_mod = m.world_mod
                 need_join = (
                     self._lease == 0
                     or self._joined_round != open_round
-                    or self.node_id not in m.joined_nodes(open_round)
+                    or (m.members_live and self.node_id not in m.joined_nodes(open_round))
                 )
+            if formed is not None:
+                return self._become_member(formed)
             if need_join:
                 if not self._join(open_round, seen_world_mod, deadline):
                     self._wait(deadline, lambda w=seen_world_mod: m.world_mod != w)
                     continue
-            self._wait_or_close(open_round, deadline)
+            self._await_round(open_round, deadline)
 
     def _join(self, round_: int, seen_world_mod: int, deadline: float) -> bool:
         s = self.settings
@@ -239,20 +228,25 @@ class EtcdRendezvous:
             return False
         self._joined_round = round_
         log.info("joined round", **kv(node=self.node_id, round=round_))
-        # Our own join must be in the mirror before we judge the round from it.
-        self._wait(deadline, lambda: self._mirror.revision >= result.revision)
+        if self._mirror.members_live:
+            # Our own join must be in the mirror before we judge the round from it.
+            self._wait(deadline, lambda: self._mirror.revision["join"] >= result.revision)
         return True
 
-    def _wait(self, deadline: float, predicate: Callable[[], bool]) -> None:
+    def _wait(self, deadline: float, predicate: Callable[[], bool], cap: float = 0.0) -> None:
+        """Wait (on the mirror) until ``predicate``, or ``cap`` seconds if given."""
         m = self._mirror
+        until = self._clock() + cap if cap else deadline
         with m.cond:
             try:
                 m.wake_when = predicate
                 while not predicate():
-                    left = deadline - self._clock()
-                    if left <= 0:
+                    now = self._clock()
+                    if deadline - now <= 0:
                         self._timeout()
-                    m.cond.wait(min(left, 0.5))
+                    if until - now <= 0:
+                        return
+                    m.cond.wait(min(deadline - now, until - now, 0.5))
             finally:
                 m.wake_when = None
 
@@ -262,89 +256,66 @@ class EtcdRendezvous:
             f"{self.settings.join_timeout:g} s"
         )
 
-    def _wait_or_close(self, round_: int, deadline: float) -> None:
-        """Wait until ``round_`` closes (closing it ourselves when the rule says so)."""
-        s, m = self.settings, self._mirror
-        defer_until: float | None = None
+    def _await_round(self, round_: int, deadline: float) -> None:
+        """Wait until ``round_`` closes: as its closer (judging the joins and writing the
+        world), or watching ``state/`` only, ready to take over if the closer goes away."""
+        m = self._mirror
         while True:
+            plan = None
             with m.cond:
                 if m.closed or m.world_error is not None or (m.world and m.world.round >= round_):
                     return
-                if self._lease == 0 or self.node_id not in m.joined_nodes(round_):
+                if self._lease == 0:
                     return  # our membership expired: join again
-                previous = m.world
-                pend = pending_previous(
-                    previous, m.joined_nodes(previous.round) if previous else ()
-                )
-                count = len(m.joined_nodes(round_))
-                delay = close_delay(
-                    joined=count,
-                    pending_previous=pend,
-                    min_nodes=s.min_nodes,
-                    max_nodes=s.max_nodes,
-                    since_last_join=m.since_last_join(round_),
-                    settle=s.settle,
-                )
-                now = self._clock()
-                if deadline - now <= 0:
-                    self._abandon(round_)
-                if delay is None or delay > 0:
-                    self._sleep(round_, count, pend, min(deadline - now, delay or deadline - now))
+                if deadline - self._clock() <= 0:
+                    break
+                seen_world_mod, lease = m.world_mod, self._lease
+                closer = m.closers.get(round_)
+                mine = closer == (self.node_id, lease)
+                if closer is not None and not mine and not m.members_live:
+                    m.cond.wait(min(deadline - self._clock(), 1.0))
                     continue
-                world, waiting = build_world(
-                    run_id=s.run_id,
-                    round_=round_,
-                    previous=previous,
-                    joined=m.joins(round_),
-                    max_nodes=s.max_nodes,
-                )
-                # Every participant reaches this point together; let the would-be rank 0
-                # write the world, and step in only if it has not within a moment.
-                if world.members[0].node != self.node_id:
-                    defer_until = defer_until or now + min(0.5, s.ttl / 3)
-                    if now < defer_until:
-                        self._sleep(round_, count, 1, defer_until - now)
+                if mine and m.members_live:
+                    if self.node_id not in m.joined_nodes(round_):
+                        return  # our join went away: join again
+                    plan = self._closer.plan(round_, deadline)
+                    if plan is None:
                         continue
-                fences = [
-                    compare(s.world_key(), "mod", "==", m.world_mod),
-                    compare_range(s.join_prefix(round_), "mod", "<", m.last_join_mod(round_) + 1),
-                ]
-            result = self._client.txn(fences, [put_op(s.world_key(), world.to_json())])
-            if result.succeeded:
-                log.info(
-                    "round closed",
-                    **kv(round=round_, world=world.size, by=self.node_id, waiting=len(waiting)),
-                )
-            self._wait(deadline, lambda r=result.revision: m.revision >= r)
-
-    def _sleep(self, round_: int, count: int, pending: int, timeout: float) -> None:
-        """Sleep (mirror lock held) until ``timeout`` or an event that can change the
-        decision: a deletion, the world, closing (these always wake), or — when nothing
-        else blocks — the join count reaching the next threshold. Joins that cannot change
-        the decision do not wake us: with hundreds of nodes that is most of them."""
-        s, m = self.settings, self._mirror
-        if pending:
-            m.wake_when = lambda: False
-        else:
-            threshold = s.max_nodes if count >= s.min_nodes else s.min_nodes
-            m.wake_when = lambda: len(m.joined_nodes(round_)) >= threshold
-        try:
-            m.cond.wait(max(0.0, min(timeout, 1.0)))
-        finally:
-            m.wake_when = None
+            # Outside the lock: these talk to etcd.
+            if plan is not None:
+                self._closer.write(plan, deadline)
+            elif closer is None:
+                if not self._closer.run_for(round_, lease, seen_world_mod, deadline):
+                    with m.cond:  # our lease is gone: join again with a fresh one
+                        if self._lease == lease:
+                            self._lease = 0
+            elif mine:
+                self._feeds.members_on()
+            else:
+                self._feeds.members_off()  # another node judges the joins
+        self._abandon(round_)
 
     def _abandon(self, round_: int) -> None:
-        """Give up: drop our join so the others do not count us, then time out."""
-        # If etcd is unreachable the lease drops the key within a TTL anyway.
+        """Give up: drop our join (and closer key) so the others do not count us, then time
+        out."""
+        s = self.settings
+        # If etcd is unreachable the lease drops the keys within a TTL anyway.
         with contextlib.suppress(EtcdError):
-            self._client.delete(self.settings.join_key(round_, self.node_id))
+            mine = compare(s.closer_key(round_), "value", "==", closer_json(self.node_id))
+            join = delete_op(s.join_key(round_, self.node_id))
+            self._client.txn([mine], [join, delete_op(s.closer_key(round_))], [join])
         self._joined_round = 0
         self._timeout()
 
     def _become_member(self, world: World) -> World:
-        self._current, self._current_nodes = world, frozenset(world.nodes)
-        self._reported.clear()
-        self.changed.clear()
+        # Members watch join/ for lost peers and waiting nodes; read it before we answer,
+        # so a member that died between the close and now shows as missing at once.
+        self._feeds.members_on()
+        with self._mirror.cond:
+            self._current, self._current_nodes = world, frozenset(world.nodes)
+            self._reported.clear()
+            self._last_changes = []
+            self.changed.clear()
         log.info(
             "world formed",
             **kv(
@@ -354,8 +325,6 @@ class EtcdRendezvous:
                 world=world.size,
             ),
         )
-        # A member that died between the close and now is already missing from the
-        # mirror: report it at once rather than never.
         threading.Thread(target=self._check_change, daemon=True).start()
         return world
 
@@ -379,8 +348,7 @@ class EtcdRendezvous:
     def close(self) -> None:
         """Leave and release threads and connections (does not close the run)."""
         self.leave()
-        if self._watch is not None:
-            self._watch.cancel()
+        self._feeds.close()
         if self._owns_client:
             self._client.close()
 

@@ -3,9 +3,13 @@ assignment and the world record. No I/O here; the handler feeds these from its w
 
 Key layout under ``<prefix>/<run_id>/`` (all values JSON):
 
-- ``world``            the last closed world (round r): members in rank order, master.
-- ``join/<r>/<node>``  a node's membership of round r, on the node's lease.
-- ``closed``           present once the run is closed.
+- ``state/world``       the last closed world (round r): members in rank order, master.
+- ``state/closed``      present once the run is closed.
+- ``state/closer/<r>``  the one node that judges and closes round r, on its lease.
+- ``join/<r>/<node>``   a node's membership of round r, on the node's lease.
+
+Every node watches the small ``state/`` directory; only a round's closer and the members
+of a running world also watch ``join/`` (see ``core``).
 """
 
 from __future__ import annotations
@@ -61,11 +65,22 @@ class RendezvousSettings:
     def run_prefix(self) -> str:
         return f"{self.prefix.rstrip('/')}/{self.run_id}/"
 
+    @property
+    def state_prefix(self) -> str:
+        return self.run_prefix + "state/"
+
+    @property
+    def joins_prefix(self) -> str:
+        return self.run_prefix + "join/"
+
     def world_key(self) -> str:
-        return self.run_prefix + "world"
+        return self.state_prefix + "world"
 
     def closed_key(self) -> str:
-        return self.run_prefix + "closed"
+        return self.state_prefix + "closed"
+
+    def closer_key(self, round_: int) -> str:
+        return f"{self.state_prefix}closer/{round_}"
 
     def join_prefix(self, round_: int) -> str:
         return f"{self.run_prefix}join/{round_}/"
@@ -76,13 +91,20 @@ class RendezvousSettings:
 
 def parse_join_key(settings: RendezvousSettings, key: str) -> tuple[int, str] | None:
     """``(round, node)`` of a join key, or None for any other key."""
-    head = settings.run_prefix + "join/"
+    head = settings.joins_prefix
     if not key.startswith(head):
         return None
     round_text, _, node = key[len(head) :].partition("/")
     if not round_text.isdigit() or not node:
         return None
     return int(round_text), node
+
+
+def parse_closer_key(settings: RendezvousSettings, key: str) -> int | None:
+    """The round of a closer key, or None for any other key."""
+    head = settings.state_prefix + "closer/"
+    tail = key[len(head) :] if key.startswith(head) else ""
+    return int(tail) if tail.isdigit() else None
 
 
 # -- the close rule -------------------------------------------------------------------------
@@ -198,6 +220,19 @@ class World:
 
 def member_json(member: Member) -> str:
     return json.dumps({"node": member.node, "addr": member.addr, "port": member.port})
+
+
+def closer_json(node: str) -> str:
+    return json.dumps({"node": node})
+
+
+def parse_closer(raw: bytes) -> str:
+    """The node named by a closer record ("" if malformed: then nobody is the closer, and
+    the round's closer key is re-elected once it goes away with its lease)."""
+    try:
+        return str(json.loads(raw)["node"])
+    except (ValueError, KeyError, TypeError):
+        return ""
 
 
 def parse_member(node: str, raw: bytes) -> Member:

@@ -1,7 +1,10 @@
 """A local, watch-fed copy of one run's rendezvous keys.
 
-The handler never polls etcd for the state of a round: it reads the run's prefix once,
-then applies every watch event to this mirror and wakes whoever waits on ``cond``.
+The handler never polls etcd for the state of a round: it reads a directory once, then
+applies every watch event to this mirror and wakes whoever waits on ``cond``. Two
+directories feed it, each through its own watch: ``state/`` (always) and ``join/`` (only
+while this node closes a round or is a member of a running world; ``members_live``).
+Each feed has a generation, so events from a watch that was switched off are ignored.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from elasticd.rendezvous.decisions import (
     Member,
     RendezvousSettings,
     World,
+    parse_closer,
+    parse_closer_key,
     parse_join_key,
     parse_member,
     parse_world,
@@ -36,7 +41,13 @@ class Mirror:
         self.settings = settings
         self.cond = threading.Condition()
         self.kvs: dict[str, KeyValue] = {}
-        self.revision = 0
+        self.revision = {"state": 0, "join": 0}
+        """The revision each feed is known up to."""
+        self.generation = {"state": 0, "join": 0}
+        self.members_live = False
+        """Whether the ``join/`` feed is on (else ``rounds`` is empty and means nothing)."""
+        self.closers: dict[int, tuple[str, int]] = {}
+        """``round -> (node, lease)`` of each round's closer."""
         self.world: World | None = None
         self.world_mod = 0
         self.world_error: RendezvousState | None = None
@@ -46,41 +57,64 @@ class Mirror:
         self.wake_when: Callable[[], bool] | None = None
         self._clock = clock
 
-    def reset(self) -> None:
-        """Forget everything (before a fresh read after the watch lost its history)."""
+    def drop(self, feed: str) -> None:
+        """Forget one feed's keys (its watch is being switched off or restarted)."""
         with self.cond:
-            self.kvs.clear()
-            self.rounds.clear()
-            self.world, self.world_mod, self.world_error = None, 0, None
-
-    def load(self, kvs: list[KeyValue], revision: int) -> None:
-        with self.cond:
-            for item in kvs:
-                self._set(item)
-            self.revision = max(self.revision, revision)
+            self.generation[feed] += 1
+            self.revision[feed] = 0
+            head = self.settings.joins_prefix if feed == "join" else self.settings.state_prefix
+            for key in [k for k in self.kvs if k.startswith(head)]:
+                del self.kvs[key]
+            if feed == "join":
+                self.members_live = False
+                self.rounds.clear()
+                self.join_mod.clear()
+                self.join_seen.clear()
+            else:
+                self.closers.clear()
+                self.world, self.world_mod, self.world_error = None, 0, None
             self.cond.notify_all()
 
-    def apply(self, events: list[Event]) -> None:
-        join_root = self.settings.run_prefix + "join/"
+    def load(self, feed: str, kvs: list[KeyValue], revision: int) -> int:
+        """Install a fresh read of one feed's directory; returns the generation its watch
+        must pass to ``apply``."""
         with self.cond:
-            important = False
+            self.generation[feed] += 1
+            for item in kvs:
+                self._set(item)
+            self.revision[feed] = max(self.revision[feed], revision)
+            if feed == "join":
+                self.members_live = True
+            self.cond.notify_all()
+            return self.generation[feed]
+
+    def apply(self, feed: str, generation: int, events: list[Event]) -> bool:
+        """Apply one watch batch; False (and nothing applied) if that watch is stale."""
+        with self.cond:
+            if generation != self.generation[feed]:
+                return False
+            important = feed == "state"
             for ev in events:
                 if ev.kind == "delete":
                     self._delete(ev.kv.key)
                     important = True
                 else:
                     self._set(ev.kv)
-                    important = important or not ev.kv.key.startswith(join_root)
-                self.revision = max(self.revision, ev.kv.mod_revision)
+                self.revision[feed] = max(self.revision[feed], ev.kv.mod_revision)
             # Waking a waiter costs a thread switch; a plain join wakes it only when its
             # predicate says the join can matter.
             if important or self.wake_when is None or self.wake_when():
                 self.cond.notify_all()
+            return True
 
     def _delete(self, key: str) -> None:
         self.kvs.pop(key, None)
         if key == self.settings.world_key():
             self.world, self.world_mod = None, 0
+            return
+        closer_round = parse_closer_key(self.settings, key)
+        if closer_round is not None:
+            self.closers.pop(closer_round, None)
             return
         parsed = parse_join_key(self.settings, key)
         if parsed is not None:
@@ -102,6 +136,8 @@ class Mirror:
             # When *we* saw the latest join: the settle timer is local, so clocks of
             # different nodes never need to agree.
             self.join_seen[parsed[0]] = self._clock()
+        elif (closer_round := parse_closer_key(s, item.key)) is not None:
+            self.closers[closer_round] = (parse_closer(item.value), item.lease)
         elif item.key == s.world_key():
             self.world_mod = item.mod_revision
             try:

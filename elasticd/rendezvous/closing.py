@@ -1,0 +1,178 @@
+"""The closer's side of a round: run for closer, judge the joins, write the world.
+
+Exactly one node judges each round: the one that created ``state/closer/<r>`` (on its
+lease). It alone needs every join of the round, so only it watches ``join/`` while the
+round fills. The world is still written by one transaction fenced on the world key and
+on the round's joins, so even two nodes that both believed they were the closer (they
+cannot, but the fence does not rely on it) would produce one world.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from elasticd.etcd.client import (
+    EtcdClient,
+    EtcdLeaseNotFound,
+    compare,
+    compare_range,
+    delete_op,
+    get_op,
+    put_op,
+)
+from elasticd.log import kv
+from elasticd.rendezvous.decisions import (
+    RendezvousSettings,
+    World,
+    build_world,
+    close_delay,
+    closer_json,
+    pending_previous,
+)
+from elasticd.rendezvous.mirror import Mirror
+
+log = logging.getLogger("elasticd.rendezvous")
+
+# ``wait(deadline, predicate, cap=0.0)``: wait on the mirror until ``predicate`` holds.
+Wait = Callable[..., None]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClosePlan:
+    """A world ready to be written, with the mirror facts its transaction is fenced on."""
+
+    round: int
+    """The round it closes."""
+    world: World
+    """The world to write."""
+    waiting: tuple[str, ...]
+    """Joined nodes left for the next round (past ``max_nodes``)."""
+    world_mod: int
+    """The world key's mod_revision we judged from."""
+    join_mod: int
+    """The newest mod_revision of the round's joins we judged from."""
+
+
+class RoundCloser:
+    """Closing rounds for one node (``node_id``) from its ``mirror``."""
+
+    def __init__(
+        self,
+        *,
+        client: EtcdClient,
+        settings: RendezvousSettings,
+        mirror: Mirror,
+        node_id: str,
+        wait: Wait,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._client = client
+        self._settings = settings
+        self._mirror = mirror
+        self._node = node_id
+        self._wait = wait
+        self._clock = clock
+
+    def run_for(self, round_: int, lease: int, seen_world_mod: int, deadline: float) -> bool:
+        """Try to become ``round_``'s closer; either way, wait until the mirror shows who
+        is. The key lives on our (non-zero) ``lease``, so it goes away when we do. False
+        if that lease is gone."""
+        s, m = self._settings, self._mirror
+        key = s.closer_key(round_)
+        fences = [
+            compare(key, "create", "==", 0),
+            compare(s.world_key(), "mod", "==", seen_world_mod),
+        ]
+        try:
+            result = self._client.txn(
+                fences, [put_op(key, closer_json(self._node), lease)], [get_op(key)]
+            )
+        except EtcdLeaseNotFound:
+            return False
+        if result.succeeded:
+            log.info("closing round", **kv(node=self._node, round=round_))
+            self._wait(deadline, lambda: m.revision["state"] >= result.revision)
+            return True
+        found = result.responses[0].response_range.kvs
+        if found:  # someone else's: its put reaches our state/ watch at its mod_revision
+            self._wait(deadline, lambda r=found[0].mod_revision: m.revision["state"] >= r)
+        else:  # the world changed under us
+            self._wait(deadline, lambda: m.world_mod != seen_world_mod, cap=1.0)
+        return True
+
+    def plan(self, round_: int, deadline: float) -> ClosePlan | None:
+        """With the mirror lock held: None after sleeping until the close rule may have
+        changed its mind, else the world to write now."""
+        s, m = self._settings, self._mirror
+        previous = m.world
+        pend = pending_previous(previous, m.joined_nodes(previous.round) if previous else ())
+        count = len(m.joined_nodes(round_))
+        delay = close_delay(
+            joined=count,
+            pending_previous=pend,
+            min_nodes=s.min_nodes,
+            max_nodes=s.max_nodes,
+            since_last_join=m.since_last_join(round_),
+            settle=s.settle,
+        )
+        if delay is None or delay > 0:
+            left = deadline - self._clock()
+            self._sleep(round_, count, pend, min(left, delay if delay is not None else left))
+            return None
+        world, waiting = build_world(
+            run_id=s.run_id,
+            round_=round_,
+            previous=previous,
+            joined=m.joins(round_),
+            max_nodes=s.max_nodes,
+        )
+        return ClosePlan(
+            round=round_,
+            world=world,
+            waiting=tuple(waiting),
+            world_mod=m.world_mod,
+            join_mod=m.last_join_mod(round_),
+        )
+
+    def write(self, plan: ClosePlan, deadline: float) -> None:
+        """The one transaction that closes the round (and drops its closer key); fenced so
+        that a world or a join we have not seen yet makes it fail harmlessly — we then
+        wait until the mirror has it and judge again."""
+        s, m, r = self._settings, self._mirror, plan.round
+        fences = [
+            compare(s.world_key(), "mod", "==", plan.world_mod),
+            compare_range(s.join_prefix(r), "mod", "<", plan.join_mod + 1),
+        ]
+        ops = [put_op(s.world_key(), plan.world.to_json()), delete_op(s.closer_key(r))]
+        result = self._client.txn(fences, ops)
+        if result.succeeded:
+            log.info(
+                "round closed",
+                **kv(round=r, world=plan.world.size, by=self._node, waiting=len(plan.waiting)),
+            )
+            self._wait(deadline, lambda: m.revision["state"] >= result.revision)
+            return
+        self._wait(
+            deadline,
+            lambda: m.world_mod != plan.world_mod or m.last_join_mod(r) != plan.join_mod,
+            cap=1.0,
+        )
+
+    def _sleep(self, round_: int, count: int, pending: int, timeout: float) -> None:
+        """Sleep (mirror lock held) until ``timeout`` or an event that can change the
+        decision: a deletion, a state/ change (these always wake), or — when nothing
+        else blocks — the join count reaching the next threshold. Joins that cannot change
+        the decision do not wake us: with hundreds of nodes that is most of them."""
+        s, m = self._settings, self._mirror
+        if pending:
+            m.wake_when = lambda: False
+        else:
+            threshold = s.max_nodes if count >= s.min_nodes else s.min_nodes
+            m.wake_when = lambda: len(m.joined_nodes(round_)) >= threshold
+        try:
+            m.cond.wait(max(0.0, min(timeout, 1.0)))
+        finally:
+            m.wake_when = None
