@@ -8,7 +8,8 @@
 - Position: ``step`` and ``consumed_samples`` (the global data position).
 - RNG: each rank's generator states as rank tensors. They cannot map to another layout, so
   on resume they are restored only when the layout is unchanged; otherwise each rank
-  reseeds with :func:`reseed_value` (seed, step, rank). See docs/checkpoint-format.md.
+  reseeds with :func:`reseed_value` (seed, step, data-parallel index). See
+  docs/checkpoint-format.md.
 
 Checkpoints go through a gloo group of the active ranks made for the store alone (its
 writer thread runs collectives on it while training uses the other groups).
@@ -30,9 +31,14 @@ log = logging.getLogger("trainer.checkpointing")
 RESEED_STRIDE = 1_000_003
 
 
-def reseed_value(seed: int, step: int, rank: int) -> int:
-    """The generator seed of ``rank`` resuming at ``step`` in a layout other than the saved one."""
-    return seed + RESEED_STRIDE * step + rank
+def reseed_value(seed: int, step: int, dp_rank: int) -> int:
+    """The generator seed of a rank resuming at ``step`` in a layout other than the saved one.
+
+    Keyed by the data-parallel index, not the global rank, as the seed at start is
+    (``train.seed + dp index``): the ranks of one tensor-parallel group hold the same
+    replicated activations, so their dropout masks must be drawn identically, or the
+    replicas (LayerNorms, biases, the residual stream) silently drift apart."""
+    return seed + RESEED_STRIDE * step + dp_rank
 
 
 class Checkpointing:
@@ -121,7 +127,7 @@ class Checkpointing:
             if "rng/cuda" in rng and self.trainer.device.type == "cuda":
                 torch.cuda.set_rng_state(rng["rng/cuda"], self.trainer.device)
         else:
-            seed = reseed_value(self.job.train.seed, state.step, self.rank)
+            seed = reseed_value(self.job.train.seed, state.step, self.trainer.batches.dp_rank)
             torch.manual_seed(seed)
         self.last_saved = state.step
         if self.rank == 0:
