@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import types
@@ -300,6 +301,9 @@ def _build(cls: type, raw: Any, path: str, where: str) -> Any:
 
 
 def _positive(where: str, path: str, value: float, *, zero_ok: bool = False) -> None:
+    # YAML's .nan and .inf parse as floats and pass every comparison below.
+    if not math.isfinite(value):
+        raise JobSpecError(f"{where}: {path}: {value!r} must be a finite number")
     if value < 0 or (value == 0 and not zero_ok):
         bound = ">= 0" if zero_ok else "> 0"
         raise JobSpecError(f"{where}: {path}: {value!r} must be {bound}")

@@ -43,6 +43,9 @@ BAD_SPECS = [
     ("port out of range", "name: t\nmetrics: {port: 70000}\n", "job.yaml: metrics.port: 70000 is not a TCP port"),
     ("empty command", "name: t\ncommand: []\n", "job.yaml: command: [] is not a list of strings or null"),
     ("unsupported version", "version: 2\nname: t\n", "job.yaml: version: 2 is not supported"),
+    ("nan learning rate", "name: t\ntrain: {lr: .nan}\n", "job.yaml: train.lr: nan must be a finite number"),
+    ("infinite grad clip", "name: t\ntrain: {grad_clip: .inf}\n",
+     "job.yaml: train.grad_clip: inf must be a finite number"),
 ]  # fmt: skip
 
 
