@@ -198,9 +198,14 @@ class EtcdRendezvous:
                     or self._joined_round != open_round
                     or (m.members_live and self.node_id not in m.joined_nodes(open_round))
                 )
+                closing = m.closers.get(open_round) == (self.node_id, self._lease)
             if formed is not None:
                 return self._become_member(formed)
             if need_join:
+                if not closing:
+                    # Re-forming: the other members' joins and moves would flood our join/
+                    # watch; the round's closer (maybe us, then we read join/ afresh) judges.
+                    self._feeds.members_off()
                 if not self._join(open_round, seen_world_mod, deadline):
                     self._wait(deadline, lambda w=seen_world_mod: m.world_mod != w)
                     continue
