@@ -76,21 +76,23 @@ def test_only_the_closer_watches_joins_while_a_round_fills_and_every_member_does
 def test_when_the_closer_is_sigkilled_mid_round_another_node_takes_over_and_closes_it(
     etcd_server, etcd_config, etcd_client, spawn_node
 ):
-    run, ttl = fresh_run_id(), 3.0
+    run, ttl = fresh_run_id(), 4.0
     settings = RendezvousSettings(
         run_id=run, min_nodes=2, max_nodes=3, ttl=ttl, settle=0.3, join_timeout=30
     )
     args = ("--min", "2", "--max", "3", "--ttl", str(ttl), "--settle", "0.3")
     a = spawn_node(["--etcd", etcd_server.endpoint, "--run-id", run, "--node-id", "a", *args])
-    assert _until(lambda: _closer(etcd_client, settings) == "a", 30)
-    os.kill(a.proc.pid, signal.SIGKILL)
-    killed_at = time.monotonic()
     nodes = [
         EtcdRendezvous(client=connect(etcd_config), settings=settings, node_id=n, owns_client=True)
         for n in ("b", "c")
     ]
     out, errors = {}, {}
     try:
+        for n in nodes:
+            n.start()  # connected and watching before the kill: they join well within a TTL
+        assert _until(lambda: _closer(etcd_client, settings) == "a", 30)
+        os.kill(a.proc.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
         threads = [_start(n, out, errors) for n in nodes]
         assert _until(lambda: all(n._joined_round == 1 for n in nodes), 10)
         # They joined while the dead node's lease still held the closer key: they wait
