@@ -83,3 +83,24 @@ def test_a_layout_file_for_another_world_size_is_refused(tmp_path, capsys) -> No
                                         "ELASTICD_LAYOUT": str(layout_file)})  # fmt: skip
     assert rc == 2
     assert "the layout is for 2 ranks, WORLD_SIZE is 1" in capsys.readouterr().err
+
+
+def test_a_resume_that_cannot_load_any_checkpoint_is_one_line_and_exit_code_2(
+    tmp_path: Path,
+) -> None:
+    """A model changed under an existing checkpoint directory is a user error, not a crash."""
+    out = tmp_path / "out"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    base = [sys.executable, "-m", "trainer", str(TINY), "--set", f"output_dir={out}"]
+    first = subprocess.run([*base, "--set", "train.steps=2"], env=env, capture_output=True,
+                           text=True, timeout=120, cwd=tmp_path)  # fmt: skip
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = subprocess.run([*base, "--set", "train.steps=4", "--set", "model.hidden=32"],
+                           env=env, capture_output=True, text=True, timeout=120,
+                           cwd=tmp_path)  # fmt: skip
+    assert again.returncode == 2, again.stderr[-2000:]
+    assert "Traceback" not in again.stderr
+    # Before the error, load_latest warns once per step it could not load.
+    last = again.stderr.strip().splitlines()[-1]
+    assert last.startswith("trainer: error: "), again.stderr[-2000:]
+    assert "no committed checkpoint loads" in last and "shape" in last

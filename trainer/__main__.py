@@ -67,7 +67,15 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     except (ElasticdError, TrainerConfigError, ValueError) as exc:
         print(f"trainer: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
-    return _run(job=job, layout=layout, rank=rank, world=world, env=env)
+    from checkpoint.errors import CorruptCheckpointError, FormatError, LayoutMismatchError
+
+    try:
+        return _run(job=job, layout=layout, rank=rank, world=world, env=env)
+    except (CorruptCheckpointError, FormatError, LayoutMismatchError) as exc:
+        # Nothing in the checkpoint directory loads into this model (every rank agreed):
+        # a changed model, or every step corrupted. One line names each step and why.
+        print(f"trainer: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
 
 
 def _read_layout(path: str, layout_cls):
