@@ -104,3 +104,42 @@ def test_a_resume_that_cannot_load_any_checkpoint_is_one_line_and_exit_code_2(
     last = again.stderr.strip().splitlines()[-1]
     assert last.startswith("trainer: error: "), again.stderr[-2000:]
     assert "no committed checkpoint loads" in last and "shape" in last
+
+
+def test_a_checkpoint_dir_that_only_some_ranks_see_is_one_line_and_exit_code_2(
+    tmp_path: Path,
+) -> None:
+    """Not shared storage: rank 0 sees a checkpoint, rank 1 none. Both say so at once,
+    instead of rank 0 loading alone and waiting in a collective for its whole timeout."""
+    from trainer.launch import free_port
+
+    seen, unseen = tmp_path / "seen", tmp_path / "unseen"
+    seen.mkdir()
+    unseen.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # output_dir is relative, so each rank resolves it against its own working directory.
+    first = subprocess.run([sys.executable, "-m", "trainer", str(TINY), "--set", "output_dir=out",
+                            "--set", "train.steps=2"], env=env, capture_output=True, text=True,
+                           timeout=120, cwd=seen)  # fmt: skip
+    assert first.returncode == 0, first.stderr[-2000:]
+    port = str(free_port())
+    args = [sys.executable, "-m", "trainer", str(TINY), "--set", "output_dir=out",
+            "--set", "train.steps=4", "--set", "nproc_per_node=2"]  # fmt: skip
+    procs = [
+        subprocess.Popen(args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=dict(env, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2",
+                                  MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+        for r, cwd in enumerate((seen, unseen))
+    ]  # fmt: skip
+    try:
+        results = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (_, err) in zip(procs, results, strict=True):
+        assert p.returncode == 2, err[-2000:]
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("trainer: error: checkpoint.dir: "), err[-2000:]
+        assert "must be storage shared by all nodes" in last

@@ -71,7 +71,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 
     try:
         return _run(job=job, layout=layout, rank=rank, world=world, env=env)
-    except (CorruptCheckpointError, FormatError, LayoutMismatchError) as exc:
+    except (CorruptCheckpointError, FormatError, LayoutMismatchError, TrainerConfigError) as exc:
         # Nothing in the checkpoint directory loads into this model (every rank agreed):
         # a changed model, or every step corrupted. One line names each step and why.
         print(f"trainer: error: {exc}", file=sys.stderr)

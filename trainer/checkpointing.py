@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import SaveOptions, Saver, ShardInfo, committed_steps, load_latest
+from trainer.errors import TrainerConfigError
 
 log = logging.getLogger("trainer.checkpointing")
 
@@ -109,7 +110,7 @@ class Checkpointing:
 
     def resume(self) -> bool:
         """Load the latest committed checkpoint, resharded to this layout, if there is one."""
-        if not self.job.checkpoint.resume or not committed_steps(self.dir):
+        if not self.job.checkpoint.resume or not self._everyone_sees_a_checkpoint():
             return False
         ckpt = load_latest(
             self.dir,
@@ -140,6 +141,25 @@ class Checkpointing:
             )
         ckpt.close()
         return True
+
+    def _everyone_sees_a_checkpoint(self) -> bool:
+        """Whether there is a committed checkpoint, agreed by every active rank.
+
+        Each rank looks for itself; if some ranks see one and others do not, the directory is
+        not shared storage, and loading on some ranks only would leave them waiting in a
+        collective for its whole timeout. That is a configuration error, said at once."""
+        mine = 1 if committed_steps(self.dir) else 0
+        if not dist.is_initialized():
+            return bool(mine)
+        seen = torch.tensor([mine, -mine], dtype=torch.int64)
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self.group)
+        anyone, everyone = int(seen[0]), -int(seen[1])
+        if anyone != everyone:
+            raise TrainerConfigError(
+                f"checkpoint.dir: {self.dir} holds committed checkpoints on some ranks but not "
+                "on others; it must be storage shared by all nodes"
+            )
+        return bool(everyone)
 
     # -- save ---------------------------------------------------------------------------------
 
