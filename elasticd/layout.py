@@ -55,6 +55,10 @@ GROUP_KINDS = (
 
 Groups = tuple[tuple[int, ...], ...]
 
+MAX_WORLD = 1 << 17
+"""Largest world planned (131,072 ranks, above today's largest jobs). Every group is
+enumerated, which takes about 30 µs per rank; a larger number is a typo, not a cluster."""
+
 
 def _prefix_product(sizes: Sequence[int]) -> list[int]:
     out = [1]
@@ -332,6 +336,8 @@ def plan_world(
     (a multiple of pp of them when interleaving). Raises :class:`LayoutError` when none fits.
     """
     _check_positive("world", world)
+    if world > MAX_WORLD:
+        raise LayoutError(f"world: {world} ranks is more than the {MAX_WORLD} elasticd plans for")
     if global_batch is not None:
         _check_positive("train.global_batch", global_batch)
     if micro_batch is not None:

@@ -122,6 +122,7 @@ def test_global_batch_is_constant_across_worlds():
         (3, ParallelConfig(tp=4), None, "smaller than tp·pp·cp = 4"),
         (4, ParallelConfig(ep=2), (3, 1), "no layout fits a world of 4"),
         (4, ParallelConfig(), (5, 2), "not a multiple of train.micro_batch"),
+        (100_000_000, ParallelConfig(), None, "more than the 131072 elasticd plans for"),
     ],
 )
 def test_when_no_layout_fits_the_error_says_why(world, parallel, batch, message):
