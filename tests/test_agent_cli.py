@@ -7,10 +7,10 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
+from polling import wait_for
 
 from elasticd.etcd import connect
 from elasticd.jobs import JobRegistry
@@ -33,17 +33,6 @@ def job_dict(tmp_path, name, *, steps=5, nodes=(2, 2), **extra):
     for section, values in extra.items():
         raw.setdefault(section, {}).update(values)
     return raw
-
-
-def wait_for(predicate, *, timeout: float, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
-        time.sleep(interval)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ import sys
 import time
 
 import pytest
+from polling import wait_for
 
 from elasticd.cli.run import print_summary, run_cluster
 from elasticd.jobspec import parse_job
@@ -173,17 +174,6 @@ def alive(pid: int) -> bool:
             return fh.read().split(") ", 1)[1][0] != "Z"
     except (OSError, IndexError):
         return False
-
-
-def wait_for(predicate, *, timeout: float, interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
-        time.sleep(interval)
 
 
 def test_the_run_command_prints_a_summary_and_exits_zero_on_success(tmp_path, fast_steps):
