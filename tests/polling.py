@@ -19,3 +19,13 @@ def wait_for(predicate: Callable[[], T], *, timeout: float, interval: float = 0.
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout} s")
         time.sleep(interval)
+
+
+def until(predicate: Callable[[], object], timeout: float, interval: float = 0.02) -> bool:
+    """Whether ``predicate()`` became truthy within ``timeout`` s (for ``assert until(...)``)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(interval)
+    return True

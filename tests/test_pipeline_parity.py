@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+
+from trainer.launch import launch_local
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 10
@@ -29,46 +27,17 @@ checkpoint: {{every: 0}}
 MOE = ("model.experts=4", "model.top_k=2", "train.aux_loss_coeff=0.01")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def train(tmp: Path, world: int, overrides: tuple[str, ...]) -> list[dict]:
     """Run the trainer on ``world`` local ranks; return rank 0's metrics, one per step."""
     job = tmp / "job.yaml"
     job.write_text(JOB)
     out = tmp / ("run-" + str(abs(hash((world, overrides)))))
-    args = [sys.executable, "-m", "trainer", str(job), "--set", f"output_dir={out}",
-            "--set", f"nproc_per_node={world}"]  # fmt: skip
-    for o in overrides:
-        args += ["--set", o]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-           "WORLD_SIZE": str(world)}  # fmt: skip
+    sets = (f"output_dir={out}", f"nproc_per_node={world}", *overrides)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("ELASTICD_LAYOUT", None)
-    procs = [
-        subprocess.Popen(args, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=tmp,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in range(world)
-    ]  # fmt: skip
-    deadline = time.monotonic() + 240
-    outs = []
-    try:
-        for p in procs:
-            try:
-                outs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-            except subprocess.TimeoutExpired:
-                p.kill()
-                outs.append(p.communicate()[0] + "\n[killed after the 240 s deadline]")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for r, (p, text) in enumerate(zip(procs, outs, strict=True)):
-        assert p.returncode == 0, f"rank {r} exited {p.returncode}:\n{text[-4000:]}"
+    outcomes = launch_local(str(job), world=world, overrides=sets, env=env, cwd=str(tmp))
+    for o in outcomes:
+        assert o.returncode == 0, f"rank {o.rank} exited {o.returncode}:\n{o.output[-4000:]}"
     last: dict[int, dict] = {}
     for line in (out / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)

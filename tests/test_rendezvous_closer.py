@@ -11,18 +11,10 @@ import threading
 import time
 
 from conftest import fresh_run_id
+from polling import until
 
 from elasticd.etcd import connect
 from elasticd.rendezvous import EtcdRendezvous, RendezvousSettings, RendezvousTimeout
-
-
-def _until(predicate, timeout):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def _closer(etcd_client, settings, round_=1):
@@ -55,11 +47,11 @@ def test_only_the_closer_watches_joins_while_a_round_fills_and_every_member_does
     out, errors = {}, {}
     try:
         threads = [_start(n, out, errors) for n in nodes[:2]]
-        assert _until(lambda: _closer(etcd_client, settings) is not None, 10)
-        assert _until(lambda: all(n._joined_round == 1 for n in nodes[:2]), 10)
+        assert until(lambda: _closer(etcd_client, settings) is not None, 10)
+        assert until(lambda: all(n._joined_round == 1 for n in nodes[:2]), 10)
         closer = _closer(etcd_client, settings)
         follower = next(n for n in nodes[:2] if n.node_id != closer)
-        assert _until(lambda: not follower._mirror.members_live, 5)
+        assert until(lambda: not follower._mirror.members_live, 5)
         assert not follower._mirror.joined_nodes(1)  # it never saw the other joins
         threads.append(_start(nodes[2], out, errors))
         for t in threads:
@@ -90,11 +82,11 @@ def test_when_the_closer_is_sigkilled_mid_round_another_node_takes_over_and_clos
     try:
         for n in nodes:
             n.start()  # connected and watching before the kill: they join well within a TTL
-        assert _until(lambda: _closer(etcd_client, settings) == "a", 30)
+        assert until(lambda: _closer(etcd_client, settings) == "a", 30)
         os.kill(a.proc.pid, signal.SIGKILL)
         killed_at = time.monotonic()
         threads = [_start(n, out, errors) for n in nodes]
-        assert _until(lambda: all(n._joined_round == 1 for n in nodes), 10)
+        assert until(lambda: all(n._joined_round == 1 for n in nodes), 10)
         # They joined while the dead node's lease still held the closer key: they wait
         # on it, and take over when its lease expires.
         assert _closer(etcd_client, settings) == "a"
@@ -126,12 +118,12 @@ def test_a_closer_that_times_out_hands_the_round_to_the_nodes_still_waiting(
     out, errors = {}, {}
     try:
         threads = [_start(impatient, out, errors)]
-        assert _until(lambda: _closer(etcd_client, impatient.settings) == "a", 10)
+        assert until(lambda: _closer(etcd_client, impatient.settings) == "a", 10)
         threads += [_start(b, out, errors)]
         threads[0].join(10)
         assert isinstance(errors.pop("a"), RendezvousTimeout)
         # Its lease (TTL 10 s) is alive, yet its closer key and join are gone at once.
-        assert _until(lambda: _closer(etcd_client, impatient.settings) == "b", 5)
+        assert until(lambda: _closer(etcd_client, impatient.settings) == "b", 5)
         threads += [_start(n, out, errors) for n in (c, d)]
         for t in threads[1:]:
             t.join(20)

@@ -11,6 +11,7 @@ import time
 
 import pytest
 from conftest import fresh_run_id
+from polling import until
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 
 from elasticd.etcd import connect
@@ -133,31 +134,22 @@ def test_max_nodes_caps_the_world_and_the_extra_node_waits_until_a_member_leaves
     try:
         for h in handlers:
             threading.Thread(target=form, args=(h,), daemon=True).start()
-        assert _until(lambda: len(out) == 2, 20)
+        assert until(lambda: len(out) == 2, 20)
         (world,) = {w.nodes for w in out.values()}
         assert len(world) == 2
         members = [h for h in handlers if h.node_id in world]
         (extra,) = [h for h in handlers if h.node_id not in world]
-        assert _until(lambda: members[0].num_nodes_waiting() == 1, 5)
+        assert until(lambda: members[0].num_nodes_waiting() == 1, 5)
         assert members[0].changed.wait(5)
         # A member leaves; the other re-forms and lets the waiting node in, keeping rank 0.
         members[1].leave()
         threading.Thread(target=form, args=(members[0],), daemon=True).start()
-        assert _until(lambda: extra.node_id in out, 20)
+        assert until(lambda: extra.node_id in out, 20)
         assert out[extra.node_id].nodes == (members[0].node_id, extra.node_id)
         assert out[extra.node_id].round == 2
     finally:
         for h in handlers:
             h.close()
-
-
-def _until(predicate, timeout):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def test_min_nodes_not_reached_times_out_with_a_timeout_error(etcd_config, etcd_client):
