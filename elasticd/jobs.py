@@ -12,7 +12,14 @@ Keys (``<job>`` is the job name)::
                                   agent saw it first (so a failure is counted once)
 
 ``state`` also holds the ``run_id`` of this submission (``<job>-<8 hex>``): the rendezvous
-of a replaced job starts fresh rather than finding the old run closed.
+of a replaced job starts fresh rather than finding the old run closed; and ``submitted``,
+the submission time, which orders the queue.
+
+**Fencing.** A write made on behalf of a rendezvous round passes a :class:`Fence`: the
+run's world key and the mod revision it had when that round's world was written. The
+write is one transaction that also compares the world key, so once a newer world exists
+every write of an older round is refused with :class:`FencedError`. That is what stops a
+node that froze and thawed after the world moved on from overwriting a newer world's state.
 
 Every read-modify-write is a compare-and-set on the key's ``mod_revision``, retried on
 conflict, so several agents may update one job at once and nothing is lost. The legal
@@ -31,17 +38,40 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from elasticd.errors import EtcdError, UsageError
+from elasticd.errors import ElasticdError, EtcdError, UsageError
 from elasticd.jobspec import JobSpec, parse_job
 
 PREFIX = "/elasticd/jobs/"
+NODES_PREFIX = "/elasticd/nodes/"
+"""Where agents register (``<id>``: a JSON record on the agent's lease)."""
 HISTORY_LIMIT = 100
 """World changes and recoveries kept in a job's status (oldest dropped first)."""
+HISTORY_BYTES = 32 * 1024
+"""...and at most this many bytes of them as JSON, so a status stays far below etcd's
+1.5 MiB request limit whatever the cluster's size (events carry no node lists)."""
+
+
+class FencedError(ElasticdError):
+    """A write on behalf of a round that is no longer the run's current one."""
+
+
+@dataclass(frozen=True, slots=True)
+class Fence:
+    """The token of one round: its world key and the mod revision it was written at."""
+
+    key: str
+    """The run's rendezvous world key."""
+    mod: int
+    """Its mod revision when our round's world was written."""
+    round: int = 0
+    """The round (for messages)."""
 
 
 class JobState(enum.StrEnum):
     PENDING = "pending"
     """Submitted; no world has formed yet."""
+    QUEUED = "queued"
+    """Submitted, but the registered agents cannot fit it now; ``reason`` says why."""
     RUNNING = "running"
     """Workers are training in a formed world."""
     RECOVERING = "recovering"
@@ -60,7 +90,8 @@ class JobState(enum.StrEnum):
 
 _S = JobState
 TRANSITIONS: dict[JobState, frozenset[JobState]] = {
-    _S.PENDING: frozenset({_S.RUNNING, _S.FAILED, _S.CANCELLED}),
+    _S.PENDING: frozenset({_S.QUEUED, _S.RUNNING, _S.FAILED, _S.CANCELLED}),
+    _S.QUEUED: frozenset({_S.PENDING, _S.RUNNING, _S.FAILED, _S.CANCELLED}),
     _S.RUNNING: frozenset({_S.RECOVERING, _S.SUCCEEDED, _S.FAILED, _S.CANCELLED}),
     _S.RECOVERING: frozenset({_S.RUNNING, _S.SUCCEEDED, _S.FAILED, _S.CANCELLED}),
     _S.SUCCEEDED: frozenset(),
@@ -102,6 +133,13 @@ class JobRecord:
     """World, layout, step, checkpoint, restarts, last failure, history."""
     run_id: str = ""
     """Rendezvous run id of this submission."""
+    submitted: float = 0.0
+    """Unix time of the submission (the queue's order)."""
+
+    @property
+    def started(self) -> bool:
+        """Whether a world of this submission ever formed."""
+        return self.status.get("round") is not None
 
     def job(self) -> JobSpec:
         """The spec parsed back into a JobSpec (validated again)."""
@@ -115,6 +153,7 @@ class JobRecord:
             "reason": self.reason,
             "status": self.status,
             "run_id": self.run_id,
+            "submitted": self.submitted,
             "spec": self.spec,
         }
 
@@ -132,6 +171,47 @@ def _load(raw: bytes, what: str) -> Any:
 
 def _dump(obj: Any) -> str:
     return json.dumps(obj, separators=(",", ":"), sort_keys=True)
+
+
+def bound_history(history: list[Any]) -> list[Any]:
+    """The newest events within HISTORY_LIMIT entries and HISTORY_BYTES of JSON."""
+    kept = history[-HISTORY_LIMIT:]
+    size = 0
+    for i in range(len(kept) - 1, -1, -1):
+        size += len(_dump(kept[i])) + 1
+        if size > HISTORY_BYTES:
+            return kept[i + 1 :]
+    return kept
+
+
+def record_from_parts(name: str, parts: dict[str, bytes]) -> JobRecord | None:
+    """A job from its stored keys (``spec``, ``state``, ``status``), or None without a spec."""
+    if "spec" not in parts:
+        return None
+    state = _load(parts.get("state", b"{}"), f"job {name} state")
+    status = _load(parts["status"], f"job {name} status") if "status" in parts else {}
+    try:
+        job_state = JobState(state.get("state", "pending"))
+    except ValueError as exc:
+        raise EtcdError(f"job {name}: unknown state {state.get('state')!r}") from exc
+    return JobRecord(
+        name=name,
+        spec=_load(parts["spec"], f"job {name} spec"),
+        state=job_state,
+        since=float(state.get("since", 0.0)),
+        reason=str(state.get("reason", "")),
+        status=status,
+        run_id=str(state.get("run_id", name)),
+        submitted=float(state.get("submitted", state.get("since", 0.0))),
+    )
+
+
+def split_key(key: str) -> tuple[str, str] | None:
+    """``(job, part)`` of a key under PREFIX (part may contain '/'), or None."""
+    if not key.startswith(PREFIX):
+        return None
+    name, _, part = key[len(PREFIX) :].partition("/")
+    return (name, part) if name and part else None
 
 
 class JobRegistry:
@@ -157,6 +237,7 @@ class JobRegistry:
             "since": now,
             "reason": "submitted",
             "run_id": f"{job.name}-{uuid.uuid4().hex[:8]}",
+            "submitted": now,
         }
         writes = [
             put_op(_key(job.name, "spec"), _dump(job.to_dict())),
@@ -185,7 +266,7 @@ class JobRegistry:
         """The job named ``name``, or None."""
         kvs, _ = self._client.get_prefix(_key(name, ""))
         parts = {kv.key.rsplit("/", 1)[-1]: kv.value for kv in kvs}
-        return self._record(name, parts)
+        return record_from_parts(name, parts)
 
     def list(self) -> list[JobRecord]:
         """Every job, sorted by name."""
@@ -194,35 +275,56 @@ class JobRegistry:
         for kv in kvs:
             name, _, part = kv.key[len(PREFIX) :].partition("/")
             by_job.setdefault(name, {})[part] = kv.value
-        records = (self._record(name, parts) for name, parts in sorted(by_job.items()))
+        records = (record_from_parts(name, parts) for name, parts in sorted(by_job.items()))
         return [r for r in records if r is not None]
 
-    def _record(self, name: str, parts: dict[str, bytes]) -> JobRecord | None:
-        if "spec" not in parts:
-            return None
-        state = _load(parts.get("state", b"{}"), f"job {name} state")
-        status = _load(parts["status"], f"job {name} status") if "status" in parts else {}
-        try:
-            job_state = JobState(state.get("state", "pending"))
-        except ValueError as exc:
-            raise EtcdError(f"job {name}: unknown state {state.get('state')!r}") from exc
-        return JobRecord(
-            name=name,
-            spec=_load(parts["spec"], f"job {name} spec"),
-            state=job_state,
-            since=float(state.get("since", 0.0)),
-            reason=str(state.get("reason", "")),
-            status=status,
-            run_id=str(state.get("run_id", name)),
-        )
+    def node_count(self) -> int:
+        """Agents registered now (their leases alive)."""
+        return len(self._client.get_prefix(NODES_PREFIX)[0])
+
+    def delete(self, name: str, *, rendezvous_prefix: str = "/elasticd/rdzv/") -> JobRecord:
+        """Remove a finished job: its keys and its run's rendezvous keys. A job that is
+        still pending or running is refused (cancel it first); the delete compares the
+        state key, so a job resubmitted meanwhile is left alone."""
+        from elasticd.etcd import compare, delete_op
+
+        state_kv = self._client.get(_key(name, "state"))
+        record = self.get(name)
+        if record is None or state_kv is None:
+            raise UsageError(f"job {name!r}: no such job")
+        if not record.state.terminal:
+            raise UsageError(f"job {name!r} is {record.state}; cancel it before deleting it")
+        ops = [delete_op(_key(name, ""), prefix=True)]
+        if record.run_id and "/" not in record.run_id:
+            ops.append(delete_op(f"{rendezvous_prefix.rstrip('/')}/{record.run_id}/", prefix=True))
+        state_key = _key(name, "state")
+        done = self._client.txn([compare(state_key, "mod", "==", state_kv.mod_revision)], ops)
+        if not done.succeeded:
+            raise UsageError(f"job {name!r} changed while deleting it; try again")
+        return record
 
     # -- changes -----------------------------------------------------------------------------
 
-    def _update(self, key: str, change: Callable[[Any], Any | None], what: str) -> Any:
+    def _check_fence(self, fence: Fence | None) -> None:
+        if fence is None:
+            return
+        current = self._client.get(fence.key)
+        mod = current.mod_revision if current is not None else 0
+        if mod != fence.mod:
+            raise FencedError(
+                f"round {fence.round} is no longer current (a newer world was formed); "
+                "write refused"
+            )
+
+    def _update(
+        self, key: str, change: Callable[[Any], Any | None], what: str, fence: Fence | None = None
+    ) -> Any:
         """Compare-and-set read-modify-write of one JSON value; ``change`` returns the new
-        value, or None to leave it as it is. Returns the value in force afterwards."""
+        value, or None to leave it as it is. Returns the value in force afterwards. With a
+        ``fence`` the write also requires that round to be current (else FencedError)."""
         from elasticd.etcd import compare, put_op
 
+        fences = [] if fence is None else [compare(fence.key, "mod", "==", fence.mod)]
         for _ in range(100):
             current = self._client.get(key)
             if current is None:
@@ -230,26 +332,33 @@ class JobRegistry:
             old = _load(current.value, what)
             new = change(old)
             if new is None:
+                self._check_fence(fence)
                 return old
             ok = self._client.txn(
-                [compare(key, "mod", "==", current.mod_revision)], [put_op(key, _dump(new))]
+                [compare(key, "mod", "==", current.mod_revision), *fences],
+                [put_op(key, _dump(new))],
             ).succeeded
             if ok:
                 return new
+            self._check_fence(fence)
         raise EtcdError(f"{what}: too many concurrent updates")
 
-    def set_state(self, name: str, new: JobState, reason: str = "") -> bool:
+    def set_state(
+        self, name: str, new: JobState, reason: str = "", *, fence: Fence | None = None
+    ) -> bool:
         """Move the job to ``new`` if the transition table allows it; returns whether the
         job is in ``new`` afterwards (a refused change returns False and writes nothing)."""
         now = self._clock()
 
         def change(old: dict[str, Any]) -> dict[str, Any] | None:
             cur = JobState(old.get("state", "pending"))
+            if cur == new and old.get("reason") != reason and new == JobState.QUEUED:
+                return {**old, "reason": reason}  # a queued job's reason follows the cluster
             if cur == new or not can_move(cur, new):
                 return None
             return {**old, "state": str(new), "since": now, "reason": reason}
 
-        after = self._update(_key(name, "state"), change, f"job {name!r}")
+        after = self._update(_key(name, "state"), change, f"job {name!r}", fence)
         return after.get("state") == str(new)
 
     def cancel(self, name: str) -> JobRecord:
@@ -268,20 +377,28 @@ class JobRegistry:
         assert latest is not None
         return latest
 
-    def update_status(self, name: str, change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    def update_status(
+        self,
+        name: str,
+        change: Callable[[dict[str, Any]], None],
+        *,
+        fence: Fence | None = None,
+    ) -> dict[str, Any]:
         """Apply ``change`` (which edits the dict in place) to the job's status, atomically."""
 
         def apply(old: dict[str, Any]) -> dict[str, Any]:
             new = json.loads(json.dumps(old))
             change(new)
             history = new.get("history")
-            if isinstance(history, list) and len(history) > HISTORY_LIMIT:
-                new["history"] = history[-HISTORY_LIMIT:]
+            if isinstance(history, list):
+                new["history"] = bound_history(history)
             return new
 
-        return self._update(_key(name, "status"), apply, f"job {name!r} status")
+        return self._update(_key(name, "status"), apply, f"job {name!r} status", fence)
 
-    def add_event(self, name: str, event: dict[str, Any], **fields: Any) -> None:
+    def add_event(
+        self, name: str, event: dict[str, Any], *, fence: Fence | None = None, **fields: Any
+    ) -> None:
         """Append ``event`` (with a timestamp) to the history and set ``fields`` too."""
         stamped = {"t": round(self._clock(), 3), **event}
 
@@ -289,9 +406,11 @@ class JobRegistry:
             status.setdefault("history", []).append(stamped)
             status.update(fields)
 
-        self.update_status(name, change)
+        self.update_status(name, change, fence=fence)
 
-    def claim_failure(self, name: str, round_: int, info: dict[str, Any]) -> tuple[dict, bool]:
+    def claim_failure(
+        self, name: str, round_: int, info: dict[str, Any], *, fence: Fence | None = None
+    ) -> tuple[dict, bool]:
         """Record why round ``round_`` ended, once: ``(the record in force, whether ours)``.
 
         Every agent of a broken round sees the break in its own way (its worker died, a
@@ -302,8 +421,12 @@ class JobRegistry:
 
         key = _key(name, f"failures/{round_}")
         claim = {"t": round(self._clock(), 3), "round": round_, **info}
-        result = self._client.txn([compare(key, "version", "==", 0)], [put_op(key, _dump(claim))])
+        fences = [] if fence is None else [compare(fence.key, "mod", "==", fence.mod)]
+        result = self._client.txn(
+            [compare(key, "version", "==", 0), *fences], [put_op(key, _dump(claim))]
+        )
         if result.succeeded:
             return claim, True
+        self._check_fence(fence)
         current = self._client.get(key)
         return (_load(current.value, key) if current else claim), False

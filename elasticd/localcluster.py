@@ -110,7 +110,7 @@ class LocalCluster:
             self.python, "-m", "elasticd", "agent", "--etcd", self.endpoint,
             "--node-id", f"node-{index}", "--addr", "127.0.0.1",
             "--nproc-per-node", str(self.nproc), "--state-dir", self.state_dir(index),
-            "--metrics-port", str(port),
+            "--metrics-port", str(port), "--allow-commands",  # a local cluster runs its user's own jobs
         ]  # fmt: skip
         log = open(os.path.join(self.base_dir, f"agent-{index}.log"), "ab")  # noqa: SIM115
         with log:

@@ -1,10 +1,20 @@
-"""The per-node daemon: register the node, watch the job registry, run each job.
+"""The per-node daemon: register the node, watch the job registry, run the jobs that fit.
 
-One :class:`Agent` per node. It registers ``/elasticd/nodes/<id>`` on a lease (id,
-hostname, address, nproc, devices, version), serves Prometheus metrics, and starts a
-:class:`~elasticd.agent.runner.JobRunner` thread for every job that is not finished.
-By default every agent takes every job (a job asking for more workers per node than the
-agent offers is skipped, with a warning).
+One :class:`Agent` per node. It registers ``/elasticd/nodes/<id>`` on a lease, create-if-
+absent (a second agent with a live node's id exits at start, exit code 2), serves
+Prometheus metrics, and keeps a watch-fed :class:`~elasticd.agent.view.ClusterView` of
+the jobs and nodes. Whenever the view changes it reconciles: jobs are taken in submission
+order, each on the device slots it needs (``--nproc-per-node`` slots; a job's workers see
+only its own devices through ``CUDA_VISIBLE_DEVICES``), one
+:class:`~elasticd.agent.runner.JobRunner` thread per job. The node record advertises the
+free slots, the jobs held and the commands this agent runs, so every agent can tell why a
+job cannot start; the agent with the lowest id writes that reason into the job's state
+(``queued: needs 3 nodes ...``) and garbage-collects jobs finished longer than
+``ttl_after_finished`` ago. An idle agent makes no periodic etcd request beyond its lease
+keep-alives.
+
+A runner that ends for reasons of this node only (an error in its round) is restarted
+after a back-off; only the job's documented rules end a job (docs/agent.md).
 
 SIGTERM (systemd stop, Kubernetes eviction) is a preemption: every runner tells its
 workers to save an emergency checkpoint (SIGTERM to the workers) within
@@ -24,21 +34,27 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
 from elasticd.agent.launch import NodeInfo
+from elasticd.agent.policy import command_allowed, device_ids, queue_reason, take_slots
 from elasticd.agent.runner import JobRunner
-from elasticd.errors import ElasticdError
-from elasticd.jobs import JobRegistry, JobState
+from elasticd.agent.view import NODES_PREFIX, ClusterView
+from elasticd.errors import ElasticdError, UsageError
+from elasticd.jobs import JobRecord, JobRegistry, JobState
 from elasticd.log import kv
 from elasticd.metrics import AgentMetrics
 
 log = logging.getLogger("elasticd.agent")
 
-NODES_PREFIX = "/elasticd/nodes/"
 VERSION = "0.1.0"
+WEEK = 7 * 24 * 3600.0
+RUNNER_BACKOFF_CAP = 30.0
+"""At most this many seconds before a crashed runner's job is taken again."""
+
+__all__ = ["NODES_PREFIX", "VERSION", "Agent", "AgentConfig"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,17 +68,27 @@ class AgentConfig:
     addr: str
     """Address peers reach this node's workers at (rank 0's store lives here)."""
     nproc: int | None
-    """Workers this node offers per job; None takes each job's nproc_per_node."""
+    """Device slots this node offers; None: one per GPU, or on a node without GPUs no
+    accounting (each job runs its nproc_per_node workers)."""
     state_dir: str
     """Scratch space: layouts, heartbeats, the embedded etcd's data."""
     metrics_port: int = 9400
     """Prometheus port; 0 turns the endpoint off."""
     node_ttl: float = 5.0
     """Lease TTL of the node record."""
-    poll: float = 0.5
-    """Seconds between looks at the job registry."""
     embedded_port: int = 2379
     """Client port of the embedded etcd (the default endpoint, so clients find it)."""
+    allow_commands: str | tuple[str, ...] = "none"
+    """Which job ``command:`` this agent runs: ``none`` (only the built-in trainer),
+    ``all``, or a tuple of allowed executables (names or paths)."""
+    ttl_after_finished: float = WEEK
+    """Seconds a finished job stays in the registry before it is deleted (0: never)."""
+    devices: int | None = None
+    """GPUs on this node (None: counted from the driver)."""
+    visible_devices: str | None = field(
+        default_factory=lambda: os.environ.get("CUDA_VISIBLE_DEVICES")
+    )
+    """The agent's own CUDA_VISIBLE_DEVICES: slot i maps to its i-th entry."""
 
 
 def default_addr() -> str:
@@ -81,6 +107,15 @@ def count_devices() -> int:
         return 0
 
 
+@dataclass(slots=True)
+class _Held:
+    """A job this node holds: its runner thread and the slots it took."""
+
+    runner: JobRunner
+    thread: threading.Thread
+    slots: list[int]
+
+
 class Agent:
     """The daemon. ``run()`` blocks until SIGTERM/SIGINT (or ``stop()``)."""
 
@@ -94,13 +129,22 @@ class Agent:
         self.config = config
         self.metrics = AgentMetrics(registry or CollectorRegistry())
         self.preempt = threading.Event()
+        self._wake = threading.Event()
         self._clock = clock
         self._client = None
         self._embedded = None
         self._lease = 0
-        self._runners: dict[str, tuple[JobRunner, threading.Thread]] = {}
+        self._record_lock = threading.Lock()
+        self._held: dict[str, _Held] = {}
         self._done: set[str] = set()
-        self._skipped: set[str] = set()
+        self._retry_at: dict[str, tuple[float, int]] = {}
+        self._view: ClusterView | None = None
+        self._registry: JobRegistry | None = None
+        devices = config.devices if config.devices is not None else count_devices()
+        self.slots: int | None = config.nproc if config.nproc is not None else (devices or None)
+        self._devices = devices
+        self._free: set[int] = set(range(self.slots or 0))
+        self._ids = device_ids(self.slots or 0, config.visible_devices)
 
     # -- etcd ---------------------------------------------------------------------------------
 
@@ -118,121 +162,304 @@ class Agent:
         data = os.path.join(self.config.state_dir, "etcd")
         self._embedded = EmbeddedEtcd(data_dir=data, client_port=self.config.embedded_port)
         self._embedded.start()
-        log.info(
-            "no etcd given and none at the default endpoint: started an embedded etcd",
+        log.warning(
+            "no etcd given and none at the default endpoint: started an embedded etcd. It "
+            "lives and dies with this agent: use it for one machine only; run a 3-member etcd "
+            "cluster for anything more (docs/agent.md)",
             **kv(endpoint=self._embedded.endpoint, data_dir=data),
         )
         return connect(self._embedded.client_config())
 
-    def _register(self) -> None:
+    def _record(self) -> dict[str, object]:
         c = self.config
-        self._lease = self._client.lease_grant(c.node_ttl)
-        record = {
+        allow = c.allow_commands if isinstance(c.allow_commands, str) else list(c.allow_commands)
+        return {
             "node": c.node_id,
             "hostname": socket.gethostname(),
             "addr": c.addr,
             "nproc": c.nproc,
-            "devices": count_devices(),
+            "slots": self.slots,
+            "free": None if self.slots is None else len(self._free),
+            "jobs": sorted({h.runner.name for h in self._held.values()}),
+            "allow_commands": allow,
+            "devices": self._devices,
             "version": VERSION,
             "pid": os.getpid(),
             "started": round(self._clock(), 3),
         }
-        self._client.put(NODES_PREFIX + c.node_id, json.dumps(record), lease=self._lease)
 
-    def _keep_node_alive(self) -> None:
-        while not self.preempt.wait(self.config.node_ttl / 3):
+    def _register(self) -> None:
+        """Create our node record on a fresh lease, refusing an id a live agent holds.
+
+        A record left by a dead agent of this same host (same host name, pid gone) is
+        taken over at once rather than waited out: a restarted agent keeps its id."""
+        from elasticd.etcd import compare, put_op
+
+        c, key = self.config, NODES_PREFIX + self.config.node_id
+        lease = self._client.lease_grant(c.node_ttl)
+        for _ in range(3):
+            with self._record_lock:
+                body = json.dumps(self._record())
+            result = self._client.txn(
+                [compare(key, "version", "==", 0)], [put_op(key, body, lease)]
+            )
+            if result.succeeded:
+                self._lease = lease
+                self._client.keeper().add(lease, c.node_ttl / 3, self._on_node_lease_lost)
+                return
+            holder = self._client.get(key)
+            if holder is None:
+                continue  # it just expired: try again
             try:
-                if self._client.lease_keepalive(self._lease) <= 0:
-                    log.warning(
-                        "node lease lost; registering again", **kv(node=self.config.node_id)
-                    )
-                    self._register()
+                other = json.loads(holder.value)
+            except ValueError:
+                other = {}
+            if other.get("hostname") == socket.gethostname() and not _pid_alive(other.get("pid")):
+                log.warning("taking over the node record of a dead agent on this host",
+                            **kv(node=c.node_id, old_pid=other.get("pid")))  # fmt: skip
+                with contextlib.suppress(ElasticdError):
+                    self._client.lease_revoke(holder.lease)
+                continue
+            with contextlib.suppress(ElasticdError):
+                self._client.lease_revoke(lease)
+            raise UsageError(
+                f"node id {c.node_id!r} is already registered by a live agent "
+                f"(pid {other.get('pid', '?')} on {other.get('hostname', '?')}); give this "
+                "agent another --node-id"
+            )
+        raise UsageError(f"node id {c.node_id!r}: could not register (the record keeps changing)")
+
+    def _on_node_lease_lost(self, lease: int) -> None:
+        """etcd forgot our lease (an outage longer than its TTL): register again."""
+        if lease != self._lease or self.preempt.is_set():
+            return
+        log.warning("node lease lost; registering again", **kv(node=self.config.node_id))
+        threading.Thread(target=self._reregister, name="node-register", daemon=True).start()
+
+    def _reregister(self) -> None:
+        while not self.preempt.is_set():
+            try:
+                self._register()
+                return
+            except UsageError as exc:
+                log.error("cannot register again; stopping", **kv(error=str(exc)))
+                self.preempt.set()
+                self._wake.set()
+                return
             except ElasticdError as exc:
-                log.warning("node keep-alive failed", **kv(error=str(exc)))
+                log.warning("registering again failed; retrying", **kv(error=str(exc)))
+                self.preempt.wait(1.0)
+
+    def _publish(self) -> None:
+        """Put our record (free slots, jobs held) under our lease, if it is still ours."""
+        from elasticd.etcd import compare, put_op
+
+        if not self._lease:
+            return
+        key = NODES_PREFIX + self.config.node_id
+        with self._record_lock:
+            body = json.dumps(self._record())
+        try:
+            self._client.txn(
+                [compare(key, "lease", "==", self._lease)], [put_op(key, body, self._lease)]
+            )
+        except ElasticdError as exc:
+            log.warning("node record not updated", **kv(error=str(exc)))
 
     # -- the loop -----------------------------------------------------------------------------
 
     def stop(self) -> None:
         """Ask the agent to stop as on SIGTERM (preemption)."""
         self.preempt.set()
+        self._wake.set()
 
     def run(self) -> int:
         os.makedirs(self.config.state_dir, exist_ok=True)
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, lambda signum, frame: self.preempt.set())
+                signal.signal(sig, lambda signum, frame: self.stop())
         self._client = self._connect()
         try:
             self._register()
-            threading.Thread(
-                target=self._keep_node_alive, name="node-keepalive", daemon=True
-            ).start()
             port = self.metrics.serve(self.config.metrics_port) if self.config.metrics_port else 0
             self._write_info(port)
             log.info("agent started", **kv(node=self.config.node_id, addr=self.config.addr,
-                                           metrics_port=port, state_dir=self.config.state_dir))  # fmt: skip
-            registry = JobRegistry(self._client, clock=self._clock)
+                                           slots=self.slots, metrics_port=port,
+                                           state_dir=self.config.state_dir))  # fmt: skip
+            self._registry = JobRegistry(self._client, clock=self._clock)
+            self._view = ClusterView(self._client, on_change=self._wake.set)
+            self._start_view()
             while not self.preempt.is_set():
+                self._wake.clear()
                 try:
-                    self._tick(registry)
+                    timeout = self._reconcile()
                 except ElasticdError as exc:
-                    log.warning("registry poll failed", **kv(error=str(exc)))
-                self.preempt.wait(self.config.poll)
+                    log.warning("reconcile failed; retrying", **kv(error=str(exc)))
+                    timeout = 1.0
+                self._wake.wait(timeout)
             log.info("agent stopping (preempted)", **kv(node=self.config.node_id))
             self._join_runners()
             return 0
         finally:
             self._shutdown()
 
-    def _tick(self, registry: JobRegistry) -> None:
-        for run_id, (_runner, thread) in list(self._runners.items()):
-            if not thread.is_alive():
-                del self._runners[run_id]
-                self._done.add(run_id)
-        kvs, _ = self._client.get_prefix(NODES_PREFIX)
-        self.metrics.nodes_alive.set(len(kvs))
-        for record in registry.list():
-            run_id = record.run_id
-            if record.state.terminal or run_id in self._runners or run_id in self._done:
-                continue
-            if run_id in self._skipped:
-                continue
+    def _start_view(self) -> None:
+        while not self.preempt.is_set():
             try:
-                job = record.job()
+                self._view.start()  # type: ignore[union-attr]
+                return
             except ElasticdError as exc:
-                log.error("stored job is invalid; skipped", **kv(job=record.name, error=str(exc)))
-                self._skipped.add(run_id)
-                continue
-            if self.config.nproc is not None and job.nproc_per_node > self.config.nproc:
-                log.warning("job needs more workers per node than this node offers; skipped",
-                            **kv(job=record.name, needs=job.nproc_per_node, offers=self.config.nproc))  # fmt: skip
-                self._skipped.add(run_id)
-                continue
-            self._start_runner(record, registry)
+                log.warning("job registry unreadable; retrying", **kv(error=str(exc)))
+                self.preempt.wait(1.0)
 
-    def _start_runner(self, record, registry: JobRegistry) -> None:
+    def _reconcile(self) -> float | None:
+        """Act on the view: reap runners, take jobs that fit, say why others wait, and
+        collect old finished jobs. Returns the seconds until it must look again unprompted
+        (None: only when something changes)."""
+        view, now = self._view, self._clock()
+        assert view is not None
+        nodes = view.nodes()
+        self.metrics.nodes_alive.set(len(nodes))
+        wake_in: list[float] = []
+        changed = self._reap(now)
+        for record in view.jobs():
+            if record.state.terminal:
+                self._done.discard(record.run_id)
+                held = self._held.get(record.run_id)
+                if held is not None and not held.runner.in_round:
+                    held.runner.end_wait()  # close the run: nodes waiting for a round go
+                continue
+            if record.run_id in self._held or record.run_id in self._done:
+                continue
+            retry = self._retry_at.get(record.run_id)
+            if retry is not None and retry[0] > now:
+                wake_in.append(retry[0] - now)
+                continue
+            changed |= self._maybe_take(record)
+        if changed:
+            self._publish()
+            nodes = view.nodes()
+        if self._is_coordinator(nodes):
+            wake_in.extend(self._coordinate(view.jobs(), nodes, now))
+        return min(wake_in) if wake_in else None
+
+    def _reap(self, now: float) -> bool:
+        changed = False
+        for run_id, held in list(self._held.items()):
+            if held.thread.is_alive():
+                continue
+            del self._held[run_id]
+            self._free.update(held.slots)
+            changed = True
+            if held.runner.crashed:
+                tries = self._retry_at.get(run_id, (0.0, 0))[1] + 1
+                pause = min(RUNNER_BACKOFF_CAP, 2.0**tries)
+                self._retry_at[run_id] = (now + pause, tries)
+                log.warning("job runner crashed; taking the job again later",
+                            **kv(job=held.runner.name, retry_in=pause))  # fmt: skip
+            else:
+                self._done.add(run_id)
+        return changed
+
+    def _maybe_take(self, record: JobRecord) -> bool:
+        try:
+            job = record.job()
+        except ElasticdError as exc:
+            log.error("stored job is invalid; skipped", **kv(job=record.name, error=str(exc)))
+            self._done.add(record.run_id)
+            return False
+        if not command_allowed(job.command, self.config.allow_commands):
+            return False  # the coordinator says so in the job's state if nobody runs it
+        slots: list[int] | None = []
+        if self.slots is not None:
+            slots = take_slots(self._free, job.nproc_per_node)
+            if slots is None:
+                return False  # queued: no room here now
+        self._free.difference_update(slots)
+        devices = [self._ids[i] for i in slots] if self.slots is not None else None
+        self._start_runner(record, slots, devices)
+        return True
+
+    def _start_runner(self, record: JobRecord, slots: list[int], devices: list[str] | None) -> None:
         node = NodeInfo(node_id=self.config.node_id, addr=self.config.addr,
                         state_dir=self.config.state_dir)  # fmt: skip
-        runner = JobRunner(record=record, client=self._client, registry=registry, node=node,
-                           metrics=self.metrics, preempt=self.preempt, clock=self._clock)  # fmt: skip
+        runner = JobRunner(record=record, client=self._client, registry=self._registry,
+                           node=node, metrics=self.metrics, preempt=self.preempt,
+                           view=self._view, devices=devices, clock=self._clock)  # fmt: skip
 
         def body() -> None:
             try:
                 outcome = runner.run()
                 log.info("job done on this node", **kv(job=record.name, outcome=str(outcome)))
-            except Exception as exc:
+            except Exception:
+                # This node's trouble: never the job's. The job is taken again later.
                 log.exception("job runner crashed", **kv(job=record.name))
-                with contextlib.suppress(ElasticdError):
-                    registry.set_state(record.name, JobState.FAILED, f"agent error: {exc}")
+                runner.crashed = True
+            finally:
+                self._wake.set()
 
         thread = threading.Thread(target=body, name=f"job {record.name}", daemon=True)
-        self._runners[record.run_id] = (runner, thread)
-        log.info("job taken", **kv(job=record.name, run_id=record.run_id))
+        self._held[record.run_id] = _Held(runner=runner, thread=thread, slots=slots)
+        log.info("job taken", **kv(job=record.name, run_id=record.run_id, devices=devices))
         thread.start()
+
+    # -- the coordinator's chores ---------------------------------------------------------------
+
+    def _is_coordinator(self, nodes: dict[str, dict]) -> bool:
+        """The live agent with the lowest id writes queue reasons and collects old jobs
+        (any agent could; one keeps the writes few)."""
+        return bool(nodes) and min(nodes) == self.config.node_id
+
+    def _coordinate(
+        self, records: list[JobRecord], nodes: dict[str, dict], now: float
+    ) -> list[float]:
+        wake: list[float] = []
+        registry = self._registry
+        assert registry is not None
+        for record in records:
+            try:
+                if record.state.terminal:
+                    wake.extend(self._collect(record, now))
+                elif record.state in (JobState.PENDING, JobState.QUEUED) and not record.started:
+                    self._explain(record, nodes)
+            except ElasticdError as exc:
+                log.warning("queue bookkeeping failed", **kv(job=record.name, error=str(exc)))
+        return wake
+
+    def _explain(self, record: JobRecord, nodes: dict[str, dict]) -> None:
+        job = record.job()
+        reason = queue_reason(job=record.name, nproc=job.nproc_per_node, min_nodes=job.nodes.min,
+                              command=job.command, nodes=nodes)  # fmt: skip
+        registry = self._registry
+        assert registry is not None
+        if reason is None:
+            if record.state == JobState.QUEUED:
+                registry.set_state(record.name, JobState.PENDING, "room found; forming a world")
+        elif reason.startswith("refused"):
+            registry.set_state(record.name, JobState.FAILED, reason)
+        elif record.state != JobState.QUEUED or record.reason != reason:
+            registry.set_state(record.name, JobState.QUEUED, reason)
+
+    def _collect(self, record: JobRecord, now: float) -> list[float]:
+        ttl = self.config.ttl_after_finished
+        if ttl <= 0:
+            return []
+        age = now - record.since
+        if age < ttl:
+            return [ttl - age]
+        try:
+            self._registry.delete(record.name)  # type: ignore[union-attr]
+            log.info("finished job collected", **kv(job=record.name, age_s=round(age)))
+        except UsageError as exc:
+            log.info("finished job not collected", **kv(job=record.name, why=str(exc)))
+        return []
+
+    # -- stopping -------------------------------------------------------------------------------
 
     def _join_runners(self) -> None:
         """Wait for runners with workers (they save and leave); let waiting ones go."""
-        for runner, thread in list(self._runners.values()):
+        for held in list(self._held.values()):
+            runner, thread = held.runner, held.thread
             if runner.in_round:
                 thread.join(timeout=runner.job.restart.grace_period + 15)
             else:
@@ -248,10 +475,24 @@ class Agent:
 
     def _shutdown(self) -> None:
         self.preempt.set()
+        if self._view is not None:
+            self._view.close()
         if self._client is not None:
             if self._lease:
+                lease, self._lease = self._lease, 0
+                self._client.keeper().remove(lease)
                 with contextlib.suppress(ElasticdError):
-                    self._client.lease_revoke(self._lease)
+                    self._client.lease_revoke(lease)
             self._client.close()
         if self._embedded is not None:
             self._embedded.stop()
+
+
+def _pid_alive(pid: object) -> bool:
+    try:
+        os.kill(int(pid), 0)  # type: ignore[arg-type]
+    except (TypeError, ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -70,6 +70,26 @@ def write_json(path: str, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def write_fence(ckpt_dir: str, *, run_id: str, round_: int) -> None:
+    """Write the checkpoint fence of a new round, before its workers start.
+
+    ``<ckpt_dir>/fence.json`` names the run and the round whose workers may commit; the
+    checkpoint store refuses a commit from any other (docs/checkpoint-format.md, "Fencing"),
+    so workers of a world that froze and was replaced cannot commit over the new world's
+    steps. Written by every agent of the world (the same bytes; on node-local disks each
+    node fences its own copy). The agent cannot import ``checkpoint`` (it would import
+    torch), so the tiny format is written here and documented there.
+    """
+    os.makedirs(ckpt_dir, exist_ok=True)
+    path = os.path.join(ckpt_dir, "fence.json")
+    tmp = f"{path}.{os.getpid()}.writing"  # not *.tmp: savers sweep those
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump({"run_id": run_id, "round": round_}, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
 def launch(
     *,
     job: JobSpec,
@@ -80,8 +100,10 @@ def launch(
     resume_step: int | None,
     env: Mapping[str, str],
     clock: Callable[[], float],
+    devices: list[str] | None = None,
 ) -> Round:
-    """Plan the layout for ``world``, write the round's files and start our workers."""
+    """Plan the layout for ``world``, fence the checkpoint dir for its round, write the
+    round's files and start our workers on ``devices`` (None: no device accounting)."""
     formed_at = clock()
     nproc = job.nproc_per_node
     node_rank = world.rank_of(node.node_id)
@@ -92,13 +114,14 @@ def launch(
     job_path = os.path.join(run_dir, "job.json")
     write_json(layout_path, layout.to_dict())
     write_json(job_path, job.to_dict())
+    write_fence(job.ckpt_dir, run_id=run_id, round_=world.round)
     envs = worker_envs(
         WorkerEnvInputs(
             job=job.name, run_id=run_id, round=world.round, node_rank=node_rank,
             nodes=world.size, nproc=nproc, master_addr=world.master_addr,
             master_port=world.master_port, restart_count=restarts,
             max_restarts=job.restart.max_restarts, layout_path=layout_path,
-            job_path=job_path, extra=dict(env),
+            job_path=job_path, extra=dict(env), devices=devices,
         )
     )  # fmt: skip
     workers = WorkerGroup.spawn(

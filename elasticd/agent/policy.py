@@ -38,6 +38,12 @@ class Outcome(enum.StrEnum):
     """A local worker reported no progress for restart.hang_timeout."""
     SCALE_UP = "scale_up"
     """A node waits to join and the scale-up policy says now."""
+    USER_ERROR = "user_error"
+    """A local worker exited with the user-error code (2): the job fails at once, no
+    restart spent (a config error fails the same way every time)."""
+    FENCED = "fenced"
+    """Our round is no longer current (we froze and the world moved on): stop our stale
+    workers and join again as a new member."""
 
     @property
     def counts_as_failure(self) -> bool:
@@ -53,6 +59,7 @@ class Outcome(enum.StrEnum):
             Outcome.WORKER_FAILED,
             Outcome.WORKER_HUNG,
             Outcome.SCALE_UP,
+            Outcome.FENCED,
         )
 
 
@@ -74,6 +81,10 @@ class Observation:
     """Local workers' exit codes, None while running."""
     preempted_code: int = 75
     """The exit code of a worker that stopped for a preemption."""
+    user_error_code: int = 2
+    """The exit code of a worker that met a user error (bad config, unloadable checkpoint)."""
+    fenced: bool = False
+    """A write on behalf of our round was refused: a newer world exists."""
     stalest_heartbeat: float | None = None
     """Age in seconds of the oldest heartbeat among live workers (None: none yet)."""
     hang_timeout: float = 300.0
@@ -98,8 +109,12 @@ def decide(obs: Observation) -> Outcome | None:
         return Outcome.SUCCEEDED
     if obs.job_state == JobState.SUCCEEDED or obs.run_closed:
         return Outcome.FINISHED
+    if obs.fenced:
+        return Outcome.FENCED
     if obs.lost:
         return Outcome.PEER_LOST
+    if any(c == obs.user_error_code for c in codes):
+        return Outcome.USER_ERROR
     failed = [c for c in codes if c is not None and c not in (0, obs.preempted_code)]
     if failed:
         return Outcome.WORKER_FAILED
@@ -116,6 +131,9 @@ def decide(obs: Observation) -> Outcome | None:
     return None
 
 
+USER_ERROR_EXIT_CODE = 2
+"""A worker's exit code for a user error (bad config, unloadable checkpoint): the job fails
+at once with that worker's last error line, without spending restarts."""
 PEER_LOST_GRACE = 1.0
 """Grace after SIGTERM when the world is already broken: no save can succeed, so be quick."""
 CANCEL_GRACE = 3.0
@@ -147,8 +165,12 @@ def stop_plan(outcome: Outcome, grace_period: float) -> StopPlan:
         return StopPlan(wait_first=FINISH_WAIT, grace=CANCEL_GRACE)
     if outcome == Outcome.CANCELLED:
         return StopPlan(grace=CANCEL_GRACE)
-    if outcome == Outcome.WORKER_HUNG:
+    if outcome in (Outcome.WORKER_HUNG, Outcome.FENCED):
+        # A fenced round's workers belong to a world that no longer exists: nothing they
+        # could save would be accepted.
         return StopPlan(kill=True)
+    if outcome == Outcome.USER_ERROR:
+        return StopPlan(grace=CANCEL_GRACE)
     return StopPlan(grace=PEER_LOST_GRACE)
 
 
@@ -189,7 +211,10 @@ class WorkerEnvInputs:
     job_path: str
     """The job spec file."""
     extra: Mapping[str, str] = field(default_factory=dict)
-    """More variables (inherited environment)."""
+    """More variables (inherited environment; secrets are scrubbed, see SECRET_ENV)."""
+    devices: Sequence[str] | None = None
+    """The device ids this job holds on this node (CUDA_VISIBLE_DEVICES); None: no
+    accounting (a CPU node offering no fixed slots)."""
 
 
 def worker_envs(inputs: WorkerEnvInputs) -> list[dict[str, str]]:
@@ -197,9 +222,10 @@ def worker_envs(inputs: WorkerEnvInputs) -> list[dict[str, str]]:
     i = inputs
     world = i.nodes * i.nproc
     envs = []
+    base = scrub_env(i.extra)
     for local in range(i.nproc):
         rank = i.node_rank * i.nproc + local
-        env = dict(i.extra)
+        env = dict(base)
         env.update(
             {
                 "RANK": str(rank),
@@ -223,9 +249,118 @@ def worker_envs(inputs: WorkerEnvInputs) -> list[dict[str, str]]:
                 "ELASTICD_NODE_RANK": str(i.node_rank),
             }
         )
+        if i.devices is not None:
+            # Only this job's devices: local rank k uses cuda:k, which is its k-th slot.
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(i.devices)
         env.setdefault("OMP_NUM_THREADS", "1")
         envs.append(env)
     return envs
+
+
+SECRET_ENV = frozenset(
+    {
+        "ELASTICD_ETCD_PASSWORD",
+        "ELASTICD_ETCD_PASSWORD_FILE",
+        "ELASTICD_ETCD_USER",
+        "ELASTICD_ETCD_KEY",
+        "ELASTICD_ETCD_CERT",
+        "ELASTICD_ETCD_CACERT",
+        "ETCDCTL_PASSWORD",
+        "ETCDCTL_USER",
+        "ETCDCTL_KEY",
+        "ETCDCTL_CERT",
+        "ETCDCTL_CACERT",
+        "ETCDCTL_ENDPOINTS",
+        "ELASTICD_ETCD",
+    }
+)
+"""Variables the agent's environment may hold that workers must not see: etcd's
+credentials and TLS material, and its endpoints (workers never talk to etcd; a job's own
+code reaching the control plane is how a job takes over a cluster)."""
+
+
+def scrub_env(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` without SECRET_ENV and the inherited torchrun/elasticd per-round variables."""
+    return {k: v for k, v in env.items() if k not in SECRET_ENV}
+
+
+# -- placement: slots, commands, the queue ------------------------------------------------------
+
+
+def device_ids(slots: int, visible: str | None) -> list[str]:
+    """The device id of each slot: the agent's own CUDA_VISIBLE_DEVICES entries when set
+    (a container or a cgroup gave it those), else 0..slots-1."""
+    if visible:
+        ids = [d.strip() for d in visible.split(",") if d.strip()]
+        if len(ids) >= slots:
+            return ids[:slots]
+    return [str(i) for i in range(slots)]
+
+
+def take_slots(free: Sequence[int], need: int) -> list[int] | None:
+    """The lowest ``need`` free slots, or None if fewer are free."""
+    ordered = sorted(free)
+    return ordered[:need] if len(ordered) >= need else None
+
+
+def command_allowed(command: Sequence[str] | None, allow: str | Sequence[str]) -> bool:
+    """Whether an agent with ``allow`` runs a job's ``command``: the built-in trainer
+    (None) always; any command with ``"all"``; else argv[0] must be in the allow-list
+    (by name or by path)."""
+    if not command:
+        return True
+    if allow == "all":
+        return True
+    if isinstance(allow, str):
+        return False
+    exe = command[0]
+    return exe in allow or os.path.basename(exe) in allow
+
+
+def room_for(node: Mapping[str, object], *, job: str, nproc: int, command) -> bool:
+    """Whether a node record says the node can host ``job``: it holds it already, or it
+    runs its command and has ``nproc`` free slots (no slot accounting: any nproc)."""
+    if job in (node.get("jobs") or ()):
+        return True
+    allow = node.get("allow_commands", "all")
+    if not command_allowed(command, allow if isinstance(allow, str | list) else "none"):
+        return False
+    free = node.get("free")
+    return free is None or int(free) >= nproc
+
+
+def queue_reason(
+    *, job: str, nproc: int, min_nodes: int, command, nodes: Mapping[str, Mapping[str, object]]
+) -> str | None:
+    """Why a job that has not started cannot start now (None: it can).
+
+    ``nodes`` are the registered agents' records (with ``free`` slots, the ``jobs`` they
+    hold and what commands they run)."""
+    if not nodes:
+        return "queued: no agent is registered (start one with `elasticd agent`)"
+    fits = sum(1 for n in nodes.values() if room_for(n, job=job, nproc=nproc, command=command))
+    if fits >= min_nodes:
+        return None
+    runs = sum(
+        1
+        for n in nodes.values()
+        if command_allowed(command, _allow(n)) or job in (n.get("jobs") or ())
+    )
+    if command and runs == 0:
+        return (
+            f"refused: no agent runs custom commands ({command[0]}); start agents with "
+            "--allow-commands, or use the built-in trainer"
+        )
+    slots = "slot" if nproc == 1 else "slots"
+    return (
+        f"queued: needs {min_nodes} node{'s' if min_nodes != 1 else ''} with {nproc} free "
+        f"{slots}, {fits} of {len(nodes)} registered have room"
+    )
+
+
+def _allow(node: Mapping[str, object]) -> str | Sequence[str]:
+    allow = node.get("allow_commands", "all")
+    return allow if isinstance(allow, str | list) else "none"
 
 
 def worker_argv(command: Sequence[str] | None, job_path: str, python: str) -> list[str]:

@@ -4,6 +4,10 @@ Node rank 0 of each world is the job's reporter: the world and layout when a rou
 starts, step/loss/checkpoint as training goes, and the recovery record (with its parts)
 when the first step after a re-form completes. Failures are counted by whichever agent
 claimed the round's cause (``JobRegistry.claim_failure``), so each counts once.
+
+Every write is fenced by the round it is made for (``fence``, set when a round starts):
+once a newer world exists the write is refused, ``fenced`` turns true, and the runner
+stops its stale workers and joins again as a new member.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from elasticd.errors import ElasticdError
-from elasticd.jobs import JobRegistry, JobState
+from elasticd.jobs import Fence, FencedError, JobRegistry, JobState
 from elasticd.log import kv
 from elasticd.metrics import AgentMetrics
 
@@ -53,20 +57,31 @@ class JobReporter:
         self._registry = registry
         self._metrics = metrics
         self._clock = clock
+        self.fence: Fence | None = None
+        """The round writes are made for (None: unfenced, before the first world)."""
+        self.fenced = False
+        """Whether a write of the current round was refused (a newer world exists)."""
+
+    def for_round(self, fence: Fence | None) -> None:
+        """Writes from now on are made on behalf of ``fence``'s round."""
+        self.fence, self.fenced = fence, False
 
     def world_formed(self, world: Any, layout: Any, ckpt_step: int | None) -> None:
         """A round started with us as node rank 0: the job runs in this world."""
-        self._registry.set_state(self.name, JobState.RUNNING, f"round {world.round}")
+        f = self.fence
+        self._registry.set_state(self.name, JobState.RUNNING, f"round {world.round}", fence=f)
         p = layout.parallel
         summary = {"world": world.size, "ranks": layout.world, "active": layout.active,
                    "dp": layout.dp, "tp": p.tp, "pp": p.pp, "vpp": p.vpp, "ep": p.ep}  # fmt: skip
         text = "tp{tp} pp{pp} dp{dp}".format(**summary)
+        # The event carries no node list (a thousand nodes would swell every history
+        # entry); the status keeps only the current world's nodes.
         self._registry.add_event(
             self.name,
-            {"kind": "world", "round": world.round, "world": world.size, "nodes": list(world.nodes),
-             "layout": text, "resume_step": ckpt_step},
+            {"kind": "world", "round": world.round, "world": world.size, "layout": text,
+             "resume_step": ckpt_step},
             world=world.size, nodes=list(world.nodes), round=world.round, layout=summary,
-            layout_text=text, checkpoint=ckpt_step,
+            layout_text=text, checkpoint=ckpt_step, fence=f,
         )  # fmt: skip
 
     def reattribute(self, world: Any) -> list[str]:
@@ -90,7 +105,7 @@ class JobReporter:
                     event["detail"] = f"lost {','.join(lost)} ({event.get('detail', '')})"
                     st["restarts"] = max(0, int(st.get("restarts", 0)) - 1)
 
-        self._registry.update_status(self.name, change)
+        self._registry.update_status(self.name, change, fence=self.fence)
         return lost
 
     def progress(self, lead: dict[str, Any], *, checkpoint: int | None, write: bool) -> None:
@@ -108,7 +123,9 @@ class JobReporter:
         fields = {k: lead[k] for k in ("step", "loss", "tokens_per_s") if k in lead}
         fields["checkpoint"] = checkpoint
         try:
-            self._registry.update_status(self.name, lambda st: st.update(fields))
+            self._registry.update_status(self.name, lambda st: st.update(fields), fence=self.fence)
+        except FencedError as exc:
+            self._fenced(exc)
         except ElasticdError as exc:
             log.warning("status update failed", **kv(job=self.name, error=str(exc)))
 
@@ -128,9 +145,16 @@ class JobReporter:
         event = {"kind": "recovery", "round": round_, "reason": reason, "detected_at": t0,
                  "seconds": total, "parts": parts, "first_step": first_step}  # fmt: skip
         try:
-            self._registry.add_event(self.name, event)
+            self._registry.add_event(self.name, event, fence=self.fence)
+        except FencedError as exc:
+            self._fenced(exc)
         except ElasticdError as exc:
             log.warning("recovery record failed", **kv(job=self.name, error=str(exc)))
+
+    def _fenced(self, exc: FencedError) -> None:
+        if not self.fenced:
+            log.warning("fenced: our round is over", **kv(job=self.name, error=str(exc)))
+        self.fenced = True
 
     def count(self, *, round_: int, claim: dict[str, Any], limit: int) -> bool:
         """Our claim names the cause of this round's end: count it. Returns whether the
@@ -150,12 +174,13 @@ class JobReporter:
                  "detail": claim.get("detail", "")}
             )  # fmt: skip
 
-        status = self._registry.update_status(self.name, change)
+        status = self._registry.update_status(self.name, change, fence=self.fence)
         if failure and int(status.get("restarts", 0)) > limit:
             self.fail(f"restart limit reached ({limit}): {status.get('last_failure')}")
             return True
         return False
 
     def fail(self, reason: str) -> None:
+        """Mark the job failed (fenced: a stale round cannot fail a newer world's job)."""
         log.error("job failed", **kv(job=self.name, reason=reason))
-        self._registry.set_state(self.name, JobState.FAILED, reason)
+        self._registry.set_state(self.name, JobState.FAILED, reason, fence=self.fence)

@@ -12,7 +12,21 @@ The loop (docs/agent.md has the user-facing version):
 
 Node rank 0 of each world is the job's reporter: it writes state, world, layout, step,
 loss and checkpoint into the job's status, and the recovery record (with its parts) once
-the first step after a re-form completes.
+the first step after a re-form completes. Every such write is fenced by the round.
+
+What fails the job, and what does not (docs/agent.md, "Failure rules"):
+
+- the restart limit, a worker's user error (exit code 2) and cancellation fail or end the
+  job; nothing else does;
+- an error in this node's own round (etcd away at a round boundary, a log dir that cannot
+  be made, a bug) is this node's trouble: it is logged, the node leaves the round cleanly
+  (workers stopped, membership revoked) and joins again after a back-off;
+- a node outside the running world (a spare beyond ``nodes.max``, or one waiting for a
+  scale-up) waits for as long as the job runs; ``rendezvous.join_timeout`` fails the job
+  only when a world that ran cannot re-form with ``nodes.min`` nodes.
+
+The job's state comes from the agent's watch-fed :class:`~elasticd.agent.view.ClusterView`,
+never from polling etcd.
 """
 
 from __future__ import annotations
@@ -27,6 +41,7 @@ from typing import Any
 from elasticd.agent.launch import NodeInfo, Round, launch
 from elasticd.agent.policy import (
     FINISH_WAIT,
+    USER_ERROR_EXIT_CODE,
     Observation,
     Outcome,
     backoff,
@@ -36,7 +51,7 @@ from elasticd.agent.policy import (
 )
 from elasticd.agent.report import FAILURE_REASONS, JobReporter
 from elasticd.errors import ElasticdError
-from elasticd.jobs import JobRecord, JobRegistry, JobState
+from elasticd.jobs import Fence, FencedError, JobRecord, JobRegistry, JobState
 from elasticd.jobspec import JobSpec
 from elasticd.log import kv
 from elasticd.metrics import AgentMetrics
@@ -44,13 +59,12 @@ from elasticd.worker import PREEMPTED_EXIT_CODE
 
 log = logging.getLogger("elasticd.agent")
 
-_KEEP = object()
 TICK = 0.05
 """Seconds between supervision ticks: worker exits and pushed changes act this fast."""
-STATE_POLL = 0.5
-"""Seconds between reads of the job's state in etcd (cancel is noticed this fast)."""
-STATUS_EVERY = 1.0
-"""Seconds between progress writes into the job's status."""
+STATUS_EVERY = 3.0
+"""Seconds between progress writes into the job's status (only when the step moved)."""
+NODE_TROUBLE_BACKOFF_CAP = 10.0
+"""At most this many seconds between re-joins after this node's own errors."""
 
 
 class JobRunner:
@@ -65,10 +79,14 @@ class JobRunner:
         node: NodeInfo,
         metrics: AgentMetrics,
         preempt: threading.Event,
+        view: Any,
+        devices: list[str] | None = None,
         make_handler: Callable[..., Any] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.record = record
+        self._view = view
+        self.devices = devices
         self.job: JobSpec = record.job()
         self.name = record.name
         self._client = client
@@ -84,6 +102,11 @@ class JobRunner:
         self._changes_lock = threading.Lock()
         self._pending_recovery: dict[str, Any] | None = None
         self._failures_here = 0
+        self._troubles = 0
+        self._last_step_written: Any = None
+        self._closed_run = False
+        self.crashed = False
+        """Set by the agent when ``run`` raised: the job is taken again after a back-off."""
         self.outcome: Outcome | None = None
         self._limit = self.job.restart.max_restarts
         self._report = JobReporter(name=self.name, registry=registry, metrics=metrics, clock=clock)
@@ -122,35 +145,36 @@ class JobRunner:
 
     # -- the loop -----------------------------------------------------------------------------
 
+    def _current(self) -> JobRecord | None:
+        """The job as the agent's watches last saw it (no etcd read)."""
+        return self._view.job(self.name)
+
+    def _state(self) -> JobState:
+        """The job's state from the mirror; a replaced or deleted job reads as cancelled."""
+        brief = self._view.state_of(self.name)
+        if brief is None or brief[1] != self.record.run_id:
+            return JobState.CANCELLED
+        return brief[0]
+
+    def _over(self) -> bool:
+        return self._state().terminal
+
     def run(self) -> Outcome | None:
         """Run rounds until the job ends for this node; returns the last outcome."""
         from elasticd.rendezvous import RendezvousClosed, RendezvousConnection, RendezvousTimeout
 
         handler = self._handler = self._make_handler()
         try:
-            while not self._preempt.is_set():
-                try:
-                    current = self._registry.get(self.name)
-                except ElasticdError as exc:
-                    log.warning(
-                        "job registry unreachable; retrying", **kv(job=self.name, error=str(exc))
-                    )
-                    self._preempt.wait(1.0)
-                    continue
-                if (
-                    current is None
-                    or current.run_id != self.record.run_id
-                    or current.state.terminal
-                ):
-                    break
+            while not self._preempt.is_set() and not self._over():
                 joined_at = self._clock()
                 try:
                     world = handler.next_world()
                 except RendezvousClosed:
                     break
                 except RendezvousTimeout as exc:
-                    self._report.fail(f"no world formed: {exc}")
-                    break
+                    if self._rendezvous_timed_out(exc):
+                        break
+                    continue
                 except RendezvousConnection as exc:
                     # etcd away for longer than the client's own retries: not the job's
                     # fault. Try again; the job state check above ends this if it is over.
@@ -159,7 +183,12 @@ class JobRunner:
                     )
                     self._preempt.wait(1.0)
                     continue
-                outcome = self._run_round(handler, world, joined_at)
+                try:
+                    outcome = self._run_round(handler, world, joined_at)
+                except Exception as exc:  # this node's trouble, not the job's
+                    self._node_trouble(handler, exc)
+                    continue
+                self._troubles = 0
                 self.outcome = outcome
                 if not outcome.reforms:
                     break
@@ -169,27 +198,66 @@ class JobRunner:
             self._finish(handler)
         return self.outcome
 
+    def _rendezvous_timed_out(self, exc: Exception) -> bool:
+        """No world took us within join_timeout. Returns whether the job is over for us.
+
+        A spare (the job runs without us) or a job that never started (it waits for
+        capacity; its status says why) waits on. Only a job that ran and cannot re-form
+        with nodes.min nodes fails."""
+        current = self._current()
+        if current is None or current.run_id != self.record.run_id or current.state.terminal:
+            return True
+        if current.state == JobState.RECOVERING:
+            self._report.fail(f"no world of nodes.min={self.job.nodes.min} re-formed: {exc}")
+            return True
+        why = "spare: the world runs without this node" if current.started else "not started"
+        log.info("still waiting for a world", **kv(job=self.name, why=why))
+        return False
+
+    def _node_trouble(self, handler: Any, exc: Exception) -> None:
+        """An error in this node's round: leave it cleanly, back off, join again."""
+        self._troubles += 1
+        pause = min(NODE_TROUBLE_BACKOFF_CAP, 0.5 * 2 ** (self._troubles - 1))
+        log.exception(
+            "this node's round failed; leaving it and joining again",
+            **kv(job=self.name, error=f"{type(exc).__name__}: {exc}", retry_in=pause),
+        )
+        try:
+            handler.leave()  # revokes our membership: peers re-form without us at once
+        except Exception:
+            log.exception("leaving the round failed; our lease lapses on its own")
+        self._metrics.world_size.labels(job=self.name).set(0)
+        self._preempt.wait(pause)
+
     def _finish(self, handler: Any) -> None:
         """Leave the rendezvous; close the run when the job is over for everyone."""
-        record = self._registry.get(self.name)
         try:
+            record = self._current()
             if record is not None and record.state.terminal and record.run_id == self.record.run_id:
                 handler.set_closed()  # wakes nodes still waiting for a round
         except ElasticdError as exc:
             log.warning("could not close the rendezvous", **kv(job=self.name, error=str(exc)))
-        handler.close()  # revokes our lease: peers are told at once
+        try:
+            handler.close()  # revokes our lease: peers are told at once
+        except Exception:  # the lease lapses on its own within a TTL
+            log.exception("leaving the rendezvous failed", **kv(job=self.name))
         self._metrics.world_size.labels(job=self.name).set(0)
         self._metrics.set_worker_states(self.name, {})
 
     # -- one round ----------------------------------------------------------------------------
 
     def _start_round(self, world: Any, joined_at: float) -> Round:
-        status = self._registry.get(self.name)
+        status = self._current()
+        settings = getattr(self._handler, "settings", None)
+        fence = None
+        if settings is not None:
+            fence = Fence(settings.world_key(), world.revision, world.round)
+        self._report.for_round(fence)
         resume_step = latest_checkpoint_step(self.job.ckpt_dir)
         rnd = launch(
             job=self.job, run_id=self.record.run_id, world=world, node=self._node,
             restarts=int(status.status.get("restarts", 0)) if status else 0,
-            resume_step=resume_step, env=os.environ, clock=self._clock,
+            resume_step=resume_step, env=os.environ, clock=self._clock, devices=self.devices,
         )  # fmt: skip
         m, nproc = self._metrics, self.job.nproc_per_node
         m.rendezvous_rounds.labels(job=self.name).inc()
@@ -203,10 +271,16 @@ class JobRunner:
         )  # fmt: skip
         rnd.recovery = self._pending_recovery
         if rnd.node_rank == 0:
-            lost = self._report.reattribute(world)
-            if lost and rnd.recovery is not None and rnd.recovery["reason"] in FAILURE_REASONS:
-                rnd.recovery = {**rnd.recovery, "reason": "peer_lost"}
-            self._report.world_formed(world, rnd.layout, resume_step)
+            try:
+                lost = self._report.reattribute(world)
+                if lost and rnd.recovery is not None and rnd.recovery["reason"] in FAILURE_REASONS:
+                    rnd.recovery = {**rnd.recovery, "reason": "peer_lost"}
+                self._report.world_formed(world, rnd.layout, resume_step)
+            except FencedError as exc:
+                self._report._fenced(exc)  # the supervisor ends the round at its first tick
+            except ElasticdError as exc:
+                # etcd away right now: the workers train on; the status catches up later.
+                log.warning("world status not written", **kv(job=self.name, error=str(exc)))
         return rnd
 
     @property
@@ -219,6 +293,17 @@ class JobRunner:
         membership alive; it lapses within a TTL. (A runner in a round stops on its own.)"""
         if not self._in_round and self._handler is not None:
             self._handler.close()
+
+    def end_wait(self) -> None:
+        """The job ended while we wait for a world: close its run, which wakes every node
+        waiting in the rendezvous (once is enough; idempotent)."""
+        if self._in_round or self._handler is None or self._closed_run:
+            return
+        try:
+            self._handler.set_closed()
+            self._closed_run = True
+        except ElasticdError as exc:
+            log.warning("could not close the rendezvous", **kv(job=self.name, error=str(exc)))
 
     def _run_round(self, handler: Any, world: Any, joined_at: float) -> Outcome:
         self._in_round = True
@@ -239,13 +324,17 @@ class JobRunner:
         if outcome == Outcome.PREEMPTED:
             # Claimed before the workers stop: our peers' workers exit with the
             # preemption code a moment later and must find the cause already named.
-            claim, ours = self._registry.claim_failure(
-                self.name, rnd.number,
-                {"reason": "preempted", "node": self._node.node_id, "detail": "agent got SIGTERM",
-                 "detected_at": detected_at},
-            )  # fmt: skip
-            if ours:
-                self._report.count(round_=rnd.number, claim=claim, limit=self._limit)
+            try:
+                claim, ours = self._registry.claim_failure(
+                    self.name, rnd.number,
+                    {"reason": "preempted", "node": self._node.node_id,
+                     "detail": "agent got SIGTERM", "detected_at": detected_at},
+                    fence=self._report.fence,
+                )  # fmt: skip
+                if ours:
+                    self._report.count(round_=rnd.number, claim=claim, limit=self._limit)
+            except ElasticdError as exc:
+                log.warning("preemption not recorded", **kv(job=self.name, error=str(exc)))
         self._stop_workers(rnd, outcome)
         stopped_at = self._clock()
         if outcome == Outcome.SUCCEEDED and rnd.node_rank != 0:
@@ -261,15 +350,14 @@ class JobRunner:
         world re-forms and resumes from the final checkpoint, which ends at once."""
         deadline = self._clock() + FINISH_WAIT
         while self._clock() < deadline:
-            record = self._registry.get(self.name)
-            if record is None or record.state.terminal or self._preempt.is_set():
+            if self._state().terminal or self._preempt.is_set():
                 return Outcome.FINISHED, "reported by node rank 0"
             for change in self._take_changes(rnd.number):
                 if change.kind == "closed":
                     return Outcome.FINISHED, "run closed"
                 if change.kind in ("lost", "lease-lost"):
                     return Outcome.PEER_LOST, "lost " + ",".join(change.nodes)
-            time.sleep(STATE_POLL / 5)
+            time.sleep(TICK * 2)
         return Outcome.FINISHED, "node rank 0 never reported"
 
     def _supervise(self, handler: Any, rnd: Round) -> tuple[Outcome, str]:
@@ -277,10 +365,10 @@ class JobRunner:
         lost: set[str] = set()
         waiting: set[str] = set()
         closed = False
-        state = JobState.RUNNING
-        next_state_poll = next_status = 0.0
+        next_status = 0.0
         ckpt_at_waiting: int | None = None
         ckpt_now: int | None = None
+        next_ckpt_look = 0.0
         while True:
             now = self._clock()
             for change in self._take_changes(rnd.number):
@@ -293,24 +381,12 @@ class JobRunner:
                     waiting.update(n for n in change.nodes if n not in rnd.nodes)
                 elif change.kind == "closed":
                     closed = True
-            if now >= next_state_poll:
-                next_state_poll = now + STATE_POLL
-                try:
-                    record = self._registry.get(self.name)
-                except ElasticdError as exc:
-                    # etcd away for longer than the client's retries: keep training on
-                    # the last known state. If it stays away, our rendezvous lease
-                    # lapses and the world re-forms once it is back.
-                    log.warning("job state unreadable", **kv(job=self.name, error=str(exc)))
-                    record = _KEEP
-                if record is not _KEEP:
-                    state = record.state if record is not None else JobState.CANCELLED
-                    if record is not None and record.run_id != self.record.run_id:
-                        state = JobState.CANCELLED  # replaced under us
-                if waiting:
-                    ckpt_now = latest_checkpoint_step(job.ckpt_dir)
-                    if ckpt_at_waiting is None:
-                        ckpt_at_waiting = ckpt_now if ckpt_now is not None else -1
+            state = self._state()  # the watch-fed mirror: no etcd read
+            if waiting and now >= next_ckpt_look:
+                next_ckpt_look = now + 0.5
+                ckpt_now = latest_checkpoint_step(job.ckpt_dir)
+                if ckpt_at_waiting is None:
+                    ckpt_at_waiting = ckpt_now if ckpt_now is not None else -1
             stalest = rnd.workers.stalest_progress(now)
             obs = Observation(
                 preempting=self._preempt.is_set(),
@@ -325,6 +401,8 @@ class JobRunner:
                 scale_up_policy=job.restart.scale_up,
                 checkpoint_at_waiting=ckpt_at_waiting,
                 checkpoint_now=ckpt_now,
+                user_error_code=USER_ERROR_EXIT_CODE,
+                fenced=self._report.fenced,
             )
             self._observe_progress(rnd, now, force=False, due=now >= next_status)
             if now >= next_status:
@@ -335,8 +413,10 @@ class JobRunner:
             time.sleep(TICK)
 
     def _detail(self, outcome: Outcome, rnd: Round, obs: Observation, stalest: Any) -> str:
-        if outcome == Outcome.WORKER_FAILED:
+        if outcome in (Outcome.WORKER_FAILED, Outcome.USER_ERROR):
             return "; ".join(w.failure_message() for w in rnd.workers.failed())
+        if outcome == Outcome.FENCED:
+            return f"round {rnd.number} is no longer current"
         if outcome == Outcome.WORKER_HUNG and stalest:
             return f"rank {stalest[0].rank}: no progress for {stalest[1]:.1f} s"
         if outcome == Outcome.PEER_LOST:
@@ -365,8 +445,12 @@ class JobRunner:
                          ("ckpt_load", phases.get("ckpt_loaded")), ("first_step", now)]  # fmt: skip
                 self._report.recovered(round_=rnd.number, rec=rnd.recovery, marks=marks, now=now,
                                        first_step=lead.get("step"), write=rnd.node_rank == 0)  # fmt: skip
-        write = rnd.node_rank == 0 and (due or force)
+        write = rnd.node_rank == 0 and (
+            force or (due and lead.get("step") != self._last_step_written)
+        )
         ckpt = latest_checkpoint_step(self.job.ckpt_dir) if write else None
+        if write:
+            self._last_step_written = lead.get("step")
         self._report.progress(lead, checkpoint=ckpt, write=write)
 
     # -- reacting -------------------------------------------------------------------------------
@@ -390,17 +474,46 @@ class JobRunner:
         if outcome == Outcome.SUCCEEDED:
             # Node rank 0 only (the others wait for it in _await_success), after its final
             # status write; refused by the transition table if cancelled meanwhile.
-            self._registry.set_state(self.name, JobState.SUCCEEDED, "all workers exited 0")
+            self._registry.set_state(
+                self.name, JobState.SUCCEEDED, "all workers exited 0", fence=self._report.fence
+            )
             return
         if outcome in (Outcome.CANCELLED, Outcome.FINISHED):
+            return
+        if outcome == Outcome.FENCED:
+            # A newer world exists: nothing of ours may be written. Join again as new.
+            self._handler.leave()
+            return
+        try:
+            self._record_failure(rnd, outcome, detail, detected, stopped)
+        except FencedError as exc:
+            log.warning(
+                "fenced: the world moved on without us", **kv(job=self.name, error=str(exc))
+            )
+            self._handler.leave()
+            return
+        if outcome.counts_as_failure:
+            self._failures_here += 1
+            pause = backoff(self._failures_here)
+            if pause:
+                time.sleep(pause)
+
+    def _record_failure(
+        self, rnd: Round, outcome: Outcome, detail: str, detected: float, stopped: float
+    ) -> None:
+        if outcome == Outcome.USER_ERROR:
+            # A config error fails the same way on every retry: fail now, spend nothing.
+            self._report.fail(f"user error (exit code {USER_ERROR_EXIT_CODE}): {detail}")
             return
         self._metrics.restarts.labels(job=self.name, reason=str(outcome)).inc()
         if outcome == Outcome.PREEMPTED:
             return
+        fence = self._report.fence
         claim, ours = self._registry.claim_failure(
             self.name, rnd.number,
             {"reason": str(outcome), "node": self._node.node_id, "detail": detail,
              "detected_at": detected},
+            fence=fence,
         )  # fmt: skip
         self._pending_recovery = {
             "reason": claim.get("reason", str(outcome)),
@@ -408,12 +521,8 @@ class JobRunner:
             "stopped_at": stopped,
         }
         self._registry.set_state(
-            self.name, JobState.RECOVERING, f"{claim.get('reason')}: {claim.get('detail', '')}"
-        )
+            self.name, JobState.RECOVERING, f"{claim.get('reason')}: {claim.get('detail', '')}",
+            fence=fence,
+        )  # fmt: skip
         if ours:
             self._report.count(round_=rnd.number, claim=claim, limit=self._limit)
-        if outcome.counts_as_failure:
-            self._failures_here += 1
-            pause = backoff(self._failures_here)
-            if pause:
-                time.sleep(pause)

@@ -23,13 +23,38 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="address peers reach this node at (default: $ELASTICD_ADDR, else the "
                    "host name's address)")  # fmt: skip
     p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
-                   help="workers this node offers per job (default: the job's nproc_per_node)")  # fmt: skip
+                   help="device slots this node offers; jobs take slots and queue when none "
+                   "are free (default: one per GPU; without GPUs, no accounting)")  # fmt: skip
     p.add_argument("--state-dir", default=None, metavar="DIR",
                    help="scratch space and embedded etcd data (default ~/.local/state/elasticd)")  # fmt: skip
     p.add_argument("--metrics-port", type=int, default=9400, metavar="P",
                    help="Prometheus port (default 9400; 0 turns it off)")  # fmt: skip
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--allow-commands", action="store_true",
+                   help="run jobs with a `command:` of their own (default: only the built-in "
+                   "trainer)")  # fmt: skip
+    g.add_argument("--allow-command", action="append", default=[], metavar="EXE",
+                   help="run jobs whose command starts with EXE (name or path; repeatable)")  # fmt: skip
+    p.add_argument("--ttl-after-finished", default="7d", metavar="DURATION",
+                   help="delete finished jobs from the registry after this long (e.g. 7d, 12h, "
+                   "30m, 90s; 0 keeps them; default 7d)")  # fmt: skip
     add_etcd_options(p)
     p.set_defaults(func=run)
+
+
+def parse_duration(text: str, flag: str) -> float:
+    """``7d``, ``12h``, ``30m``, ``90s`` or plain seconds → seconds (one-line errors)."""
+    units = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0}
+    raw = text.strip().lower()
+    scale = units.get(raw[-1:])
+    number = raw[:-1] if scale is not None else raw
+    try:
+        value = float(number) * (scale or 1.0)
+    except ValueError:
+        raise UsageError(f"{flag}: {text!r} is not a duration (e.g. 7d, 12h, 30m, 90s)") from None
+    if value < 0 or value != value:
+        raise UsageError(f"{flag}: {text!r} must be >= 0")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,5 +75,7 @@ def run(args: argparse.Namespace) -> int:
         nproc=args.nproc_per_node,
         state_dir=os.path.abspath(state_dir),
         metrics_port=args.metrics_port,
+        allow_commands="all" if args.allow_commands else (tuple(args.allow_command) or "none"),
+        ttl_after_finished=parse_duration(args.ttl_after_finished, "--ttl-after-finished"),
     )
     return Agent(config).run()

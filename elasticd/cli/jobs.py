@@ -92,6 +92,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_etcd_options(p)
     p.set_defaults(func=run_cancel)
 
+    p = sub.add_parser("delete", help="remove a finished job (and its rendezvous) from etcd")
+    p.add_argument("name", metavar="JOB")
+    add_etcd_options(p)
+    p.set_defaults(func=run_delete)
+
     p = sub.add_parser("logs", help="print worker logs of a job's latest round")
     p.add_argument("name", metavar="JOB")
     p.add_argument("--rank", type=int, default=None, help="only this global rank")
@@ -126,9 +131,10 @@ def progress_line(record: JobRecord) -> str:
     bar = "#" * filled + "." * (width - filled)
     loss = st.get("loss")
     loss_text = f"{loss:.4f}" if isinstance(loss, int | float) else "-"
+    waiting = f" ({record.reason})" if record.state == JobState.QUEUED else ""
     return (
         f"{record.name} [{bar}] step {step}/{total} loss {loss_text} "
-        f"world {st.get('world', '-')} restarts {st.get('restarts', 0)} {record.state}"
+        f"world {st.get('world', '-')} restarts {st.get('restarts', 0)} {record.state}{waiting}"
     )
 
 
@@ -139,10 +145,16 @@ def follow(
     tty = hasattr(out, "isatty") and out.isatty()
     last = ""
     deadline = None if timeout is None else time.monotonic() + timeout
+    hinted = False
     while True:
         record = registry.get(name)
         if record is None:
             raise UsageError(f"job {name!r} disappeared")
+        if not hinted and record.state == JobState.PENDING and not registry.node_count():
+            out.write(
+                f"{name}: waiting: no agent is registered (start one with `elasticd agent`)\n"
+            )
+            hinted = True
         line = progress_line(record)
         if line != last:
             out.write(("\r" + line + "\x1b[K") if tty else line + "\n")
@@ -244,6 +256,15 @@ def run_nodes(args: argparse.Namespace) -> int:
             f"{n.get('node', '?'):<20} {n.get('addr', '?'):<16} nproc {n.get('nproc')}  "
             f"devices {n.get('devices')}  host {n.get('hostname')}  version {n.get('version')}"
         )
+    return 0
+
+
+def run_delete(args: argparse.Namespace) -> int:
+    client, registry = open_registry(args)
+    with client:
+        record = registry.delete(args.name)
+    print(f"job {record.name} ({record.state}) deleted; its output stays in "
+          f"{record.spec.get('output_dir')}")  # fmt: skip
     return 0
 
 

@@ -23,12 +23,13 @@ _RESULTS = {"==": "EQUAL", "!=": "NOT_EQUAL", "<": "LESS", ">": "GREATER"}
 
 
 def compare(key: str, target: str, op: str, value: int | bytes) -> Any:
-    """A txn compare: ``target`` is mod, create, version or value; ``op`` is == != < >."""
+    """A txn compare: ``target`` is mod, create, version, lease or value; ``op`` is == != < >."""
     cmp = etcdrpc.Compare()
     cmp.key = key.encode()
     cmp.result = etcdrpc.Compare.CompareResult.Value(_RESULTS[op])
     cmp.target = etcdrpc.Compare.CompareTarget.Value(target.upper())
-    field = {"mod": "mod_revision", "create": "create_revision", "version": "version"}
+    field = {"mod": "mod_revision", "create": "create_revision", "version": "version",
+             "lease": "lease"}  # fmt: skip
     if target == "value":
         cmp.value = value if isinstance(value, bytes) else str(value).encode()
     else:
