@@ -5,6 +5,10 @@ torch loads each entry point of the ``torchrun.handlers`` group, calls it with n
 arguments, and registers what it returns as the handler creator for that name. It does
 so *while importing* ``torch.distributed.elastic.rendezvous``, so this module imports
 nothing from torch at module level: the creators import lazily.
+
+A creator's user errors (a bad ``--rdzv-conf``, an unreachable etcd) leave as the dual
+errors of ``torch_handler``, which are also a one-line ``SystemExit``: torchrun creates
+the handler outside any ``try``, so anything else would print the launcher's stack.
 """
 
 from __future__ import annotations
@@ -57,6 +61,12 @@ def _create_handler(params: RendezvousParameters) -> EtcdRendezvousHandler:
 
 def create_dynamic_handler(params: RendezvousParameters) -> RendezvousHandler:
     """torch's DynamicRendezvousHandler on our etcd v3 backend."""
+    from elasticd.rendezvous.torch_handler import as_torch_errors
+
+    return as_torch_errors(_create_dynamic_handler)(params)
+
+
+def _create_dynamic_handler(params: RendezvousParameters) -> RendezvousHandler:
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler as dyn
 
     from elasticd.rendezvous.backend import create_backend

@@ -2,9 +2,16 @@
 :class:`~elasticd.rendezvous.core.EtcdRendezvous`.
 
 Errors leave as classes that are both ours and torch's, since torch's agent catches its
-own ``RendezvousError`` types. Node rank 0 hosts the round's TCPStore on the port it
-reserved when it joined; agents use it for torch's rank assignment and exit barrier, and
-workers reach it through ``TORCHELASTIC_USE_AGENT_STORE``.
+own ``RendezvousError`` types. They are also a ``SystemExit`` whose code is a one-line
+message: torchrun lets a rendezvous error through to the interpreter, which prints a
+SystemExit's message as one line on stderr and exits 1, where any other exception prints
+the launcher's whole stack (56 lines for a closed run id). torch's launcher still shuts
+the handler down on the way out (its ``finally``), and its ``@record`` re-raises a
+non-zero SystemExit untouched.
+
+Node rank 0 hosts the round's TCPStore on the port it reserved when it joined; agents use
+it for torch's rank assignment and exit barrier, and workers reach it through
+``TORCHELASTIC_USE_AGENT_STORE``.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousIn
 from torch.distributed.elastic.rendezvous import api as torch_api
 from torch.distributed.elastic.rendezvous.api import RendezvousStoreInfo
 
+from elasticd.errors import ElasticdError, EtcdError, UsageError
 from elasticd.log import kv
 from elasticd.rendezvous import errors
 from elasticd.rendezvous.core import EtcdRendezvous
@@ -28,41 +36,79 @@ log = logging.getLogger("elasticd.rendezvous")
 T = TypeVar("T")
 
 
-class TorchRendezvousClosed(errors.RendezvousClosed, torch_api.RendezvousClosedError):
+def one_line(message: str) -> str:
+    """``elasticd: <message>`` on one line (gRPC details may carry newlines)."""
+    text = " ".join(str(message).split())
+    return text if text.startswith("elasticd: ") else f"elasticd: {text}"
+
+
+class OneLineExit(SystemExit):
+    """A SystemExit whose code (what the interpreter prints) is ``one_line(message)``.
+
+    It comes first among the bases of the dual errors so that its ``code`` is the message
+    (with Exception first, ``code`` is None and the interpreter exits 0 without a word).
+    """
+
+    def __init__(self, message: object = "") -> None:
+        super().__init__(one_line(str(message)))
+
+
+class TorchRendezvousClosed(OneLineExit, errors.RendezvousClosed, torch_api.RendezvousClosedError):
     """Closed run, as both error types."""
 
 
-class TorchRendezvousTimeout(errors.RendezvousTimeout, torch_api.RendezvousTimeoutError):
+class TorchRendezvousTimeout(
+    OneLineExit, errors.RendezvousTimeout, torch_api.RendezvousTimeoutError
+):
     """Join timeout, as both error types."""
 
 
-class TorchRendezvousConnection(errors.RendezvousConnection, torch_api.RendezvousConnectionError):
+class TorchRendezvousConnection(
+    OneLineExit, errors.RendezvousConnection, torch_api.RendezvousConnectionError
+):
     """etcd unreachable, as both error types."""
 
 
-class TorchRendezvousState(errors.RendezvousState, torch_api.RendezvousStateError):
+class TorchRendezvousState(OneLineExit, errors.RendezvousState, torch_api.RendezvousStateError):
     """Corrupt stored state, as both error types."""
 
 
-_AS_TORCH = {
-    errors.RendezvousClosed: TorchRendezvousClosed,
-    errors.RendezvousTimeout: TorchRendezvousTimeout,
-    errors.RendezvousConnection: TorchRendezvousConnection,
-    errors.RendezvousState: TorchRendezvousState,
-}
+class TorchRendezvousUsage(OneLineExit, UsageError, ValueError):
+    """A bad ``--rdzv-endpoint`` or ``--rdzv-conf`` (torch's own backends raise ValueError)."""
+
+
+_AS_TORCH: tuple[tuple[type[ElasticdError], type[OneLineExit]], ...] = (
+    (errors.RendezvousClosed, TorchRendezvousClosed),
+    (errors.RendezvousTimeout, TorchRendezvousTimeout),
+    (errors.RendezvousConnection, TorchRendezvousConnection),
+    (errors.RendezvousState, TorchRendezvousState),
+    (UsageError, TorchRendezvousUsage),
+    (EtcdError, TorchRendezvousConnection),  # e.g. an unreadable TLS file, refused auth
+)
+
+
+def as_torch(exc: ElasticdError, message: str | None = None) -> BaseException:
+    """The dual ours-and-torch's (and SystemExit) error for ``exc``."""
+    for ours, dual in _AS_TORCH:
+        if isinstance(exc, ours):
+            return dual(message or str(exc))
+    return exc
 
 
 def as_torch_errors(fn: Callable[..., T]) -> Callable[..., T]:
-    """Re-raise our rendezvous errors as their dual ours-and-torch's classes."""
+    """Re-raise our errors as their dual ours-and-torch's classes."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except tuple(_AS_TORCH) as exc:
-            if isinstance(exc, torch_api.RendezvousError):
+        except SystemExit:
+            raise
+        except ElasticdError as exc:
+            dual = as_torch(exc)
+            if dual is exc:
                 raise
-            raise _AS_TORCH[type(exc)](str(exc)) from exc
+            raise dual from exc
 
     return wrapper
 
@@ -73,6 +119,21 @@ class EtcdRendezvousHandler(RendezvousHandler):
     def __init__(self, rendezvous: EtcdRendezvous) -> None:
         self.rendezvous = rendezvous
         self._tcp_store: dist.TCPStore | None = None
+        self._formed = False
+
+    def _closed_message(self) -> str:
+        run = self.rendezvous.run_id
+        if self._formed:
+            return (
+                f"rendezvous id {run!r} was closed while this node waited to re-join "
+                f"(another node finished or cancelled the run)"
+            )
+        # The common case: the id of a run that finished (torchrun closes it on the way
+        # out), so no world can ever form under it again.
+        return (
+            f"rendezvous id {run!r} is closed: a run with this id already finished or was "
+            f"cancelled; pick a new --rdzv-id"
+        )
 
     def get_backend(self) -> str:
         return "etcd-v3"
@@ -84,7 +145,11 @@ class EtcdRendezvousHandler(RendezvousHandler):
     @as_torch_errors
     def next_rendezvous(self) -> RendezvousInfo:
         r = self.rendezvous
-        world = r.next_world()
+        try:
+            world = r.next_world()
+        except errors.RendezvousClosed as exc:
+            raise as_torch(exc, self._closed_message()) from exc
+        self._formed = True
         rank = world.rank_of(r.node_id)
         assert rank is not None
         timeout = timedelta(seconds=r.settings.join_timeout)
