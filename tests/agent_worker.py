@@ -9,6 +9,10 @@ saves every checkpoint.every steps, and on SIGTERM saves at once and exits 75.
 
 The "loss" of step k is a function of k alone (the all-reduced mean of k), so any world
 size gives the same sequence: a resumed run matches an uninterrupted one.
+
+For the failure rules: ``AGENT_TEST_USER_ERROR_AT=K`` makes rank 0 print an error line
+and exit 2 (a user error) at step K. Each metrics record carries the worker's
+CUDA_VISIBLE_DEVICES (``devices``), so tests see which slots a job got.
 """
 
 from __future__ import annotations
@@ -69,7 +73,11 @@ def main() -> int:
     os.makedirs(ckpt, exist_ok=True)
     start, value = latest(ckpt)
     channel.mark("ckpt_loaded")
+    user_error_at = int(os.environ.get("AGENT_TEST_USER_ERROR_AT", "0") or 0)
     for step in range(start + 1, steps + 1):
+        if rank == 0 and step == user_error_at:
+            print(f"agent_worker: error: bad setting at step {step}", file=sys.stderr, flush=True)
+            os._exit(2)
         t0 = time.time()
         contribution = torch.tensor([float(step)])
         dist.all_reduce(contribution)
@@ -79,7 +87,8 @@ def main() -> int:
         if rank == 0:
             with open(os.path.join(out, "metrics.jsonl"), "a", encoding="utf-8") as fh:
                 record = {"step": step, "loss": loss, "world": world,
-                          "round": int(os.environ["ELASTICD_ROUND"]), "step_s": time.time() - t0}  # fmt: skip
+                          "round": int(os.environ["ELASTICD_ROUND"]), "step_s": time.time() - t0,
+                          "devices": os.environ.get("CUDA_VISIBLE_DEVICES")}  # fmt: skip
                 fh.write(json.dumps(record) + "\n")
         print(f"rank {rank} step {step} loss {loss:.6f}", flush=True)
         channel.progress(step=step, loss=loss, tokens_per_s=100.0)

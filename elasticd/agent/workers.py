@@ -96,7 +96,22 @@ class Worker:
                 return f"rank {self.rank}: {how}: {last}"[:500]
         except (OSError, ValueError, AttributeError):
             pass
+        last = last_line(self.log_path)
+        if last:
+            return f"rank {self.rank}: {how}: {last} (log {self.log_path})"[:500]
         return f"rank {self.rank}: {how} (log {self.log_path})"
+
+
+def last_line(path: str, tail: int = 4096) -> str:
+    """The last non-empty line of a log (read from its last ``tail`` bytes), or ""."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - tail))
+            lines = fh.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return lines[-1].strip() if lines else ""
 
 
 @dataclass(kw_only=True, slots=True)
