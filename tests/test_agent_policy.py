@@ -227,3 +227,83 @@ def test_sigterm_gets_the_full_grace_only_where_a_save_can_succeed():
     assert stop_plan(Outcome.WORKER_FAILED, 30).grace <= 1.0
     assert stop_plan(Outcome.WORKER_HUNG, 30).kill
     assert stop_plan(Outcome.FINISHED, 30).wait_first > 0
+
+
+# -- the failure rules, the scrubbed environment, placement ------------------------------------
+
+
+def test_a_user_error_exit_fails_the_job_and_a_lost_peer_still_comes_first():
+    from elasticd.agent.policy import Observation, Outcome, decide
+
+    assert decide(Observation(exit_codes=(2, None))) == Outcome.USER_ERROR
+    assert decide(Observation(exit_codes=(2,), lost=("n1",))) == Outcome.PEER_LOST
+    assert not Outcome.USER_ERROR.reforms and not Outcome.USER_ERROR.counts_as_failure
+
+
+def test_a_fenced_round_ends_at_once_and_rejoins_without_counting_a_failure():
+    from elasticd.agent.policy import Observation, Outcome, decide, stop_plan
+
+    assert decide(Observation(fenced=True, exit_codes=(None,))) == Outcome.FENCED
+    assert Outcome.FENCED.reforms and not Outcome.FENCED.counts_as_failure
+    assert stop_plan(Outcome.FENCED, 30.0).kill
+
+
+def test_workers_never_see_etcd_credentials_and_see_only_their_own_devices():
+    from elasticd.agent.policy import WorkerEnvInputs, worker_envs
+
+    inherited = {"PATH": "/bin", "ELASTICD_ETCD_PASSWORD": "s3cret", "ETCDCTL_PASSWORD": "x",
+                 "ELASTICD_ETCD": "etcd-0:2379", "CUDA_VISIBLE_DEVICES": "0,1,2,3"}  # fmt: skip
+    envs = worker_envs(
+        WorkerEnvInputs(job="j", run_id="j-1", round=1, node_rank=0, nodes=1, nproc=2,
+                        master_addr="a", master_port=1, restart_count=0, max_restarts=1,
+                        layout_path="l", job_path="p", extra=inherited, devices=["2", "3"])
+    )  # fmt: skip
+    for local, env in enumerate(envs):
+        assert env["PATH"] == "/bin" and env["LOCAL_RANK"] == str(local)
+        assert env["CUDA_VISIBLE_DEVICES"] == "2,3"
+        assert not {"ELASTICD_ETCD_PASSWORD", "ETCDCTL_PASSWORD", "ELASTICD_ETCD"} & set(env)
+
+
+def test_slots_map_to_the_agents_own_visible_devices():
+    from elasticd.agent.policy import device_ids, take_slots
+
+    assert device_ids(2, None) == ["0", "1"]
+    assert device_ids(2, "4,5,6") == ["4", "5"]
+    assert device_ids(4, "4,5") == ["0", "1", "2", "3"]  # too few named: plain indices
+    assert take_slots({3, 1, 2}, 2) == [1, 2]
+    assert take_slots({1}, 2) is None
+
+
+def test_commands_run_only_where_allowed():
+    from elasticd.agent.policy import command_allowed
+
+    assert command_allowed(None, "none")
+    assert not command_allowed(["python3", "x.py"], "none")
+    assert command_allowed(["python3", "x.py"], "all")
+    assert command_allowed(["/usr/bin/python3", "x.py"], ["python3"])
+    assert command_allowed(["/opt/py/bin/python", "x.py"], ["/opt/py/bin/python"])
+    assert not command_allowed(["bash", "-c", "rm -rf /"], ["python3"])
+
+
+def test_the_queue_says_why_a_job_cannot_start():
+    from elasticd.agent.policy import queue_reason
+
+    free = {"free": 1, "allow_commands": "all", "jobs": []}
+    busy = {"free": 0, "allow_commands": "all", "jobs": ["other"]}
+    plain = {"free": 1, "allow_commands": "none", "jobs": []}
+
+    def why(nodes, *, min_nodes=1, nproc=1, command=None):
+        return queue_reason(job="j", nproc=nproc, min_nodes=min_nodes, command=command,
+                            nodes=nodes)  # fmt: skip
+
+    assert why({}).startswith("queued: no agent is registered")
+    assert why({"a": free}) is None
+    assert why({"a": free, "b": busy}, min_nodes=2) == (
+        "queued: needs 2 nodes with 1 free slot, 1 of 2 registered have room"
+    )
+    assert why({"a": free}, nproc=2).endswith(
+        "needs 1 node with 2 free slots, 0 of 1 registered have room"
+    )
+    assert why({"a": {**busy, "jobs": ["j"]}}) is None  # it holds the job already
+    assert why({"a": plain}, command=["python3"]).startswith("refused: no agent runs custom")
+    assert why({"a": {"free": None, "allow_commands": "all"}}, nproc=64) is None  # no accounting

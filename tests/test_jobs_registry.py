@@ -151,3 +151,45 @@ def test_a_stopped_etcd_is_one_line_too(tmp_path, capsys):
     code = main(["list", "--etcd", endpoint, "--etcd-timeout", "1"])
     err = capsys.readouterr().err
     assert code == 2 and f"etcd at {endpoint} did not answer" in err
+
+
+def test_a_write_fenced_by_an_older_round_is_refused_once_a_newer_world_exists(etcd_client):
+    from elasticd.jobs import Fence, FencedError
+
+    reg = JobRegistry(etcd_client)
+    name = unique("fenced")
+    reg.submit(parse_job({"name": name}))
+    world_key = f"/test/rdzv-{name}/state/world"
+    old = Fence(world_key, etcd_client.put(world_key, '{"round":1}'), 1)
+    reg.update_status(name, lambda st: st.update(step=5), fence=old)  # current: accepted
+    assert reg.set_state(name, JobState.RUNNING, "round 1", fence=old)
+    new = Fence(world_key, etcd_client.put(world_key, '{"round":2}'), 2)
+    with pytest.raises(FencedError, match="round 1 is no longer current"):
+        reg.update_status(name, lambda st: st.update(step=3), fence=old)
+    with pytest.raises(FencedError):
+        reg.set_state(name, JobState.FAILED, "stale", fence=old)
+    with pytest.raises(FencedError):
+        reg.claim_failure(name, 1, {"reason": "worker_failed"}, fence=old)
+    reg.update_status(name, lambda st: st.update(step=6), fence=new)
+    record = reg.get(name)
+    assert record.status["step"] == 6 and record.state == JobState.RUNNING
+
+
+def test_history_is_bounded_in_bytes_as_well_as_in_entries():
+    from elasticd.jobs import HISTORY_BYTES, bound_history
+
+    big = [{"kind": "world", "i": i, "pad": "x" * 1000} for i in range(60)]
+    kept = bound_history(big)
+    assert len(json.dumps(kept)) <= HISTORY_BYTES and kept[-1]["i"] == 59
+    assert [e["i"] for e in kept] == list(range(60 - len(kept), 60))
+    assert len(bound_history([{"i": i} for i in range(500)])) == 100
+
+
+def test_queued_jobs_move_back_to_pending_and_only_then_run(etcd_client):
+    reg = JobRegistry(etcd_client)
+    name = unique("queue")
+    reg.submit(parse_job({"name": name}))
+    assert reg.set_state(name, JobState.QUEUED, "queued: needs 2 nodes")
+    assert reg.set_state(name, JobState.QUEUED, "queued: needs 3 nodes")  # the reason follows
+    assert reg.get(name).reason == "queued: needs 3 nodes"
+    assert reg.set_state(name, JobState.RUNNING, "round 1")
