@@ -12,6 +12,10 @@ Save::
     saver.check()   # each step: raises if a background save failed
     saver.close()   # before exit: waits for the save in flight
 
+Fenced by round (a save from a world that is no longer current raises FencedError)::
+
+    SaveOptions(fence=Fence(run_id="tiny-0a1b2c3d", round=4), ...)
+
 Load (any layout)::
 
     ckpt = load_latest(ckpt_dir, model=..., optimizer=..., group=gloo_group)
@@ -20,11 +24,13 @@ Load (any layout)::
 from checkpoint.errors import (
     CheckpointError,
     CorruptCheckpointError,
+    FencedError,
     FormatError,
     LayoutMismatchError,
     NoCheckpointError,
     SaveFailedError,
 )
+from checkpoint.fence import Fence, check_fence, read_fence, write_fence
 from checkpoint.load import Checkpoint, LoadStats, load_latest, open_step
 from checkpoint.manifest import FORMAT_VERSION, Manifest
 from checkpoint.save import SaveOptions, Saver, SaveResult
@@ -37,6 +43,8 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "CorruptCheckpointError",
+    "Fence",
+    "FencedError",
     "FormatError",
     "LayoutMismatchError",
     "LoadStats",
@@ -47,11 +55,14 @@ __all__ = [
     "SaveResult",
     "Saver",
     "ShardInfo",
+    "check_fence",
     "committed_steps",
     "export",
     "load_latest",
     "open_step",
     "prune",
+    "read_fence",
     "read_latest",
     "verify",
+    "write_fence",
 ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class CheckpointError(Exception):
     """Root of every error the checkpoint store raises on purpose."""
@@ -25,3 +27,14 @@ class LayoutMismatchError(CheckpointError):
 
 class SaveFailedError(CheckpointError):
     """A save did not commit (a write failed on some rank, or ranks disagreed)."""
+
+
+class FencedError(SaveFailedError):
+    """A save refused because ``fence.json`` names another round or run than the saver's:
+    the world moved on without this node. ``writer`` and ``current`` are the two fences
+    (``current`` is None when the fence file could not be read)."""
+
+    def __init__(self, message: str, *, writer: Any = None, current: Any = None) -> None:
+        super().__init__(message)
+        self.writer = writer
+        self.current = current

@@ -6,12 +6,18 @@ writer thread writes and fsyncs this rank's file, then the ranks agree over ``gr
 
 ``group`` must carry CPU tensors (gloo) and, for async saves, must be used by nothing else
 while a save is in flight: the writer thread runs its collectives on it.
+
+With ``SaveOptions.fence`` set, group rank 0 checks ``<ckpt_dir>/fence.json``
+(:mod:`checkpoint.fence`) before it touches the directory, right before the commit rename,
+before switching `latest` and before retention; a save from a round that is no longer the
+job's current one raises :class:`FencedError` on every rank and commits nothing.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import secrets
 import shutil
 import time
 from collections.abc import Mapping
@@ -24,7 +30,8 @@ import torch.distributed as dist
 
 from checkpoint import store
 from checkpoint.comm import all_gather_json, broadcast_json, group_rank, group_size
-from checkpoint.errors import CheckpointError, SaveFailedError
+from checkpoint.errors import CheckpointError, FencedError, SaveFailedError
+from checkpoint.fence import Fence, check_fence
 from checkpoint.manifest import MANIFEST, FileEntry, Manifest, TensorEntry
 from checkpoint.planner import relative
 from checkpoint.saveplan import FilePlan, LocalEntry, SavePlan, build_save_plan
@@ -46,6 +53,8 @@ class SaveOptions:
     """Job name recorded in the manifest."""
     chunk_min_bytes: int = 1 << 20
     """Smallest stored chunk; chunks are what a resharded load reads and verifies whole."""
+    fence: Fence | None = None
+    """The run and round this saver commits for; None: commits are not fenced."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,10 +108,24 @@ class Saver:
         self.wait()  # the previous save must finish first; its failure surfaces here
         t0 = time.perf_counter()
         local = self._local_tensors(model, optimizer or {}, rank_state or {})
+        start: dict[str, Any] = {}
         if self.rank == 0:
-            store.remove_leftovers(self.ckpt_dir)
-            os.makedirs(self._tmp(step), exist_ok=True)
-        plan = self._plan(step, local)  # a collective: also orders the mkdir before writes
+            # A stale writer must not even clean up: the leftovers may be a newer world's
+            # save in flight. Checked here, the refusal travels to every rank in the plan's
+            # collective, so no rank is left waiting in one.
+            try:
+                self._check_fence(f"checkpoint step {step} was not saved")
+            except FencedError as exc:
+                start["fenced"] = self._fenced_json(exc)
+            else:
+                store.remove_leftovers(self.ckpt_dir)
+                # A name of this save's own, so a save from another world (a stale one, or
+                # the newer one) never writes into or deletes this save's directory.
+                start["token"] = secrets.token_hex(4)
+                os.makedirs(self._tmp(step, start["token"]))
+        # A collective: it also orders rank 0's mkdir before every rank's write.
+        plan, token = self._plan(step, local, start)
+        tmp = self._tmp(step, token)
         mine = plan.files.get(self.rank)
         data = self._snapshot(mine, local)
         head = {
@@ -111,6 +134,8 @@ class Saver:
             "scalars": dict(scalars or {}),
             "extra": dict(extra or {}),
             "layout": dict(layout) if layout is not None else None,
+            "tmp": tmp,
+            "token": token,
         }
         stall = time.perf_counter() - t0
         if self.options.async_:
@@ -168,7 +193,9 @@ class Saver:
             out[full] = (t, ShardInfo.whole(full, tuple(t.shape)), "rank")
         return out
 
-    def _plan(self, step: int, local) -> SavePlan:
+    def _plan(self, step: int, local, start: dict[str, Any]) -> tuple[SavePlan, str]:
+        """The save plan and this save's token (from rank 0's ``start``, which carries the
+        fence's refusal instead when rank 0 was fenced: then every rank raises it)."""
         entries = [
             LocalEntry(
                 name=name,
@@ -181,18 +208,21 @@ class Saver:
             for name, (t, info, kind) in local.items()
         ]
         gathered = all_gather_json(
-            {"step": step, "entries": [e.to_json() for e in entries]}, self.group
+            {"step": step, "entries": [e.to_json() for e in entries], "start": start}, self.group
         )
+        start = gathered[0]["start"]
+        if "fenced" in start:
+            raise self._fenced_from_json(start["fenced"])
         steps = {g["step"] for g in gathered}
         if steps != {step}:
             raise CheckpointError(f"ranks are saving different steps: {sorted(steps)}")
         signature = repr([g["entries"] for g in gathered])
         if self._plan_cache is not None and self._plan_cache[0] == signature:
-            return self._plan_cache[1]
+            return self._plan_cache[1], start["token"]
         per_rank = [[LocalEntry.from_json(e) for e in g["entries"]] for g in gathered]
         plan = build_save_plan(per_rank, chunk_min_bytes=self.options.chunk_min_bytes)
         self._plan_cache = (signature, plan)
-        return plan
+        return plan, start["token"]
 
     def _snapshot(self, mine: FilePlan | None, local) -> torch.Tensor:
         """Copy this rank's share into the staging buffer, reused across saves."""
@@ -212,17 +242,40 @@ class Saver:
 
     # -- write and commit (writer thread for async saves) --------------------------------
 
-    def _tmp(self, step: int) -> str:
-        return store.step_path(self.ckpt_dir, step) + ".tmp"
+    def _tmp(self, step: int, token: str) -> str:
+        return f"{store.step_path(self.ckpt_dir, step)}.{token}.tmp"
+
+    # -- the fence ------------------------------------------------------------------------------
+
+    def _check_fence(self, what: str) -> None:
+        check_fence(self.ckpt_dir, self.options.fence, what=what)
+
+    @staticmethod
+    def _fenced_json(exc: FencedError) -> dict[str, Any]:
+        return {
+            "error": str(exc),
+            "writer": exc.writer.to_dict() if exc.writer is not None else None,
+            "current": exc.current.to_dict() if exc.current is not None else None,
+        }
+
+    @staticmethod
+    def _fenced_from_json(obj: dict[str, Any]) -> FencedError:
+        """Rank 0's refusal, raised the same on every rank."""
+        writer, current = obj["writer"], obj["current"]
+        return FencedError(
+            obj["error"],
+            writer=Fence(**writer) if writer is not None else None,
+            current=Fence(**current) if current is not None else None,
+        )
 
     def _write_and_commit(self, plan, mine, data, head, t0, stall) -> SaveResult:
-        step = head["step"]
+        step, tmp = head["step"], head["tmp"]
         report: dict[str, Any] = {"ok": True}
         written = 0
         try:
             if mine is not None:
                 w = write_file(
-                    os.path.join(self._tmp(step), mine.name),
+                    os.path.join(tmp, mine.name),
                     mine.slots,
                     data,
                     hasher_pool=self._hasher,
@@ -238,7 +291,7 @@ class Saver:
         except Exception as exc:  # reported to every rank, then raised below
             report = {"ok": False, "error": f"rank {self.rank}: {exc}"}
         reports = all_gather_json(report, self.group)
-        status = {
+        status: dict[str, Any] = {
             "committed": False,
             "error": "; ".join(r["error"] for r in reports if not r["ok"]),
         }
@@ -247,11 +300,19 @@ class Saver:
                 try:
                     self._commit(plan, reports, head)
                     status = {"committed": True, "error": ""}
+                except FencedError as exc:
+                    status = {
+                        "committed": False,
+                        "error": str(exc),
+                        "fenced": self._fenced_json(exc),
+                    }
                 except Exception as exc:
                     status = {"committed": False, "error": f"rank 0: commit: {exc}"}
             if not status["committed"]:
-                shutil.rmtree(self._tmp(step), ignore_errors=True)
+                shutil.rmtree(tmp, ignore_errors=True)  # this save's own directory only
         status = broadcast_json(status, self.group)
+        if "fenced" in status:
+            raise self._fenced_from_json(status["fenced"])
         if not status["committed"]:
             raise SaveFailedError(f"checkpoint step {step} was not committed: {status['error']}")
         total = time.perf_counter() - t0
@@ -300,7 +361,7 @@ class Saver:
             extra=head["extra"],
             created_unix=time.time(),
         )
-        tmp = self._tmp(step)
+        tmp, token = head["tmp"], head["token"]
         path = os.path.join(tmp, MANIFEST)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
@@ -309,11 +370,12 @@ class Saver:
         finally:
             os.close(fd)
         fsync_dir(tmp)
-        final = store.step_path(self.ckpt_dir, step)
-        if os.path.exists(final):  # a step saved again after resuming from an older one
-            os.replace(final, final + ".replaced.tmp")
-        os.replace(tmp, final)
-        fsync_dir(self.ckpt_dir)
-        store.write_latest(self.ckpt_dir, step)
-        shutil.rmtree(final + ".replaced.tmp", ignore_errors=True)
-        store.prune(self.ckpt_dir, keep=self.options.keep, log=log.info)
+        store.commit_step(
+            self.ckpt_dir,
+            step=step,
+            tmp=tmp,
+            token=token,
+            keep=self.options.keep,
+            check=self._check_fence,
+            log=log.info,
+        )

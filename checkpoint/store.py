@@ -12,6 +12,7 @@ import os
 import shutil
 from collections.abc import Callable
 
+from checkpoint.fence import FENCE_FILE
 from checkpoint.manifest import LATEST, MANIFEST, parse_step_dirname, step_dirname
 from checkpoint.stfile import fsync_dir, write_atomic
 
@@ -47,6 +48,65 @@ def write_latest(ckpt_dir: str, step: int) -> None:
     write_atomic(os.path.join(ckpt_dir, LATEST), (step_dirname(step) + "\n").encode())
 
 
+def commit_step(
+    ckpt_dir: str,
+    *,
+    step: int,
+    tmp: str,
+    token: str,
+    keep: int,
+    check: Callable[[str], None],
+    log: Callable[[str], None] | None = None,
+) -> None:
+    """Commit the finished save in ``tmp`` (manifest written and fsynced) as ``step``:
+    rename it to ``step-N``, switch `latest` to it, then apply retention.
+
+    ``check(what)`` is the fence (:func:`checkpoint.fence.check_fence`): it raises to refuse,
+    ``what`` opening its message. It is asked right before the rename (the commit point),
+    again after the rename (before `latest`) and once more before anything is deleted, so
+    that a writer frozen between a check and its next step and thawed in a newer world
+    stops at the next check. After the rename, a refused writer's own step stays where it
+    is, complete (moving it again could move a newer world's commit of the same step), and
+    a committed step it displaced is put back: nothing committed is deleted."""
+    final = step_path(ckpt_dir, step)
+    check(f"checkpoint step {step} was not committed")
+    aside = None
+    if os.path.exists(final):  # a step saved again after resuming from an older one
+        aside = f"{final}.{token}.replaced.tmp"
+        os.replace(final, aside)
+    os.replace(tmp, final)
+    fsync_dir(ckpt_dir)
+    undo = (ckpt_dir, final, aside, token)
+    _check_after_rename(
+        *undo, check, f"checkpoint step {step} was renamed into place, `latest` not switched"
+    )
+    write_latest(ckpt_dir, step)
+    _check_after_rename(*undo, check, f"checkpoint step {step} was committed, nothing pruned")
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+    prune(ckpt_dir, keep=keep, log=log)
+
+
+def _check_after_rename(
+    ckpt_dir: str,
+    final: str,
+    aside: str | None,
+    token: str,
+    check: Callable[[str], None],
+    what: str,
+) -> None:
+    if aside is not None:
+        what += " (the step it displaced is put back)"
+    try:
+        check(what)
+    except BaseException:
+        if aside is not None:
+            os.replace(final, f"{final}.{token}.fenced.tmp")  # ours: a leftover now
+            os.replace(aside, final)
+            fsync_dir(ckpt_dir)
+        raise
+
+
 def load_order(ckpt_dir: str) -> list[int]:
     """Committed steps to try when resuming: `latest` first, then the others, newest first."""
     steps = committed_steps(ckpt_dir)
@@ -59,12 +119,19 @@ def load_order(ckpt_dir: str) -> list[int]:
 
 
 def leftovers(ckpt_dir: str) -> list[str]:
-    """Paths of unfinished saves (``*.tmp`` directories and files)."""
+    """Paths of unfinished saves (``*.tmp`` directories and files).
+
+    Not the fence's tmp files (``fence.json.*``): the agents write those, and one may be
+    on its way to being renamed over ``fence.json`` right now."""
     try:
         names = os.listdir(ckpt_dir)
     except FileNotFoundError:
         return []
-    return sorted(os.path.join(ckpt_dir, n) for n in names if n.endswith(".tmp"))
+    return sorted(
+        os.path.join(ckpt_dir, n)
+        for n in names
+        if n.endswith(".tmp") and not n.startswith(FENCE_FILE + ".")
+    )
 
 
 def remove_leftovers(ckpt_dir: str) -> list[str]:
