@@ -5,7 +5,9 @@ MASTER_ADDR and MASTER_PORT), or alone as one process. The layout comes from
 ``elasticd.layout.plan``, or from the JSON file named by ``ELASTICD_LAYOUT`` when the agent
 planned it already. Ranks beyond the layout's active ones are spares: they join the process
 groups and idle until the others finish. A bad job or data file is one line on stderr and
-exit code 2, before training starts.
+exit code 2, before training starts. A checkpoint commit refused by the fence (this worker's
+round is no longer the job's current one: its node froze and the world moved on) is one
+line and exit code 76, ``EXIT_FENCED``: not the user's error, so not 2.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from datetime import timedelta
 from typing import NoReturn
 
 EXIT_USER_ERROR = 2
+EXIT_FENCED = 76
+"""A stale worker: its checkpoint commit was fenced (sysexits' EX_PROTOCOL, next to the
+agent's 75 for a preempted worker)."""
 DONE_KEY = "elasticd/trainer/done"
 
 
@@ -67,10 +72,19 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     except (ElasticdError, TrainerConfigError, ValueError) as exc:
         print(f"trainer: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
-    from checkpoint.errors import CorruptCheckpointError, FormatError, LayoutMismatchError
+    from checkpoint.errors import (
+        CorruptCheckpointError,
+        FencedError,
+        FormatError,
+        LayoutMismatchError,
+    )
 
     try:
         return _run(job=job, layout=layout, rank=rank, world=world, env=env)
+    except FencedError as exc:
+        # A newer world owns the checkpoint directory; nothing was committed or lost.
+        print(f"trainer: error: {exc}", file=sys.stderr)
+        return EXIT_FENCED
     except (CorruptCheckpointError, FormatError, LayoutMismatchError, TrainerConfigError) as exc:
         # Nothing in the checkpoint directory loads into this model (every rank agreed):
         # a changed model, or every step corrupted. One line names each step and why.

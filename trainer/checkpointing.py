@@ -13,23 +13,49 @@
 
 Checkpoints go through a gloo group of the active ranks made for the store alone (its
 writer thread runs collectives on it while training uses the other groups).
+
+Commits are fenced by round: under the agent, the worker's run and round
+(``TORCHELASTIC_RUN_ID``, ``ELASTICD_ROUND``) go to the store as a ``Fence``, and a save
+from a world that is no longer current raises ``FencedError`` instead of committing.
+Under plain torchrun (no ``ELASTICD_ROUND``) commits are not fenced.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from checkpoint import SaveOptions, Saver, ShardInfo, committed_steps, load_latest
+from checkpoint import Fence, SaveOptions, Saver, ShardInfo, committed_steps, load_latest
 from trainer.errors import TrainerConfigError
 
 log = logging.getLogger("trainer.checkpointing")
 
 RESEED_STRIDE = 1_000_003
+
+
+def fence_from_env(env: Mapping[str, str]) -> Fence | None:
+    """The fence of this worker's commits: its run and round, as the agent set them.
+
+    None without ``ELASTICD_ROUND`` (plain torchrun, or a process alone): nobody outside the
+    workers advances a fence there, so commits are not fenced. A round without a run id
+    gets the empty run id, which a fence file written by an agent never names, so such a
+    writer is refused wherever a fence exists rather than let through."""
+    raw = env.get("ELASTICD_ROUND", "")
+    if not raw:
+        return None
+    try:
+        round_ = int(raw)
+        if round_ < 0:
+            raise ValueError
+    except ValueError:
+        raise TrainerConfigError(f"ELASTICD_ROUND: {raw!r} is not a round number") from None
+    return Fence(run_id=env.get("TORCHELASTIC_RUN_ID", ""), round=round_)
 
 
 def reseed_value(seed: int, step: int, dp_rank: int) -> int:
@@ -45,7 +71,16 @@ def reseed_value(seed: int, step: int, dp_rank: int) -> int:
 class Checkpointing:
     """Resume at start, save every ``checkpoint.every`` steps and after the last one."""
 
-    def __init__(self, trainer, *, rank: int, group: dist.ProcessGroup | None) -> None:
+    def __init__(
+        self,
+        trainer,
+        *,
+        rank: int,
+        group: dist.ProcessGroup | None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        """``env``: where the commit fence comes from (:func:`fence_from_env`); the process
+        environment by default."""
         self.trainer = trainer
         self.job = trainer.job
         self.rank = rank
@@ -55,19 +90,30 @@ class Checkpointing:
         self.saver = Saver(
             self.dir,
             group=group,
-            options=SaveOptions(async_=cfg.async_, keep=cfg.keep, job=self.job.name),
+            options=SaveOptions(
+                async_=cfg.async_,
+                keep=cfg.keep,
+                job=self.job.name,
+                fence=fence_from_env(os.environ if env is None else env),
+            ),
         )
         self.last_saved: int | None = None
         self.layout = json.loads(json.dumps(trainer.layout.to_dict()))
 
     @classmethod
-    def create(cls, trainer, *, group: dist.ProcessGroup | None = None) -> Checkpointing:
+    def create(
+        cls,
+        trainer,
+        *,
+        group: dist.ProcessGroup | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> Checkpointing:
         """``group``: a gloo group over the active ranks used by nothing else
         (``ProcessGroups.side("checkpoint")``). Without one, a world with no spares makes it
-        here (every rank must then call this)."""
+        here (every rank must then call this). ``env``: as for the constructor."""
         if group is not None or not dist.is_initialized():
             rank = dist.get_rank() if dist.is_initialized() else 0
-            return cls(trainer, rank=rank, group=group)
+            return cls(trainer, rank=rank, group=group, env=env)
         layout = trainer.layout
         if layout.active != dist.get_world_size():
             raise RuntimeError(
@@ -75,7 +121,7 @@ class Checkpointing:
                 "(ProcessGroups.side('checkpoint')), built by every rank"
             )
         group = dist.new_group(list(range(layout.active)), backend="gloo")
-        return cls(trainer, rank=dist.get_rank(), group=group)
+        return cls(trainer, rank=dist.get_rank(), group=group, env=env)
 
     # -- what is saved --------------------------------------------------------------------
 
