@@ -70,24 +70,39 @@ def write_json(path: str, obj: Any) -> None:
     os.replace(tmp, path)
 
 
-def write_fence(ckpt_dir: str, *, run_id: str, round_: int) -> None:
+def write_fence(ckpt_dir: str, *, run_id: str, round_: int, node_id: str = "") -> None:
     """Write the checkpoint fence of a new round, before its workers start.
 
     ``<ckpt_dir>/fence.json`` names the run and the round whose workers may commit; the
     checkpoint store refuses a commit from any other (docs/checkpoint-format.md, "Fencing"),
     so workers of a world that froze and was replaced cannot commit over the new world's
     steps. Written by every agent of the world (the same bytes; on node-local disks each
-    node fences its own copy). The agent cannot import ``checkpoint`` (it would import
-    torch), so the tiny format is written here and documented there.
+    node fences its own copy). Never lowered within a run: a stale agent that thaws and
+    writes an older round leaves the newer fence in place. The agent cannot import
+    ``checkpoint`` (it would import torch), so the tiny format is written here and
+    documented there.
     """
     os.makedirs(ckpt_dir, exist_ok=True)
     path = os.path.join(ckpt_dir, "fence.json")
-    tmp = f"{path}.{os.getpid()}.writing"  # not *.tmp: savers sweep those
+    try:
+        with open(path, encoding="utf-8") as fh:
+            current = json.load(fh)
+        if current.get("run_id") == run_id and int(current.get("round", 0)) >= round_:
+            return
+    except (OSError, ValueError, TypeError, AttributeError):
+        pass  # absent or unreadable: write ours
+    # Unique per node and process (shared storage), and not *.tmp: savers sweep those.
+    tmp = f"{path}.{node_id or 'agent'}.{os.getpid()}.writing"
     with open(tmp, "w", encoding="utf-8") as fh:
         json.dump({"run_id": run_id, "round": round_}, fh)
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
+    dir_fd = os.open(ckpt_dir, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def launch(
@@ -114,7 +129,7 @@ def launch(
     job_path = os.path.join(run_dir, "job.json")
     write_json(layout_path, layout.to_dict())
     write_json(job_path, job.to_dict())
-    write_fence(job.ckpt_dir, run_id=run_id, round_=world.round)
+    write_fence(job.ckpt_dir, run_id=run_id, round_=world.round, node_id=node.node_id)
     envs = worker_envs(
         WorkerEnvInputs(
             job=job.name, run_id=run_id, round=world.round, node_rank=node_rank,
