@@ -309,6 +309,34 @@ def _positive(where: str, path: str, value: float, *, zero_ok: bool = False) -> 
         raise JobSpecError(f"{where}: {path}: {value!r} must be {bound}")
 
 
+def _check_dir(where: str, path: str, value: str | None) -> None:
+    """A directory elasticd writes into (and `elasticd run --fresh` may delete) must be one
+    of its own: not empty, not /, the home directory, or the current directory or a parent
+    of it. Relative paths are judged from the current directory, where they resolve."""
+    if value is None:
+        return
+    if not value.strip():
+        raise JobSpecError(f"{where}: {path}: must not be empty (leave it out for the default)")
+    if value.startswith("~"):
+        raise JobSpecError(f"{where}: {path}: {value!r}: '~' is not expanded; write the path out")
+    try:
+        cwd = os.path.realpath(os.getcwd())
+    except OSError:  # the current directory was deleted: only absolute paths can be judged
+        cwd = None
+    if cwd is None and not os.path.isabs(value):
+        return
+    target = os.path.realpath(os.path.join(cwd or os.sep, value))
+    if target == os.path.realpath(os.sep):
+        raise JobSpecError(f"{where}: {path}: {value!r} is the filesystem root")
+    if target == os.path.realpath(os.path.expanduser("~")):
+        raise JobSpecError(f"{where}: {path}: {value!r} is the home directory")
+    if cwd is not None and (cwd == target or cwd.startswith(target + os.sep)):
+        raise JobSpecError(
+            f"{where}: {path}: {value!r} is the current directory or a parent of it; "
+            "name a directory of its own"
+        )
+
+
 def _check(job: JobSpec, where: str) -> None:
     """Cross-field checks: everything that makes a job impossible to run."""
     if not NAME_RE.match(job.name) or len(job.name) > 63:
@@ -398,6 +426,8 @@ def _check(job: JobSpec, where: str) -> None:
             f"{where}: train.global_batch: {t.global_batch} is not a multiple of "
             f"train.micro_batch ({t.micro_batch})"
         )
+    _check_dir(where, "output_dir", job.output_dir)
+    _check_dir(where, "checkpoint.dir", job.checkpoint.dir)
     if job.data.source == "file" and not job.data.path:
         raise JobSpecError(f"{where}: data.path: required when data.source is 'file'")
     if job.data.source == "synthetic" and job.data.path:
