@@ -1,68 +1,271 @@
-"""A whole cluster on one machine: an embedded etcd and N agents as separate processes.
+"""A whole cluster on one machine: etcd and N agents as separate processes.
 
-``elasticd run`` and the tests use it. Agents are real ``elasticd agent`` processes with
-their own state dirs; faults are injected the way the real thing happens (SIGKILL of an
-agent and its workers, SIGKILL or SIGSTOP of one worker, SIGTERM of an agent, a new agent).
+``elasticd run``, the tests and ``bench/chaos.py`` use it. Agents are real ``elasticd agent``
+processes with their own state dirs; faults are injected the way the real thing happens:
+SIGKILL of an agent and its workers, SIGKILL or SIGSTOP of one worker, SIGTERM of an agent,
+a new agent, a whole node frozen (SIGSTOP of the agent and every process under it, SIGCONT
+later), etcd stopped altogether, or one member of a 3-member etcd killed.
 Everything lives under ``<base_dir>``: ``etcd/``, ``node-<i>/`` and ``agent-<i>.log``.
+
+Faults that end by themselves (a thaw, etcd coming back) end on a timer thread, so whoever
+injected them carries on meanwhile; :attr:`LocalCluster.fault_log` records both ends.
 """
 
 from __future__ import annotations
 
 import contextlib
+import heapq
+import itertools
 import json
+import logging
+import math
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from elasticd.agent.workers import with_pdeathsig
-from elasticd.errors import UsageError
+from elasticd.errors import ElasticdError, UsageError
+from elasticd.log import kv
 
-FAULT_KINDS = ("kill-node", "kill-worker", "hang-worker", "term-node", "add-node")
-_FAULT_RE = re.compile(r"^(?P<kind>[a-z-]+)(?:=(?P<target>\d+))?@step=(?P<step>\d+)$")
+log = logging.getLogger("elasticd.localcluster")
+
+FAULT_KINDS = (
+    "kill-node", "kill-worker", "hang-worker", "term-node", "add-node", "freeze-node",
+    "etcd-outage", "kill-etcd-member", "kill-etcd-leader",
+)  # fmt: skip
+NODE_FAULTS = frozenset({"kill-node", "term-node", "freeze-node"})
+"""Faults whose target is a node index."""
+RANK_FAULTS = frozenset({"kill-worker", "hang-worker"})
+"""Faults whose target is a global rank."""
+ETCD_MEMBER_FAULTS = frozenset({"kill-etcd-member", "kill-etcd-leader"})
+"""Faults that need an etcd of several members."""
+DEFAULT_FOR = {"freeze-node": 10.0, "etcd-outage": 10.0, "kill-etcd-member": 5.0,
+               "kill-etcd-leader": 5.0}  # fmt: skip
+"""Seconds a timed fault lasts when the spec gives no ``:for=T``."""
+_NO_TARGET = frozenset({"add-node", "etcd-outage", "kill-etcd-leader"})
+MAX_FOR = 3600.0
+FAULT_SYNTAX = (
+    "kill-node=I, term-node=I, freeze-node=I[:for=T], kill-worker=RANK, hang-worker=RANK, "
+    "kill-etcd-member=I[:for=T] (each @step=S), or add-node@step=S, etcd-outage@step=S[:for=T], "
+    "kill-etcd-leader@step=S[:for=T]"
+)
+_FAULT_RE = re.compile(
+    r"^(?P<kind>[a-z-]+)(?:=(?P<target>\d+))?@step=(?P<step>\d+)(?::for=(?P<for>[^:@=]+))?$"
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Fault:
-    """One injected fault: ``kind`` of node/rank ``target`` once step ``step`` completed."""
+    """One injected fault: ``kind`` of node/rank/member ``target`` once step ``step`` completed."""
 
     kind: str
-    """kill-node, kill-worker, hang-worker, term-node or add-node."""
+    """One of FAULT_KINDS."""
     target: int | None
-    """Node index (kill-node, term-node) or global rank (kill-worker, hang-worker)."""
+    """Node index (kill-node, term-node, freeze-node), global rank (kill-worker,
+    hang-worker) or etcd member index (kill-etcd-member); None for the others."""
     step: int
     """Fire once a step >= this has completed."""
+    duration: float | None = None
+    """Seconds until the fault ends by itself (thaw, etcd restarted); timed kinds only."""
 
     def __str__(self) -> str:
         target = "" if self.target is None else f"={self.target}"
-        return f"{self.kind}{target}@step={self.step}"
+        lasts = "" if self.duration is None else f":for={self.duration:g}"
+        return f"{self.kind}{target}@step={self.step}{lasts}"
 
 
 def parse_fault(text: str) -> Fault:
-    """``kill-node=1@step=8`` → Fault; a malformed spec is a one-line UsageError."""
+    """``kill-node=1@step=8``, ``freeze-node=1@step=8:for=5`` → Fault; a malformed spec is
+    a one-line UsageError."""
     m = _FAULT_RE.match(text.strip())
     if not m or m.group("kind") not in FAULT_KINDS:
-        raise UsageError(
-            f"--fault {text!r}: expected KIND=N@step=S (KIND one of kill-node, kill-worker, "
-            "hang-worker, term-node) or add-node@step=S"
-        )
+        raise UsageError(f"--fault {text!r}: expected one of {FAULT_SYNTAX}")
     kind, target = m.group("kind"), m.group("target")
-    if kind == "add-node" and target is not None:
-        raise UsageError(f"--fault {text!r}: add-node takes no target (add-node@step=S)")
-    if kind != "add-node" and target is None:
+    if kind in _NO_TARGET and target is not None:
+        raise UsageError(f"--fault {text!r}: {kind} takes no target ({kind}@step=S)")
+    if kind not in _NO_TARGET and target is None:
         raise UsageError(f"--fault {text!r}: {kind} needs a target ({kind}=N@step=S)")
     step = int(m.group("step"))
     if step < 1:
         raise UsageError(f"--fault {text!r}: step must be >= 1")
-    return Fault(kind=kind, target=None if target is None else int(target), step=step)
+    duration = DEFAULT_FOR.get(kind)
+    if m.group("for") is not None:
+        if duration is None:
+            raise UsageError(
+                f"--fault {text!r}: {kind} takes no :for=T (it does not end by itself)"
+            )
+        try:
+            duration = float(m.group("for"))
+        except ValueError:
+            duration = math.nan
+        if not 0 < duration <= MAX_FOR:  # also catches nan
+            raise UsageError(
+                f"--fault {text!r}: for={m.group('for')} must be seconds in (0, {MAX_FOR:g}]"
+            )
+    return Fault(kind=kind, target=None if target is None else int(target), step=step,
+                 duration=duration)  # fmt: skip
+
+
+def check_plan(
+    *,
+    nodes_min: int,
+    nproc: int,
+    nodes: int,
+    faults: Sequence[Fault],
+    etcd_members: int,
+    where: str = "job.yaml",
+) -> None:
+    """Refuse, before anything starts, a local cluster that can never run the job or
+    faults that can never apply (one-line UsageErrors).
+
+    A local cluster has exactly the agents it starts plus one per add-node fault, and a
+    fault fires only once a step has completed: so the job needs ``nodes.min`` agents at
+    the start (an add-node fault cannot help it start), and a fault that removes a node
+    for good (kill-node, term-node) must leave ``nodes.min`` of them, counting the
+    add-node faults of the same step (one set for a later step never fires while the job
+    stands still).
+    """
+    if nodes < nodes_min:
+        raise UsageError(
+            f"{where}: nodes.min: the job needs {nodes_min} nodes to start, but this local "
+            f"cluster starts {nodes} (--nodes); it could never start (add-node faults fire only "
+            "after a step)"
+        )
+    most = nodes + sum(f.kind == "add-node" for f in faults)
+    for f in faults:
+        if f.kind in NODE_FAULTS and f.target >= most:  # type: ignore[operator]
+            raise UsageError(f"--fault {f}: there is no node {f.target} (nodes 0..{most - 1})")
+        if f.kind in RANK_FAULTS and f.target >= most * nproc:  # type: ignore[operator]
+            raise UsageError(
+                f"--fault {f}: there is no rank {f.target} (ranks 0..{most * nproc - 1})"
+            )
+        if f.kind in ETCD_MEMBER_FAULTS and etcd_members < 3:
+            raise UsageError(f"--fault {f}: needs an etcd of 3 members (--etcd-members 3)")
+        if f.kind == "kill-etcd-member" and f.target >= etcd_members:  # type: ignore[operator]
+            raise UsageError(
+                f"--fault {f}: there is no etcd member {f.target} (members 0..{etcd_members - 1})"
+            )
+    alive, gone = nodes, set()
+    for _, group in itertools.groupby(sorted(faults, key=lambda f: f.step), lambda f: f.step):
+        removal = None
+        for f in group:
+            if f.kind == "add-node":
+                alive += 1
+            elif f.kind in ("kill-node", "term-node") and f.target not in gone:
+                gone.add(f.target)
+                alive, removal = alive - 1, f
+        if removal is not None and alive < nodes_min:
+            raise UsageError(
+                f"--fault {removal}: leaves {alive} node{'s' * (alive != 1)}, fewer than "
+                f"{where}'s nodes.min ({nodes_min}); the job could never go on"
+            )
+
+
+# -- processes --------------------------------------------------------------------------------
+
+
+def _start_time(pid: int) -> int | None:
+    """The kernel's start time of ``pid`` (field 22 of /proc/PID/stat), or None if gone.
+    A (pid, start time) pair names one process even after the pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process under ``root`` (children, their children, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", encoding="utf-8") as fh:
+                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(name))
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _signal(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
+
+
+def _signal_same(pid: int, start: int | None, sig: int) -> bool:
+    """Signal ``pid`` only if it is still the process that started at ``start``."""
+    if start is None or _start_time(pid) != start:
+        return False
+    _signal(pid, sig)
+    return True
+
+
+class _Timer:
+    """One long-lived thread that runs delayed actions (thaws, etcd restarts) in order."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, str, Callable[[], None]]] = []
+        self._cv = threading.Condition()
+        self._seq = itertools.count()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def after(self, delay: float, name: str, action: Callable[[], None]) -> None:
+        with self._cv:
+            if self._closed:
+                return
+            heapq.heappush(self._heap, (time.monotonic() + delay, next(self._seq), name, action))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="fault-timer", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and (not self._heap or self._heap[0][0] > time.monotonic()):
+                    self._cv.wait(self._heap[0][0] - time.monotonic() if self._heap else None)
+                if self._closed:
+                    return
+                _, _, name, action = heapq.heappop(self._heap)
+            try:
+                action()
+            except Exception:  # a failed thaw or restart is logged; the next action still runs
+                log.exception("timed fault action failed", **kv(action=name))
+
+    def close(self) -> list[str]:
+        """Stop the thread; returns the names of the actions that never ran."""
+        with self._cv:
+            self._closed = True
+            dropped = [name for _, _, name, _ in sorted(self._heap)]
+            self._heap.clear()
+            self._cv.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=60)
+        return dropped
+
+
+# -- the cluster ------------------------------------------------------------------------------
 
 
 @dataclass(kw_only=True, slots=True)
 class LocalCluster:
-    """An embedded etcd and agents on loopback."""
+    """An etcd (one embedded member, or ``etcd_members`` of a loopback cluster) and agents."""
 
     base_dir: str
     """Where etcd data, agent state dirs and agent logs go."""
@@ -74,25 +277,46 @@ class LocalCluster:
     """Environment of the agents."""
     python: str = sys.executable
     """Interpreter that runs the agents."""
-    etcd: object | None = None
-    """The EmbeddedEtcd, once started."""
+    etcd_members: int = 1
+    """1: one embedded etcd; 3 (or 5): an EtcdCluster, every agent given every member."""
+    etcd: Any = None
+    """The EmbeddedEtcd or EtcdCluster, once started."""
     metrics: bool = False
     """Serve each agent's Prometheus metrics on a free port (see ``metrics_ports``)."""
     agents: list[subprocess.Popen] = field(default_factory=list)
     """Agent processes by node index."""
     metrics_ports: list[int] = field(default_factory=list)
     """Each agent's metrics port (0: off)."""
+    fault_log: list[dict[str, Any]] = field(default_factory=list)
+    """One record per injected fault: ``fault``, ``kind``, ``t``, ``detail``, and ``end``
+    (``{"t", "detail"}``) once a timed fault is over. Read it under ``lock``."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    """Guards ``fault_log`` and the frozen-node table against the timer thread."""
+    _frozen: dict[int, list[tuple[int, int | None]]] = field(default_factory=dict)
+    _timer: _Timer = field(default_factory=_Timer)
 
     @property
     def endpoint(self) -> str:
+        """Every etcd member's ``host:port``, comma-separated (what agents get as --etcd)."""
         assert self.etcd is not None
-        return self.etcd.endpoint  # type: ignore[attr-defined]
+        return ",".join(self.endpoints)
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        assert self.etcd is not None
+        return tuple(self.etcd.endpoints) if self.etcd_members > 1 else (self.etcd.endpoint,)
 
     def start(self, nodes: int) -> LocalCluster:
-        from elasticd.etcd import EmbeddedEtcd
+        from elasticd.etcd import EmbeddedEtcd, EtcdCluster
 
+        if self.etcd_members < 1 or self.etcd_members % 2 == 0:
+            raise UsageError(f"--etcd-members: {self.etcd_members} must be an odd number >= 1")
         os.makedirs(self.base_dir, exist_ok=True)
-        self.etcd = EmbeddedEtcd(data_dir=os.path.join(self.base_dir, "etcd")).start()
+        data = os.path.join(self.base_dir, "etcd")
+        if self.etcd_members == 1:
+            self.etcd = EmbeddedEtcd(data_dir=data).start()
+        else:
+            self.etcd = EtcdCluster(base_dir=data, size=self.etcd_members).start()
         for _ in range(nodes):
             self.add_node()
         return self
@@ -112,20 +336,26 @@ class LocalCluster:
             "--nproc-per-node", str(self.nproc), "--state-dir", self.state_dir(index),
             "--metrics-port", str(port), "--allow-commands",  # a local cluster runs its user's own jobs
         ]  # fmt: skip
-        log = open(os.path.join(self.base_dir, f"agent-{index}.log"), "ab")  # noqa: SIM115
-        with log:
+        log_file = open(os.path.join(self.base_dir, f"agent-{index}.log"), "ab")  # noqa: SIM115
+        with log_file:
             proc = subprocess.Popen(
                 with_pdeathsig(argv, self.python),  # agents go when `elasticd run` goes
                 cwd=self.cwd,
                 env={**self.env, "ELASTICD_ETCD": self.endpoint},
                 stdin=subprocess.DEVNULL,
-                stdout=log,
+                stdout=log_file,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
         self.agents.append(proc)
         self.metrics_ports.append(port)
         return index
+
+    def alive_nodes(self) -> list[int]:
+        """Indices of agents that run and are not frozen."""
+        with self.lock:
+            frozen = set(self._frozen)
+        return [i for i, p in enumerate(self.agents) if p.poll() is None and i not in frozen]
 
     def worker_pids(self, index: int) -> dict[int, int]:
         """Global rank → pid of node ``index``'s current workers."""
@@ -135,21 +365,19 @@ class LocalCluster:
         except (OSError, ValueError, KeyError):
             return {}
 
-    def _signal_pid(self, pid: int, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
+    # -- node and worker faults ---------------------------------------------------------------
 
     def kill_node(self, index: int) -> None:
         """SIGKILL the agent and its workers, as a machine dying would."""
         pids = self.worker_pids(index)
-        self._signal_pid(self.agents[index].pid, signal.SIGKILL)
+        _signal(self.agents[index].pid, signal.SIGKILL)
         for pid in pids.values():
-            self._signal_pid(pid, signal.SIGKILL)
+            _signal(pid, signal.SIGKILL)
         self.agents[index].wait(timeout=10)
 
     def term_node(self, index: int) -> None:
         """SIGTERM the agent: a preemption (systemd stop, Kubernetes eviction)."""
-        self._signal_pid(self.agents[index].pid, signal.SIGTERM)
+        _signal(self.agents[index].pid, signal.SIGTERM)
 
     def _rank_pid(self, rank: int) -> int:
         for index in range(len(self.agents)):
@@ -159,46 +387,176 @@ class LocalCluster:
         raise UsageError(f"no live worker has global rank {rank}")
 
     def kill_worker(self, rank: int) -> None:
-        self._signal_pid(self._rank_pid(rank), signal.SIGKILL)
+        _signal(self._rank_pid(rank), signal.SIGKILL)
 
     def hang_worker(self, rank: int) -> None:
         """SIGSTOP one worker: it stops reporting progress and its peers block."""
-        self._signal_pid(self._rank_pid(rank), signal.SIGSTOP)
+        _signal(self._rank_pid(rank), signal.SIGSTOP)
 
-    def inject(self, fault: Fault) -> None:
-        if fault.kind == "kill-node":
-            self.kill_node(self._node(fault))
-        elif fault.kind == "term-node":
-            self.term_node(self._node(fault))
-        elif fault.kind == "kill-worker":
-            self.kill_worker(int(fault.target))  # type: ignore[arg-type]
-        elif fault.kind == "hang-worker":
-            self.hang_worker(int(fault.target))  # type: ignore[arg-type]
-        else:
-            self.add_node()
+    def freeze_node(self, index: int) -> list[int]:
+        """SIGSTOP the agent and every process under it, as a VM paused or a machine stuck
+        in the kernel would be; returns the pids stopped. :meth:`thaw_node` undoes it."""
+        agent = self.agents[index]
+        if agent.poll() is not None:
+            raise UsageError(f"node {index} is not running (its agent exited)")
+        with self.lock:
+            if index in self._frozen:
+                raise UsageError(f"node {index} is frozen already")
+            frozen = [(agent.pid, _start_time(agent.pid))]
+            _signal(agent.pid, signal.SIGSTOP)  # first, so it starts no new worker meanwhile
+            # A worker may have been forking while we looked; look again until nothing is new.
+            for _ in range(5):
+                new = [p for p in _descendants(agent.pid) if p not in {q for q, _ in frozen}]
+                if not new:
+                    break
+                for pid in new:
+                    frozen.append((pid, _start_time(pid)))
+                    _signal(pid, signal.SIGSTOP)
+            self._frozen[index] = frozen
+        return [pid for pid, _ in frozen]
+
+    def thaw_node(self, index: int) -> int:
+        """SIGCONT what :meth:`freeze_node` stopped (those processes still alive); returns
+        how many were continued."""
+        with self.lock:
+            frozen = self._frozen.pop(index, [])
+        # Workers first, the agent last: it then finds its workers running, as after a pause.
+        return sum(_signal_same(pid, start, signal.SIGCONT) for pid, start in reversed(frozen))
+
+    # -- etcd faults ----------------------------------------------------------------------------
+
+    def _members(self) -> list[Any]:
+        return list(self.etcd.members) if self.etcd_members > 1 else [self.etcd]
+
+    def stop_etcd(self) -> None:
+        """Stop every etcd member (SIGTERM), keeping data dirs and ports."""
+        for m in self._members():
+            m.stop()
+
+    def restart_etcd(self, timeout: float = 30.0) -> None:
+        """Start every stopped member again on its data dir and ports; wait for health.
+
+        Run from the timer thread, the members are not tied to this process's death (the
+        kernel's parent-death signal follows the forking thread); :meth:`stop` stops them.
+        """
+        members = self._members()
+        for m in members:
+            m.spawn()
+        for m in members:
+            m.wait_healthy(timeout)
+
+    def kill_etcd_member(self, index: int) -> str:
+        """SIGKILL one member, as a crash would; returns its name."""
+        if self.etcd_members < 3:
+            raise UsageError("killing an etcd member needs an etcd of 3 members")
+        self.etcd.kill(index)
+        return self.etcd.members[index].name
+
+    def etcd_leader(self) -> int:
+        """Index of the member that leads now."""
+        leader = self.etcd.leader()
+        return self.etcd.members.index(leader)
+
+    # -- injection ------------------------------------------------------------------------------
+
+    def inject(self, fault: Fault) -> dict[str, Any]:
+        """Inject ``fault`` now; timed faults end on the timer thread. Returns its record in
+        :attr:`fault_log` (``skipped`` set when it could not apply, e.g. no such rank now)."""
+        record: dict[str, Any] = {"fault": str(fault), "kind": fault.kind, "t": time.time(),
+                                  "detail": "", "end": None}  # fmt: skip
+        try:
+            record["detail"] = self._inject(fault, record)
+        except ElasticdError as exc:
+            record["skipped"] = True
+            record["detail"] = f"not injected: {exc}"
+        with self.lock:
+            self.fault_log.append(record)
+        return record
+
+    def _inject(self, fault: Fault, record: dict[str, Any]) -> str:
+        kind, target, lasts = fault.kind, fault.target, fault.duration or 0.0
+        if kind in NODE_FAULTS:
+            index = self._node(fault)
+            if kind == "kill-node":
+                self.kill_node(index)
+                return f"node {index}: agent and workers SIGKILLed"
+            if kind == "term-node":
+                self.term_node(index)
+                return f"node {index}: agent SIGTERMed"
+            pids = self.freeze_node(index)
+            self._later(lasts, record, f"thaw node {index}",
+                        lambda: f"node {index} thawed ({self.thaw_node(index)} processes)")  # fmt: skip
+            return f"node {index} frozen ({len(pids)} processes: {' '.join(map(str, pids))})"
+        if kind == "kill-worker":
+            self.kill_worker(int(target))  # type: ignore[arg-type]
+            return f"rank {target} SIGKILLed"
+        if kind == "hang-worker":
+            self.hang_worker(int(target))  # type: ignore[arg-type]
+            return f"rank {target} SIGSTOPped"
+        if kind == "add-node":
+            return f"node {self.add_node()} started"
+        if kind == "etcd-outage":
+            self.stop_etcd()
+            self._later(lasts, record, "restart etcd", self._etcd_back)
+            return f"etcd stopped ({len(self._members())} member(s))"
+        index = self.etcd_leader() if kind == "kill-etcd-leader" else int(target)  # type: ignore[arg-type]
+        if not 0 <= index < self.etcd_members:
+            raise UsageError(f"there is no etcd member {index}")
+        name = self.kill_etcd_member(index)
+        self._later(lasts, record, f"restart etcd member {name}",
+                    lambda: self._member_back(index))  # fmt: skip
+        return f"etcd member {index} ({name}) SIGKILLed"
+
+    def _etcd_back(self) -> str:
+        t0 = time.time()
+        self.restart_etcd()
+        return f"etcd restarted, healthy after {time.time() - t0:.2f}s"
+
+    def _member_back(self, index: int) -> str:
+        t0 = time.time()
+        self.etcd.restart(index)
+        return f"etcd member {index} restarted, healthy after {time.time() - t0:.2f}s"
+
+    def _later(
+        self, delay: float, record: dict[str, Any], name: str, action: Callable[[], str]
+    ) -> None:
+        def end() -> None:
+            try:
+                detail = action()
+            except ElasticdError as exc:
+                detail = f"{name} failed: {exc}"
+            with self.lock:
+                record["end"] = {"t": time.time(), "detail": detail}
+
+        self._timer.after(delay, name, end)
 
     def _node(self, fault: Fault) -> int:
         index = int(fault.target)  # type: ignore[arg-type]
         if not 0 <= index < len(self.agents):
-            raise UsageError(f"--fault {fault}: there is no node {index}")
+            raise UsageError(f"there is no node {index}")
         return index
 
     def stop(self, grace: float = 20.0) -> None:
-        """SIGTERM every agent, wait, SIGKILL stragglers, stop etcd."""
+        """Thaw frozen nodes, SIGTERM every agent, wait, SIGKILL stragglers, stop etcd."""
+        self._timer.close()  # pending thaws run just below; pending etcd restarts are moot
+        with self.lock:
+            frozen = list(self._frozen)
+        for index in frozen:
+            self.thaw_node(index)
         for proc in self.agents:
             if proc.poll() is None:
-                self._signal_pid(proc.pid, signal.SIGTERM)
+                _signal(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
         for proc in self.agents:
             try:
                 proc.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                self._signal_pid(proc.pid, signal.SIGKILL)
+                _signal(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
         # Workers need no sweep: each carries a parent-death SIGKILL, which reaches even a
         # SIGSTOPped one. (Killing pids from workers.json here could hit a reused pid.)
         if self.etcd is not None:
-            self.etcd.stop()  # type: ignore[attr-defined]
+            self.etcd.stop()
             self.etcd = None
 
     def __enter__(self) -> LocalCluster:
@@ -206,6 +564,9 @@ class LocalCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+# -- metrics.jsonl ------------------------------------------------------------------------------
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -221,3 +582,317 @@ def read_metrics(path: str) -> list[dict]:
     except OSError:
         pass
     return out
+
+
+@dataclass(kw_only=True, slots=True)
+class MetricsTail:
+    """Reads the records appended to a metrics.jsonl since the last call (a long job's file
+    is not re-read whole on every poll). A line not yet ended by a newline waits."""
+
+    path: str
+    """The metrics.jsonl."""
+    offset: int = 0
+    """Bytes consumed so far."""
+
+    @classmethod
+    def at_end(cls, path: str) -> MetricsTail:
+        """A tail that skips what the file holds now (a resumed run's old records)."""
+        try:
+            return cls(path=path, offset=os.path.getsize(path))
+        except OSError:
+            return cls(path=path)
+
+    def new(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read()
+        except OSError:
+            return []
+        end = data.rfind(b"\n") + 1
+        self.offset += end
+        out = []
+        for line in data[:end].splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
+
+
+# -- following one job on a local cluster (`elasticd run`, bench/chaos.py) ----------------------
+
+OUTPUT_MARKER = ".elasticd-output"
+"""The file ``elasticd run`` leaves in an output dir it made; ``--fresh`` deletes only those."""
+_OWN_NAMES = frozenset({"metrics.jsonl", "logs", "ckpt", "cluster", OUTPUT_MARKER})
+
+
+def _refuse_precious(path: str, what: str) -> None:
+    """Never delete /, the home directory, the current directory or one of its parents."""
+    real = os.path.realpath(path)
+    cwd = os.path.realpath(os.getcwd())
+    if real == os.path.realpath(os.sep) or real == os.path.realpath(os.path.expanduser("~")):
+        raise UsageError(f"{what}: refusing to delete {path}")
+    if cwd == real or cwd.startswith(real.rstrip(os.sep) + os.sep):
+        raise UsageError(f"{what}: refusing to delete {path}: it holds the current directory")
+
+
+def prepare_output_dir(path: str, *, fresh: bool) -> None:
+    """Create ``path`` (after deleting it with ``fresh``) and mark it as elasticd's.
+
+    ``fresh`` deletes only a directory that carries :data:`OUTPUT_MARKER`. The marker is
+    written into a directory this call creates, or one that holds nothing but what
+    elasticd itself writes there (an older run's output), never into a directory with
+    other files in it, so that ``--fresh`` cannot delete someone's own files later.
+    """
+    path = os.path.abspath(path)
+    if fresh and os.path.lexists(path):
+        _refuse_precious(path, "--fresh")
+        if os.path.islink(path) or not os.path.isdir(path):
+            raise UsageError(f"--fresh: {path} is not a directory elasticd made; not deleted")
+        if not os.path.isfile(os.path.join(path, OUTPUT_MARKER)):
+            raise UsageError(
+                f"--fresh: {path} was not made by elasticd (no {OUTPUT_MARKER} in it); "
+                "delete it yourself or choose another output_dir"
+            )
+        import shutil
+
+        shutil.rmtree(path)
+    try:
+        os.makedirs(path, exist_ok=True)
+        if set(os.listdir(path)) <= _OWN_NAMES:
+            marker = os.path.join(path, OUTPUT_MARKER)
+            if not os.path.exists(marker):
+                with open(marker, "w", encoding="utf-8") as fh:
+                    fh.write("made by elasticd run; `elasticd run --fresh` may delete this dir\n")
+    except OSError as exc:
+        raise UsageError(f"output_dir: cannot use {path}: {exc.strerror or exc}") from exc
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunView:
+    """What a fault source sees on each poll of :func:`run_cluster`."""
+
+    step: int
+    """Highest step completed in this run so far."""
+    records: list[dict]
+    """metrics.jsonl records appended since the last poll, in order."""
+    record: Any
+    """The job's JobRecord as last read (None before the first read)."""
+    etcd_up: bool
+    """Whether the last registry read answered."""
+    cluster: LocalCluster
+    """The cluster (alive nodes, worker pids, fault log)."""
+    client: Any
+    """The etcd client run_cluster uses."""
+
+
+class AtSteps:
+    """The ``--fault`` list: each fault fires once a step >= its ``step`` has completed."""
+
+    def __init__(self, faults: Sequence[Fault]) -> None:
+        self._pending = sorted(faults, key=lambda f: f.step)
+
+    def due(self, view: RunView) -> list[Fault]:
+        out = []
+        while self._pending and view.step >= self._pending[0].step:
+            out.append(self._pending.pop(0))
+        return out
+
+
+def run_cluster(
+    job: Any,
+    *,
+    nodes: int,
+    faults: Sequence[Fault] | Any,
+    timeout: float,
+    out: Any,
+    etcd_members: int = 1,
+    poll: float = 0.02,
+) -> dict[str, Any]:
+    """Start the cluster, submit ``job``, inject ``faults`` (a list, fired by step, or an
+    object with ``due(RunView) -> list[Fault]``), follow the job to its end.
+
+    Returns the job's final record as a dict, with ``faults`` (each injected fault's record,
+    both ends of the timed ones) and ``metrics`` (the records this run appended).
+    """
+    from elasticd.etcd import connect
+    from elasticd.jobs import JobRegistry, JobState
+
+    source = AtSteps(faults) if isinstance(faults, Sequence) else faults
+    base = os.path.join(job.out_dir, "cluster")
+    tail = MetricsTail.at_end(os.path.join(job.out_dir, "metrics.jsonl"))
+    records: list[dict] = []
+    cluster = LocalCluster(base_dir=base, nproc=job.nproc_per_node, etcd_members=etcd_members)
+    record, timed_out, step, announced = None, False, 0, 0
+    with cluster:
+        cluster.start(nodes)
+        what = "etcd" if etcd_members == 1 else f"etcd cluster ({etcd_members} members)"
+        out.write(f"local cluster: {what} {cluster.endpoint}, {nodes} agents, logs in {base}\n")
+        # A short client timeout keeps the loop (and the faults) going while etcd is away.
+        config = cluster.etcd.client_config(timeout=1.0, request_timeout=0.5)
+        with connect(config) as client:
+            registry = JobRegistry(client)
+            _wait_for_agents(client, cluster, nodes, timeout=60.0)
+            registry.submit(job, replace=True)
+            deadline = time.monotonic() + timeout
+            last_line, etcd_up = "", True
+            while True:
+                new = tail.new()
+                records.extend(new)
+                step = max([step, *(int(r.get("step", 0)) for r in new)])
+                try:
+                    record, etcd_up = registry.get(job.name), True
+                except ElasticdError:
+                    etcd_up = False
+                view = RunView(step=step, records=new, record=record, etcd_up=etcd_up,
+                               cluster=cluster, client=client)  # fmt: skip
+                for fault in source.due(view):
+                    fired = cluster.inject(fault)
+                    fired["step"] = step
+                    out.write(f"fault {_verb(fired)}: {fault} (at step {step}){_detail(fired)}\n")
+                announced = _announce_ends(cluster, announced, out)
+                line = _progress(record, step) if etcd_up else f"  etcd unreachable: step {step}"
+                if line != last_line:
+                    out.write(line + "\n")
+                    out.flush()
+                    last_line = line
+                if record is not None and etcd_up and record.state.terminal:
+                    break
+                if time.monotonic() > deadline:
+                    timed_out = True
+                    reason = f"timed out after {timeout:g} s"
+                    with contextlib.suppress(ElasticdError):
+                        registry.set_state(job.name, JobState.CANCELLED, reason)
+                    out.write(f"{reason}; job cancelled\n")
+                    time.sleep(2)
+                    with contextlib.suppress(ElasticdError):
+                        record = registry.get(job.name)
+                    break
+                time.sleep(poll)  # faults fire within a step or two of the one asked for
+    _announce_ends(cluster, announced, out)
+    final = record.to_dict() if record is not None else {"name": job.name, "state": "unknown"}
+    if timed_out:
+        final["timed_out"] = timeout
+    with cluster.lock:
+        final["faults"] = [dict(f) for f in cluster.fault_log]
+    records.extend(tail.new())
+    final["metrics"] = records
+    return final
+
+
+def _verb(fired: dict[str, Any]) -> str:
+    return "skipped" if fired.get("skipped") else "injected"
+
+
+def _detail(fired: dict[str, Any]) -> str:
+    """What a fault did, where its spec does not say it all (whom it froze, which member)."""
+    plain = fired["kind"] in ("kill-node", "term-node", "kill-worker", "hang-worker", "add-node")
+    return "" if plain and not fired.get("skipped") else f": {fired['detail']}"
+
+
+def _announce_ends(cluster: LocalCluster, announced: int, out: Any) -> int:
+    """Print the end of each timed fault once; returns how many faults are settled."""
+    with cluster.lock:
+        log_ = list(cluster.fault_log)
+    while announced < len(log_):
+        f = log_[announced]
+        if f.get("skipped") or DEFAULT_FOR.get(f["kind"]) is None:
+            announced += 1
+            continue
+        if f["end"] is None:
+            break
+        out.write(f"fault over: {f['fault']}: {f['end']['detail']} "
+                  f"({f['end']['t'] - f['t']:.2f}s after it began)\n")  # fmt: skip
+        announced += 1
+    return announced
+
+
+def _wait_for_agents(client: Any, cluster: LocalCluster, nodes: int, *, timeout: float) -> None:
+    """Submit only once every agent registered, so the first world has all of them."""
+    from elasticd.agent.daemon import NODES_PREFIX
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with contextlib.suppress(ElasticdError):
+            if len(client.get_prefix(NODES_PREFIX)[0]) >= nodes:
+                return
+        for index, proc in enumerate(cluster.agents):
+            if proc.poll() is not None:
+                path = os.path.join(cluster.base_dir, f"agent-{index}.log")
+                with open(path, encoding="utf-8", errors="replace") as fh:
+                    last = (fh.read().strip().splitlines() or ["(empty log)"])[-1]
+                raise UsageError(
+                    f"local cluster: agent {index} exited with {proc.returncode}: {last}"
+                )
+        if time.monotonic() > deadline:
+            raise UsageError(f"local cluster: {nodes} agents did not register within {timeout:g} s")
+        time.sleep(0.1)
+
+
+def _progress(record: Any, step: int) -> str:
+    if record is None:
+        return f"  submitting: step {step}"
+    st = record.status
+    total = record.spec.get("train", {}).get("steps")
+    return (
+        f"  {record.state}: step {step}/{total} world {st.get('world', '-')} "
+        f"round {st.get('round', '-')} restarts {st.get('restarts', 0)}"
+    )
+
+
+PART_ORDER = ("stop", "rendezvous", "spawn", "pg_init", "ckpt_load", "first_step")
+
+
+def print_summary(result: dict[str, Any], *, out: Any) -> None:
+    """Steps, world changes, restarts, each fault (both ends of timed ones), and each
+    recovery's time with its parts."""
+    status = result.get("status", {})
+    history = status.get("history", [])
+    metrics = result.get("metrics", [])
+    last_by_step = {int(r["step"]): r for r in metrics if "step" in r}
+    out.write(f"\njob {result.get('name')}: {result.get('state')}")
+    out.write(f" ({result.get('reason')})\n" if result.get("reason") else "\n")
+    if result.get("timed_out") and result.get("state") != "cancelled":
+        out.write(f"  timed out after {result['timed_out']:g} s (the job could not be cancelled)\n")
+    final_loss = last_by_step[max(last_by_step)].get("loss") if last_by_step else None
+    out.write(f"  steps completed: {max(last_by_step, default=0)}  final loss: {final_loss}\n")
+    worlds = [e for e in history if e.get("kind") == "world"]
+    changes = " -> ".join(
+        f"{e['world']} ({e.get('layout', '')}, round {e['round']})" for e in worlds
+    )
+    out.write(f"  worlds: {changes or '-'}\n")
+    out.write(
+        f"  restarts (worker failures): {status.get('restarts', 0)}  "
+        f"re-forms: {status.get('reforms', 0)}\n"
+    )
+    faults = result.get("faults", [])
+    for f in faults:
+        line = f"  fault {f['fault']} at step {f.get('step', '?')}{_detail(f)}"
+        if f.get("end"):
+            line += f"; {f['end']['detail']} {f['end']['t'] - f['t']:.2f}s later"
+        out.write(line + "\n")
+    injected = [f for f in faults if not f.get("skipped")]
+    failures = {e["round"]: e for e in history if e.get("kind") == "failure"}
+    for e in history:
+        if e.get("kind") != "recovery":
+            continue
+        cause = failures.get(e["round"] - 1, {})
+        got = e.get("parts", {})
+        parts = ", ".join(f"{k} {got[k]:.2f}s" for k in PART_ORDER if k in got)
+        fault_t = _fault_before(injected, e.get("detected_at", 0))
+        if fault_t:  # the injected fault's time is known: count from it
+            detection = e["detected_at"] - fault_t
+            total = f"{detection + e['seconds']:.2f}s from the fault = detection {detection:.2f}s, "
+        else:
+            total = f"{e['seconds']:.2f}s from detection = "
+        out.write(
+            f"  recovery into round {e['round']} ({e.get('reason')}"
+            f"{': ' + cause.get('detail', '') if cause.get('detail') else ''}): "
+            f"{total}{parts}\n"
+        )
+
+
+def _fault_before(faults: list[dict[str, Any]], t: float) -> float | None:
+    times = [f["t"] for f in faults if f["t"] <= t]
+    return max(times) if times else None
