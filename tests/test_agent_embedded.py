@@ -31,7 +31,7 @@ def test_an_agent_without_etcd_starts_an_embedded_one_and_runs_a_job(tmp_path):
     with open(log_path, "wb") as log:
         agent = subprocess.Popen(
             [sys.executable, "-m", "elasticd", "agent", "--node-id", "solo", "--addr", "127.0.0.1",
-             "--state-dir", str(tmp_path / "state"), "--metrics-port", "0"],
+             "--state-dir", str(tmp_path / "state"), "--metrics-port", "0", "--allow-commands"],
             env=env, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:
