@@ -215,7 +215,9 @@ def _signal_same(pid: int, start: int | None, sig: int) -> bool:
 
 
 class _Timer:
-    """One long-lived thread that runs delayed actions (thaws, etcd restarts) in order."""
+    """One long-lived thread that starts delayed actions (thaws, etcd restarts) when due,
+    each on a thread of its own, so that an etcd member slow to come back does not hold
+    up a thaw."""
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, str, Callable[[], None]]] = []
@@ -242,10 +244,14 @@ class _Timer:
                 if self._closed:
                     return
                 _, _, name, action = heapq.heappop(self._heap)
-            try:
-                action()
-            except Exception:  # a failed thaw or restart is logged; the next action still runs
-                log.exception("timed fault action failed", **kv(action=name))
+            threading.Thread(target=self._run, args=(name, action), name=name, daemon=True).start()
+
+    @staticmethod
+    def _run(name: str, action: Callable[[], None]) -> None:
+        try:
+            action()
+        except Exception:  # a failed thaw or restart is logged; the others still run
+            log.exception("timed fault action failed", **kv(action=name))
 
     def close(self) -> list[str]:
         """Stop the thread; returns the names of the actions that never ran."""
@@ -294,6 +300,10 @@ class LocalCluster:
     """Guards ``fault_log`` and the frozen-node table against the timer thread."""
     _frozen: dict[int, list[tuple[int, int | None]]] = field(default_factory=dict)
     _timer: _Timer = field(default_factory=_Timer)
+    _etcd_lock: threading.Lock = field(default_factory=threading.Lock)
+    """Serialises starting and stopping etcd members (the timer's restarts, an outage)."""
+    _closing: bool = False
+    """Set by stop(): a pending restart must not start an etcd nobody will stop."""
 
     @property
     def endpoint(self) -> str:
@@ -430,26 +440,32 @@ class LocalCluster:
 
     def stop_etcd(self) -> None:
         """Stop every etcd member (SIGTERM), keeping data dirs and ports."""
-        for m in self._members():
-            m.stop()
+        with self._etcd_lock:
+            for m in self._members():
+                m.stop()
 
-    def restart_etcd(self, timeout: float = 30.0) -> None:
-        """Start every stopped member again on its data dir and ports; wait for health.
+    def restart_etcd(self, index: int | None = None, timeout: float = 30.0) -> None:
+        """Start member ``index`` (or every member) again on its data dir and ports, if it
+        is not running; wait until it answers.
 
-        Run from the timer thread, the members are not tied to this process's death (the
+        Run from a timer thread, the members are not tied to this process's death (the
         kernel's parent-death signal follows the forking thread); :meth:`stop` stops them.
         """
-        members = self._members()
-        for m in members:
-            m.spawn()
-        for m in members:
+        members = self._members() if index is None else [self.etcd.members[index]]
+        with self._etcd_lock:
+            if self._closing:
+                raise UsageError("the local cluster is stopping")
+            for m in members:
+                m.spawn()
+        for m in members:  # outside the lock: an outage may stop them meanwhile
             m.wait_healthy(timeout)
 
     def kill_etcd_member(self, index: int) -> str:
         """SIGKILL one member, as a crash would; returns its name."""
         if self.etcd_members < 3:
             raise UsageError("killing an etcd member needs an etcd of 3 members")
-        self.etcd.kill(index)
+        with self._etcd_lock:
+            self.etcd.kill(index)
         return self.etcd.members[index].name
 
     def etcd_leader(self) -> int:
@@ -514,7 +530,7 @@ class LocalCluster:
 
     def _member_back(self, index: int) -> str:
         t0 = time.time()
-        self.etcd.restart(index)
+        self.restart_etcd(index)
         return f"etcd member {index} restarted, healthy after {time.time() - t0:.2f}s"
 
     def _later(
@@ -538,6 +554,8 @@ class LocalCluster:
 
     def stop(self, grace: float = 20.0) -> None:
         """Thaw frozen nodes, SIGTERM every agent, wait, SIGKILL stragglers, stop etcd."""
+        with self._etcd_lock:
+            self._closing = True
         self._timer.close()  # pending thaws run just below; pending etcd restarts are moot
         with self.lock:
             frozen = list(self._frozen)
@@ -556,7 +574,8 @@ class LocalCluster:
         # Workers need no sweep: each carries a parent-death SIGKILL, which reaches even a
         # SIGSTOPped one. (Killing pids from workers.json here could hit a reused pid.)
         if self.etcd is not None:
-            self.etcd.stop()
+            with self._etcd_lock:
+                self.etcd.stop()
             self.etcd = None
 
     def __enter__(self) -> LocalCluster:

@@ -299,17 +299,9 @@ class EtcdCluster:
             time.sleep(0.05)
 
     def kill(self, index: int) -> None:
-        """SIGKILL member ``index``, as a crash would (:meth:`restart` brings it back)."""
+        """SIGKILL member ``index``, as a crash would (its ``spawn()`` brings it back on the
+        same data dir and ports)."""
         self.members[index].kill()
-
-    def restart(self, index: int | None = None, timeout: float = 30.0) -> None:
-        """Start member ``index`` (or every member) again on its data dir and ports, after a
-        kill or :meth:`stop`, and wait until it answers. A member that runs is left alone."""
-        members = self.members if index is None else [self.members[index]]
-        for m in members:
-            m.spawn()
-        for m in members:
-            m.wait_healthy(timeout)
 
     def stop(self) -> None:
         for m in self.members:
