@@ -56,6 +56,7 @@ def assert_soak_held(report: dict, *, faults: int) -> None:
     assert losses["mismatch_count"] == 0, losses["mismatches"]
 
 
+@pytest.mark.slow  # not yet verified through pytest in the default suite (5-6 min); see the issue note
 @pytest.mark.timeout(2400)
 def test_a_short_chaos_soak_keeps_every_checkpoint_and_the_uninterrupted_losses(tmp_path):
     report = soak(tmp_path, seed=1, minutes=3)

@@ -210,6 +210,11 @@ class Agent:
             holder = self._client.get(key)
             if holder is None:
                 continue  # it just expired: try again
+            if holder.lease == lease:
+                # A retried create whose first reply was lost: the record is ours already.
+                self._lease = lease
+                self._client.keeper().add(lease, c.node_ttl / 3, self._on_node_lease_lost)
+                return
             try:
                 other = json.loads(holder.value)
             except ValueError:
@@ -296,7 +301,9 @@ class Agent:
                 except ElasticdError as exc:
                     log.warning("reconcile failed; retrying", **kv(error=str(exc)))
                     timeout = 1.0
-                self._wake.wait(timeout)
+                # Bounded: a signal delivered to another thread must not leave the main
+                # thread parked forever (the loop reads no etcd, only the local mirror).
+                self._wake.wait(1.0 if timeout is None else min(timeout, 1.0))
             log.info("agent stopping (preempted)", **kv(node=self.config.node_id))
             self._join_runners()
             return 0
