@@ -14,21 +14,64 @@ of the rendezvous state no longer lists the dead node. We sync every 0.1 s, far 
 often than torch does (it syncs on its 5 s heartbeat), so the c10d figure is a lower
 bound.
 
+Part 3 (scale) — a job submitted to N idle elasticd agents until their world forms
+(N = 256 and 1,024 by default; etcd-v3 only, c10d did not form 256 within minutes), with
+the agents' own registry traffic included. Each simulated agent does what
+``elasticd.agent`` does: a node record ``/elasticd/nodes/<id>`` created if absent (a txn
+comparing version == 0) on its own lease (TTL 5 s), refreshed every ttl/3; one watch on
+``/elasticd/jobs/`` and one on ``/elasticd/nodes/``. The parent submits the job as
+``elasticd submit`` writes it (spec, state, status in one txn); each agent sees it through
+its jobs watch, optionally re-publishes its node record (``--republish``: the agent does
+so when it takes a job, and every agent's nodes watch sees every one of those N puts),
+and joins the job's rendezvous with a real ``EtcdRendezvous`` (retrying after 1 s if etcd
+does not answer, as the agent's ``JobRunner`` does). Formed = every ``next_world``
+returned, timed from the submission. Printed with it: the etcd requests made meanwhile
+(every gRPC message etcd received: calls, watch creates, lease keep-alives; from its
+``/metrics``, ``grpc_server_msg_received_total`` after minus before), the watch events it
+sent (``etcd_debugging_mvcc_events_total``), leases that expired, and the CPU seconds the
+simulated nodes and etcd used meanwhile.
+
+How 1,024 agents fit on a small machine: they are threads in ``--scale-procs`` processes
+(8), 32 agents per etcd connection (a real agent has its own), sharing the connection's
+keep-alive stream as the agent's own client does. Three things are the simulator's, not
+the agents', and are changed so that the cores go to the rendezvous being measured:
+
+- the agents are registered and their views filled before the clock starts, from one
+  read of ``nodes/`` per process instead of one per agent (untimed either way);
+- the registry watches of the agents on one connection share one gRPC Watch stream (etcd
+  still holds one watcher per agent and prefix and sends each the same events; etcd's
+  Go client multiplexes watches the same way);
+- gRPC Python wakes each thread blocked on a stream every 0.1 s; the scale part's
+  processes make that every 5 s (waits still end at once when data arrives).
+
+The rendezvous itself is the real code, a stream per watch. Even so every node's client
+work lands on the same cores: on two cores 256 nodes used about 3 CPU seconds of
+simulated-node time to form, so 1,024 cannot form there in 3 s however fast the protocol
+is; their leases starve and expire instead (the ``leases lost`` column). Run the scale
+part on a machine with more cores for that figure.
+
     python bench/rendezvous.py [--sizes 8,64,256] [--procs 4] [--detect-nodes 4]
-                               [--parts formation,detection]
+                               [--nodes 256,1024] [--scale-procs 8]
+                               [--republish idle|republish|both] [--limit S]
+                               [--parts formation,detection,scale]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import multiprocessing as mp
 import os
+import queue
 import signal
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -101,6 +144,312 @@ def _worker(kind, endpoint, run_id, names, n, detect, go, results) -> None:
     # Run until the parent terminates us. (No shared "stop" event: a multiprocessing
     # Event's set() waits for every sleeper, and the SIGKILLed node never wakes.)
     threading.Event().wait()
+
+
+# -- the scale part: agents' registry traffic plus the rendezvous ------------------------------
+
+NODES_PREFIX = "/elasticd/nodes/"
+JOBS_PREFIX = "/elasticd/jobs/"
+NODE_TTL = 5.0  # elasticd agent's node_ttl; its lease is kept alive every ttl/3
+AGENTS_PER_CONNECTION = 32
+
+
+class _SharedWatchStream:
+    """The registry watches of the agents on one connection, over one gRPC Watch stream.
+
+    etcd keeps one watcher per agent and prefix and sends each the same events as with a
+    stream per watch (etcd's own Go client multiplexes a client's watches this way). What
+    it saves is the simulator's: gRPC Python spends two threads on each stream, each
+    waking every 0.1 s, and 2 x 1,024 idle streams on two cores starve the lease
+    keep-alives of the very agents being simulated.
+    """
+
+    def __init__(self, client) -> None:
+        from etcd3 import etcdrpc
+
+        self._rpc = etcdrpc
+        self._lock = threading.Lock()
+        self._requests: queue.Queue = queue.Queue()
+        self._handlers: list = []  # in the order of their create requests
+        self._by_id: dict[int, object] = {}
+        self.all_created = threading.Event()
+        member = client.member()
+        self._stream = member.watch.Watch(
+            iter(self._requests.get, None), metadata=(*client.metadata(), ("hasleader", "true"))
+        )
+        threading.Thread(target=self._read, name="registry-watches", daemon=True).start()
+
+    def add(self, prefix: str, start_revision: int, on_events) -> None:
+        from elasticd.etcd.ops import prefix_end
+
+        create = self._rpc.WatchCreateRequest(
+            key=prefix.encode(), range_end=prefix_end(prefix), start_revision=start_revision
+        )
+        with self._lock:  # etcd answers creates in order: keep ours in the same order
+            self.all_created.clear()
+            self._handlers.append(on_events)
+            self._requests.put(self._rpc.WatchRequest(create_request=create))
+
+    def _read(self) -> None:
+        import grpc
+
+        try:
+            for resp in self._stream:
+                if resp.created:
+                    with self._lock:
+                        self._by_id[resp.watch_id] = self._handlers[len(self._by_id)]
+                        if len(self._by_id) == len(self._handlers):
+                            self.all_created.set()
+                if resp.events:
+                    self._by_id[resp.watch_id](resp.events)  # type: ignore[operator]
+        except grpc.RpcError:
+            return  # the case is over and etcd stopped
+
+
+class _SimAgent:
+    """One elasticd agent's etcd traffic, as ``elasticd.agent`` makes it: a node record
+    created if absent on the agent's lease, refreshed every ttl/3 by the client's shared
+    keep-alive stream; one read and then one watch each of ``/elasticd/jobs/`` and
+    ``/elasticd/nodes/`` (values parsed as JSON, as the agent's view does). When the jobs
+    watch shows the job, the agent takes it: with ``republish`` it re-publishes its record
+    (a txn fenced on its lease, as the agent does when its free slots or jobs change), and
+    it joins the job's rendezvous (a real ``EtcdRendezvous``) as ``JobRunner`` does."""
+
+    def __init__(self, client, name, run_id, n, republish, on_formed, on_lost, on_retry) -> None:
+        self.client, self.name, self.run_id, self.n = client, name, run_id, n
+        self.republish, self.on_formed = republish, on_formed
+        self.on_lost, self.on_retry = on_lost, on_retry
+        self.lease = 0
+        self.nodes: dict[str, dict] = {}
+        self.seen_all = threading.Event()
+        self.taken = False
+        self.lock = threading.Lock()
+
+    def record(self, jobs: list[str]) -> str:
+        return json.dumps({"node": self.name, "hostname": "bench", "addr": "127.0.0.1",
+                           "nproc": 1, "slots": None, "free": None, "jobs": jobs,
+                           "devices": 0, "pid": os.getpid(), "started": time.time()})  # fmt: skip
+
+    def create(self) -> None:
+        """The node record: create-if-absent on a fresh lease, kept alive every ttl/3."""
+        from elasticd.etcd import compare, put_op
+
+        key = NODES_PREFIX + self.name
+        lease = self.client.lease_grant(NODE_TTL)
+        result = self.client.txn([compare(key, "version", "==", 0)],
+                                 [put_op(key, self.record([]), lease)])  # fmt: skip
+        assert result.succeeded, f"{key} exists"
+        self.lease = lease
+        self.client.keeper().add(lease, NODE_TTL / 3, lambda lease: self.on_lost(self.name))
+
+    def watch(self, stream, nodes: dict[str, dict], rev_jobs: int, rev_nodes: int) -> None:
+        """Watch jobs/ and nodes/ from the revision after the start-up read (``nodes``)."""
+        with self.lock:
+            self.nodes = dict(nodes)
+            if len(self.nodes) >= self.n:
+                self.seen_all.set()
+        stream.add(JOBS_PREFIX, rev_jobs + 1, self._on_jobs)
+        stream.add(NODES_PREFIX, rev_nodes + 1, self._node_events)
+
+    def _node_events(self, events) -> None:
+        with self.lock:
+            for ev in events:
+                name = ev.kv.key.decode()[len(NODES_PREFIX) :]
+                if ev.type == 0:  # put
+                    self.nodes[name] = json.loads(ev.kv.value)
+                else:
+                    self.nodes.pop(name, None)
+            if len(self.nodes) >= self.n:
+                self.seen_all.set()
+
+    def _on_jobs(self, events) -> None:
+        if self.taken or not any(ev.kv.key.endswith(b"/state") for ev in events):
+            return
+        self.taken = True
+        threading.Thread(target=self._run_job, daemon=True).start()
+
+    def _run_job(self) -> None:
+        from elasticd.etcd import compare, put_op
+        from elasticd.rendezvous import EtcdRendezvous, RendezvousConnection, RendezvousSettings
+
+        key = NODES_PREFIX + self.name
+        if self.republish:
+            self.client.txn([compare(key, "lease", "==", self.lease)],
+                            [put_op(key, self.record([self.run_id]), self.lease)])  # fmt: skip
+        settings = RendezvousSettings(
+            run_id=self.run_id, min_nodes=self.n, max_nodes=self.n, join_timeout=600
+        )
+
+        def on_change(change) -> None:
+            if change.kind == "lease-lost":
+                self.on_lost(self.name)
+
+        r = EtcdRendezvous(
+            client=self.client, settings=settings, node_id=self.name, on_change=on_change
+        )
+        while True:  # as elasticd's JobRunner: an unreachable etcd is retried after 1 s
+            try:
+                r.next_world()
+                break
+            except RendezvousConnection:
+                self.on_retry(self.name)
+                time.sleep(1.0)
+        self.on_formed(self.name)
+
+
+def _scale_worker(endpoint, run_id, names, n, republish, watch, results) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    logging.getLogger("elasticd").setLevel(logging.ERROR)  # lost leases are counted instead
+    # gRPC Python wakes every thread blocked on a stream every 0.1 s (so that signal
+    # handlers run; grpc._common.wait). A real node has 3 to 4 streams; this process has
+    # hundreds, on two cores shared by 1,024 nodes, and the wake-ups alone starve the
+    # keep-alives. Waking every 5 s changes nothing but the simulator's load: every wait
+    # still ends at once when its stream delivers.
+    import grpc._common
+
+    grpc._common.MAXIMUM_WAIT_TIMEOUT = 5.0
+    from elasticd.etcd import EtcdConfig, connect
+
+    config = EtcdConfig(endpoints=(endpoint,), timeout=60, request_timeout=30)
+    # One connection per AGENTS_PER_CONNECTION agents: each agent holds 3 to 4 streams
+    # (2 registry watches, 1 or 2 rendezvous watches), and etcd 3.5.1 serves at most
+    # about 250 concurrent streams on one connection; past that, new watches wait forever.
+    clients = [connect(config) for _ in range(0, len(names), AGENTS_PER_CONNECTION)]
+    agents = [
+        _SimAgent(clients[i // AGENTS_PER_CONNECTION], name, run_id, n, republish,
+                  on_formed=lambda name: results.put(("formed", name, time.time())),
+                  on_lost=lambda name: results.put(("lost", name, time.time())),
+                  on_retry=lambda name: results.put(("retry", name, time.time())))
+        for i, name in enumerate(names)
+    ]  # fmt: skip
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        list(pool.map(lambda a: a.create(), agents))
+        results.put(("registered", os.getpid(), len(agents)))
+        # Every record exists before any agent reads nodes/, and the agents of one
+        # process share that start-up read: an idle cluster, reached without pushing N x N
+        # registration events and N reads of N records through this simulator (a real
+        # agent reads and sees N records once, when it starts; here N agents share two
+        # cores, and none of this is measured).
+        watch.wait()
+        _, rev_jobs = clients[0].get_prefix(JOBS_PREFIX)
+        kvs, rev_nodes = clients[0].get_prefix(NODES_PREFIX)
+        nodes = {kv.key[len(NODES_PREFIX) :]: json.loads(kv.value) for kv in kvs}
+        streams = [_SharedWatchStream(c) for c in clients]
+        list(pool.map(lambda i: agents[i].watch(streams[i // AGENTS_PER_CONNECTION], nodes,
+                                                rev_jobs, rev_nodes), range(len(agents))))  # fmt: skip
+    for stream in streams:  # every watch is live
+        stream.all_created.wait()
+    for a in agents:  # and every agent's view has every node
+        a.seen_all.wait()
+    results.put(("ready", os.getpid(), len(agents)))
+    threading.Event().wait()
+
+
+def _cpu_seconds(pids: list[int]) -> float | None:
+    """CPU time (user + system) the processes used so far; None off Linux."""
+    total = 0.0
+    try:
+        for pid in pids:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+    return total
+
+
+def _etcd_counters(endpoint: str) -> dict[str, float]:
+    """Requests etcd received (every gRPC message: unary calls, watch creates, lease
+    keep-alives), by method, and the watch events it sent."""
+    text = urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("grpc_server_msg_received_total{"):
+            method = line.split('grpc_method="', 1)[1].split('"', 1)[0]
+            out[method] = out.get(method, 0.0) + float(line.rsplit(" ", 1)[1])
+        elif line.startswith("etcd_debugging_mvcc_events_total "):
+            out["<watch events sent>"] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def run_scale_case(n: int, procs: int, limit: float, tmp: str, republish: bool) -> dict:
+    from elasticd.etcd import EmbeddedEtcd, EtcdConfig, connect, put_op
+
+    ctx = mp.get_context("spawn")
+    server = EmbeddedEtcd(data_dir=os.path.join(tmp, f"etcd-{uuid.uuid4().hex[:6]}")).start()
+    endpoint = server.endpoint
+    job = f"bench-{uuid.uuid4().hex[:6]}"
+    run_id = f"{job}-{uuid.uuid4().hex[:8]}"
+    names = [f"node{i:04d}" for i in range(n)]
+    per = [names[i::procs] for i in range(procs) if names[i::procs]]
+    results, watch = ctx.Queue(), ctx.Event()
+    workers = [
+        ctx.Process(
+            target=_scale_worker, args=(endpoint, run_id, chunk, n, republish, watch, results)
+        )
+        for chunk in per
+    ]
+    out: dict = {"n": n}
+    t_start = time.time()
+    for w in workers:
+        w.start()
+    try:
+        seen = {"registered": 0, "ready": 0}
+        while seen["ready"] < len(workers):
+            try:
+                ev = results.get(timeout=max(1.0, t_start + limit - time.time()))
+            except queue.Empty:
+                out["error"] = f"agents not registered within {limit:g} s"
+                return out
+            if ev[0] == "lost":
+                out["error"] = "a node lease expired while the agents registered"
+                return out
+            seen[ev[0]] += 1
+            if seen[ev[0]] == len(workers):
+                out[f"{ev[0]}_s"] = time.time() - t_start
+                watch.set()
+        time.sleep(1.0)  # let the last keep-alives and watch deliveries settle
+        before = _etcd_counters(endpoint)
+        etcd_pid = server.proc.pid if server.proc is not None else -1
+        cpu_before = (_cpu_seconds([w.pid for w in workers]), _cpu_seconds([etcd_pid]))
+        with connect(EtcdConfig(endpoints=(endpoint,), timeout=30)) as client:
+            # A submission as elasticd submit writes it: spec, state, status in one txn.
+            t_go = time.time()
+            client.txn([], [
+                put_op(f"{JOBS_PREFIX}{job}/spec", json.dumps({"name": job})),
+                put_op(f"{JOBS_PREFIX}{job}/state", json.dumps(
+                    {"state": "pending", "run_id": run_id, "submitted": t_go})),
+                put_op(f"{JOBS_PREFIX}{job}/status", json.dumps({"restarts": 0})),
+            ])  # fmt: skip
+        formed: list[float] = []
+        out["lost"] = out["retry"] = 0
+        while len(formed) < n and time.time() < t_go + limit:
+            try:
+                ev = results.get(timeout=max(0.01, t_go + limit - time.time()))
+            except queue.Empty:
+                break
+            if ev[0] == "formed":
+                formed.append(ev[2])
+            elif ev[0] in ("lost", "retry"):
+                out[ev[0]] += 1
+        out["form_s"] = max(formed) - t_go if len(formed) == n else None
+        cpu_after = (_cpu_seconds([w.pid for w in workers]), _cpu_seconds([etcd_pid]))
+        out["cpu"] = tuple(
+            None if a is None or b is None else a - b
+            for a, b in zip(cpu_after, cpu_before, strict=True)
+        )
+        after = _etcd_counters(endpoint)
+        out["requests"] = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        return out
+    finally:
+        for w in workers:
+            w.terminate()
+        for w in workers:
+            w.join(timeout=5)
+            if w.is_alive():
+                w.kill()
+                w.join()
+        server.stop()
 
 
 # -- the parent -----------------------------------------------------------------------------
@@ -211,18 +560,41 @@ def main() -> int:
         "--limit", type=float, default=180.0, help="give a case up after this many seconds"
     )
     p.add_argument(
-        "--parts", default="formation,detection", help="which parts to run (comma-separated)"
+        "--parts",
+        default="formation,detection,scale",
+        help="which parts to run (comma-separated: formation, detection, scale)",
+    )
+    p.add_argument(
+        "--nodes",
+        default="256,1024",
+        help="world sizes of the scale part (agents' registry traffic included)",
+    )
+    p.add_argument(
+        "--scale-procs", type=int, default=8, help="processes the scale part's agents run in"
+    )
+    p.add_argument(
+        "--republish",
+        choices=("idle", "republish", "both"),
+        default="idle",
+        help="scale part: agents only idle, or also re-publishing their record on taking "
+        "the job (as elasticd's agent does), or both, one after the other",
     )
     args = p.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",") if s]
+    try:
+        sizes = [int(s) for s in args.sizes.split(",") if s]
+        nodes = [int(s) for s in args.nodes.split(",") if s]
+    except ValueError:
+        p.error("--sizes and --nodes take comma-separated integers")
     parts = {x.strip() for x in args.parts.split(",") if x.strip()}
-    unknown = parts - {"formation", "detection"}
+    unknown = parts - {"formation", "detection", "scale"}
     if unknown:
         p.error(f"--parts: unknown part(s) {', '.join(sorted(unknown))}")
     if "formation" in parts:
         _formation(sizes, args)
     if "detection" in parts:
         _detection(args)
+    if "scale" in parts:
+        _scale(nodes, args)
     return 0
 
 
@@ -247,6 +619,38 @@ def _detection(args: argparse.Namespace) -> None:
         print(f"{'etcd-v3 (ttl 3 s)':>24} {_fmt(ours, args.limit):>9}")
         print(f"{'c10d (5 s x 3 beats)':>24} {_fmt(base, args.limit):>9}")
         print(f"{'c10d/etcd-v3':>24} {_ratio(base, ours, args.limit):>9}", flush=True)
+
+
+def _scale(nodes: list[int], args: argparse.Namespace) -> None:
+    variants = {"idle": (False,), "republish": (True,), "both": (False, True)}[args.republish]
+    with tempfile.TemporaryDirectory() as tmp:
+        print(
+            f"job submitted to N registered agents -> world formed (etcd-v3, min = max = N, "
+            f"{args.scale_procs} processes), agents' registry traffic included",
+            flush=True,
+        )
+        print(f"{'N':>5} {'agents':>10} {'setup s':>10} {'formed s':>9} "
+              f"{'etcd requests':>14} {'watch events':>13} {'leases lost':>12} {'retries':>8}",
+              flush=True)  # fmt: skip
+        for n in nodes:
+            for republish in variants:
+                r = run_scale_case(n, args.scale_procs, args.limit, tmp, republish)
+                label = "+republish" if republish else "idle"
+                if "error" in r:
+                    print(f"{n:>5} {label:>10}  {r['error']}", flush=True)
+                    continue
+                req = dict(r["requests"])
+                events = req.pop("<watch events sent>", 0)
+                print(f"{n:>5} {label:>10} {_fmt(r['ready_s'], args.limit):>10} "
+                      f"{_fmt(r['form_s'], args.limit):>9} {sum(req.values()):>14.0f} "
+                      f"{events:>13.0f} {r['lost']:>12} {r['retry']:>8}", flush=True)  # fmt: skip
+                top = sorted(((v, k) for k, v in req.items() if v), reverse=True)
+                print("      requests: " + ", ".join(f"{k} {v:.0f}" for v, k in top), flush=True)
+                nodes_cpu, etcd_cpu = r["cpu"]
+                if nodes_cpu is not None and etcd_cpu is not None:
+                    print(f"      CPU seconds while forming: simulated nodes {nodes_cpu:.1f}, "
+                          f"etcd {etcd_cpu:.1f}", flush=True)  # fmt: skip
+        print(flush=True)
 
 
 if __name__ == "__main__":
