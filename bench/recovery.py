@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import contextlib
 
 from elasticd.etcd import free_port
+from elasticd.localcluster import descendants
 
 
 def job_dict(out: str, steps: int, ttl: float) -> dict:
@@ -168,26 +169,6 @@ def run_torchrun(base: str, *, steps: int, kill_step: int, kill_host: bool, limi
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             p.wait()
-
-
-def descendants(root: int) -> list[int]:
-    """Every process below ``root``, from /proc (parent links)."""
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", encoding="utf-8") as fh:
-                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(name))
-    out, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 def first_step_after_kill(metrics: str, killed: float, limit: float) -> float | None:

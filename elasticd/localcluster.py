@@ -181,7 +181,7 @@ def _start_time(pid: int) -> int | None:
         return None
 
 
-def _descendants(root: int) -> list[int]:
+def descendants(root: int) -> list[int]:
     """Every process under ``root`` (children, their children, ...), from /proc."""
     children: dict[int, list[int]] = {}
     for name in os.listdir("/proc"):
@@ -416,7 +416,7 @@ class LocalCluster:
             _signal(agent.pid, signal.SIGSTOP)  # first, so it starts no new worker meanwhile
             # A worker may have been forking while we looked; look again until nothing is new.
             for _ in range(5):
-                new = [p for p in _descendants(agent.pid) if p not in {q for q, _ in frozen}]
+                new = [p for p in descendants(agent.pid) if p not in {q for q, _ in frozen}]
                 if not new:
                     break
                 for pid in new:
