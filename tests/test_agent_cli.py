@@ -105,7 +105,9 @@ def test_a_job_past_its_restart_limit_fails_and_says_why(cluster, tmp_path):
 
 def test_a_spare_node_replaces_a_lost_one_without_a_layout_change(tmp_path):
     env = {**os.environ, "AGENT_TEST_STEP_S": "0.2", "OMP_NUM_THREADS": "1"}
-    job = parse_job(job_dict(tmp_path, "spare", steps=14, nodes=(2, 2), checkpoint={"every": 3}))
+    # Enough steps that the job is still running when the kill lands: the status's step
+    # is written at most every few seconds, so "step >= 4" may be read many steps late.
+    job = parse_job(job_dict(tmp_path, "spare", steps=60, nodes=(2, 2), checkpoint={"every": 3}))
     job = job.with_paths_resolved(tmp_path)
     with LocalCluster(base_dir=str(tmp_path / "c"), nproc=1, env=env) as c:
         c.start(3)
@@ -116,6 +118,7 @@ def test_a_spare_node_replaces_a_lost_one_without_a_layout_change(tmp_path):
             wait_for(lambda: (reg.get("spare").status.get("step") or 0) >= 4, timeout=60)
             members = [i for i in range(3) if c.worker_pids(i)]
             assert len(members) == 2  # nodes.max is 2: the third agent is a spare
+            assert not reg.get("spare").state.terminal
             c.kill_node(members[0])
             final = wait_for(lambda: (r := reg.get("spare")).state.terminal and r, timeout=90)
     assert final.state == "succeeded", final.reason
