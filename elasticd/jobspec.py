@@ -118,8 +118,12 @@ class CheckpointConfig:
 class RestartConfig:
     max_restarts: int = 10
     """Worker restarts allowed before the job fails."""
-    mode: Literal["process"] = "process"
-    """How workers restart: new processes."""
+    mode: Literal["process", "inprocess"] = "process"
+    """How workers restart after a fault: ``process`` stops every worker and starts new
+    ones (state from the last checkpoint); ``inprocess`` keeps the survivors' processes,
+    re-forms their process groups and recovers state from the survivors' memory
+    (docs/inprocess.md). The worker must support it (the built-in trainer does; scripts
+    use ``elasticd.inprocess``)."""
     hang_timeout: float = 300.0
     """Seconds without a step heartbeat before a worker counts as hung."""
     grace_period: float = 30.0
@@ -136,6 +140,9 @@ class RendezvousConfig:
     """A round closes once min nodes joined and nobody joined for this long."""
     join_timeout: float = 300.0
     """Give up joining after this many seconds."""
+    reform_grace: float = 0.3
+    """restart.mode inprocess: once a node saw a fault, a re-forming round waits at most
+    this many seconds for previous members that do not re-join (not a lease TTL)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -376,6 +383,7 @@ def _check(job: JobSpec, where: str) -> None:
         ("restart.max_restarts", job.restart.max_restarts),
         ("restart.grace_period", job.restart.grace_period),
         ("rendezvous.settle", job.rendezvous.settle),
+        ("rendezvous.reform_grace", job.rendezvous.reform_grace),
         ("metrics.port", job.metrics.port),
     ):
         _positive(where, path, value, zero_ok=True)

@@ -8,14 +8,17 @@ from hypothesis import strategies as st
 
 from elasticd.errors import UsageError
 from elasticd.rendezvous.decisions import (
+    EVIDENCE_MARK,
     Change,
     Member,
     RendezvousSettings,
     World,
     build_world,
     close_delay,
+    member_json,
     order_members,
     parse_join_key,
+    parse_member,
     parse_world,
     pending_previous,
     world_changes,
@@ -46,6 +49,34 @@ def test_a_round_below_min_nodes_never_closes_on_time_alone():
 
 def test_a_round_waits_for_live_members_of_the_previous_world_even_at_max():
     assert _delay(joined=4, pending_previous=1) is None
+
+
+def test_a_fast_reform_waits_for_a_silent_previous_member_only_for_the_grace_after_evidence():
+    fast = dict(reform=True, reform_grace=0.3)
+    # No evidence yet: a pending member is waited for (its lease decides), as before.
+    assert _delay(pending_previous=1, since_evidence=None, **fast) is None
+    # Evidence seen 0.1 s ago: wait out the rest of the grace, then close without it.
+    assert _delay(pending_previous=1, since_evidence=0.1, **fast) == pytest.approx(0.2)
+    assert _delay(pending_previous=1, since_evidence=0.3, **fast) == 0.0
+    # ...but never below min_nodes.
+    assert _delay(joined=1, pending_previous=1, since_evidence=5.0, **fast) is None
+
+
+def test_a_fast_reform_skips_settle_once_every_previous_member_rejoined():
+    assert _delay(joined=2, since_last_join=0.0, reform=True, reform_grace=0.3) == 0.0
+    # The first world (no previous one) still settles, and without a grace nothing changes.
+    assert _delay(joined=2, since_last_join=0.0, reform=False, reform_grace=0.3) == 1.0
+    assert _delay(joined=2, since_last_join=0.0, reform=True) == 1.0
+    assert _delay(pending_previous=1, since_evidence=9.0, reform=True) is None
+
+
+def test_an_evidence_join_round_trips_and_stays_out_of_the_world_record():
+    m = Member(node="a", addr="h", port=1, evidence=True)
+    assert parse_member("a", member_json(m).encode()) == m
+    assert EVIDENCE_MARK in member_json(m).encode()
+    assert EVIDENCE_MARK not in member_json(Member(node="a", addr="h", port=1)).encode()
+    world = World(run_id="r", round=1, members=(m,))
+    assert "evidence" not in world.to_json()
 
 
 def test_survivors_keep_their_relative_order_and_newcomers_follow_sorted_by_name():

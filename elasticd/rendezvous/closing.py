@@ -117,6 +117,9 @@ class RoundCloser:
             max_nodes=s.max_nodes,
             since_last_join=m.since_last_join(round_),
             settle=s.settle,
+            reform=previous is not None,
+            reform_grace=s.reform_grace,
+            since_evidence=m.since_evidence(round_),
         )
         if delay is None or delay > 0:
             left = deadline - self._clock()

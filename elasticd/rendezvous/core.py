@@ -93,6 +93,7 @@ class EtcdRendezvous:
         )
         self._lease = 0
         self._joined_round = 0
+        self._evidence = False
         self._current: World | None = None
         self._current_nodes: frozenset[str] = frozenset()
         self._reported: set[tuple[str, str]] = set()
@@ -166,9 +167,14 @@ class EtcdRendezvous:
 
     # -- forming a world ------------------------------------------------------------------------
 
-    def next_world(self) -> World:
-        """Join the open round and block until a world including this node closes."""
+    def next_world(self, *, evidence: bool = False) -> World:
+        """Join the open round and block until a world including this node closes.
+
+        ``evidence``: we re-form because we saw a fault ourselves (a collective failed on a
+        closed socket, a local worker died). With ``settings.reform_grace`` the round then
+        waits only that long for previous members that do not re-join."""
         self.start()
+        self._evidence = evidence
         deadline = self._clock() + self.settings.join_timeout
         try:
             return self._form(deadline)
@@ -218,6 +224,7 @@ class EtcdRendezvous:
             node=self.node_id,
             addr=self.addr,
             port=free_port(self.addr if self.addr else "127.0.0.1"),
+            evidence=self._evidence,
         )
         fence = compare(s.world_key(), "mod", "==", seen_world_mod)
         ops = [put_op(s.join_key(round_, self.node_id), member_json(me), lease)]

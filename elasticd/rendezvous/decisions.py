@@ -42,6 +42,13 @@ class RendezvousSettings:
     """``next_rendezvous`` gives up with a timeout error after this many seconds."""
     prefix: str = "/elasticd/rdzv"
     """etcd key prefix; the run's keys live under ``<prefix>/<run_id>/``."""
+    reform_grace: float | None = None
+    """Fast re-forms (in-process restart): None keeps the plain close rule. A number makes a
+    re-forming round (1) close as soon as every live member of the previous world re-joined,
+    without ``settle``, and (2) once a joiner brought *evidence* of a fault (its collective
+    failed on a closed socket, or a local worker died), wait at most this many seconds for
+    previous members that have not re-joined, instead of until their leases expire. A
+    member wrongly left out can only come back as a newcomer: rounds are fenced."""
 
     def __post_init__(self) -> None:
         if not self.run_id or "/" in self.run_id:
@@ -50,6 +57,8 @@ class RendezvousSettings:
             raise UsageError(
                 f"rendezvous nodes: need 1 <= min ({self.min_nodes}) <= max ({self.max_nodes})"
             )
+        if self.reform_grace is not None and self.reform_grace < 0:
+            raise UsageError(f"rendezvous reform_grace: {self.reform_grace} must be >= 0")
         for name in ("ttl", "settle", "join_timeout"):
             value = getattr(self, name)
             if value < 0 or (name != "settle" and value == 0):
@@ -118,16 +127,32 @@ def close_delay(
     max_nodes: int,
     since_last_join: float,
     settle: float,
+    reform: bool = False,
+    reform_grace: float | None = None,
+    since_evidence: float | None = None,
 ) -> float | None:
     """Seconds until the open round may close: 0 means now, None means not on time alone.
 
     A round waits for every live member of the previous world to re-join (so a newcomer
     cannot form a world alone while the old one is still running); then it closes at once
     at ``max_nodes``, or at ``min_nodes`` once nobody joined for ``settle`` seconds.
+
+    With ``reform_grace`` (fast re-forms) and a previous world (``reform``): a round with
+    evidence of a fault (``since_evidence``: seconds since the first such join) waits for
+    pending previous members only until the grace has passed, and a re-forming round skips
+    ``settle`` once no previous member is pending.
     """
-    if pending_previous > 0 or joined < min_nodes:
+    fast = reform_grace is not None and reform
+    if pending_previous > 0:
+        if not fast or since_evidence is None:
+            return None
+        left = reform_grace - since_evidence
+        if left > 0:
+            return left
+        pending_previous = 0  # excused: no re-join within the grace after the evidence
+    if joined < min_nodes:
         return None
-    if joined >= max_nodes:
+    if joined >= max_nodes or fast:
         return 0.0
     return max(0.0, settle - since_last_join)
 
@@ -165,6 +190,9 @@ class Member:
     """Address other nodes reach it at."""
     port: int
     """A free port on ``addr``, reserved for the store if this node becomes rank 0."""
+    evidence: bool = False
+    """It joined because it saw a fault (a collective failed, a local worker died); not
+    part of the world record."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -219,7 +247,14 @@ class World:
 
 
 def member_json(member: Member) -> str:
-    return json.dumps({"node": member.node, "addr": member.addr, "port": member.port})
+    doc: dict[str, object] = {"node": member.node, "addr": member.addr, "port": member.port}
+    if member.evidence:
+        doc["evidence"] = True
+    return json.dumps(doc)
+
+
+EVIDENCE_MARK = b'"evidence": true'
+"""How ``member_json`` marks an evidence join (the mirror looks for it without parsing)."""
 
 
 def closer_json(node: str) -> str:
@@ -238,7 +273,10 @@ def parse_closer(raw: bytes) -> str:
 def parse_member(node: str, raw: bytes) -> Member:
     try:
         doc = json.loads(raw)
-        return Member(node=node, addr=str(doc["addr"]), port=int(doc["port"]))
+        return Member(
+            node=node, addr=str(doc["addr"]), port=int(doc["port"]),
+            evidence=doc.get("evidence") is True,
+        )  # fmt: skip
     except (ValueError, KeyError, TypeError) as exc:
         raise RendezvousState(
             f"rendezvous join record of {node!r} is not valid JSON: {exc}"

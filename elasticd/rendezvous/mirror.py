@@ -18,6 +18,7 @@ from elasticd.etcd.client import KeyValue
 from elasticd.etcd.watch import Event
 from elasticd.log import kv
 from elasticd.rendezvous.decisions import (
+    EVIDENCE_MARK,
     Member,
     RendezvousSettings,
     World,
@@ -52,6 +53,8 @@ class Mirror:
         self.world_mod = 0
         self.world_error: RendezvousState | None = None
         self.join_seen: dict[int, float] = {}
+        self.evidence_seen: dict[int, float] = {}
+        """``round -> when we saw its first evidence join`` (local clock)."""
         self.join_mod: dict[int, int] = {}
         self.rounds: dict[int, dict[str, tuple[int, bytes]]] = {}
         self.wake_when: Callable[[], bool] | None = None
@@ -70,6 +73,7 @@ class Mirror:
                 self.rounds.clear()
                 self.join_mod.clear()
                 self.join_seen.clear()
+                self.evidence_seen.clear()
             else:
                 self.closers.clear()
                 self.world, self.world_mod, self.world_error = None, 0, None
@@ -136,6 +140,8 @@ class Mirror:
             # When *we* saw the latest join: the settle timer is local, so clocks of
             # different nodes never need to agree.
             self.join_seen[parsed[0]] = self._clock()
+            if EVIDENCE_MARK in item.value:
+                self.evidence_seen.setdefault(parsed[0], self.join_seen[parsed[0]])
         elif (closer_round := parse_closer_key(s, item.key)) is not None:
             self.closers[closer_round] = (parse_closer(item.value), item.lease)
         elif item.key == s.world_key():
@@ -173,6 +179,11 @@ class Mirror:
     def last_join_mod(self, round_: int) -> int:
         """The highest mod_revision of any join of ``round_`` seen (the close fence)."""
         return self.join_mod.get(round_, 0)
+
+    def since_evidence(self, round_: int) -> float | None:
+        """Seconds since the first evidence join of ``round_`` was seen (None: none yet)."""
+        seen = self.evidence_seen.get(round_)
+        return None if seen is None else self._clock() - seen
 
     def since_last_join(self, round_: int) -> float:
         seen = self.join_seen.get(round_)

@@ -86,6 +86,7 @@ def settings_from_job(
         ttl=r.ttl,
         settle=r.settle,
         join_timeout=r.join_timeout,
+        reform_grace=r.reform_grace if job.restart.mode == "inprocess" else None,  # type: ignore[attr-defined]
     )
 
 
