@@ -1,0 +1,557 @@
+"""State from the survivors' memory: refill a new layout's tensors rank to rank.
+
+After an in-process restart the surviving processes still hold the old layout's tensors
+(parameters, AdamW moments, AdamW's per-parameter step). :func:`recover_from_peers` fills
+the new layout's tensors from them over the new world's gloo group, resharded by the same
+box arithmetic as a checkpoint load (:mod:`checkpoint.planner`); a rank that held nothing
+(a newcomer) passes ``have=None``. It knows nothing of agents or trainers: tensors in,
+tensors out, named globally exactly as in a checkpoint.
+
+One call, collective over the group:
+
+1. **Describe.** One all-gather of small JSON (never pickle): each rank's step,
+   ``consumed_samples``, and the boxes (key, dtype, global shape, offsets, sizes) it holds
+   and needs.
+2. **Decide** (pure, identical on every rank, from the gathered data only). The step S is
+   the highest step whose holders cover every element of every needed box; survivors may
+   differ by one step (a fault between ranks' optimizer steps). No such step, holders of S
+   that disagree on ``consumed_samples``, or any dtype or global shape that disagrees
+   between ranks: every rank returns None (the caller falls back to a checkpoint).
+3. **Plan** (pure): each needed box is cut into pieces, each from one holder at S: the rank
+   itself first (a local copy), then the holder that covers most of what is left, ties to
+   the fewest bytes assigned so far, then the lower rank. Every needed element is filled
+   exactly once.
+4. **Transfer.** For each (source, destination) pair, one flat uint8 buffer with the pieces
+   packed in plan order (16-byte aligned), cut into chunks of about ``CHUNK_BYTES``, each
+   followed by its CRC-32 (zlib) in a 16-byte slot. Every chunk is its own
+   ``isend``/``irecv``; all receives are posted first, then each sender packs, checksums and
+   sends chunk by chunk (the transfer of one chunk overlaps packing the next), then local
+   copies run, then each receiver verifies and unpacks chunk by chunk. CUDA tensors are
+   staged through CPU (gloo carries CPU tensors): packed on the device, one copy per chunk.
+5. **Agree.** One all-reduce of an ok flag: a CRC mismatch on any rank makes every rank
+   return None. A peer that dies during the transfer makes the wait raise (the caller
+   handles it, as for any collective).
+
+On None the ``need`` tensors may be partly written; the caller must refill them from
+another source. Padding (the local tensor outside ``ShardInfo.sizes``) is never touched.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import zlib
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from checkpoint.comm import all_gather_json, group_rank, group_size
+from checkpoint.planner import Box, intersect, numel, relative
+from checkpoint.shards import ShardInfo
+
+log = logging.getLogger("checkpoint.live")
+
+Holding = Mapping[str, tuple[torch.Tensor, ShardInfo]]
+"""Global key -> (local tensor, the global region it holds), as
+``Checkpointing._model()`` / ``_optimizer(create=...)`` return (keys are distinct across the
+two, so pass ``{**model, **optimizer}``). The key, not ``ShardInfo.name``, names the global
+tensor: AdamW's moments carry their parameter's ShardInfo under ``exp_avg/<name>``."""
+
+ALIGN = 16
+"""Byte alignment of every piece in a buffer (any dtype can be viewed in place), and the
+size of the CRC slot after each chunk."""
+CHUNK_BYTES = 4 << 20
+"""Target bytes of data per chunk (one message, one CRC). Pieces larger than this are cut
+along their outermost dimensions."""
+DESCRIPTION_VERSION = 1
+
+_received_hook: Callable[[int, int, torch.Tensor], None] | None = None
+"""Test hook: called as ``hook(src, dst, chunk_bytes)`` on the receiver with each received
+chunk (data and CRC slot), before it is verified; a test flips a byte here."""
+
+
+@dataclass(frozen=True)
+class LiveRecovery:
+    """What :func:`recover_from_peers` did on this rank."""
+
+    step: int
+    """The step the recovered state is at (the caller sets its loop position to it)."""
+    consumed_samples: int
+    """The global data position at that step."""
+    bytes_in: int
+    """Bytes this rank received from other ranks (data only, without CRC slots)."""
+    bytes_local: int
+    """Bytes this rank copied from what it already held."""
+    seconds: float
+    """Wall time of the whole call on this rank."""
+    sources: dict = field(default_factory=dict)
+    """``holders`` (group ranks holding state at ``step``), ``skipped_steps`` (higher steps
+    that did not cover everything), ``received_from`` / ``sent_to`` (group rank -> bytes),
+    ``bytes_out``, ``pieces`` (in the whole plan), ``chunks_in``, ``plan_seconds``."""
+
+
+# -- pure planning ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    """Copy the global box ``(offsets, sizes)`` of tensor ``key`` from ``src`` to ``dst``."""
+
+    key: str
+    src: int
+    dst: int
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    itemsize: int
+
+    @property
+    def box(self) -> Box:
+        return self.offsets, self.sizes
+
+    @property
+    def nbytes(self) -> int:
+        return numel(self.sizes) * self.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class RecoveryPlan:
+    """The agreed step and every piece to copy, in plan order."""
+
+    step: int
+    consumed_samples: int
+    pieces: tuple[Piece, ...]
+    holders: tuple[int, ...]
+    """Ranks holding state at ``step``."""
+    skipped_steps: tuple[int, ...] = ()
+    """Higher steps held by some rank whose holders did not cover every needed region."""
+
+    def between(self, src: int, dst: int) -> list[Piece]:
+        return [p for p in self.pieces if p.src == src and p.dst == dst]
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One message of a pair's buffer: ``length`` data bytes at ``start``, then the CRC slot."""
+
+    start: int
+    length: int
+    items: tuple[tuple[Piece, int], ...]
+    """(piece, byte offset of its data in the pair buffer), in plan order."""
+
+    @property
+    def crc_at(self) -> int:
+        return self.start + self.length
+
+    @property
+    def end(self) -> int:
+        return self.crc_at + ALIGN
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def subtract(box: Box, inner: Box) -> list[Box]:
+    """``box`` minus ``inner`` (which lies inside it), as at most 2·ndim disjoint boxes."""
+    offs, sizes = list(box[0]), list(box[1])
+    out: list[Box] = []
+    for d in range(len(offs)):
+        lo, hi = offs[d], offs[d] + sizes[d]
+        ilo, ihi = inner[0][d], inner[0][d] + inner[1][d]
+        if ilo > lo:
+            out.append(((*offs[:d], lo, *offs[d + 1 :]), (*sizes[:d], ilo - lo, *sizes[d + 1 :])))
+        if ihi < hi:
+            out.append(((*offs[:d], ihi, *offs[d + 1 :]), (*sizes[:d], hi - ihi, *sizes[d + 1 :])))
+        offs[d], sizes[d] = ilo, ihi - ilo
+    return out
+
+
+def split_box(box: Box, *, itemsize: int, max_bytes: int) -> list[Box]:
+    """Cut ``box`` into boxes of at most ``max_bytes`` each (one element may exceed it),
+    along its outermost dimensions, in row-major order. Each result is a contiguous run of
+    whole inner slabs, so it packs as a strided copy of few large rows."""
+    offs, sizes = box
+    max_bytes = max(max_bytes, itemsize)
+    if not sizes or numel(sizes) * itemsize <= max_bytes:
+        return [box]
+    d = next(i for i in range(len(sizes)) if numel(sizes[i + 1 :]) * itemsize <= max_bytes)
+    per = max(1, max_bytes // (numel(sizes[d + 1 :]) * itemsize))
+    out: list[Box] = []
+    outer = [range(offs[i], offs[i] + sizes[i]) for i in range(d)]
+    for prefix in itertools.product(*outer):
+        for start in range(offs[d], offs[d] + sizes[d], per):
+            n = min(per, offs[d] + sizes[d] - start)
+            out.append(((*prefix, start, *offs[d + 1 :]), ((1,) * d + (n,) + sizes[d + 1 :])))
+    return out
+
+
+def pair_chunks(pieces: Sequence[Piece], *, chunk_bytes: int = CHUNK_BYTES) -> list[Chunk]:
+    """The layout of one (source, destination) buffer: pieces in order (cut to fit),
+    grouped into chunks of at most ``chunk_bytes`` data each (a single element larger than
+    that gets a chunk of its own)."""
+    chunks: list[Chunk] = []
+    start, length, items = 0, 0, []
+    for p in pieces:
+        for offs, sizes in split_box(p.box, itemsize=p.itemsize, max_bytes=chunk_bytes):
+            sub = Piece(p.key, p.src, p.dst, offs, sizes, p.itemsize)
+            size = _aligned(sub.nbytes)
+            if items and length + size > chunk_bytes:
+                chunks.append(Chunk(start, length, tuple(items)))
+                start, length, items = start + length + ALIGN, 0, []
+            items.append((sub, start + length))
+            length += size
+    if items:
+        chunks.append(Chunk(start, length, tuple(items)))
+    return chunks
+
+
+def _entry(t: torch.Tensor, info: ShardInfo) -> list[Any]:
+    return [
+        str(t.dtype).removeprefix("torch."),
+        list(info.global_shape),
+        list(info.offsets),
+        list(info.sizes),
+    ]
+
+
+def _check_tensor(key: str, t: torch.Tensor, info: ShardInfo) -> str | None:
+    if t.dim() != len(info.sizes):
+        return f"{key}: a {t.dim()}-d tensor for a {len(info.sizes)}-d region"
+    if any(n < s for n, s in zip(t.shape, info.sizes, strict=True)):
+        return f"{key}: local shape {list(t.shape)} is smaller than its region {list(info.sizes)}"
+    return None
+
+
+def describe(
+    *,
+    have: Holding | None,
+    have_step: int | None,
+    have_consumed: int | None,
+    need: Holding,
+) -> dict[str, Any]:
+    """This rank's JSON description for the all-gather. Local problems (a tensor smaller
+    than its region, state without a step) go in ``error`` so every rank refuses together."""
+    errors = []
+    if have is not None and (have_step is None or have_consumed is None):
+        errors.append("state held without a step and consumed_samples")
+        have = None
+    held = {}
+    for key, (t, info) in (have or {}).items():
+        errors.append(_check_tensor(key, t, info) or "")
+        held[key] = _entry(t, info)
+    needed = {}
+    for key, (t, info) in need.items():
+        errors.append(_check_tensor(key, t, info) or "")
+        needed[key] = _entry(t, info)
+    error = "; ".join(e for e in errors if e) or None
+    return {
+        "v": DESCRIPTION_VERSION,
+        "step": have_step if have is not None else None,
+        "consumed": have_consumed if have is not None else None,
+        "have": held,
+        "need": needed,
+        "error": error,
+    }
+
+
+def _itemsize(dtype: str) -> int:
+    dt = getattr(torch, dtype, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}")
+    return dt.itemsize
+
+
+def plan_step(descs: Sequence[Mapping[str, Any]], step: int) -> tuple[list[Piece] | None, str]:
+    """The pieces that fill every rank's ``need`` from the holders at ``step``, or None and
+    why (the first region no holder at ``step`` covers). Assumes consistent dtypes and
+    shapes (:func:`plan_recovery` checks them)."""
+    holders: dict[str, list[tuple[int, Box]]] = defaultdict(list)
+    for r, d in enumerate(descs):
+        if d["step"] != step:
+            continue
+        for key, (_dtype, _shape, offs, sizes) in d["have"].items():
+            if numel(sizes):
+                holders[key].append((r, (tuple(offs), tuple(sizes))))
+    pieces: list[Piece] = []
+    remote: list[tuple[int, str, int, list[Box]]] = []
+    for r, d in enumerate(descs):
+        for key in sorted(d["need"]):
+            dtype, _shape, offs, sizes = d["need"][key]
+            box: Box = (tuple(offs), tuple(sizes))
+            if not numel(box[1]):
+                continue
+            itemsize = _itemsize(dtype)
+            left = [box]
+            own = next((hb for hr, hb in holders.get(key, ()) if hr == r), None)
+            common = intersect(box, own) if own is not None else None
+            if common is not None:
+                pieces.append(Piece(key, r, r, *common, itemsize))
+                left = subtract(box, common)
+            if left:
+                remote.append((r, key, itemsize, left))
+    load: dict[int, int] = defaultdict(int)
+    # Largest first, so the balance by bytes ends within one piece of even.
+    remote.sort(key=lambda x: (-sum(numel(b[1]) for b in x[3]) * x[2], x[1], x[0]))
+    for r, key, itemsize, left in remote:
+        todo = list(left)
+        while todo:
+            box = todo.pop()
+            best: tuple[tuple[int, int, int], Box] | None = None
+            for hr, hb in holders.get(key, ()):
+                common = intersect(box, hb)
+                if common is None:
+                    continue
+                rank_key = (-numel(common[1]), load[hr], hr)
+                if best is None or rank_key < best[0]:
+                    best = (rank_key, common)
+            if best is None:
+                return None, (
+                    f"{key} [{', '.join(f'{o}:{o + s}' for o, s in zip(*box, strict=True))}] "
+                    f"needed by rank {r} has no holder at step {step}"
+                )
+            (_, _, src), common = best
+            piece = Piece(key, src, r, *common, itemsize)
+            pieces.append(piece)
+            load[src] += piece.nbytes
+            todo.extend(subtract(box, common))
+    return pieces, ""
+
+
+def plan_recovery(descs: Sequence[Mapping[str, Any]]) -> tuple[RecoveryPlan | None, str]:
+    """Decide the step and plan every transfer from all ranks' descriptions (pure; every
+    rank computes the same). None and the reason when nothing consistent covers the need."""
+    problems = [f"rank {r}: {d['error']}" for r, d in enumerate(descs) if d.get("error")]
+    problems += [
+        f"rank {r}: description version {d.get('v')}"
+        for r, d in enumerate(descs)
+        if d.get("v") != DESCRIPTION_VERSION
+    ]
+    if problems:
+        return None, "; ".join(problems)
+    meta: dict[str, tuple[str, tuple[int, ...], int, str]] = {}
+    for r, d in enumerate(descs):
+        for side in ("have", "need"):
+            for key, (dtype, shape, _offs, _sizes) in d[side].items():
+                try:
+                    _itemsize(dtype)
+                except ValueError as exc:
+                    return None, f"rank {r}: {key}: {exc}"
+                seen = meta.setdefault(key, (dtype, tuple(shape), r, side))
+                if seen[:2] != (dtype, tuple(shape)):
+                    return None, (
+                        f"{key}: rank {seen[2]} {seen[3]}s {seen[0]} {list(seen[1])}, "
+                        f"rank {r} {side}s {dtype} {list(shape)}"
+                    )
+    steps = sorted({d["step"] for d in descs if d["step"] is not None}, reverse=True)
+    if not steps:
+        return None, "no rank holds any state"
+    reasons, skipped = [], []
+    for step in steps:
+        pieces, why = plan_step(descs, step)
+        if pieces is None:
+            reasons.append(f"step {step}: {why}")
+            skipped.append(step)
+            continue
+        holders = tuple(r for r, d in enumerate(descs) if d["step"] == step)
+        consumed = {descs[r]["consumed"] for r in holders}
+        if len(consumed) != 1:
+            reasons.append(f"step {step}: holders disagree on consumed_samples {sorted(consumed)}")
+            skipped.append(step)
+            continue
+        return RecoveryPlan(
+            step=step,
+            consumed_samples=consumed.pop(),
+            pieces=tuple(pieces),
+            holders=holders,
+            skipped_steps=tuple(skipped),
+        ), ""
+    return None, "; ".join(reasons)
+
+
+# -- transfer --------------------------------------------------------------------------------
+
+
+def _stage_device(chunk: Chunk, tensors: Holding) -> torch.device:
+    key = chunk.items[0][0].key
+    return tensors[key][0].device
+
+
+def _pack(chunk: Chunk, tensors: Holding, out: torch.Tensor) -> None:
+    """Copy the chunk's pieces from ``tensors`` into ``out`` (the chunk's data, CPU)."""
+    dev = _stage_device(chunk, tensors)
+    stage = out if dev.type == "cpu" else torch.empty(chunk.length, dtype=torch.uint8, device=dev)
+    for piece, at in chunk.items:
+        t, info = tensors[piece.key]
+        lo = at - chunk.start
+        view = stage[lo : lo + piece.nbytes].view(t.dtype).view(piece.sizes)
+        view.copy_(t[relative(piece.box, info.offsets)])
+    if stage is not out:
+        out.copy_(stage)
+
+
+def _unpack(chunk: Chunk, data: torch.Tensor, tensors: Holding) -> None:
+    """Copy the chunk's pieces from ``data`` (the chunk's data, CPU) into ``tensors``."""
+    dev = _stage_device(chunk, tensors)
+    stage = data if dev.type == "cpu" else data.to(dev, non_blocking=data.is_pinned())
+    for piece, at in chunk.items:
+        t, info = tensors[piece.key]
+        lo = at - chunk.start
+        t[relative(piece.box, info.offsets)].copy_(
+            stage[lo : lo + piece.nbytes].view(t.dtype).view(piece.sizes)
+        )
+
+
+def _crc(data: torch.Tensor) -> int:
+    return zlib.crc32(data.numpy())
+
+
+def _new_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+
+
+def recover_from_peers(
+    *,
+    have: Holding | None,
+    have_step: int | None,
+    have_consumed: int | None,
+    need: Holding,
+    group: dist.ProcessGroup | None,
+) -> LiveRecovery | None:
+    """Fill ``need`` in place from what the ranks of ``group`` still hold; collective.
+
+    ``have``: what this rank holds from before the fault (None for a newcomer), at step
+    ``have_step`` with the data position ``have_consumed``. ``need``: the new layout's
+    tensors. ``group``: a gloo group over the new world (every rank calls this); None or
+    torch.distributed not initialised means one process. Returns None on every rank when
+    the live state cannot fill every needed region at one step, or a chunk failed its CRC
+    on any rank (``need`` may then be partly written). Raises when a peer dies mid-transfer.
+    """
+    started = time.perf_counter()
+    me, world = group_rank(group), group_size(group)
+    descs = all_gather_json(
+        describe(have=have, have_step=have_step, have_consumed=have_consumed, need=need), group
+    )
+    plan, why = plan_recovery(descs)
+    planned = time.perf_counter()
+    if plan is None:
+        if me == 0:
+            log.warning("state from peers is not possible: %s", why)
+        return None
+    held: Holding = have or {}
+    sends = {d: plan.between(me, d) for d in range(world) if d != me}
+    recvs = {s: plan.between(s, me) for s in range(world) if s != me}
+    pinned = torch.cuda.is_available() and any(
+        t.is_cuda for t, _ in [*held.values(), *need.values()]
+    )
+    # Post every receive first: one buffer per source, one message per chunk.
+    incoming = []
+    for src, pieces in recvs.items():
+        if not pieces:
+            continue
+        chunks = pair_chunks(pieces)
+        buf = _new_buffer(chunks[-1].end, pinned)
+        for i, c in enumerate(chunks):
+            msg = buf[c.start : c.end]
+            work = _irecv(msg, src, i, group)
+            incoming.append((src, c, msg, work))
+    outgoing = []
+    sent_to: dict[int, int] = {}
+    # Round-robin over destinations, chunk by chunk, so every receiver starts early.
+    layouts = {d: pair_chunks(p) for d, p in sends.items() if p}
+    bufs = {d: _new_buffer(ch[-1].end, pinned) for d, ch in layouts.items()}
+    for i in range(max((len(ch) for ch in layouts.values()), default=0)):
+        for dst, chunks in layouts.items():
+            if i >= len(chunks):
+                continue
+            c = chunks[i]
+            buf = bufs[dst]
+            data = buf[c.start : c.crc_at]
+            _pack(c, held, data)
+            slot = buf[c.crc_at : c.end]
+            slot.zero_()
+            slot[:4] = torch.frombuffer(
+                bytearray(_crc(data).to_bytes(4, "little")), dtype=torch.uint8
+            )
+            outgoing.append(_isend(buf[c.start : c.end], dst, i, group))
+            sent_to[dst] = sent_to.get(dst, 0) + sum(p.nbytes for p, _ in c.items)
+    bytes_local = 0
+    for p in plan.pieces:
+        if p.src == me and p.dst == me:
+            src_t, src_info = held[p.key]
+            dst_t, dst_info = need[p.key]
+            dst_t[relative(p.box, dst_info.offsets)].copy_(src_t[relative(p.box, src_info.offsets)])
+            bytes_local += p.nbytes
+    ok = True
+    bad: list[str] = []
+    received_from: dict[int, int] = {}
+    for src, c, msg, work in incoming:
+        work.wait()
+        if _received_hook is not None:
+            _received_hook(src, me, msg)
+        data = msg[: c.length]
+        want = int.from_bytes(msg[c.length : c.length + 4].numpy().tobytes(), "little")
+        if _crc(data) != want:
+            ok = False
+            bad.append(f"chunk at byte {c.start} from rank {src}")
+            continue
+        _unpack(c, data, need)
+        received_from[src] = received_from.get(src, 0) + sum(p.nbytes for p, _ in c.items)
+    for work in outgoing:
+        work.wait()
+    if bad:
+        log.warning("state from peers: CRC mismatch on rank %d: %s", me, ", ".join(bad))
+    if world > 1:
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        ok = bool(flag.item())
+    if not ok:
+        if me == 0:
+            log.warning("state from peers failed its checksums; falling back")
+        return None
+    return LiveRecovery(
+        step=plan.step,
+        consumed_samples=plan.consumed_samples,
+        bytes_in=sum(received_from.values()),
+        bytes_local=bytes_local,
+        seconds=time.perf_counter() - started,
+        sources={
+            "holders": list(plan.holders),
+            "skipped_steps": list(plan.skipped_steps),
+            "received_from": {str(k): v for k, v in sorted(received_from.items())},
+            "sent_to": {str(k): v for k, v in sorted(sent_to.items())},
+            "bytes_out": sum(sent_to.values()),
+            "pieces": len(plan.pieces),
+            "chunks_in": len(incoming),
+            "plan_seconds": planned - started,
+        },
+    )
+
+
+def _isend(t: torch.Tensor, dst: int, tag: int, group: dist.ProcessGroup | None):
+    return dist.isend(t, group=group, group_dst=dst, tag=tag)
+
+
+def _irecv(t: torch.Tensor, src: int, tag: int, group: dist.ProcessGroup | None):
+    return dist.irecv(t, group=group, group_src=src, tag=tag)
+
+
+__all__ = [
+    "CHUNK_BYTES",
+    "Chunk",
+    "Holding",
+    "LiveRecovery",
+    "Piece",
+    "RecoveryPlan",
+    "describe",
+    "pair_chunks",
+    "plan_recovery",
+    "plan_step",
+    "recover_from_peers",
+    "split_box",
+    "subtract",
+]
