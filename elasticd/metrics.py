@@ -52,8 +52,15 @@ class AgentMetrics:
         )
         self.recovery_seconds = Histogram(
             "elasticd_recovery_seconds",
-            "From a failure being known to the first completed step after it.",
-            ["job", "reason"], buckets=RECOVERY_BUCKETS, registry=r,
+            "From a failure being known to the first completed step after it; mode is "
+            "inprocess or process, source where the state came from (peers, replica, "
+            "checkpoint, none).",
+            ["job", "reason", "mode", "source"], buckets=RECOVERY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.lost_steps = Counter(
+            "elasticd_lost_steps_total",
+            "Completed optimizer steps trained again after recoveries (work lost).", ["job"],
+            registry=r,
         )  # fmt: skip
         self.worker_states = Gauge(
             "elasticd_workers", "Local worker processes by state.", ["job", "state"], registry=r

@@ -112,10 +112,23 @@ class WorkerChannel:
 
     # -- progress ----------------------------------------------------------------------------
 
-    def mark(self, phase: str) -> None:
-        """Record when a start-up phase ended (``pg_ready``, ``ckpt_loaded``); the agent
-        uses these to split a recovery's time into its parts."""
-        self._phases[phase] = self._clock()
+    def mark(self, phase: str, at: float | None = None) -> None:
+        """Record when a start-up phase ended (``pg_ready``, ``ckpt_loaded``; in-process
+        also ``aborted`` and ``state_loaded``); the agent uses these to split a recovery's
+        time into its parts. ``at``: when it ended (default now)."""
+        self._phases[phase] = self._clock() if at is None else float(at)
+        self._write()
+
+    def fault(self, error: str) -> None:
+        """In-process restart: a collective of this round failed (a peer died or froze).
+        The agent takes it as evidence and re-forms the world at once."""
+        self._last["fault"] = {"t": self._clock(), "error": error[:500]}
+        self._write()
+
+    def recovered(self, **info: Any) -> None:
+        """In-process restart: how this round's state was recovered (``source``,
+        ``resume_step``, ``lost_steps``); rank 0's goes into the job's recovery record."""
+        self._last["recovery"] = info
         self._write()
 
     def progress(
@@ -127,7 +140,8 @@ class WorkerChannel:
         checkpoint_step: int | None = None,
     ) -> None:
         """Report a completed optimizer step (1-based); this is the heartbeat."""
-        self._last = {"step": int(step)}
+        keep = {k: self._last[k] for k in ("recovery",) if k in self._last}
+        self._last = {"step": int(step), **keep}
         if loss is not None:
             self._last["loss"] = float(loss)
         if tokens_per_s is not None:

@@ -190,13 +190,19 @@ def test_metrics_follow_prometheus_names_and_are_served():
     m = AgentMetrics(reg)
     m.world_size.labels(job="j").set(3)
     m.restarts.labels(job="j", reason="worker_failed").inc()
-    m.recovery_seconds.labels(job="j", reason="peer_lost").observe(4.2)
+    m.recovery_seconds.labels(job="j", reason="peer_lost", mode="process", source="checkpoint").observe(4.2)
     m.set_worker_states("j", {"running": 2})
     port = m.serve(0, addr="127.0.0.1")
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     assert 'elasticd_world_size{job="j"} 3.0' in body
     assert 'elasticd_restarts_total{job="j",reason="worker_failed"} 1.0' in body
-    assert 'elasticd_recovery_seconds_bucket{job="j",le="5.0",reason="peer_lost"} 1.0' in body
+    assert (
+        'elasticd_recovery_seconds_bucket{job="j",le="5.0",mode="process",reason="peer_lost",'
+        'source="checkpoint"} 1.0'
+    ) in body
+    m.lost_steps.labels(job="j").inc(3)
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    assert 'elasticd_lost_steps_total{job="j"} 3.0' in body
     assert 'elasticd_workers{job="j",state="running"} 2.0' in body
     assert 'elasticd_workers{job="j",state="failed"} 0.0' in body
     names = {metric.name for metric in reg.collect()}

@@ -103,27 +103,54 @@ def _read_layout(path: str, layout_cls):
 
 
 def _run(*, job, layout, rank: int, world: int, env: Mapping[str, str]) -> int:
+    """Train, one round at a time (``elasticd.inprocess.run``): under an agent with
+    ``restart.mode: inprocess`` a fault is recovered in this process; elsewhere there is
+    one round."""
+    import torch
+
+    from elasticd.inprocess import run as run_rounds
+
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(env.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    first = {"layout": layout}
+
+    def one_round(ctx) -> int:
+        # The first round's layout was checked in main(); later ones come from the agent.
+        this = first.pop("layout", None) or _round_layout(ctx, job)
+        return _train_round(ctx, job=job, layout=this, device=device)
+
+    return run_rounds(one_round, env=env, timeout=timedelta(minutes=10))
+
+
+def _round_layout(ctx, job):
+    from elasticd.layout import plan
+    from trainer.errors import TrainerConfigError
+    from trainer.train import check_supported
+
+    layout = ctx.layout or plan(ctx.world_size, job)
+    if layout.world != ctx.world_size:
+        raise TrainerConfigError(
+            f"ELASTICD_LAYOUT: the layout is for {layout.world} ranks, WORLD_SIZE is "
+            f"{ctx.world_size}"
+        )
+    check_supported(job, layout)
+    return layout
+
+
+def _train_round(ctx, *, job, layout, device) -> int:
     import torch
     import torch.distributed as dist
 
-    from elasticd.worker import WorkerChannel
+    from elasticd.inprocess import stepped
     from trainer.parallel.context import ParallelContext, slot_of
     from trainer.parallel.groups import ProcessGroups
     from trainer.parallel.pipeline import PipelineGroups
     from trainer.train import MetricsWriter, Trainer
 
-    use_cuda = torch.cuda.is_available()
-    backend = "nccl" if use_cuda else "gloo"
-    device = torch.device("cpu")
-    if use_cuda:
-        device = torch.device("cuda", int(env.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    if world == 1 and "MASTER_ADDR" not in env:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    else:
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=timedelta(minutes=10))  # fmt: skip
-    channel = WorkerChannel.from_env(env)
+    rank, world, env = ctx.rank, ctx.world_size, ctx.env
+    channel = ctx.channel
     channel.install_preemption_handler()  # SIGTERM under an agent: save now, then exit
     groups = ProcessGroups.build(layout, rank=rank)
     channel.mark("pg_ready")
@@ -132,6 +159,10 @@ def _run(*, job, layout, rank: int, world: int, env: Mapping[str, str]) -> int:
     preempted = False
     try:
         if groups.is_spare:
+            if ctx.inprocess:  # our memory may hold what the active ranks need
+                from trainer.recovery import recover
+
+                recover(ctx, None, None, channel=channel)
             print(f"rank {rank}: spare in a world of {world}; idling until the end", flush=True)
             # Poll the store rather than sit in a collective, which would time out.
             while not store.check([DONE_KEY]):
@@ -139,9 +170,9 @@ def _run(*, job, layout, rank: int, world: int, env: Mapping[str, str]) -> int:
             preempted = store.get(DONE_KEY) == b"preempted"
         else:
             torch.manual_seed(job.train.seed + groups.index("dp"))
-            ctx = ParallelContext.from_groups(groups)
+            pctx = ParallelContext.from_groups(groups)
             model_groups = (slot_of(groups, "tp-dp-cp"),)
-            trainer = Trainer(job=job, layout=layout, ctx=ctx, dp_rank=groups.index("dp"),
+            trainer = Trainer(job=job, layout=layout, ctx=pctx, dp_rank=groups.index("dp"),
                               model_groups=model_groups, device=device,
                               pipeline=PipelineGroups.from_groups(groups))  # fmt: skip
             metrics = None
@@ -149,17 +180,25 @@ def _run(*, job, layout, rank: int, world: int, env: Mapping[str, str]) -> int:
                 metrics = MetricsWriter(
                     path=os.path.join(job.out_dir, "metrics.jsonl"), layout=layout,
                     round_=int(env.get("ELASTICD_ROUND", "0") or 0), total_steps=job.train.steps,
-                    echo=lambda line: print(line, flush=True),
+                    echo=lambda line: print(line, flush=True), once=ctx.inprocess,
                 )  # fmt: skip
 
             def progress(r) -> None:
                 channel.progress(step=r.step, loss=r.loss, tokens_per_s=r.tokens_per_s)
 
+            restore = None
+            if ctx.inprocess:
+                from trainer.recovery import recover
+
+                def restore(ckpt) -> None:
+                    recover(ctx, trainer, ckpt, channel=channel)
+
             preempt = channel.preempt_agreed if channel.supervised else None
             trainer.run(
                 metrics=metrics, progress=progress, preempt=preempt,
                 checkpoint_group=groups.side("checkpoint"), control_group=groups.side("control"),
-                on_resumed=lambda: channel.mark("ckpt_loaded"),
+                on_resumed=lambda: channel.mark("ckpt_loaded"), restore=restore,
+                after_step=lambda r: stepped(ctx),
             )  # fmt: skip
             if rank == 0:
                 store.set(DONE_KEY, "preempted" if trainer.preempted else "1")
@@ -168,8 +207,11 @@ def _run(*, job, layout, rank: int, world: int, env: Mapping[str, str]) -> int:
     finally:
         if trainer is not None:
             trainer.close()
-        groups.destroy()
-        dist.destroy_process_group()
+        try:
+            groups.destroy()
+        except Exception:
+            if not ctx.inprocess:
+                raise  # in-process, a broken round's groups go with its default group
     if preempted:
         from elasticd.worker import PREEMPTED_EXIT_CODE
 

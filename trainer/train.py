@@ -235,14 +235,17 @@ class Trainer:
         if self.pipeline is not None:
             self.pipeline.sync_tied(self.params, name=self._tied_name)
         norm = global_grad_norm(self.params, groups=self.model_groups)
-        clip_grads(self.params, norm=norm, max_norm=self.job.train.grad_clip)
-        self.optimizer.step()
+        # Every collective of the step comes before the optimizer step: a rank that applied
+        # it has nothing left to wait for, so a fault leaves each rank wholly at step s or
+        # s+1 (in-process recovery picks a step every region is held at).
         loss = self.local_loss()
         if self.ctx.dp_cp.active:
             dist.all_reduce(loss, group=self.ctx.dp_cp.group)
             loss /= self.ctx.dp_cp.size
         if self.pipeline is not None:
             loss = self.pipeline.share_loss(loss)
+        clip_grads(self.params, norm=norm, max_norm=self.job.train.grad_clip)
+        self.optimizer.step()
         self.state.step += 1
         self.state.consumed_samples += self.job.train.global_batch
         step_s = time.perf_counter() - started
@@ -267,6 +270,8 @@ class Trainer:
         checkpoint_group: dist.ProcessGroup | None = None,
         control_group: dist.ProcessGroup | None = None,
         on_resumed: Callable[[], None] | None = None,
+        restore: Callable[[object], None] | None = None,
+        after_step: Callable[[StepResult], None] | None = None,
     ) -> list[StepResult]:
         """Train until ``train.steps`` steps are complete, resuming from the latest committed
         checkpoint when there is one (unless ``checkpoint.resume`` is false) and saving every
@@ -278,11 +283,17 @@ class Trainer:
 
         ``checkpoint_group`` and ``control_group`` (``ProcessGroups.side(...)``): gloo groups
         over the active ranks for the checkpoint store and for the flags. ``on_resumed()`` is
-        called once the checkpoint is loaded (the agent times recovery parts with it)."""
+        called once the checkpoint is loaded (the agent times recovery parts with it).
+        ``restore(ckpt)`` replaces the resume (in-process recovery: from the survivors'
+        memory, falling back to ``ckpt.resume()``). ``after_step(result)`` runs after
+        each step's checkpoint and metrics."""
         from trainer.checkpointing import Checkpointing
 
         ckpt = Checkpointing.create(self, group=checkpoint_group)
-        ckpt.resume()
+        if restore is not None:
+            restore(ckpt)
+        else:
+            ckpt.resume()
         if on_resumed is not None:
             on_resumed()
         flag_group = control_group
@@ -300,6 +311,8 @@ class Trainer:
                     metrics.write(result)
                 if progress is not None:
                     progress(result)
+                if after_step is not None:
+                    after_step(result)
                 results.append(result)
                 if preempt is not None and preempt(flag_group):
                     self.preempted = True  # an emergency checkpoint: finish() commits it
@@ -326,10 +339,14 @@ class MetricsWriter:
         round_: int,
         total_steps: int,
         echo: Callable[[str], None] | None = print,
+        once: bool = False,
     ) -> None:
+        """``once``: write each step at most once (in-process restart: a step trained again
+        after a fault, when some ranks had not completed it, keeps its first record)."""
         self.path, self.layout, self.round, self.total = path, layout, round_, total_steps
         self.echo = echo
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.written = last_step_in(path) if once else None
 
     def record(self, r: StepResult) -> dict:
         p = self.layout.parallel
@@ -339,6 +356,10 @@ class MetricsWriter:
         return rec
 
     def write(self, r: StepResult) -> None:
+        if self.written is not None:
+            if r.step <= self.written:
+                return
+            self.written = r.step
         with open(self.path, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(self.record(r), separators=(",", ":")) + "\n")
         if self.echo is not None:
@@ -346,3 +367,21 @@ class MetricsWriter:
                 f"step {r.step}/{self.total}  loss {r.loss:.4f}  grad_norm {r.grad_norm:.4f}  "
                 f"lr {r.lr:.2e}  {r.step_s * 1000:.0f} ms  {r.tokens_per_s:,.0f} tokens/s"
             )
+
+
+def last_step_in(path: str, tail: int = 65536) -> int:
+    """The highest ``step`` among the last records of a metrics.jsonl (0 if none)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - tail))
+            lines = fh.read().decode(errors="replace").splitlines()
+    except OSError:
+        return 0
+    best = 0
+    for line in lines[-64:]:
+        try:
+            best = max(best, int(json.loads(line)["step"]))
+        except (ValueError, KeyError, TypeError):
+            continue  # the first line of the tail may be cut
+    return best

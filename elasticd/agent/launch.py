@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from elasticd.agent.policy import WorkerEnvInputs, worker_argv, worker_envs
 from elasticd.agent.workers import WorkerGroup
+from elasticd.inprocess import ENV_CONTROL, ENV_MODE
 from elasticd.jobspec import JobSpec
 from elasticd.layout import Layout, plan
 
@@ -60,6 +62,8 @@ class Round:
     """The failure this round recovers from: reason, detected_at, stopped_at."""
     first_step_seen: bool = False
     """Whether rank 0 completed a step in this round yet."""
+    carried: int = 0
+    """Workers that went on from the previous round in their process (in-process)."""
 
 
 def write_json(path: str, obj: Any) -> None:
@@ -116,9 +120,14 @@ def launch(
     env: Mapping[str, str],
     clock: Callable[[], float],
     devices: list[str] | None = None,
+    keep: WorkerGroup | None = None,
 ) -> Round:
     """Plan the layout for ``world``, fence the checkpoint dir for its round, write the
-    round's files and start our workers on ``devices`` (None: no device accounting)."""
+    round's files and start our workers on ``devices`` (None: no device accounting).
+
+    ``keep`` (restart.mode inprocess): the previous round's live workers go on in this
+    round: the control file hands each its new environment, and only the missing local
+    ranks get new processes."""
     formed_at = clock()
     nproc = job.nproc_per_node
     node_rank = world.rank_of(node.node_id)
@@ -139,13 +148,28 @@ def launch(
             job_path=job_path, extra=dict(env), devices=devices,
         )
     )  # fmt: skip
-    workers = WorkerGroup.spawn(
+    control = control_path(node.state_dir, run_id)
+    for local_rank, e in enumerate(envs):
+        e[ENV_MODE] = job.restart.mode
+        if job.restart.mode == "inprocess":
+            e[ENV_CONTROL] = control
+        envs[local_rank] = WorkerGroup.round_env(e, run_dir, local_rank)
+    carried = 0 if keep is None else keep.kept()
+
+    def hand_over() -> None:
+        if job.restart.mode == "inprocess":
+            write_control(control, round_=world.round, state="run",
+                          envs={str(i): e for i, e in enumerate(envs)})  # fmt: skip
+
+    workers = WorkerGroup.carry(
+        keep,
         argv=worker_argv(job.command, job_path, node.python),
         envs=envs,
         log_dir=os.path.join(job.out_dir, "logs", f"round-{world.round}"),
         run_dir=run_dir,
         cwd=os.getcwd(),
         clock=clock,
+        before_spawn=hand_over,
     )
     pids = workers.pids()
     write_json(os.path.join(run_dir, "workers.json"), {str(r): p for r, p in pids.items()})
@@ -162,4 +186,23 @@ def launch(
         formed_at=formed_at,
         spawned_at=clock(),
         resume_step=resume_step,
+        carried=carried,
     )
+
+
+def control_path(state_dir: str, run_id: str) -> str:
+    """The node's control file of one run (``elasticd.inprocess``)."""
+    return os.path.join(state_dir, "jobs", run_id, "control.json")
+
+
+def write_control(
+    path: str, *, round_: int, state: str, envs: Mapping[str, Mapping[str, str]] | None = None
+) -> None:
+    """Tell this node's in-process workers that round ``round_`` ends (``abort``) or starts
+    (``run``, with each local rank's environment). Atomic: a reader sees a whole record."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    record = {"round": round_, "state": state, "t": time.time(), "env": dict(envs or {})}
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(record, fh, separators=(",", ":"))
+    os.replace(tmp, path)

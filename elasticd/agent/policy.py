@@ -44,11 +44,27 @@ class Outcome(enum.StrEnum):
     FENCED = "fenced"
     """Our round is no longer current (we froze and the world moved on): stop our stale
     workers and join again as a new member."""
+    COLLECTIVE_FAILED = "collective_failed"
+    """restart.mode inprocess: a local worker's collective failed (a peer died or froze);
+    evidence enough to re-form at once, before any lease expires."""
 
     @property
     def counts_as_failure(self) -> bool:
         """Whether it uses up one of restart.max_restarts."""
-        return self in (Outcome.WORKER_FAILED, Outcome.WORKER_HUNG)
+        return self in (Outcome.WORKER_FAILED, Outcome.WORKER_HUNG, Outcome.COLLECTIVE_FAILED)
+
+    @property
+    def is_evidence(self) -> bool:
+        """Whether this node saw the fault itself (the re-form may skip silent members)."""
+        return self in (Outcome.WORKER_FAILED, Outcome.WORKER_HUNG, Outcome.COLLECTIVE_FAILED)
+
+    @property
+    def keeps_workers(self) -> bool:
+        """restart.mode inprocess: whether the live workers go on into the next round."""
+        return self in (
+            Outcome.PEER_LOST, Outcome.WORKER_FAILED, Outcome.WORKER_HUNG, Outcome.SCALE_UP,
+            Outcome.COLLECTIVE_FAILED,
+        )  # fmt: skip
 
     @property
     def reforms(self) -> bool:
@@ -60,6 +76,7 @@ class Outcome(enum.StrEnum):
             Outcome.WORKER_HUNG,
             Outcome.SCALE_UP,
             Outcome.FENCED,
+            Outcome.COLLECTIVE_FAILED,
         )
 
 
@@ -95,6 +112,8 @@ class Observation:
     """Latest committed checkpoint step when the waiting node was first seen."""
     checkpoint_now: int | None = None
     """Latest committed checkpoint step now."""
+    faulted: bool = False
+    """A local in-process worker reported a failed collective in this round."""
 
 
 def decide(obs: Observation) -> Outcome | None:
@@ -118,6 +137,8 @@ def decide(obs: Observation) -> Outcome | None:
     failed = [c for c in codes if c is not None and c not in (0, obs.preempted_code)]
     if failed:
         return Outcome.WORKER_FAILED
+    if obs.faulted:
+        return Outcome.COLLECTIVE_FAILED
     if any(c == obs.preempted_code for c in codes):
         return Outcome.PEER_PREEMPTED
     if obs.stalest_heartbeat is not None and obs.stalest_heartbeat > obs.hang_timeout:

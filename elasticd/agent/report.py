@@ -24,10 +24,13 @@ from elasticd.metrics import AgentMetrics
 
 log = logging.getLogger("elasticd.agent")
 
-FAILURE_REASONS = ("worker_failed", "worker_hung")
+FAILURE_REASONS = ("worker_failed", "worker_hung", "collective_failed")
 """Round-ending causes that use up one of restart.max_restarts."""
 PART_MARKS = ("stop", "rendezvous", "spawn", "pg_init", "ckpt_load", "first_step")
-"""The parts of a recovery, in order."""
+"""The parts of a process restart's recovery, in order."""
+INPROCESS_PART_MARKS = ("abort", "rendezvous", "pg_init", "state_transfer", "first_step")
+"""The parts of an in-process recovery, in order (``detect``, from the fault itself to the
+first node knowing, is measured by bench/recovery.py: no agent knows when a node died)."""
 
 
 def recovery_parts(t0: float, marks: list[tuple[str, float | None]]) -> dict[str, float]:
@@ -131,19 +134,32 @@ class JobReporter:
 
     def recovered(
         self, *, round_: int, rec: dict[str, Any], marks: list[tuple[str, float | None]],
-        now: float, first_step: int | None, write: bool,
+        now: float, first_step: int | None, write: bool, mode: str = "process",
+        source: str = "checkpoint", lost_steps: int | None = None,
     ) -> None:  # fmt: skip
-        """The first step after a re-form completed: the recovery is over."""
+        """The first step after a re-form completed: the recovery is over. ``mode``:
+        inprocess or process; ``source``: peers, replica, checkpoint or none (started
+        over); ``lost_steps``: completed steps that had to be trained again."""
         t0 = float(rec["detected_at"])
         parts = recovery_parts(t0, marks)
         total = round(now - t0, 3)
         reason = str(rec.get("reason", "unknown"))
-        self._metrics.recovery_seconds.labels(job=self.name, reason=reason).observe(total)
-        log.info("recovered", **kv(job=self.name, round=round_, seconds=total, **parts))
+        m = self._metrics
+        m.recovery_seconds.labels(job=self.name, reason=reason, mode=mode, source=source).observe(
+            total
+        )
+        if write and lost_steps:
+            m.lost_steps.labels(job=self.name).inc(lost_steps)
+        log.info(
+            "recovered",
+            **kv(job=self.name, round=round_, seconds=total, mode=mode, source=source,
+                 lost_steps=lost_steps, **parts),
+        )  # fmt: skip
         if not write:
             return
         event = {"kind": "recovery", "round": round_, "reason": reason, "detected_at": t0,
-                 "seconds": total, "parts": parts, "first_step": first_step}  # fmt: skip
+                 "seconds": total, "parts": parts, "first_step": first_step, "mode": mode,
+                 "source": source, "lost_steps": lost_steps}  # fmt: skip
         try:
             self._registry.add_event(self.name, event, fence=self.fence)
         except FencedError as exc:

@@ -38,7 +38,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from elasticd.agent.launch import NodeInfo, Round, launch
+from elasticd.agent.launch import NodeInfo, Round, control_path, launch, write_control
 from elasticd.agent.policy import (
     FINISH_WAIT,
     USER_ERROR_EXIT_CODE,
@@ -105,6 +105,12 @@ class JobRunner:
         self._troubles = 0
         self._last_step_written: Any = None
         self._closed_run = False
+        self._kept: Any = None
+        """restart.mode inprocess: the live workers carried into the next round."""
+        self._evidence = False
+        """Whether we re-form because we saw the fault ourselves (rendezvous evidence)."""
+        self._last_step_seen: int | None = None
+        """Rank 0's last completed step in the previous round (for lost steps)."""
         self.crashed = False
         """Set by the agent when ``run`` raised: the job is taken again after a back-off."""
         self.outcome: Outcome | None = None
@@ -168,7 +174,11 @@ class JobRunner:
             while not self._preempt.is_set() and not self._over():
                 joined_at = self._clock()
                 try:
-                    world = handler.next_world()
+                    if self._evidence:
+                        world = handler.next_world(evidence=True)
+                    else:
+                        world = handler.next_world()
+                    self._evidence = False
                 except RendezvousClosed:
                     break
                 except RendezvousTimeout as exc:
@@ -217,6 +227,7 @@ class JobRunner:
     def _node_trouble(self, handler: Any, exc: Exception) -> None:
         """An error in this node's round: leave it cleanly, back off, join again."""
         self._troubles += 1
+        self._drop_kept()
         pause = min(NODE_TROUBLE_BACKOFF_CAP, 0.5 * 2 ** (self._troubles - 1))
         log.exception(
             "this node's round failed; leaving it and joining again",
@@ -229,8 +240,15 @@ class JobRunner:
         self._metrics.world_size.labels(job=self.name).set(0)
         self._preempt.wait(pause)
 
+    def _drop_kept(self) -> None:
+        """Workers kept for an in-process round that will not come: stop them."""
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            kept.kill()
+
     def _finish(self, handler: Any) -> None:
         """Leave the rendezvous; close the run when the job is over for everyone."""
+        self._drop_kept()
         try:
             record = self._current()
             if record is not None and record.state.terminal and record.run_id == self.record.run_id:
@@ -254,11 +272,18 @@ class JobRunner:
             fence = Fence(settings.world_key(), world.revision, world.round)
         self._report.for_round(fence)
         resume_step = latest_checkpoint_step(self.job.ckpt_dir)
-        rnd = launch(
-            job=self.job, run_id=self.record.run_id, world=world, node=self._node,
-            restarts=int(status.status.get("restarts", 0)) if status else 0,
-            resume_step=resume_step, env=os.environ, clock=self._clock, devices=self.devices,
-        )  # fmt: skip
+        keep, self._kept = self._kept, None
+        try:
+            rnd = launch(
+                job=self.job, run_id=self.record.run_id, world=world, node=self._node,
+                restarts=int(status.status.get("restarts", 0)) if status else 0,
+                resume_step=resume_step, env=os.environ, clock=self._clock,
+                devices=self.devices, keep=keep,
+            )  # fmt: skip
+        except BaseException:
+            if keep is not None:
+                keep.kill()
+            raise
         m, nproc = self._metrics, self.job.nproc_per_node
         m.rendezvous_rounds.labels(job=self.name).inc()
         m.rendezvous_seconds.labels(job=self.name).observe(rnd.formed_at - joined_at)
@@ -267,7 +292,8 @@ class JobRunner:
         log.info(
             "workers started",
             **kv(job=self.name, round=world.round, node_rank=rnd.node_rank, world=world.size,
-                 dp=rnd.layout.dp, tp=rnd.layout.parallel.tp, pids=rnd.workers.pids()),
+                 dp=rnd.layout.dp, tp=rnd.layout.parallel.tp, pids=rnd.workers.pids(),
+                 carried=rnd.carried),
         )  # fmt: skip
         rnd.recovery = self._pending_recovery
         if rnd.node_rank == 0:
@@ -335,7 +361,10 @@ class JobRunner:
                     self._report.count(round_=rnd.number, claim=claim, limit=self._limit)
             except ElasticdError as exc:
                 log.warning("preemption not recorded", **kv(job=self.name, error=str(exc)))
-        self._stop_workers(rnd, outcome)
+        if self._keeps_workers(rnd, outcome):
+            self._keep_workers(rnd, outcome)
+        else:
+            self._stop_workers(rnd, outcome)
         stopped_at = self._clock()
         if outcome == Outcome.SUCCEEDED and rnd.node_rank != 0:
             outcome, detail = self._await_success(rnd)
@@ -403,6 +432,7 @@ class JobRunner:
                 checkpoint_now=ckpt_now,
                 user_error_code=USER_ERROR_EXIT_CODE,
                 fenced=self._report.fenced,
+                faulted=self._faulted(rnd),
             )
             self._observe_progress(rnd, now, force=False, due=now >= next_status)
             if now >= next_status:
@@ -412,6 +442,12 @@ class JobRunner:
                 return outcome, self._detail(outcome, rnd, obs, stalest)
             time.sleep(TICK)
 
+    def _faulted(self, rnd: Round) -> bool:
+        """Whether a local in-process worker reported a failed collective this round."""
+        if self.job.restart.mode != "inprocess":
+            return False
+        return any("fault" in beat for beat in rnd.workers.heartbeats().values())
+
     def _detail(self, outcome: Outcome, rnd: Round, obs: Observation, stalest: Any) -> str:
         if outcome in (Outcome.WORKER_FAILED, Outcome.USER_ERROR):
             return "; ".join(w.failure_message() for w in rnd.workers.failed())
@@ -419,6 +455,11 @@ class JobRunner:
             return f"round {rnd.number} is no longer current"
         if outcome == Outcome.WORKER_HUNG and stalest:
             return f"rank {stalest[0].rank}: no progress for {stalest[1]:.1f} s"
+        if outcome == Outcome.COLLECTIVE_FAILED:
+            faults = [f"rank {w.rank}: {beat['fault'].get('error', '')}"
+                      for w in rnd.workers.workers
+                      if "fault" in (beat := rnd.workers.heartbeats().get(w.local_rank, {}))]  # fmt: skip
+            return "; ".join(faults)[:500]
         if outcome == Outcome.PEER_LOST:
             return "lost " + ",".join(obs.lost)
         if outcome == Outcome.SCALE_UP:
@@ -438,22 +479,80 @@ class JobRunner:
             return
         if not rnd.first_step_seen:
             rnd.first_step_seen = True
+            self._failures_here = 0  # training again: the next failure backs off afresh
             if rnd.recovery is not None:
-                phases = lead.get("phases", {}) or {}
-                marks = [("stop", rnd.recovery.get("stopped_at")), ("rendezvous", rnd.formed_at),
-                         ("spawn", rnd.spawned_at), ("pg_init", phases.get("pg_ready")),
-                         ("ckpt_load", phases.get("ckpt_loaded")), ("first_step", now)]  # fmt: skip
-                self._report.recovered(round_=rnd.number, rec=rnd.recovery, marks=marks, now=now,
-                                       first_step=lead.get("step"), write=rnd.node_rank == 0)  # fmt: skip
+                self._recovered(rnd, lead, now)
         write = rnd.node_rank == 0 and (
             force or (due and lead.get("step") != self._last_step_written)
         )
         ckpt = latest_checkpoint_step(self.job.ckpt_dir) if write else None
         if write:
             self._last_step_written = lead.get("step")
+        self._last_step_seen = lead.get("step")
         self._report.progress(lead, checkpoint=ckpt, write=write)
 
+    def _recovered(self, rnd: Round, lead: dict[str, Any], now: float) -> None:
+        """Rank 0's first step after a re-form: record the recovery and its parts."""
+        phases = lead.get("phases", {}) or {}
+        told = lead.get("recovery") or {}
+        rec = rnd.recovery or {}
+        if rnd.carried:
+            mode = "inprocess"
+            marks = [("abort", phases.get("aborted")), ("rendezvous", rnd.formed_at),
+                     ("pg_init", phases.get("pg_ready")),
+                     ("state_transfer", phases.get("state_loaded")), ("first_step", now)]  # fmt: skip
+        else:
+            mode = "process"
+            marks = [("stop", rec.get("stopped_at")), ("rendezvous", rnd.formed_at),
+                     ("spawn", rnd.spawned_at), ("pg_init", phases.get("pg_ready")),
+                     ("ckpt_load", phases.get("ckpt_loaded") or phases.get("state_loaded")),
+                     ("first_step", now)]  # fmt: skip
+        resume = told.get("resume_step", rnd.resume_step)
+        source = str(told.get("source") or ("checkpoint" if resume else "none"))
+        lost = told.get("lost_steps")
+        if lost is None and self._last_step_seen is not None:
+            lost = max(0, int(self._last_step_seen) - int(resume or 0))
+        self._report.recovered(
+            round_=rnd.number, rec=rec, marks=marks, now=now, first_step=lead.get("step"),
+            write=rnd.node_rank == 0, mode=mode, source=source, lost_steps=lost,
+        )  # fmt: skip
+
     # -- reacting -------------------------------------------------------------------------------
+
+    def _keeps_workers(self, rnd: Round, outcome: Outcome) -> bool:
+        """restart.mode inprocess: whether this round's live workers go on into the next.
+        Not after a round that itself recovered in-process and never completed a step
+        (a second fault during recovery, or a recovery that cannot work): then the
+        process restart is the fallback."""
+        if self.job.restart.mode != "inprocess" or not outcome.keeps_workers:
+            return False
+        if rnd.carried and not rnd.first_step_seen:
+            log.warning(
+                "in-process recovery did not reach a step; falling back to a process restart",
+                **kv(job=self.name, round=rnd.number),
+            )
+            return False
+        return True
+
+    def _keep_workers(self, rnd: Round, outcome: Outcome) -> None:
+        """End the round for our workers without stopping them: the control file tells
+        them (they shut their round's sockets, leaving any blocked collective), and the
+        live ones are handed to the next round. A hung worker is killed (it may be
+        SIGSTOPped and cannot recover)."""
+        w = rnd.workers
+        if outcome == Outcome.WORKER_HUNG:
+            now = self._clock()
+            for worker in w.workers:
+                beat_age = now - os.stat(worker.heartbeat_path).st_mtime if os.path.exists(
+                    worker.heartbeat_path) else 0.0  # fmt: skip
+                if worker.proc.poll() is None and beat_age > self.job.restart.hang_timeout:
+                    worker.proc.kill()
+                    worker.proc.wait(timeout=10)
+        write_control(control_path(self._node.state_dir, self.record.run_id),
+                      round_=rnd.number, state="abort")  # fmt: skip
+        self._kept = w
+        self._metrics.set_worker_states(self.name, w.states())
+        self._observe_progress(rnd, self._clock(), force=True, due=True)
 
     def _stop_workers(self, rnd: Round, outcome: Outcome) -> None:
         w, plan = rnd.workers, stop_plan(outcome, self.job.restart.grace_period)
@@ -492,9 +591,12 @@ class JobRunner:
             )
             self._handler.leave()
             return
+        self._evidence = outcome.is_evidence
         if outcome.counts_as_failure:
             self._failures_here += 1
-            pause = backoff(self._failures_here)
+            # The first failure after training resumed re-forms at once; a crash loop
+            # (failures with no step between them) backs off, doubling.
+            pause = backoff(self._failures_here - 1)
             if pause:
                 time.sleep(pause)
 

@@ -133,18 +133,63 @@ class WorkerGroup:
         clock: Callable[[], float] = time.time,
     ) -> WorkerGroup:
         """Start one process per env (local rank order); ``envs[i]['RANK']`` names its log."""
+        return cls.carry(None, argv=argv, envs=envs, log_dir=log_dir, run_dir=run_dir,
+                         cwd=cwd, clock=clock)  # fmt: skip
+
+    @staticmethod
+    def round_env(base_env: Mapping[str, str], run_dir: str, local_rank: int) -> dict[str, str]:
+        """``base_env`` plus this round's heartbeat and error file of ``local_rank`` (stale
+        ones removed)."""
+        hb = os.path.join(run_dir, f"heartbeat-{local_rank}.json")
+        err = os.path.join(run_dir, f"error-{local_rank}.json")
+        for stale in (hb, err):
+            if os.path.exists(stale):
+                os.unlink(stale)
+        return {**base_env, ENV_HEARTBEAT: hb, "TORCHELASTIC_ERROR_FILE": err}
+
+    @classmethod
+    def carry(
+        cls,
+        kept: WorkerGroup | None,
+        *,
+        argv: Sequence[str],
+        envs: Sequence[Mapping[str, str]],
+        log_dir: str,
+        run_dir: str,
+        cwd: str | None = None,
+        clock: Callable[[], float] = time.time,
+        before_spawn: Callable[[], None] | None = None,
+    ) -> WorkerGroup:
+        """The workers of a new round: ``kept``'s live processes go on under their new
+        ranks (in-process restart; ``envs`` must already be :meth:`round_env`'s), and a
+        process is started for every other local rank. ``before_spawn()`` runs between
+        the two (the agent hands the survivors their new round there, so they set up while
+        the newcomers start)."""
         os.makedirs(log_dir, exist_ok=True)
         os.makedirs(run_dir, exist_ok=True)
+        alive = {w.local_rank: w for w in (kept.workers if kept else []) if w.proc.poll() is None}
         group = cls()
+        fresh: list[tuple[int, dict[str, str]]] = []
+        for local_rank, base_env in enumerate(envs):
+            old = alive.get(local_rank)
+            if old is None:
+                fresh.append((local_rank, dict(base_env)))
+                continue
+            group.workers.append(
+                Worker(
+                    local_rank=local_rank, rank=int(base_env["RANK"]), proc=old.proc,
+                    log_path=old.log_path, heartbeat_path=base_env[ENV_HEARTBEAT],
+                    error_path=base_env["TORCHELASTIC_ERROR_FILE"], started=old.started,
+                )
+            )  # fmt: skip
+        if before_spawn is not None:
+            before_spawn()
         try:
-            for local_rank, base_env in enumerate(envs):
+            for local_rank, base_env in fresh:
                 rank = int(base_env["RANK"])
-                hb = os.path.join(run_dir, f"heartbeat-{local_rank}.json")
-                err = os.path.join(run_dir, f"error-{local_rank}.json")
-                for stale in (hb, err):
-                    if os.path.exists(stale):
-                        os.unlink(stale)
-                env = {**base_env, ENV_HEARTBEAT: hb, "TORCHELASTIC_ERROR_FILE": err}
+                env = base_env if ENV_HEARTBEAT in base_env else cls.round_env(
+                    base_env, run_dir, local_rank
+                )  # fmt: skip
                 log_path = os.path.join(log_dir, f"rank-{rank}.log")
                 with open(log_path, "ab") as log:
                     proc = subprocess.Popen(
@@ -162,15 +207,20 @@ class WorkerGroup:
                         rank=rank,
                         proc=proc,
                         log_path=log_path,
-                        heartbeat_path=hb,
-                        error_path=err,
+                        heartbeat_path=env[ENV_HEARTBEAT],
+                        error_path=env["TORCHELASTIC_ERROR_FILE"],
                         started=clock(),
                     )
                 )
         except OSError:
             group.kill()
             raise
+        group.workers.sort(key=lambda w: w.local_rank)
         return group
+
+    def kept(self) -> int:
+        """How many workers are still alive (carried into the next round in-process)."""
+        return sum(1 for w in self.workers if w.proc.poll() is None)
 
     def pids(self) -> dict[int, int]:
         """Global rank → pid."""

@@ -1,0 +1,536 @@
+"""In-process restart, the worker's side (``restart.mode: inprocess``; docs/inprocess.md).
+
+Wrap the training function::
+
+    import elasticd.inprocess as ei
+
+    def train(ctx: ei.Context) -> None:
+        model = ctx.state.get("model") or build_model()    # kept across rounds
+        ctx.state["model"] = model
+        step = ctx.sync_state(ei.state_tensors(model, opt), step=ctx.state.get("step"))
+        ...                                                # ctx.rank, ctx.world_size,
+        for step in range(step or 0, total):               # the default process group
+            ...
+            ctx.state["step"] = step + 1
+
+    ei.run(train)
+
+``run`` calls ``train`` once per round. When a round ends under it (a peer died or froze,
+the world grows), the process is **not** restarted: ``train`` is left through an exception,
+the round's process group is torn down, and ``train`` is called again for the next round
+with a fresh process group; ``ctx.state`` (a plain dict) is what this process carries over.
+
+The protocol with the agent, through two files in the agent's state dir:
+
+- the **control file** (``ELASTICD_CONTROL_FILE``, one per node and job, written
+  atomically by the agent): ``{"round": R, "state": "abort" | "run", "env": {local_rank:
+  {...}}}``. ``abort`` ends round R; ``run`` starts round R with each local rank's new
+  environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT, ELASTICD_ROUND, ...). A watcher thread
+  polls it every 10 ms (one ``stat``);
+- the **heartbeat file** (``elasticd.worker``): the worker reports a failed collective
+  there (``fault``), which the agent takes as evidence of a lost peer.
+
+Leaving a blocked collective. A collective on a killed peer fails at once (its sockets
+closed). One on a *frozen* peer would block until the process group's timeout, and gloo
+(torch 2.13) has no abort. So the round's own sockets are shut down: every TCP connection
+this process opened since the round began (the store client and the gloo pairs; never a
+listening socket, never one from before the round) gets ``shutdown(SHUT_RDWR)``. Gloo's
+pending reads then fail with "connection closed", the collective raises in the training
+thread within milliseconds, and our peers' pairs with us fail the same way, so one
+worker's abort frees every worker of the world. The file descriptors stay open (no
+descriptor is reused under gloo's feet) until the process group is destroyed. On NCCL the
+communicators are aborted with ``_abort_process_group`` under a watchdog.
+
+Without a control file (plain torchrun, one process, ``restart.mode: process``) ``run``
+calls ``train`` exactly once in a process group made from the torchrun environment.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from elasticd.worker import ENV_HEARTBEAT, WorkerChannel
+
+log = logging.getLogger("elasticd.inprocess")
+
+ENV_CONTROL = "ELASTICD_CONTROL_FILE"
+"""The node's control file for this job (set by the agent in ``inprocess`` mode)."""
+ENV_MODE = "ELASTICD_RESTART_MODE"
+"""``process`` or ``inprocess`` (the job's restart.mode)."""
+POLL = 0.01
+"""Seconds between looks at the control file."""
+MAX_FAILED_RECOVERIES = 2
+"""Rounds in a row that may fail before the first step; then the process exits (non-zero)
+and the agent falls back to a process restart."""
+ABORT_WATCHDOG = 10.0
+"""Seconds an NCCL abort may take before the process gives up and exits."""
+EXIT_RECOVERY_FAILED = 1
+
+
+class RoundAborted(Exception):
+    """The round ended under this worker (raised by :meth:`Context.check`)."""
+
+
+@dataclass(kw_only=True)
+class Context:
+    """One round, as the training function sees it."""
+
+    round: int
+    """The rendezvous round (0 outside an agent)."""
+    rank: int
+    """This process's global rank in the round's world."""
+    world_size: int
+    """Ranks in the round's world."""
+    local_rank: int
+    """This process's rank on its node (stable across rounds)."""
+    env: dict[str, str]
+    """The round's environment (also installed in ``os.environ``)."""
+    state: dict[str, Any]
+    """What this process carries from round to round (empty in a fresh process)."""
+    rounds_lived: int = 0
+    """Earlier rounds this process took part in (0: a fresh process, a newcomer)."""
+    store: Any = None
+    """The round's store (a PrefixStore unique to the run and round)."""
+    _control: _Control | None = field(default=None, repr=False)
+    _channel: WorkerChannel | None = field(default=None, repr=False)
+
+    @property
+    def inprocess(self) -> bool:
+        """Whether a failure is recovered in this process (else the process restarts)."""
+        return self._control is not None
+
+    @property
+    def layout(self) -> Any:
+        """The agent's plan for this round (``elasticd.layout.Layout``), or None."""
+        path = self.env.get("ELASTICD_LAYOUT")
+        if not path:
+            return None
+        from elasticd.layout import Layout
+
+        with open(path, encoding="utf-8") as fh:
+            return Layout.from_dict(json.load(fh))
+
+    @property
+    def channel(self) -> WorkerChannel:
+        """This round's line to the agent (heartbeat, phases, preemption). Use this one:
+        a second channel on the same heartbeat file would overwrite its phases."""
+        if self._control is not None:
+            return self._control.channel
+        if self._channel is None:
+            self._channel = WorkerChannel.from_env(self.env)
+        return self._channel
+
+    def aborted(self) -> bool:
+        """Whether the agent ended this round (cheap; call it as often as you like)."""
+        return self._control is not None and self._control.aborted(self.round)
+
+    def check(self) -> None:
+        """Raise :class:`RoundAborted` if this round has ended (call once per step)."""
+        if self.aborted():
+            raise RoundAborted(f"round {self.round} ended")
+
+    def mark(self, phase: str) -> None:
+        """Tell the agent a phase of this round ended (``pg_ready``, ``state_loaded``)."""
+        self.channel.mark(phase)
+
+    def sync_state(self, tensors: Mapping[str, Any], *, step: int | None) -> int | None:
+        """Make every rank's ``tensors`` (whole, data-parallel-replicated tensors: a DDP
+        model's and optimizer's) equal to those of a rank at the newest step, and return
+        that step. ``step`` is None in a process that holds nothing yet (a newcomer, or the
+        first round): it receives. None if no rank holds anything (start fresh).
+
+        Transfers go rank to rank over a gloo group, CRC-checked (``checkpoint.live``).
+        Raises ``RuntimeError`` when the holders disagree on shapes or a transfer fails
+        its check; the round is then failed and the agent falls back."""
+        import torch
+        import torch.distributed as dist
+
+        from checkpoint.live import recover_from_peers
+        from checkpoint.shards import ShardInfo
+
+        boxes = {name: (t, ShardInfo.whole(name, tuple(t.shape))) for name, t in tensors.items()}
+        newest = torch.tensor([-1 if step is None else int(step)], dtype=torch.int64)
+        group = _gloo_group()
+        if dist.is_initialized():
+            dist.all_reduce(newest, op=dist.ReduceOp.MAX, group=group)
+        if int(newest) < 0:
+            return None
+        result = recover_from_peers(
+            have=boxes if step is not None else None, have_step=step,
+            have_consumed=0 if step is not None else None, need=boxes, group=group,
+        )  # fmt: skip
+        if result is None:
+            raise RuntimeError("in-process recovery: the survivors' state could not be agreed")
+        self.mark("state_loaded")
+        return result.step
+
+
+def state_tensors(model: Any, optimizer: Any = None) -> dict[str, Any]:
+    """A model's parameters and buffers and an optimizer's per-parameter tensors, by name
+    (for :meth:`Context.sync_state`). Optimizer state that does not exist yet (before the
+    first step) is created as the optimizer would, zeros, so that every rank names the same
+    tensors."""
+    import torch
+
+    out: dict[str, Any] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        out[f"model/{name}"] = t.data if hasattr(t, "data") else t
+    if optimizer is None:
+        return out
+    names = {id(p): n for n, p in model.named_parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            st = optimizer.state[p]
+            if not st:
+                st["step"] = torch.tensor(0.0)
+                st["exp_avg"] = torch.zeros_like(p)
+                st["exp_avg_sq"] = torch.zeros_like(p)
+            for key, value in st.items():
+                if torch.is_tensor(value):
+                    out[f"optim/{names.get(id(p), id(p))}/{key}"] = value
+    return out
+
+
+def _gloo_group() -> Any:
+    """The group state moves over: the default one on gloo, else a gloo group of all."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    if dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo")
+
+
+# -- sockets ----------------------------------------------------------------------------------
+
+
+def _socket_fds() -> dict[int, int]:
+    """This process's socket file descriptors -> inode."""
+    out = {}
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            out[int(fd)] = int(target[8:-1])
+    return out
+
+
+def _connected_tcp_inodes() -> set[int]:
+    """Inodes of TCP sockets not in LISTEN state (a listener shut down makes gloo's accept
+    loop abort the process)."""
+    out = set()
+    for path in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(path, encoding="ascii") as fh:
+                next(fh, None)
+                for line in fh:
+                    cols = line.split()
+                    if len(cols) > 9 and cols[3] != "0A":
+                        out.add(int(cols[9]))
+        except OSError:
+            continue
+    return out
+
+
+def shutdown_new_sockets(before: set[int]) -> int:
+    """Shut down (not close) every connected TCP socket whose inode is not in ``before``;
+    returns how many."""
+    tcp = _connected_tcp_inodes()
+    count = 0
+    for fd, inode in _socket_fds().items():
+        if inode in before or inode not in tcp:
+            continue
+        try:
+            s = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+            count += 1
+        except OSError:
+            pass
+        finally:
+            s.detach()
+    return count
+
+
+# -- the control file --------------------------------------------------------------------------
+
+
+class _Control:
+    """This process's view of its agent's control file, kept fresh by a watcher thread."""
+
+    def __init__(self, path: str, local_rank: int, env: Mapping[str, str]) -> None:
+        self.path = path
+        self.local_rank = local_rank
+        self.cond = threading.Condition()
+        self.record: dict[str, Any] = {}
+        self.round = int(env.get("ELASTICD_ROUND", "0") or 0)
+        self.ended: set[int] = set()
+        self._before: set[int] = set()
+        self._shut: set[int] = set()
+        self._begun = False
+        self.aborted_at: float | None = None
+        self._sig: tuple[int, int] | None = None
+        self.channel = WorkerChannel.from_env(env)
+        self._read()
+        threading.Thread(target=self._watch, name="elasticd-control", daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return
+        sig = (st.st_mtime_ns, st.st_size)
+        if sig == self._sig:
+            return
+        try:
+            with open(self.path, encoding="utf-8") as fh:
+                record = json.load(fh)
+        except (OSError, ValueError):
+            return  # mid-replace cannot happen (atomic), but a bad file must not kill us
+        self._sig = sig
+        if not isinstance(record, dict):
+            return
+        with self.cond:
+            self.record = record
+            r = int(record.get("round", 0))
+            if record.get("state") == "abort":
+                self.ended.add(r)
+            # A newer round than ours means ours is over, whatever state it names.
+            for old in range(self.round, r + (1 if record.get("state") == "abort" else 0)):
+                self.ended.add(old)
+            self.cond.notify_all()
+        if self.round in self.ended:
+            self.abort_sockets()
+
+    def _watch(self) -> None:
+        while True:
+            self._read()
+            time.sleep(POLL)
+
+    def aborted(self, round_: int) -> bool:
+        return round_ in self.ended
+
+    def begin(self, round_: int) -> None:
+        """A round starts: remember which sockets existed before it."""
+        with self.cond:
+            self.round = round_
+            self._before = set(_socket_fds().values())
+            self._shut = set()
+            self._begun = True
+
+    def abort_sockets(self) -> None:
+        """Leave any collective of the current round (see the module docstring)."""
+        with self.cond:
+            if not self._begun:
+                return
+            before = self._before | self._shut
+        n = shutdown_new_sockets(before)
+        with self.cond:
+            self._shut |= set(_socket_fds().values())
+        if n:
+            log.info("round sockets shut down", extra={"round": self.round, "sockets": n})
+
+    def next_round(self, after: int) -> dict[str, str]:
+        """Block until the agent starts a round after ``after``; its env for this rank."""
+        parent = os.getppid()
+        with self.cond:
+            while True:
+                rec = self.record
+                if rec.get("state") == "run" and int(rec.get("round", 0)) > after:
+                    env = (rec.get("env") or {}).get(str(self.local_rank))
+                    if env:
+                        return {str(k): str(v) for k, v in env.items()}
+                if os.getppid() != parent:
+                    raise SystemExit(EXIT_RECOVERY_FAILED)  # the agent is gone
+                self.cond.wait(0.5)
+
+
+# -- the loop ------------------------------------------------------------------------------------
+
+
+def is_comm_error(exc: BaseException) -> bool:
+    """Whether ``exc`` comes from a process group or store (a peer died, froze, or our
+    round's sockets were shut), rather than from the training code."""
+    import torch.distributed as dist
+
+    if isinstance(exc, RoundAborted):
+        return True
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    if isinstance(exc, (RuntimeError, ConnectionError, TimeoutError)):
+        text = str(exc)
+        return any(
+            s in text
+            for s in ("gloo", "Connection closed", "Connection reset", "NCCL", "Broken pipe",
+                      "TCPStore", "Socket", "socket", "timed out", "Timed out")
+        )  # fmt: skip
+    return False
+
+
+def _open_round(env: Mapping[str, str], *, backend: str, timeout: timedelta) -> Any:
+    """A fresh store (prefixed by run and round) and default process group for ``env``."""
+    import torch.distributed as dist
+
+    rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
+    if world == 1 and "MASTER_ADDR" not in env:
+        store = dist.HashStore()
+    else:
+        store = dist.TCPStore(
+            env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, rank == 0,
+            timeout=timeout, wait_for_workers=False,
+        )  # fmt: skip
+    prefix = (
+        f"elasticd/{env.get('TORCHELASTIC_RUN_ID', '')}/round-{env.get('ELASTICD_ROUND', '0')}/"
+    )
+    prefixed = dist.PrefixStore(prefix, store)
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
+    return prefixed
+
+
+def _close_round(*, abort: bool) -> None:
+    """Tear the default process group (and every group made from it) down."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    if abort and dist.get_backend() == "nccl":
+        _abort_nccl()
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception as exc:  # a broken group: nothing of it is used again
+        log.warning("destroying the old process group failed: %s", exc)
+
+
+def _abort_nccl() -> None:
+    """Abort every NCCL communicator of the round, or exit if that hangs (a process
+    restart is then the fallback)."""
+    import torch.distributed as dist
+
+    done = threading.Event()
+
+    def watchdog() -> None:
+        if not done.wait(ABORT_WATCHDOG):
+            print("elasticd.inprocess: NCCL abort hung; exiting for a process restart",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            os._exit(EXIT_RECOVERY_FAILED)
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    try:
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is not None:
+            abort()
+        dist.destroy_process_group()
+    except Exception as exc:
+        log.warning("NCCL abort: %s", exc)
+    finally:
+        done.set()
+
+
+def run(
+    train: Callable[[Context], Any],
+    *,
+    env: Mapping[str, str] | None = None,
+    backend: str | None = None,
+    timeout: timedelta = timedelta(minutes=10),
+) -> Any:
+    """Run ``train(ctx)`` once per round until it returns; its return value is returned.
+
+    Under an agent with ``restart.mode: inprocess`` a round that ends under ``train`` (a
+    failed collective, or the agent's abort) is followed by the next one in this process;
+    an exception that is not about communication (a bug in ``train``) propagates, and so
+    does a second failed recovery in a row. Elsewhere ``train`` runs once."""
+    import torch
+
+    env = dict(os.environ if env is None else env)
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    path = env.get(ENV_CONTROL) if env.get(ENV_MODE) == "inprocess" else None
+    local_rank = int(env.get("LOCAL_RANK", "0") or 0)
+    control = _Control(path, local_rank, env) if path else None
+    state: dict[str, Any] = {}
+    lived = 0
+    failed_in_row = 0
+    while True:
+        round_ = int(env.get("ELASTICD_ROUND", "0") or 0)
+        if control is not None:
+            control.begin(round_)
+            os.environ.update(env)
+            control.channel = WorkerChannel.from_env(env)
+            if control.aborted_at is not None:  # the agent times the recovery's parts
+                control.channel.mark("aborted", at=control.aborted_at)
+        ctx = Context(
+            round=round_, rank=int(env.get("RANK", "0")), world_size=int(env.get("WORLD_SIZE", "1")),
+            local_rank=local_rank, env=env, state=state, rounds_lived=lived, _control=control,
+        )  # fmt: skip
+        try:
+            ctx.store = _open_round(env, backend=backend, timeout=timeout)
+            ctx.mark("pg_ready")
+            result = train(ctx)
+        except BaseException as exc:
+            if control is None or not (control.aborted(round_) or is_comm_error(exc)):
+                _close_round(abort=True)
+                raise
+            failed_in_row = failed_in_row + 1 if not state.get("_stepped") else 1
+            state["_stepped"] = False
+            _leave_round(control, round_, exc)
+            if failed_in_row >= MAX_FAILED_RECOVERIES:
+                print(f"elasticd.inprocess: {failed_in_row} rounds in a row failed before "
+                      "a step; exiting for a process restart", file=sys.stderr, flush=True)  # fmt: skip
+                raise SystemExit(EXIT_RECOVERY_FAILED) from exc
+            env = control.next_round(round_)
+            lived += 1
+            continue
+        _close_round(abort=False)
+        return result
+
+
+def stepped(ctx: Context) -> None:
+    """Note that this round completed a training step (a later failure is a fresh one,
+    not a failed recovery). The built-in trainer calls it after every step."""
+    ctx.state["_stepped"] = True
+
+
+def _leave_round(control: _Control, round_: int, exc: BaseException) -> None:
+    """A round of ours failed: tell the agent, free our peers, tear the group down."""
+    now = time.time()
+    if not control.aborted(round_):
+        control.channel.fault(f"{type(exc).__name__}: {str(exc)[:300]}")
+    control.abort_sockets()  # peers blocked on us fail at once
+    control.aborted_at = time.time()
+    print(f"elasticd.inprocess: round {round_} ended ({type(exc).__name__}: "
+          f"{str(exc)[:200]}); waiting for the next one", file=sys.stderr, flush=True)  # fmt: skip
+    _close_round(abort=True)
+    log.debug("left round %d in %.3f s", round_, time.time() - now)
+
+
+__all__ = [
+    "ENV_CONTROL",
+    "ENV_HEARTBEAT",
+    "Context",
+    "RoundAborted",
+    "is_comm_error",
+    "run",
+    "state_tensors",
+    "stepped",
+]

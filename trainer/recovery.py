@@ -1,0 +1,101 @@
+"""In-process recovery of the built-in trainer: fill a new round's Trainer from the
+survivors' memory, else from the latest committed checkpoint (docs/inprocess.md).
+
+Every rank of the new world calls :func:`recover` at the start of a round, active or
+spare, survivor or newcomer, in the same order:
+
+1. an all-reduce (MAX) of the newest step any rank holds in memory; -1 means nobody holds
+   anything (the first round, or only newcomers): resume from the checkpoint as a fresh
+   process would;
+2. otherwise ``checkpoint.live.recover_from_peers``: every parameter and AdamW tensor is
+   named globally by its ShardInfo, exactly as in checkpoints; the live planner picks, for
+   each region the new layout needs, a rank that holds it at one agreed step, and the
+   bytes go rank to rank, CRC-checked. Survivors may differ by one step (a fault between
+   two ranks' optimizer steps): the newest step every region is held at wins;
+3. when no step covers every region (a TP or PP shard with no DP replica died with its
+   node), or a transfer fails its check, every rank falls back to the checkpoint.
+
+The outcome (``source``: peers, checkpoint or none; ``resume_step``; ``lost_steps``, the
+newest step held anywhere minus the step resumed at) goes to the agent through the
+heartbeat, and ``state_loaded`` marks the end of the state transfer.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("trainer.recovery")
+
+
+def holdings(trainer: Any, *, create: bool) -> dict[str, tuple[torch.Tensor, Any]]:
+    """A trainer's parameters and AdamW tensors by global name (as checkpoints name them)."""
+    from trainer.checkpointing import Checkpointing
+
+    # The checkpoint's own naming, without making a store: bind the two methods.
+    view = Checkpointing.__new__(Checkpointing)
+    view.trainer = trainer
+    return {**view._model(), **view._optimizer(create=create)}
+
+
+def _transfer_group() -> Any:
+    """The whole world on gloo (the state is staged through host memory)."""
+    if not dist.is_initialized() or dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo")
+
+
+def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any) -> str:
+    """Restore ``trainer`` (None on a spare rank, which only serves what it holds) for
+    this round; returns the source. ``ctx.state['trainer']`` is the previous round's
+    trainer of this process, if any; it is replaced by ``trainer`` once restored."""
+    from checkpoint.live import recover_from_peers
+    from trainer.checkpointing import reseed_value
+
+    old = ctx.state.get("trainer")
+    have = holdings(old, create=True) if old is not None else None
+    have_step = old.state.step if old is not None else None
+    need = holdings(trainer, create=True) if trainer is not None else {}
+    group = _transfer_group()
+    newest_t = torch.tensor([-1 if have_step is None else have_step], dtype=torch.int64)
+    if dist.is_initialized():
+        dist.all_reduce(newest_t, op=dist.ReduceOp.MAX, group=group)
+    newest = int(newest_t)
+    source = "none"
+    result = None
+    if newest >= 0:
+        result = recover_from_peers(
+            have=have, have_step=have_step,
+            have_consumed=old.state.consumed_samples if old is not None else None,
+            need=need, group=group,
+        )  # fmt: skip
+    if trainer is None:  # a spare: it served its part
+        ctx.state.pop("trainer", None)
+        return "peers" if result is not None else "none"
+    if result is not None:
+        source = "peers"
+        trainer.state.step = result.step
+        trainer.state.consumed_samples = result.consumed_samples
+        torch.manual_seed(
+            reseed_value(trainer.job.train.seed, result.step, trainer.batches.dp_rank)
+        )
+        ckpt.last_saved = None
+        if ctx.rank == 0:
+            print(f"recovered in-process from peers at step {result.step} "
+                  f"({result.bytes_in / 1e6:.1f} MB received, {result.bytes_local / 1e6:.1f} MB "
+                  f"local, {result.seconds:.3f} s)", flush=True)  # fmt: skip
+    else:
+        if newest >= 0 and ctx.rank == 0:
+            print("in-process recovery: the survivors' memory does not cover the new layout; "
+                  "resuming from the latest checkpoint", flush=True)  # fmt: skip
+        if ckpt.resume():
+            source = "checkpoint"
+    step = trainer.state.step
+    lost = max(0, newest - step) if newest >= 0 else 0
+    channel.recovered(source=source, resume_step=step, lost_steps=lost)
+    channel.mark("state_loaded")
+    ctx.state["trainer"] = trainer  # the old one (and its memory) goes
+    return source
