@@ -40,6 +40,7 @@ class LeaseKeeper:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._requests: queue.Queue | None = None
+        self._answered = False
         self._thread = threading.Thread(target=self._run, name="etcd-lease-keeper", daemon=True)
         self._thread.start()
 
@@ -70,6 +71,7 @@ class LeaseKeeper:
     def _read(self, stream: object, q: queue.Queue) -> None:
         try:
             for resp in stream:  # type: ignore[attr-defined]
+                self._answered = True
                 if resp.TTL <= 0:
                     with self._lock:
                         kept = self._leases.pop(resp.ID, None)
@@ -93,6 +95,7 @@ class LeaseKeeper:
             member = self._client.member()  # type: ignore[attr-defined]
             q: queue.Queue = queue.Queue()
             self._requests = q
+            self._answered = False
             try:
                 stream = member.lease.LeaseKeepAlive(
                     self._stream_requests(q),
@@ -109,8 +112,12 @@ class LeaseKeeper:
             if self._stop.is_set():
                 return
             self._client.rotate(member)  # type: ignore[attr-defined]
-            attempt += 1
-            self._stop.wait(min(0.05 * 2 ** min(attempt, 5), 1.0))
+            # A stream that was answered broke now: start the back-off afresh. Short
+            # pauses, because a lease waits for nobody: once etcd is back (a new leader
+            # renews every lease for one TTL), the next refresh must get through within
+            # that TTL, and each try of a member still down costs one pause.
+            attempt = 1 if self._answered else attempt + 1
+            self._stop.wait(min(0.05 * 2 ** min(attempt, 5), 0.5))
 
     def _pump(self, q: queue.Queue, reader: threading.Thread) -> None:
         """Send refreshes as they fall due, until the stream breaks or we stop."""
