@@ -318,8 +318,9 @@ class _Control:
             for old in range(self.round, r + (1 if record.get("state") == "abort" else 0)):
                 self.ended.add(old)
             self.cond.notify_all()
-        if self.round in self.ended:
-            self.abort_sockets()
+            current = self.round
+        if current in self.ended:
+            self.abort_sockets(current)
 
     def _watch(self) -> None:
         while True:
@@ -337,17 +338,15 @@ class _Control:
             self._shut = set()
             self._begun = True
 
-    def abort_sockets(self) -> None:
-        """Leave any collective of the current round (see the module docstring)."""
+    def abort_sockets(self, round_: int) -> None:
+        """Leave any collective of round ``round_`` (see the module docstring). Nothing if
+        another round began meanwhile: its sockets are not ours to shut. Under the lock,
+        so that a round cannot begin halfway through."""
         with self.cond:
-            if not self._begun:
+            if not self._begun or self.round != round_:
                 return
-            before = self._before | self._shut
-        n = shutdown_new_sockets(before)
-        with self.cond:
+            shutdown_new_sockets(self._before | self._shut)
             self._shut |= set(_socket_fds().values())
-        if n:
-            log.info("round sockets shut down", extra={"round": self.round, "sockets": n})
 
     def next_round(self, after: int) -> dict[str, str]:
         """Block until the agent starts a round after ``after``; its env for this rank."""
@@ -516,7 +515,7 @@ def _leave_round(control: _Control, round_: int, exc: BaseException) -> None:
     now = time.time()
     if not control.aborted(round_):
         control.channel.fault(f"{type(exc).__name__}: {str(exc)[:300]}")
-    control.abort_sockets()  # peers blocked on us fail at once
+    control.abort_sockets(round_)  # peers blocked on us fail at once
     control.aborted_at = time.time()
     print(f"elasticd.inprocess: round {round_} ended ({type(exc).__name__}: "
           f"{str(exc)[:200]}); waiting for the next one", file=sys.stderr, flush=True)  # fmt: skip

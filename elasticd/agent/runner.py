@@ -521,12 +521,14 @@ class JobRunner:
 
     def _keeps_workers(self, rnd: Round, outcome: Outcome) -> bool:
         """restart.mode inprocess: whether this round's live workers go on into the next.
-        Not after a round that itself recovered in-process and never completed a step
-        (a second fault during recovery, or a recovery that cannot work): then the
-        process restart is the fallback."""
+        Not when our own workers died or hung in a round that recovered in-process and
+        never completed a step (a recovery that cannot work: the worker gives up after
+        two failed rounds in a row): then the process restart is the fallback. Another
+        node's event during a recovery (a peer lost, a node waiting) keeps them."""
         if self.job.restart.mode != "inprocess" or not outcome.keeps_workers:
             return False
-        if rnd.carried and not rnd.first_step_seen:
+        own = outcome in (Outcome.WORKER_FAILED, Outcome.WORKER_HUNG)
+        if own and rnd.carried and not rnd.first_step_seen:
             log.warning(
                 "in-process recovery did not reach a step; falling back to a process restart",
                 **kv(job=self.name, round=rnd.number),

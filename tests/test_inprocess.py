@@ -1,0 +1,120 @@
+"""In-process restart under real agents, etcd and gloo workers (restart.mode: inprocess).
+
+Each run trains the built-in GPT with no checkpoint on disk before the faults
+(``checkpoint.every: 0``; only the final step is saved), so every recovery must come from
+the survivors' memory. Each checks, against an uninterrupted single-process run:
+
+- the losses, within 1e-4 (fp32 round-off of a different data-parallel reduction order);
+- every step appears exactly once in metrics.jsonl (no rollback, no step trained twice);
+- every recovery says mode inprocess, source peers, 0 lost steps;
+- the survivors' worker processes are the same (same pids) before and after.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+from test_agent_trainer import reference_losses, run
+
+from elasticd.jobspec import parse_job
+
+
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+
+
+def make_job(tmp_path, name, *, nproc=1, steps=16, parallel=None, model=None, batch=12, **extra):
+    raw = {
+        "name": name,
+        "output_dir": str(tmp_path / name),
+        "nodes": extra.pop("nodes", {"min": 1, "max": 3}),
+        "nproc_per_node": nproc,
+        "parallel": parallel or {},
+        "model": {"layers": 4, "hidden": 64, "heads": 4, "ffn_hidden": 128, "vocab": 256,
+                  "seq_len": 32, **(model or {})},
+        "train": {"steps": steps, "global_batch": batch, "micro_batch": 2},
+        "checkpoint": {"every": 0},
+        "restart": {"mode": "inprocess", "scale_up": "immediate"},
+        "rendezvous": {"ttl": 2, "settle": 2.0},
+        **extra,
+    }  # fmt: skip
+    return parse_job(raw).with_paths_resolved(tmp_path)
+
+
+def round_pids(job) -> dict[int, set[int]]:
+    """Round -> the pids of its workers, from every node's round files."""
+    out: dict[int, set[int]] = {}
+    pattern = os.path.join(job.out_dir, "cluster", "node-*", "jobs", "*", "round-*", "workers.json")
+    for path in glob.glob(pattern):
+        r = int(os.path.basename(os.path.dirname(path)).split("-")[1])
+        with open(path, encoding="utf-8") as fh:
+            out.setdefault(r, set()).update(json.load(fh).values())
+    return out
+
+
+def check_inprocess(tmp_path, job, result, *, recoveries: int) -> list[dict]:
+    assert result["state"] == "succeeded", result["reason"]
+    records = result["metrics"]
+    steps = [r["step"] for r in records]
+    assert steps == list(range(1, job.train.steps + 1)), steps
+    reference = reference_losses(tmp_path, job)
+    for rec in records:
+        assert rec["loss"] == pytest.approx(reference[rec["step"]], rel=1e-4), rec["step"]
+    history = result["status"]["history"]
+    recs = [e for e in history if e["kind"] == "recovery"]
+    assert len(recs) == recoveries, history
+    for e in recs:
+        assert (e["mode"], e["source"], e["lost_steps"]) == ("inprocess", "peers", 0), e
+    return records
+
+
+def test_dp3_loses_a_node_then_a_newcomer_joins_the_survivors_all_in_process(tmp_path):
+    job = make_job(tmp_path, "dp", steps=40)
+    result = run(job, 3, ["kill-node=1@step=4", "add-node@step=10"])
+    records = check_inprocess(tmp_path, job, result, recoveries=2)
+    assert [r["world"] for r in records if r["step"] in (1, 9, 40)] == [3, 2, 3]
+    pids = round_pids(job)
+    first, second, third = (pids[r] for r in sorted(pids))
+    assert len(first) == 3 and second < first and len(second) == 2  # dp3 -> dp2: survivors
+    assert second < third and len(third) == 3  # dp2 -> dp3: a newcomer joins them
+
+
+def test_a_killed_worker_is_replaced_and_its_peers_go_on_in_process(tmp_path):
+    job = make_job(tmp_path, "kw", steps=16)
+    result = run(job, 2, ["kill-worker=1@step=5"])
+    check_inprocess(tmp_path, job, result, recoveries=1)
+    pids = round_pids(job)
+    first, second = (pids[r] for r in sorted(pids))
+    assert len(first & second) == 1 and len(second) == 2  # rank 0's process went on
+
+
+@pytest.mark.parametrize(
+    ("name", "nodes", "nproc", "parallel", "model", "before", "after"),
+    [
+        ("tp", 2, 2, {"tp": 2}, {}, (4, 2, 1, 2), (2, 2, 1, 1)),
+        # pp is the slowest dimension: with 2 ranks a node, a node would hold a whole
+        # stage. One rank a node: the dead node held one stage of one replica; the third
+        # survivor is a spare in pp2 x dp1 (and serves what it holds).
+        ("pp", 4, 1, {"pp": 2}, {}, (4, 1, 2, 2), (3, 1, 2, 1)),
+        # A global batch of 8 so that 4 ranks are dp4 (ep2 x expert-dp2), not dp2 + spares.
+        ("ep", 2, 2, {"ep": 2}, {"experts": 4, "top_k": 2}, (4, 1, 1, 4), (2, 1, 1, 2)),
+    ],
+)
+def test_a_sharded_layout_loses_a_node_and_the_survivors_reshard_from_memory(
+    tmp_path, name, nodes, nproc, parallel, model, before, after
+):
+    """tp2xdp2 -> tp2, pp2xdp2 -> pp2, ep2xdp2 -> ep2: the dead node held one whole
+    data-parallel replica, so every shard the new layout needs is alive, but ranks move."""
+    job = make_job(tmp_path, name, nproc=nproc, steps=10, parallel=parallel, model=model,
+                   nodes={"min": 2 // nproc, "max": nodes}, batch=8 if name == "ep" else 12)  # fmt: skip
+    result = run(job, nodes, ["kill-node=1@step=5"])
+    records = check_inprocess(tmp_path, job, result, recoveries=1)
+    shape = lambda r: (r["world"], r["tp"], r["pp"], r["dp"])  # noqa: E731
+    assert shape(records[0]) == before and shape(records[-1]) == after
+    pids = round_pids(job)
+    first, second = (pids[r] for r in sorted(pids))
+    assert second < first and len(second) == (nodes - 1) * nproc
