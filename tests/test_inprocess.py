@@ -118,3 +118,24 @@ def test_a_sharded_layout_loses_a_node_and_the_survivors_reshard_from_memory(
     pids = round_pids(job)
     first, second = (pids[r] for r in sorted(pids))
     assert second < first and len(second) == (nodes - 1) * nproc
+
+
+def test_a_frozen_node_is_left_behind_in_process_and_comes_back_as_a_newcomer(tmp_path):
+    """SIGSTOP of a whole node: the survivors' collectives block on it until its lease
+    expires (rendezvous.ttl); then their agents end the round, the workers shut the round's
+    sockets and leave the blocked collective, and the world re-forms without it. Thawed,
+    the node finds the world moved on (fenced) and joins again as a newcomer."""
+    job = make_job(tmp_path, "frozen", steps=60)
+    result = run(job, 3, ["freeze-node=2@step=5:for=6"])
+    assert result["state"] == "succeeded", result["reason"]
+    records = result["metrics"]
+    assert [r["step"] for r in records] == list(range(1, 61))
+    reference = reference_losses(tmp_path, job)
+    for rec in records:
+        assert rec["loss"] == pytest.approx(reference[rec["step"]], rel=1e-4), rec["step"]
+    recs = [e for e in result["status"]["history"] if e["kind"] == "recovery"]
+    assert recs and recs[0]["mode"] == "inprocess" and recs[0]["source"] == "peers", recs
+    assert recs[0]["lost_steps"] == 0
+    pids = round_pids(job)
+    first, second = (pids[r] for r in sorted(pids)[:2])
+    assert second < first and len(second) == 2
