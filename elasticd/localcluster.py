@@ -860,7 +860,8 @@ def _progress(record: Any, step: int) -> str:
     )
 
 
-PART_ORDER = ("stop", "rendezvous", "spawn", "pg_init", "ckpt_load", "first_step")
+PART_ORDER = ("stop", "abort", "rendezvous", "spawn", "pg_init", "ckpt_load", "state_transfer",
+              "first_step")  # fmt: skip
 
 
 def print_summary(result: dict[str, Any], *, out: Any) -> None:
@@ -905,10 +906,14 @@ def print_summary(result: dict[str, Any], *, out: Any) -> None:
             total = f"{detection + e['seconds']:.2f}s from the fault = detection {detection:.2f}s, "
         else:
             total = f"{e['seconds']:.2f}s from detection = "
+        detail = cause.get("detail", "")
+        detail = detail if len(detail) <= 120 else detail[:117] + "..."
+        how = ""
+        if e.get("mode"):
+            how = f" [{e['mode']}, from {e.get('source')}, lost steps {e.get('lost_steps')}]"
         out.write(
             f"  recovery into round {e['round']} ({e.get('reason')}"
-            f"{': ' + cause.get('detail', '') if cause.get('detail') else ''}): "
-            f"{total}{parts}\n"
+            f"{': ' + detail if detail else ''}){how}: {total}{parts}\n"
         )
 
 

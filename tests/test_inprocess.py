@@ -15,6 +15,8 @@ from __future__ import annotations
 import glob
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 from test_agent_trainer import reference_losses, run
@@ -84,8 +86,18 @@ def test_dp3_loses_a_node_then_a_newcomer_joins_the_survivors_all_in_process(tmp
 
 
 def test_a_killed_worker_is_replaced_and_its_peers_go_on_in_process(tmp_path):
+    """Through the CLI: ``elasticd run --json`` prints the final status as one object."""
     job = make_job(tmp_path, "kw", steps=16)
-    result = run(job, 2, ["kill-worker=1@step=5"])
+    path = tmp_path / "kw.json"
+    path.write_text(json.dumps(job.to_dict()))
+    r = subprocess.run(
+        [sys.executable, "-m", "elasticd", "run", str(path), "--nodes", "2", "--json",
+         "--fault", "kill-worker=1@step=5", "--timeout", "240"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    result = json.loads(r.stdout)
+    assert "fault injected" in r.stderr
     check_inprocess(tmp_path, job, result, recoveries=1)
     pids = round_pids(job)
     first, second = (pids[r] for r in sorted(pids))

@@ -7,6 +7,7 @@ The cluster, the faults and the loop that follows the job live in
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -47,6 +48,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "resumes from its checkpoints)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=1800.0, metavar="S",
                    help="give up after this many seconds (default 1800)")  # fmt: skip
+    p.add_argument("--json", action="store_true",
+                   help="print the final status (state, history with every recovery, "
+                   "faults, metrics) as one JSON object on stdout; progress goes to stderr")  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -71,7 +75,12 @@ def run(args: argparse.Namespace) -> int:
                faults=faults, etcd_members=args.etcd_members,
                where=os.path.basename(args.job))  # fmt: skip
     prepare_output_dir(job.out_dir, fresh=args.fresh)
+    as_json = getattr(args, "json", False)
+    progress = sys.stderr if as_json else sys.stdout
     result = run_cluster(job, nodes=args.nodes, faults=faults, timeout=args.timeout,
-                         out=sys.stdout, etcd_members=args.etcd_members)  # fmt: skip
-    print_summary(result, out=sys.stdout)
+                         out=progress, etcd_members=args.etcd_members)  # fmt: skip
+    if as_json:
+        print(json.dumps(result, sort_keys=True, default=str))
+    else:
+        print_summary(result, out=sys.stdout)
     return 0 if result["state"] == "succeeded" else 1
