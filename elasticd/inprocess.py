@@ -394,8 +394,11 @@ def _open_round(env: Mapping[str, str], *, backend: str, timeout: timedelta) -> 
     if world == 1 and "MASTER_ADDR" not in env:
         store = dist.HashStore()
     else:
+        # Under torchrun the agent hosts the store (TORCHELASTIC_USE_AGENT_STORE); under
+        # elasticd rank 0 hosts each round's, on the port the rendezvous reserved.
+        host = rank == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
         store = dist.TCPStore(
-            env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, rank == 0,
+            env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, host,
             timeout=timeout, wait_for_workers=False,
         )  # fmt: skip
     prefix = (

@@ -151,3 +151,37 @@ def test_a_frozen_node_is_left_behind_in_process_and_comes_back_as_a_newcomer(tm
     pids = round_pids(job)
     first, second = (pids[r] for r in sorted(pids)[:2])
     assert second < first and len(second) == 2
+
+
+def test_the_ddp_example_survives_a_killed_node_in_process_and_matches_one_process(tmp_path):
+    """examples/ddp_inprocess.py: a plain DDP script with the elasticd lines, dp3 -> dp2."""
+    script = os.path.join(
+        os.path.dirname(os.path.dirname(__file__)), "examples", "ddp_inprocess.py"
+    )
+    ref_log = tmp_path / "ref.jsonl"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    r = subprocess.run([sys.executable, script], env={**env, "DDP_LOG": str(ref_log)},
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    reference = {
+        rec["step"]: rec["loss"] for rec in map(json.loads, ref_log.read_text().splitlines())
+    }
+    assert sorted(reference) == list(range(1, 41))
+    job = make_job(tmp_path, "ddp", command=[sys.executable, script])
+    # Where elasticd run looks for steps (its faults fire by step).
+    log = tmp_path / "ddp" / "metrics.jsonl"
+    os.environ["DDP_LOG"] = str(log)  # the agents' environment reaches the workers
+    try:
+        result = run(job, 3, ["kill-node=1@step=10"])
+    finally:
+        del os.environ["DDP_LOG"]
+    assert result["state"] == "succeeded", result["reason"]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [rec["step"] for rec in records] == list(range(1, 41))
+    for rec in records:
+        assert rec["loss"] == pytest.approx(reference[rec["step"]], rel=1e-5, abs=1e-7)
+    recs = [e for e in result["status"]["history"] if e["kind"] == "recovery"]
+    assert [e["mode"] for e in recs] == ["inprocess"]
+    pids = round_pids(job)
+    first, second = (pids[r] for r in sorted(pids))
+    assert second < first and len(second) == 2

@@ -1,0 +1,55 @@
+"""A plain PyTorch DDP script, made to survive faults in-process with elasticd.
+
+The lines marked ``# elasticd`` are the whole change. Run it under agents with
+``restart: {mode: inprocess}`` and ``command: [python, examples/ddp_inprocess.py]``
+(see docs/inprocess.md); alone, or under torchrun, it trains once as any DDP script.
+
+On a fault the process is not restarted: ``train`` is called again for the new world,
+with the same ``ctx.state`` (model, optimizer, step); ``ctx.sync_state`` makes every
+rank's model and optimizer equal to those of a rank at the newest step (a newcomer
+receives them), rank to rank, CRC-checked.
+"""
+
+import json
+import os
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import elasticd.inprocess as ei  # elasticd
+
+STEPS = int(os.environ.get("DDP_STEPS", "40"))
+BATCH = 12  # the global batch: 12 samples split over 1, 2, 3, 4 or 6 ranks
+
+
+def train(ctx: ei.Context) -> None:  # elasticd: was main(); the process group exists
+    torch.manual_seed(0)
+    model = ctx.state.setdefault("model", torch.nn.Sequential(  # elasticd: kept across rounds
+        torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)))  # fmt: skip
+    opt = ctx.state.setdefault("opt", torch.optim.AdamW(model.parameters(), lr=1e-2))  # elasticd
+    step = ctx.sync_state(ei.state_tensors(model, opt), step=ctx.state.get("step")) or 0  # elasticd
+    ddp = DDP(model)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    while step < STEPS:
+        gen = torch.Generator().manual_seed(step)
+        x = torch.randn(BATCH, 32, generator=gen)
+        y = torch.sin(x.sum(dim=1, keepdim=True))
+        xs, ys = x.tensor_split(world)[rank], y.tensor_split(world)[rank]
+        loss = torch.nn.functional.mse_loss(ddp(xs), ys)
+        opt.zero_grad()
+        loss.backward()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)  # before the optimizer step: a step is all or nothing
+        opt.step()
+        step += 1
+        ctx.state["step"] = step  # elasticd
+        ei.stepped(ctx)  # elasticd
+        ctx.channel.progress(step=step, loss=float(mean) / world)  # elasticd: the heartbeat
+        if rank == 0 and os.environ.get("DDP_LOG"):
+            with open(os.environ["DDP_LOG"], "a", encoding="utf-8") as fh:
+                fh.write(json.dumps({"step": step, "loss": float(mean) / world}) + "\n")
+
+
+if __name__ == "__main__":
+    ei.run(train)  # elasticd
