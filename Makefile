@@ -31,8 +31,9 @@ test: lint
 	if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; exit 0; fi; exit $$rc
 
 # The main job on the embedded default: an embedded etcd, three agents as separate processes,
-# a small GPT trained on dp3, node 1 SIGKILLed after step 8; the survivors re-form on dp2,
-# resume from the last committed checkpoint and finish. Exits 0 iff the job succeeded.
+# a small GPT trained on dp3 with in-process restart, node 1 SIGKILLed after step 8; the
+# survivors re-form on dp2 in their own processes, take the state from their memory and
+# finish. Exits 0 iff the job succeeded.
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/elasticd run examples/elastic.yaml --nodes 3 --nproc-per-node 1 \
 		--fault kill-node=1@step=8 --fresh
