@@ -21,10 +21,17 @@ the agents' own registry traffic included. Each simulated agent does what
 comparing version == 0) on its own lease (TTL 5 s), refreshed every ttl/3; one watch on
 ``/elasticd/jobs/`` and one on ``/elasticd/nodes/``. The parent submits the job as
 ``elasticd submit`` writes it (spec, state, status in one txn); each agent sees it through
-its jobs watch, optionally re-publishes its node record (``--republish``: the agent does
-so when it takes a job, and every agent's nodes watch sees every one of those N puts),
-and joins the job's rendezvous with a real ``EtcdRendezvous`` (retrying after 1 s if etcd
-does not answer, as the agent's ``JobRunner`` does). Formed = every ``next_world``
+its jobs watch, writes what taking the job changed (``--agents``, below), and joins the
+job's rendezvous with a real ``EtcdRendezvous`` (retrying after 1 s if etcd does not
+answer, as the agent's ``JobRunner`` does). What an agent writes on taking the job:
+
+- ``usage`` (the agent today): its usage record ``/elasticd/usage/<id>`` (free slots,
+  jobs held; created with the node record, on its lease), a txn fenced on its lease.
+  Only the coordinator (the lowest id) watches ``/elasticd/usage/``: N events in all.
+- ``republish`` (the agent before): its whole node record again, which every agent's
+  ``nodes/`` watch sees: N x N events.
+- ``idle``: nothing (no usage record either); the floor.
+ Formed = every ``next_world``
 returned, timed from the submission. Printed with it: the etcd requests made meanwhile
 (every gRPC message etcd received: calls, watch creates, lease keep-alives; from its
 ``/metrics``, ``grpc_server_msg_received_total`` after minus before), the watch events it
@@ -52,7 +59,7 @@ part on a machine with more cores for that figure.
 
     python bench/rendezvous.py [--sizes 8,64,256] [--procs 4] [--detect-nodes 4]
                                [--nodes 256,1024] [--scale-procs 8]
-                               [--republish idle|republish|both] [--limit S]
+                               [--agents usage,republish,idle] [--limit S]
                                [--parts formation,detection,scale]
 """
 
@@ -149,6 +156,7 @@ def _worker(kind, endpoint, run_id, names, n, detect, go, results) -> None:
 # -- the scale part: agents' registry traffic plus the rendezvous ------------------------------
 
 NODES_PREFIX = "/elasticd/nodes/"
+USAGE_PREFIX = "/elasticd/usage/"
 JOBS_PREFIX = "/elasticd/jobs/"
 NODE_TTL = 5.0  # elasticd agent's node_ttl; its lease is kept alive every ttl/3
 AGENTS_PER_CONNECTION = 32
@@ -210,25 +218,34 @@ class _SimAgent:
     """One elasticd agent's etcd traffic, as ``elasticd.agent`` makes it: a node record
     created if absent on the agent's lease, refreshed every ttl/3 by the client's shared
     keep-alive stream; one read and then one watch each of ``/elasticd/jobs/`` and
-    ``/elasticd/nodes/`` (values parsed as JSON, as the agent's view does). When the jobs
-    watch shows the job, the agent takes it: with ``republish`` it re-publishes its record
-    (a txn fenced on its lease, as the agent does when its free slots or jobs change), and
-    it joins the job's rendezvous (a real ``EtcdRendezvous``) as ``JobRunner`` does."""
+    ``/elasticd/nodes/`` (values parsed as JSON, as the agent's view does); with ``usage``
+    a usage record beside the node record, and the coordinator (``coordinator``) also
+    watches ``/elasticd/usage/``. When the jobs watch shows the job, the agent takes it:
+    it writes its usage record (``usage``) or its whole node record again
+    (``republish``), a txn fenced on its lease, as the agent does when its free slots or
+    jobs change; and it joins the job's rendezvous (a real ``EtcdRendezvous``) as
+    ``JobRunner`` does."""
 
-    def __init__(self, client, name, run_id, n, republish, on_formed, on_lost, on_retry) -> None:
+    def __init__(self, client, name, run_id, n, mode, on_formed, on_lost, on_retry) -> None:
         self.client, self.name, self.run_id, self.n = client, name, run_id, n
-        self.republish, self.on_formed = republish, on_formed
+        self.mode, self.on_formed = mode, on_formed
         self.on_lost, self.on_retry = on_lost, on_retry
         self.lease = 0
         self.nodes: dict[str, dict] = {}
         self.seen_all = threading.Event()
         self.taken = False
+        self.usage_seen: dict[str, bytes] = {}  # the coordinator's mirror of usage/
         self.lock = threading.Lock()
 
     def record(self, jobs: list[str]) -> str:
+        usage = {} if self.mode == "usage" else {"free": None, "jobs": jobs}
         return json.dumps({"node": self.name, "hostname": "bench", "addr": "127.0.0.1",
-                           "nproc": 1, "slots": None, "free": None, "jobs": jobs,
-                           "devices": 0, "pid": os.getpid(), "started": time.time()})  # fmt: skip
+                           "nproc": 1, "slots": None, "allow_commands": "none", "devices": 0,
+                           "version": "bench", "pid": os.getpid(), "started": time.time(),
+                           **usage})  # fmt: skip
+
+    def usage(self, jobs: list[str]) -> str:
+        return json.dumps({"free": None, "jobs": jobs})
 
     def create(self) -> None:
         """The node record: create-if-absent on a fresh lease, kept alive every ttl/3."""
@@ -236,20 +253,31 @@ class _SimAgent:
 
         key = NODES_PREFIX + self.name
         lease = self.client.lease_grant(NODE_TTL)
-        result = self.client.txn([compare(key, "version", "==", 0)],
-                                 [put_op(key, self.record([]), lease)])  # fmt: skip
+        puts = [put_op(key, self.record([]), lease)]
+        if self.mode == "usage":
+            puts.append(put_op(USAGE_PREFIX + self.name, self.usage([]), lease))
+        result = self.client.txn([compare(key, "version", "==", 0)], puts)
         assert result.succeeded, f"{key} exists"
         self.lease = lease
         self.client.keeper().add(lease, NODE_TTL / 3, lambda lease: self.on_lost(self.name))
 
     def watch(self, stream, nodes: dict[str, dict], rev_jobs: int, rev_nodes: int) -> None:
-        """Watch jobs/ and nodes/ from the revision after the start-up read (``nodes``)."""
+        """Watch jobs/ and nodes/ from the revision after the start-up read (``nodes``);
+        the coordinator of ``usage`` agents watches usage/ too (from the same revision:
+        no usage record changes before the job is submitted)."""
         with self.lock:
             self.nodes = dict(nodes)
             if len(self.nodes) >= self.n:
                 self.seen_all.set()
         stream.add(JOBS_PREFIX, rev_jobs + 1, self._on_jobs)
         stream.add(NODES_PREFIX, rev_nodes + 1, self._node_events)
+        if self.mode == "usage" and self.name == "node0000":
+            stream.add(USAGE_PREFIX, rev_nodes + 1, self._usage_events)
+
+    def _usage_events(self, events) -> None:
+        with self.lock:
+            for ev in events:
+                self.usage_seen[ev.kv.key.decode()] = ev.kv.value
 
     def _node_events(self, events) -> None:
         with self.lock:
@@ -273,9 +301,13 @@ class _SimAgent:
         from elasticd.rendezvous import EtcdRendezvous, RendezvousConnection, RendezvousSettings
 
         key = NODES_PREFIX + self.name
-        if self.republish:
+        if self.mode == "republish":
             self.client.txn([compare(key, "lease", "==", self.lease)],
                             [put_op(key, self.record([self.run_id]), self.lease)])  # fmt: skip
+        elif self.mode == "usage":
+            self.client.txn([compare(key, "lease", "==", self.lease)],
+                            [put_op(USAGE_PREFIX + self.name, self.usage([self.run_id]),
+                                    self.lease)])  # fmt: skip
         settings = RendezvousSettings(
             run_id=self.run_id, min_nodes=self.n, max_nodes=self.n, join_timeout=600
         )
@@ -297,7 +329,7 @@ class _SimAgent:
         self.on_formed(self.name)
 
 
-def _scale_worker(endpoint, run_id, names, n, republish, watch, results) -> None:
+def _scale_worker(endpoint, run_id, names, n, mode, watch, results) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     logging.getLogger("elasticd").setLevel(logging.ERROR)  # lost leases are counted instead
     # gRPC Python wakes every thread blocked on a stream every 0.1 s (so that signal
@@ -316,7 +348,7 @@ def _scale_worker(endpoint, run_id, names, n, republish, watch, results) -> None
     # about 250 concurrent streams on one connection; past that, new watches wait forever.
     clients = [connect(config) for _ in range(0, len(names), AGENTS_PER_CONNECTION)]
     agents = [
-        _SimAgent(clients[i // AGENTS_PER_CONNECTION], name, run_id, n, republish,
+        _SimAgent(clients[i // AGENTS_PER_CONNECTION], name, run_id, n, mode,
                   on_formed=lambda name: results.put(("formed", name, time.time())),
                   on_lost=lambda name: results.put(("lost", name, time.time())),
                   on_retry=lambda name: results.put(("retry", name, time.time())))
@@ -372,7 +404,7 @@ def _etcd_counters(endpoint: str) -> dict[str, float]:
     return out
 
 
-def run_scale_case(n: int, procs: int, limit: float, tmp: str, republish: bool) -> dict:
+def run_scale_case(n: int, procs: int, limit: float, tmp: str, mode: str) -> dict:
     from elasticd.etcd import EmbeddedEtcd, EtcdConfig, connect, put_op
 
     ctx = mp.get_context("spawn")
@@ -384,9 +416,7 @@ def run_scale_case(n: int, procs: int, limit: float, tmp: str, republish: bool) 
     per = [names[i::procs] for i in range(procs) if names[i::procs]]
     results, watch = ctx.Queue(), ctx.Event()
     workers = [
-        ctx.Process(
-            target=_scale_worker, args=(endpoint, run_id, chunk, n, republish, watch, results)
-        )
+        ctx.Process(target=_scale_worker, args=(endpoint, run_id, chunk, n, mode, watch, results))
         for chunk in per
     ]
     out: dict = {"n": n}
@@ -573,11 +603,12 @@ def main() -> int:
         "--scale-procs", type=int, default=8, help="processes the scale part's agents run in"
     )
     p.add_argument(
-        "--republish",
-        choices=("idle", "republish", "both"),
-        default="idle",
-        help="scale part: agents only idle, or also re-publishing their record on taking "
-        "the job (as elasticd's agent does), or both, one after the other",
+        "--agents",
+        default="usage",
+        help="scale part: what agents write on taking the job, comma-separated cases run "
+        "one after the other: usage (their usage record, watched by the coordinator only, "
+        "as elasticd's agent does), republish (their whole node record, watched by every "
+        "agent, as the agent did before), idle (nothing)",
     )
     args = p.parse_args()
     try:
@@ -589,6 +620,9 @@ def main() -> int:
     unknown = parts - {"formation", "detection", "scale"}
     if unknown:
         p.error(f"--parts: unknown part(s) {', '.join(sorted(unknown))}")
+    args.agents = [x.strip() for x in args.agents.split(",") if x.strip()]
+    if not args.agents or set(args.agents) - {"usage", "republish", "idle"}:
+        p.error("--agents: comma-separated cases of usage, republish, idle")
     if "formation" in parts:
         _formation(sizes, args)
     if "detection" in parts:
@@ -622,7 +656,6 @@ def _detection(args: argparse.Namespace) -> None:
 
 
 def _scale(nodes: list[int], args: argparse.Namespace) -> None:
-    variants = {"idle": (False,), "republish": (True,), "both": (False, True)}[args.republish]
     with tempfile.TemporaryDirectory() as tmp:
         print(
             f"job submitted to N registered agents -> world formed (etcd-v3, min = max = N, "
@@ -633,9 +666,9 @@ def _scale(nodes: list[int], args: argparse.Namespace) -> None:
               f"{'etcd requests':>14} {'watch events':>13} {'leases lost':>12} {'retries':>8}",
               flush=True)  # fmt: skip
         for n in nodes:
-            for republish in variants:
-                r = run_scale_case(n, args.scale_procs, args.limit, tmp, republish)
-                label = "+republish" if republish else "idle"
+            for mode in args.agents:
+                r = run_scale_case(n, args.scale_procs, args.limit, tmp, mode)
+                label = mode if mode == "idle" else f"+{mode}"
                 if "error" in r:
                     print(f"{n:>5} {label:>10}  {r['error']}", flush=True)
                     continue

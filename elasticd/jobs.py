@@ -43,7 +43,12 @@ from elasticd.jobspec import JobSpec, parse_job
 
 PREFIX = "/elasticd/jobs/"
 NODES_PREFIX = "/elasticd/nodes/"
-"""Where agents register (``<id>``: a JSON record on the agent's lease)."""
+"""Where agents register (``<id>``: a JSON record on the agent's lease). Every agent
+watches it, so a record is written once per lease and holds only what does not change:
+the node's identity, its slots and the commands it runs."""
+USAGE_PREFIX = "/elasticd/usage/"
+"""What changes about an agent (``<id>``: its free slots and the jobs it holds, on the
+same lease). Only the coordinator (the live agent with the lowest id) watches it."""
 HISTORY_LIMIT = 100
 """World changes and recoveries kept in a job's status (oldest dropped first)."""
 HISTORY_BYTES = 32 * 1024

@@ -15,7 +15,7 @@ import time
 import pytest
 from polling import wait_for
 
-from elasticd.etcd import EmbeddedEtcd, connect
+from elasticd.etcd import EmbeddedEtcd, Watch, connect
 from elasticd.jobs import JobRegistry
 from elasticd.jobspec import parse_job
 from elasticd.localcluster import LocalCluster, read_metrics
@@ -339,9 +339,51 @@ def test_the_node_record_says_what_the_agent_offers(etcd, tmp_path):
         with connect(etcd.client_config()) as client:
             wait_for(registered(client, 1), timeout=30)
             kv = client.get("/elasticd/nodes/offer")
+            usage = client.get("/elasticd/usage/offer")
     finally:
         stop_agents(procs)
     record = json.loads(kv.value)
-    assert record["slots"] == 1 and record["free"] == 1 and record["jobs"] == []
-    assert record["allow_commands"] == ["python3"]
+    assert record["slots"] == 1 and record["allow_commands"] == ["python3"]
     assert kv.lease != 0
+    # What changes lives beside it, on the same lease: only the coordinator watches it.
+    assert json.loads(usage.value) == {"free": 1, "jobs": []}
+    assert usage.lease == kv.lease
+
+
+def test_node_records_stay_as_registered_while_usage_records_follow_the_jobs(etcd, tmp_path):
+    # Every agent watches nodes/: a record re-put on every take or release would send each
+    # change to every agent (N^2 events for N agents taking one job).
+    procs = [start_agent(etcd, tmp_path, f"u{i}", "--allow-commands") for i in range(2)]
+    try:
+        with connect(etcd.client_config()) as client:
+            wait_for(registered(client, 2), timeout=30)
+            _, rev = client.get_prefix("/elasticd/nodes/")
+            events: list = []
+            watch = Watch(client, "/elasticd/nodes/", start_revision=rev + 1,
+                          on_events=events.extend)  # fmt: skip
+            reg = JobRegistry(client)
+            reg.submit(make_job(tmp_path, "busy", steps=25, nodes=(2, 2)))
+
+            def usage(node):
+                kv = client.get(f"/elasticd/usage/{node}")
+                return json.loads(kv.value) if kv is not None else None
+
+            wait_for(lambda: all(usage(n) == {"free": 0, "jobs": ["busy"]} for n in ("u0", "u1")),
+                     timeout=60)  # fmt: skip
+            final = wait_for(finished(reg, "busy"), timeout=90)
+            wait_for(lambda: all(usage(n) == {"free": 1, "jobs": []} for n in ("u0", "u1")),
+                     timeout=30)  # fmt: skip
+            listing = subprocess.run(
+                [sys.executable, "-m", "elasticd", "nodes", "--json", "--etcd", etcd.endpoint],
+                capture_output=True, text=True, timeout=30,
+            )  # fmt: skip
+            watch.cancel()
+    finally:
+        stop_agents(procs)
+    assert final.state == "succeeded", final.reason
+    assert events == []  # not one node record written after registration
+    nodes = json.loads(listing.stdout)
+    assert [(n["node"], n["slots"], n["free"], n["jobs"]) for n in nodes] == [
+        ("u0", 1, 1, []),
+        ("u1", 1, 1, []),
+    ]

@@ -6,12 +6,14 @@ Prometheus metrics, and keeps a watch-fed :class:`~elasticd.agent.view.ClusterVi
 the jobs and nodes. Whenever the view changes it reconciles: jobs are taken in submission
 order, each on the device slots it needs (``--nproc-per-node`` slots; a job's workers see
 only its own devices through ``CUDA_VISIBLE_DEVICES``), one
-:class:`~elasticd.agent.runner.JobRunner` thread per job. The node record advertises the
-free slots, the jobs held and the commands this agent runs, so every agent can tell why a
-job cannot start; the agent with the lowest id writes that reason into the job's state
-(``queued: needs 3 nodes ...``) and garbage-collects jobs finished longer than
-``ttl_after_finished`` ago. An idle agent makes no periodic etcd request beyond its lease
-keep-alives.
+:class:`~elasticd.agent.runner.JobRunner` thread per job. The node record says what the
+node is and offers (its slots, the commands it runs) and is written once per lease:
+every agent watches the node records, so a record re-published on every take would cost
+N² watch events across N agents. What changes (free slots, jobs held) goes to the node's
+usage record, on the same lease, which only the coordinator watches: the agent with the
+lowest id, which writes why a job cannot start into the job's state (``queued: needs 3
+nodes ...``) and garbage-collects jobs finished longer than ``ttl_after_finished`` ago.
+An idle agent makes no periodic etcd request beyond its lease keep-alives.
 
 A runner that ends for reasons of this node only (an error in its round) is restarted
 after a back-off; only the job's documented rules end a job (docs/agent.md).
@@ -43,7 +45,7 @@ from elasticd.agent.policy import command_allowed, device_ids, queue_reason, tak
 from elasticd.agent.runner import JobRunner
 from elasticd.agent.view import NODES_PREFIX, ClusterView
 from elasticd.errors import ElasticdError, UsageError
-from elasticd.jobs import JobRecord, JobRegistry, JobState
+from elasticd.jobs import USAGE_PREFIX, JobRecord, JobRegistry, JobState
 from elasticd.log import kv
 from elasticd.metrics import AgentMetrics
 
@@ -134,6 +136,8 @@ class Agent:
         self._client = None
         self._embedded = None
         self._lease = 0
+        self._published: dict[str, object] | None = None
+        """The usage last written under ``_lease`` (None: nothing yet)."""
         self._record_lock = threading.Lock()
         self._held: dict[str, _Held] = {}
         self._done: set[str] = set()
@@ -171,6 +175,7 @@ class Agent:
         return connect(self._embedded.client_config())
 
     def _record(self) -> dict[str, object]:
+        """The node record: what does not change while the agent runs."""
         c = self.config
         allow = c.allow_commands if isinstance(c.allow_commands, str) else list(c.allow_commands)
         return {
@@ -179,13 +184,18 @@ class Agent:
             "addr": c.addr,
             "nproc": c.nproc,
             "slots": self.slots,
-            "free": None if self.slots is None else len(self._free),
-            "jobs": sorted({h.runner.name for h in self._held.values()}),
             "allow_commands": allow,
             "devices": self._devices,
             "version": VERSION,
             "pid": os.getpid(),
             "started": round(self._clock(), 3),
+        }
+
+    def _usage(self) -> dict[str, object]:
+        """The usage record: free slots (None: no accounting) and the jobs held."""
+        return {
+            "free": None if self.slots is None else len(self._free),
+            "jobs": sorted({h.runner.name for h in self._held.values()}),
         }
 
     def _register(self) -> None:
@@ -199,21 +209,24 @@ class Agent:
         lease = self._client.lease_grant(c.node_ttl)
         for _ in range(3):
             with self._record_lock:
-                body = json.dumps(self._record())
+                body, usage = json.dumps(self._record()), self._usage()
+            # The usage record goes with it, on the same lease, in the same transaction.
             result = self._client.txn(
-                [compare(key, "version", "==", 0)], [put_op(key, body, lease)]
+                [compare(key, "version", "==", 0)],
+                [
+                    put_op(key, body, lease),
+                    put_op(USAGE_PREFIX + c.node_id, json.dumps(usage), lease),
+                ],
             )
             if result.succeeded:
-                self._lease = lease
-                self._client.keeper().add(lease, c.node_ttl / 3, self._on_node_lease_lost)
+                self._registered(lease, usage)
                 return
             holder = self._client.get(key)
             if holder is None:
                 continue  # it just expired: try again
             if holder.lease == lease:
                 # A retried create whose first reply was lost: the record is ours already.
-                self._lease = lease
-                self._client.keeper().add(lease, c.node_ttl / 3, self._on_node_lease_lost)
+                self._registered(lease, usage)
                 return
             try:
                 other = json.loads(holder.value)
@@ -233,6 +246,11 @@ class Agent:
                 "agent another --node-id"
             )
         raise UsageError(f"node id {c.node_id!r}: could not register (the record keeps changing)")
+
+    def _registered(self, lease: int, usage: dict[str, object]) -> None:
+        self._published = usage
+        self._lease = lease
+        self._client.keeper().add(lease, self.config.node_ttl / 3, self._on_node_lease_lost)
 
     def _on_node_lease_lost(self, lease: int) -> None:
         """etcd forgot our lease (an outage longer than its TTL): register again."""
@@ -256,20 +274,27 @@ class Agent:
                 self.preempt.wait(1.0)
 
     def _publish(self) -> None:
-        """Put our record (free slots, jobs held) under our lease, if it is still ours."""
+        """Put our usage record (free slots, jobs held) under our lease when it changed,
+        if the node record is still ours. Only the coordinator watches these records; the
+        node record itself stays as registered."""
         from elasticd.etcd import compare, put_op
 
-        if not self._lease:
+        lease = self._lease
+        with self._record_lock:
+            usage = self._usage()
+        if not lease or usage == self._published:
             return
         key = NODES_PREFIX + self.config.node_id
-        with self._record_lock:
-            body = json.dumps(self._record())
         try:
-            self._client.txn(
-                [compare(key, "lease", "==", self._lease)], [put_op(key, body, self._lease)]
+            result = self._client.txn(
+                [compare(key, "lease", "==", lease)],
+                [put_op(USAGE_PREFIX + self.config.node_id, json.dumps(usage), lease)],
             )
-        except ElasticdError as exc:
-            log.warning("node record not updated", **kv(error=str(exc)))
+        except ElasticdError as exc:  # the next pass of the loop tries again
+            log.warning("usage record not updated", **kv(error=str(exc)))
+            return
+        if result.succeeded and lease == self._lease:
+            self._published = usage
 
     # -- the loop -----------------------------------------------------------------------------
 
@@ -328,7 +353,7 @@ class Agent:
         nodes = view.nodes()
         self.metrics.nodes_alive.set(len(nodes))
         wake_in: list[float] = []
-        changed = self._reap(now)
+        self._reap(now)
         for record in view.jobs():
             if record.state.terminal:
                 self._done.discard(record.run_id)
@@ -342,12 +367,16 @@ class Agent:
             if retry is not None and retry[0] > now:
                 wake_in.append(retry[0] - now)
                 continue
-            changed |= self._maybe_take(record)
-        if changed:
-            self._publish()
-            nodes = view.nodes()
-        if self._is_coordinator(nodes):
-            wake_in.extend(self._coordinate(view.jobs(), nodes, now))
+            self._maybe_take(record)
+        self._publish()  # a no-op unless free slots or jobs held changed since the last
+        coordinator = self._is_coordinator(nodes)
+        try:
+            view.follow_usage(coordinator)
+        except ElasticdError as exc:
+            log.warning("usage records unreadable; retrying", **kv(error=str(exc)))
+            return 1.0
+        if coordinator:
+            wake_in.extend(self._coordinate(view.jobs(), view.nodes(), now))
         return min(wake_in) if wake_in else None
 
     def _reap(self, now: float) -> bool:

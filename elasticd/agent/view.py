@@ -1,7 +1,10 @@
 """The agent's local picture of the cluster: jobs and node records, kept by watches.
 
 One read of ``/elasticd/jobs/`` and ``/elasticd/nodes/`` at start, then one watch on each
-from the revision after that read, so no change is missed and none is read twice. Every
+from the revision after that read, so no change is missed and none is read twice. The
+coordinator also follows ``/elasticd/usage/`` (every agent's free slots and jobs held, the
+part of a node that changes) the same way, and only while it is the coordinator: with N
+agents, a take or a release is one event to one watcher, not N. Every
 question the agent asks about jobs and nodes (is the job cancelled? who can host it?) is
 answered from this mirror, so an idle agent makes no periodic etcd reads: its only
 periodic traffic is its lease keep-alives. During an etcd outage the watches reconnect on
@@ -19,7 +22,14 @@ from collections.abc import Callable
 from typing import Any
 
 from elasticd.errors import ElasticdError
-from elasticd.jobs import NODES_PREFIX, JobRecord, JobState, record_from_parts, split_key
+from elasticd.jobs import (
+    NODES_PREFIX,
+    USAGE_PREFIX,
+    JobRecord,
+    JobState,
+    record_from_parts,
+    split_key,
+)
 from elasticd.jobs import PREFIX as JOBS_PREFIX
 from elasticd.log import kv
 
@@ -35,7 +45,11 @@ class ClusterView:
         self._lock = threading.Lock()
         self._jobs: dict[str, dict[str, bytes]] = {}
         self._nodes: dict[str, dict[str, Any]] = {}
+        self._usage: dict[str, dict[str, Any]] = {}
         self._watches: list[Any] = []
+        self._usage_watch: Any = None
+        self._follow_usage = False
+        self._usage_guard = threading.RLock()  # the agent's loop and a resync start/stop it
         self._closed = False
         self.synced = threading.Event()
 
@@ -60,8 +74,45 @@ class ClusterView:
             Watch(self._client, NODES_PREFIX, start_revision=rev_nodes + 1,
                   on_events=self._node_events, on_error=self._resync),
         ]  # fmt: skip
+        if self._follow_usage:
+            try:
+                self._start_usage()
+            except ElasticdError as exc:  # the agent's next follow_usage(True) tries again
+                log.warning("usage records unreadable", **kv(error=str(exc)))
         self.synced.set()
         self._on_change()
+
+    def follow_usage(self, on: bool) -> None:
+        """Follow every agent's usage record (the coordinator does), or stop following.
+        Starting reads the prefix once (raises EtcdError if etcd is away; call again)."""
+        with self._usage_guard:
+            if on == self._follow_usage and (not on or self._usage_watch is not None):
+                return
+            self._follow_usage = on
+            if on:
+                self._start_usage()
+            else:
+                self._stop_usage()
+
+    def _start_usage(self) -> None:
+        from elasticd.etcd import Watch
+
+        with self._usage_guard:
+            self._stop_usage()
+            items, rev = self._client.get_prefix(USAGE_PREFIX)
+            with self._lock:
+                for item in items:
+                    self._put_usage(item.key, item.value)
+            self._usage_watch = Watch(self._client, USAGE_PREFIX, start_revision=rev + 1,
+                                      on_events=self._usage_events, on_error=self._resync)  # fmt: skip
+
+    def _stop_usage(self) -> None:
+        with self._usage_guard:
+            watch, self._usage_watch = self._usage_watch, None
+            if watch is not None:
+                watch.cancel()
+            with self._lock:
+                self._usage.clear()
 
     def _resync(self, exc: Exception) -> None:
         log.warning("watch history compacted; reading the registry again", **kv(error=str(exc)))
@@ -83,6 +134,7 @@ class ClusterView:
         watches, self._watches = self._watches, []
         for w in watches:
             w.cancel()
+        self._stop_usage()
 
     def _put_job(self, key: str, value: bytes) -> None:
         parsed = split_key(key)
@@ -94,6 +146,21 @@ class ClusterView:
             self._nodes[key[len(NODES_PREFIX) :]] = json.loads(value)
         except ValueError:
             log.warning("node record is not JSON; ignored", **kv(key=key))
+
+    def _put_usage(self, key: str, value: bytes) -> None:
+        try:
+            self._usage[key[len(USAGE_PREFIX) :]] = json.loads(value)
+        except ValueError:
+            log.warning("usage record is not JSON; ignored", **kv(key=key))
+
+    def _usage_events(self, events: list[Any]) -> None:
+        with self._lock:
+            for ev in events:
+                if ev.kind == "put":
+                    self._put_usage(ev.kv.key, ev.kv.value)
+                else:
+                    self._usage.pop(ev.kv.key[len(USAGE_PREFIX) :], None)
+        self._on_change()
 
     def _job_events(self, events: list[Any]) -> None:
         relevant = False
@@ -158,6 +225,8 @@ class ClusterView:
         return sorted(records, key=lambda r: (r.submitted, r.name))
 
     def nodes(self) -> dict[str, dict[str, Any]]:
-        """Node id → its registration record (agents whose lease is alive)."""
+        """Node id → its registration record (agents whose lease is alive), with its
+        ``free`` slots and ``jobs`` held added from its usage record while this view
+        follows usage (the coordinator's)."""
         with self._lock:
-            return {k: dict(v) for k, v in self._nodes.items()}
+            return {k: {**v, **self._usage.get(k, {})} for k, v in self._nodes.items()}

@@ -8,6 +8,7 @@ Every command reaches etcd with ``--etcd URLS`` (default ``$ELASTICD_ETCD``, els
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -235,15 +236,21 @@ def run_list(args: argparse.Namespace) -> int:
 
 
 def run_nodes(args: argparse.Namespace) -> int:
-    from elasticd.agent.daemon import NODES_PREFIX
+    from elasticd.jobs import NODES_PREFIX, USAGE_PREFIX
 
     client, _ = open_registry(args)
     with client:
         kvs, _ = client.get_prefix(NODES_PREFIX)
+        usage_kvs, _ = client.get_prefix(USAGE_PREFIX)
+    usage = {}
+    for kv in usage_kvs:
+        with contextlib.suppress(ValueError):
+            usage[kv.key[len(USAGE_PREFIX) :]] = json.loads(kv.value)
     nodes = []
     for kv in kvs:
         try:
-            nodes.append(json.loads(kv.value))
+            # The node record, with its free slots and jobs held from its usage record.
+            nodes.append({**json.loads(kv.value), **usage.get(kv.key[len(NODES_PREFIX) :], {})})
         except ValueError:
             continue
     if args.json:
