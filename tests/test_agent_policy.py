@@ -190,7 +190,9 @@ def test_metrics_follow_prometheus_names_and_are_served():
     m = AgentMetrics(reg)
     m.world_size.labels(job="j").set(3)
     m.restarts.labels(job="j", reason="worker_failed").inc()
-    m.recovery_seconds.labels(job="j", reason="peer_lost", mode="process", source="checkpoint").observe(4.2)
+    m.recovery_seconds.labels(
+        job="j", reason="peer_lost", mode="process", source="checkpoint"
+    ).observe(4.2)
     m.set_worker_states("j", {"running": 2})
     port = m.serve(0, addr="127.0.0.1")
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
