@@ -68,6 +68,8 @@ size of the CRC slot after each chunk."""
 CHUNK_BYTES = 4 << 20
 """Target bytes of data per chunk (one message, one CRC). Pieces larger than this are cut
 along their outermost dimensions."""
+SEND_SLOTS = 4
+"""Staging slots of one chunk each through which a rank sends (all destinations)."""
 DESCRIPTION_VERSION = 1
 
 _received_hook: Callable[[int, int, torch.Tensor], None] | None = None
@@ -432,11 +434,17 @@ def recover_from_peers(
     on any rank (``need`` may then be partly written). Raises when a peer dies mid-transfer.
     """
     started = time.perf_counter()
+    marks: dict[str, float] = {}
+
+    def mark(name: str) -> None:
+        marks[name] = time.perf_counter() - started - sum(marks.values())
+
     me, world = group_rank(group), group_size(group)
     descs = all_gather_json(
         describe(have=have, have_step=have_step, have_consumed=have_consumed, need=need), group
     )
     plan, why = plan_recovery(descs)
+    mark("plan")
     planned = time.perf_counter()
     if plan is None:
         if me == 0:
@@ -459,26 +467,35 @@ def recover_from_peers(
             msg = buf[c.start : c.end]
             work = _irecv(msg, src, i, group)
             incoming.append((src, c, msg, work))
-    outgoing = []
+    mark("post")
     sent_to: dict[int, int] = {}
-    # Round-robin over destinations, chunk by chunk, so every receiver starts early.
+    # Round-robin over destinations, chunk by chunk, so every receiver starts early. The
+    # pair's buffer goes out chunk by chunk through a small ring of staging slots: no
+    # state-sized allocation (page faults cost as much as the copy) and the slots stay warm.
     layouts = {d: pair_chunks(p) for d, p in sends.items() if p}
-    bufs = {d: _new_buffer(ch[-1].end, pinned) for d, ch in layouts.items()}
+    slot_bytes = max((c.end - c.start for ch in layouts.values() for c in ch), default=0)
+    ring = _new_buffer(SEND_SLOTS * slot_bytes, pinned) if layouts else None
+    in_slot: list = [None] * SEND_SLOTS
+    sent = 0
     for i in range(max((len(ch) for ch in layouts.values()), default=0)):
         for dst, chunks in layouts.items():
             if i >= len(chunks):
                 continue
             c = chunks[i]
-            buf = bufs[dst]
-            data = buf[c.start : c.crc_at]
+            k = sent % SEND_SLOTS
+            if in_slot[k] is not None:
+                in_slot[k].wait()  # a gloo send's wait must not be repeated
+            msg = ring[k * slot_bytes : k * slot_bytes + c.end - c.start]
+            data = msg[: c.length]
             _pack(c, held, data)
-            slot = buf[c.crc_at : c.end]
-            slot.zero_()
-            slot[:4] = torch.frombuffer(
+            msg[c.length :].zero_()
+            msg[c.length : c.length + 4] = torch.frombuffer(
                 bytearray(_crc(data).to_bytes(4, "little")), dtype=torch.uint8
             )
-            outgoing.append(_isend(buf[c.start : c.end], dst, i, group))
+            in_slot[k] = _isend(msg, dst, i, group)
+            sent += 1
             sent_to[dst] = sent_to.get(dst, 0) + sum(p.nbytes for p, _ in c.items)
+    mark("send")
     bytes_local = 0
     for p in plan.pieces:
         if p.src == me and p.dst == me:
@@ -486,6 +503,7 @@ def recover_from_peers(
             dst_t, dst_info = need[p.key]
             dst_t[relative(p.box, dst_info.offsets)].copy_(src_t[relative(p.box, src_info.offsets)])
             bytes_local += p.nbytes
+    mark("local")
     ok = True
     bad: list[str] = []
     received_from: dict[int, int] = {}
@@ -501,10 +519,13 @@ def recover_from_peers(
             continue
         _unpack(c, data, need)
         received_from[src] = received_from.get(src, 0) + sum(p.nbytes for p, _ in c.items)
-    for work in outgoing:
-        work.wait()
+    mark("receive")
+    for work in in_slot:
+        if work is not None:
+            work.wait()
     if bad:
         log.warning("state from peers: CRC mismatch on rank %d: %s", me, ", ".join(bad))
+    mark("sent")
     if world > 1:
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
@@ -528,6 +549,7 @@ def recover_from_peers(
             "pieces": len(plan.pieces),
             "chunks_in": len(incoming),
             "plan_seconds": planned - started,
+            "phases": marks,
         },
     )
 
