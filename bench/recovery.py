@@ -1,27 +1,52 @@
 """Recovery benchmark: SIGKILL of one node → the first completed step in the re-formed world.
 
-Both sides run the same built-in trainer on the same job (2 nodes × 1 worker on this
-machine, gloo, a checkpoint every few steps) and lose a node the same way: SIGKILL of the
-node's launcher and its workers once step S has completed. The time runs from the kill to
-the first metrics.jsonl record written by the smaller world.
+Every case runs the built-in trainer (gloo, the same small GPT, a checkpoint every 5 steps)
+on this machine and loses a node the same way: SIGKILL of the node's launcher and its
+workers once step S has completed (``--kill-step``). The time runs from the kill to the
+first metrics.jsonl record written by the re-formed world (a record of a later round, or
+under torchrun of the smaller world). One run measures, side by side:
 
-- elasticd: `elasticd agent` × 2 on an embedded etcd (job TTL 3 s, the default), and the
-  parts of the recovery as the agent recorded them (detection, stop, rendezvous, spawn,
-  process-group init, first step: model build, checkpoint load and one step).
-- torchrun: two `torchrun --nnodes 1:2 --rdzv-backend c10d --max-restarts 3` launchers with
-  torch's defaults. The first to start hosts the c10d store.
+- ``inproc-dp``: ``restart.mode: inprocess``, 3 nodes × 1 worker, dp3 → dp2. The state is
+  already local on every survivor (whole replicas): recovery from peers moves no bytes.
+- ``inproc-move``: in-process, 4 nodes × 1 worker, tp2 × dp2 → tp2 × dp1 + 1 spare, the
+  node of rank 0 killed. Survivors keep their order, so new rank 0 (old rank 1, a tp1
+  shard) needs the tp0 shard and new rank 1 (old rank 2, tp0) needs tp1: both receive
+  their shard's parameters and AdamW state from a peer (the spare, old rank 3, serves
+  what it holds). Bytes really move.
+- ``inproc-ckpt``: in-process, 3 nodes × 1 worker, tp2 × dp1 + 1 spare; the tp1 rank's
+  node is killed. No live rank holds the tp1 shard (no DP replica; the spare holds
+  nothing), so the survivors keep their processes but load the latest checkpoint.
+- ``process``: ``restart.mode: process`` (every worker stopped and started again, state
+  from the checkpoint), the dp3 → dp2 job of ``inproc-dp``.
+- ``torchrun``: three ``torchrun --nnodes 2:3 --rdzv-backend c10d --max-restarts 3``
+  launchers with torch's defaults (the first hosts the c10d store; a non-host is killed),
+  dp3 → dp2.
+- ``newcomer``: an in-process dp2 job (2 nodes × 1 worker, ``scale_up: immediate``) gets a
+  third node at step S: the time from starting the newcomer's agent to the first record
+  of the dp3 world (the newcomer's worker receives the whole state from the survivors).
 
-Two cases: the node that is killed does not host rank 0 / the store, and it does.
+For elasticd the parts come from the recovery record in the job's status history (what
+the agent of rank 0 recorded: abort, rendezvous, pg_init, state_transfer, first_step in
+process; stop, rendezvous, spawn, pg_init, ckpt_load, first_step for a process restart),
+with ``detect`` = kill (or newcomer start) → the record's ``detected_at``, and ``rest`` =
+what is left to the metrics record (the agent sees a step through a heartbeat). The
+record's source and lost steps are shown, and rank 0's "recovered in-process" line (MB
+received and local, seconds of ``recover_from_peers``) when it printed one.
 
-    python bench/recovery.py [--steps 40] [--kill-step 10] [--limit 150] [--repeats 1]
+    OMP_NUM_THREADS=1 python bench/recovery.py [--cases inproc-dp,...] [--repeats 1]
+        [--steps 40] [--kill-step 12] [--limit 150] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import glob
 import json
 import os
+import re
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,31 +54,57 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import contextlib
-
 from elasticd.etcd import free_port
 from elasticd.localcluster import descendants
 
+JOB = "bench"
+CASES = ("inproc-dp", "inproc-move", "inproc-ckpt", "process", "torchrun", "newcomer")
+KILL_CASES = CASES[:5]
 
-def job_dict(out: str, steps: int, ttl: float) -> dict:
-    return {
-        "name": "bench",
+# name -> (nodes, nproc, parallel, restart mode, global rank whose node is killed)
+SETUPS: dict[str, tuple[int, int, dict, str, int]] = {
+    "inproc-dp": (3, 1, {}, "inprocess", 1),
+    "inproc-move": (4, 1, {"tp": 2}, "inprocess", 0),
+    "inproc-ckpt": (3, 1, {"tp": 2}, "inprocess", 1),
+    "process": (3, 1, {}, "process", 1),
+    "torchrun": (3, 1, {}, "process", 1),
+    "newcomer": (2, 1, {}, "inprocess", -1),
+}
+PARTS = ("detect", "abort", "stop", "rendezvous", "spawn", "pg_init", "state_transfer",
+         "ckpt_load", "first_step", "rest")  # fmt: skip
+
+
+def job_dict(out: str, steps: int, *, nodes: int, nproc: int, parallel: dict, mode: str,
+             spare_room: bool = False, ttl: float = 3.0) -> dict:  # fmt: skip
+    raw = {
+        "name": JOB,
         "output_dir": out,
-        "nodes": {"min": 1, "max": 2},
-        "nproc_per_node": 1,
+        "nodes": {"min": 1, "max": nodes + 1 if spare_room else nodes},
+        "nproc_per_node": nproc,
+        "parallel": parallel,
         "model": {"layers": 4, "hidden": 64, "heads": 4, "ffn_hidden": 256, "seq_len": 64},
         "train": {"steps": steps, "global_batch": 12, "micro_batch": 2},
         "checkpoint": {"every": 5, "dir": os.path.join(out, "ckpt")},
+        "restart": {"mode": mode},
         "rendezvous": {"ttl": ttl, "settle": 1.0},
     }
+    if parallel.get("tp", 1) > 1:
+        raw["nodes"]["min"] = 2 // nproc
+    if mode == "inprocess":
+        raw["restart"]["scale_up"] = "immediate"  # the newcomer joins at once
+    return raw
 
 
 def read_records(path: str) -> list[dict]:
+    out = []
     try:
         with open(path, encoding="utf-8") as fh:
-            return [json.loads(line) for line in fh if line.strip().endswith("}")]
+            for line in fh:
+                with contextlib.suppress(ValueError):
+                    out.append(json.loads(line))
     except OSError:
-        return []
+        pass
+    return out
 
 
 def wait_until(predicate, limit: float, interval: float = 0.02):
@@ -66,11 +117,12 @@ def wait_until(predicate, limit: float, interval: float = 0.02):
     return None
 
 
-def first_step_after(metrics: str, world: int, limit: float) -> float | None:
-    """Wall time when a record of a world of ``world`` ranks first appears, or None."""
+def first_record(metrics: str, match, limit: float) -> tuple[float, dict] | None:
+    """(wall time, record) when a record matching ``match`` first appears, or None."""
 
-    def seen() -> float | None:
-        return time.time() if any(r["world"] == world for r in read_records(metrics)) else None
+    def seen():
+        hit = next((r for r in read_records(metrics) if match(r)), None)
+        return (time.time(), hit) if hit else None
 
     return wait_until(seen, limit)
 
@@ -78,64 +130,108 @@ def first_step_after(metrics: str, world: int, limit: float) -> float | None:
 # -- elasticd ------------------------------------------------------------------------------
 
 
-def run_elasticd(base: str, *, steps: int, kill_step: int, kill_host: bool, limit: float) -> dict:
+def _recovery(record) -> dict | None:
+    if record is None:
+        return None
+    events = [e for e in record.status.get("history", []) if e.get("kind") == "recovery"]
+    return events[-1] if events else None
+
+
+def _transfer_line(out: str) -> str | None:
+    """The newest "recovered in-process from peers" line any rank printed (only rank 0
+    prints one; a kept process goes on writing to the log of the round it started in)."""
+    best: tuple[int, str] | None = None
+    pattern = re.compile(
+        r"from peers at step (\d+) \(([\d.]+) MB received, ([\d.]+) MB local, ([\d.]+) s\)"
+    )
+    for path in glob.glob(os.path.join(out, "logs", "**", "*.log"), recursive=True):
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                m = pattern.search(line)
+                if m and (best is None or int(m[1]) >= best[0]):
+                    best = (int(m[1]), f"{m[2]} MB in, {m[3]} MB local, {m[4]} s")
+    return best[1] if best else None
+
+
+def run_elasticd(base: str, case: str, *, steps: int, kill_step: int, limit: float) -> dict:
     from elasticd.etcd import connect
     from elasticd.jobs import JobRegistry
     from elasticd.jobspec import parse_job
     from elasticd.localcluster import LocalCluster
 
+    nodes, nproc, parallel, mode, victim_rank = SETUPS[case]
     out = os.path.join(base, "out")
-    job = parse_job(job_dict(out, steps, ttl=3.0))
+    job = parse_job(job_dict(out, steps, nodes=nodes, nproc=nproc, parallel=parallel, mode=mode,
+                             spare_room=case == "newcomer"))  # fmt: skip
     metrics = os.path.join(out, "metrics.jsonl")
-    with LocalCluster(base_dir=os.path.join(base, "cluster"), nproc=1) as cluster:
-        cluster.start(2)
+    world = nodes * nproc
+    with LocalCluster(base_dir=os.path.join(base, "cluster"), nproc=nproc) as cluster:
+        cluster.start(nodes)
         with connect(cluster.etcd.client_config()) as client:
             reg = JobRegistry(client)
-            wait_until(lambda: len(client.get_prefix("/elasticd/nodes/")[0]) == 2, 60)
+            if not wait_until(lambda: len(client.get_prefix("/elasticd/nodes/")[0]) == nodes,
+                              60):  # fmt: skip
+                return {"error": "the agents did not register"}
             reg.submit(job)
-            if not wait_until(
-                lambda: any(r["step"] >= kill_step for r in read_records(metrics)), limit
-            ):
-                return {"error": "did not reach the kill step"}
-            victim = next(
-                i for i in range(2)
-                if (0 in cluster.worker_pids(i)) == kill_host and cluster.worker_pids(i)
-            )  # fmt: skip
-            killed = time.time()
-            cluster.kill_node(victim)
-            done = first_step_after(metrics, 1, limit)
-            if done is None:
-                return {"error": f"no step in the new world within {limit:g} s"}
-            record = wait_until(lambda: _recovery(reg.get("bench")), 10) or {}
-            reg.cancel("bench")
-    parts = {"detection": record.get("detected_at", killed) - killed, **record.get("parts", {})}
-    return {"seconds": done - killed, "parts": parts}
-
-
-def _recovery(record) -> dict | None:
-    events = [e for e in record.status.get("history", []) if e.get("kind") == "recovery"]
-    return events[-1] if events else None
+            if not wait_until(lambda: any(r["step"] >= kill_step and r["world"] == world
+                                          for r in read_records(metrics)), limit):  # fmt: skip
+                return {"error": f"did not reach step {kill_step} in a world of {world}"}
+            old_round = max(r["round"] for r in read_records(metrics))
+            if case == "newcomer":
+                started = time.time()
+                cluster.add_node()
+                hit = first_record(metrics, lambda r: r["world"] == world + 1, limit)
+            else:
+                victim = next((i for i in range(nodes) if victim_rank in cluster.worker_pids(i)),
+                              None)  # fmt: skip
+                if victim is None:
+                    return {"error": f"no node holds rank {victim_rank}"}
+                started = time.time()
+                cluster.kill_node(victim)
+                hit = first_record(metrics, lambda r: r["round"] > old_round, limit)
+            if hit is None:
+                return {"error": f"no step in a new world within {limit:g} s"}
+            done, first = hit
+            record = wait_until(lambda: _recovery(reg.get(JOB)), 10) or {}
+            with contextlib.suppress(Exception):
+                reg.cancel(JOB)
+    # The first completed step: the agent's (rank 0's heartbeat) or the first new metrics
+    # record, whichever came first. In-process, a step trained again after a rollback
+    # writes no second record, so the record alone would be late by the steps lost.
+    if "detected_at" in record and "seconds" in record:
+        done = min(done, float(record["detected_at"]) + float(record["seconds"]))
+    seconds = done - started
+    parts = {"detect": record.get("detected_at", started) - started, **record.get("parts", {})}
+    parts["rest"] = max(0.0, seconds - sum(parts.values()))
+    return {
+        "seconds": seconds, "parts": parts, "mode": record.get("mode"),
+        "source": record.get("source"), "lost_steps": record.get("lost_steps"),
+        "reason": record.get("reason"), "step": first.get("step"),
+        "world": f"{first.get('world')} (tp{first.get('tp')} dp{first.get('dp')})",
+        "record_first_step": record.get("first_step"), "transfer": _transfer_line(out),
+    }  # fmt: skip
 
 
 # -- torchrun ------------------------------------------------------------------------------
 
 
-def run_torchrun(base: str, *, steps: int, kill_step: int, kill_host: bool, limit: float) -> dict:
+def run_torchrun(base: str, *, steps: int, kill_step: int, limit: float) -> dict:
+    nodes, nproc, parallel, mode, _ = SETUPS["torchrun"]
     out = os.path.join(base, "out")
     os.makedirs(out, exist_ok=True)
     job_path = os.path.join(base, "job.json")
     with open(job_path, "w", encoding="utf-8") as fh:
-        json.dump(job_dict(out, steps, ttl=3.0), fh)
+        json.dump(job_dict(out, steps, nodes=nodes, nproc=nproc, parallel=parallel, mode=mode), fh)
     metrics = os.path.join(out, "metrics.jsonl")
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ELASTICD_", "TORCHELASTIC"))}
     env["OMP_NUM_THREADS"] = "1"
     procs = []
     try:
-        for i in range(2):
+        for i in range(nodes):
             argv = [
-                sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
-                "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                sys.executable, "-m", "torch.distributed.run", "--nnodes", f"{nodes - 1}:{nodes}",
+                "--nproc-per-node", str(nproc), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench",
                 "--max-restarts", "3", "--monitor-interval", "0.5",
                 "-m", "trainer", job_path,
@@ -146,23 +242,40 @@ def run_torchrun(base: str, *, steps: int, kill_step: int, kill_host: bool, limi
             log.close()
             if i == 0:
                 time.sleep(2.0)  # the first launcher hosts the c10d store
-        if not wait_until(lambda: any(r["world"] == 2 and r["step"] >= kill_step
+        world = nodes * nproc
+        if not wait_until(lambda: any(r["world"] == world and r["step"] >= kill_step
                                       for r in read_records(metrics)), limit):  # fmt: skip
-            return {"error": "did not reach the kill step in a world of 2"}
-        victim = procs[0] if kill_host else procs[1]
+            return {"error": f"did not reach the kill step in a world of {world}"}
+        victim = procs[1]  # not the store's host
         # torchrun's workers live in sessions of their own: a node dying takes them too.
         tree = descendants(victim.pid)
+        count = len(read_records(metrics))
         killed = time.time()
         os.killpg(victim.pid, signal.SIGKILL)
         for pid in tree:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        done = first_step_after_kill(metrics, killed, limit)
-        if done is None:
-            survivor = procs[1] if kill_host else procs[0]
-            state = "exited" if survivor.poll() is not None else "still waiting"
-            return {"error": f"no step in a new world within {limit:g} s (survivor {state})"}
-        return {"seconds": done - killed, "parts": {}}
+
+        def seen():
+            fresh = read_records(metrics)[count:]
+            hit = next((r for r in fresh if r["world"] == world - nproc), None)
+            return (time.time(), hit) if hit else None
+
+        hit = wait_until(seen, limit)
+        if hit is None:
+            alive = sum(p.poll() is None for p in procs if p is not victim)
+            why = ""
+            for i, p in enumerate(procs):  # the last words of a launcher that gave up
+                if p is not victim and p.poll() is not None:
+                    why += f"; launcher {i} exited {p.returncode}: {_last_error(base, i)}"
+            return {"error": f"no step in a new world within {limit:g} s "
+                             f"({alive} of {nodes - 1} surviving launchers running{why})"}  # fmt: skip
+        done, first = hit
+        resumed = first["step"] - 1
+        before = max(r["step"] for r in read_records(metrics)[:count])
+        return {"seconds": done - killed, "parts": {}, "mode": "torchrun",
+                "source": "checkpoint", "lost_steps": max(0, before - resumed),
+                "step": first["step"], "world": str(first["world"])}  # fmt: skip
     finally:
         for p in procs:
             for pid in [*descendants(p.pid), p.pid]:
@@ -171,53 +284,108 @@ def run_torchrun(base: str, *, steps: int, kill_step: int, kill_host: bool, limi
             p.wait()
 
 
-def first_step_after_kill(metrics: str, killed: float, limit: float) -> float | None:
-    count = len(read_records(metrics))
-
-    def seen() -> float | None:
-        fresh = read_records(metrics)[count:]
-        return time.time() if any(r["world"] == 1 for r in fresh) else None
-
-    return wait_until(seen, limit)
+def _last_error(base: str, i: int) -> str:
+    try:
+        with open(
+            os.path.join(base, f"torchrun-{i}.log"), encoding="utf-8", errors="replace"
+        ) as fh:
+            lines = [ln.strip() for ln in fh if ln.strip()]
+    except OSError:
+        return "(no log)"
+    hits = [ln for ln in lines if "Error" in ln or "error" in ln]
+    return (hits or lines or ["(empty log)"])[-1][:300]
 
 
 # -- report --------------------------------------------------------------------------------
 
 
-def fmt(result: dict) -> str:
-    return f"{result['seconds']:.2f}" if "seconds" in result else "n/a"
+def parts_text(parts: dict[str, float]) -> str:
+    return " ".join(f"{k} {parts[k]:.2f}" for k in PARTS if k in parts)
+
+
+def summarize(results: dict[str, list[dict]]) -> list[dict]:
+    medians = {}
+    rows = []
+    for case, runs in results.items():
+        ok = [r for r in runs if "seconds" in r]
+        row: dict = {"case": case, "runs": len(runs), "ok": len(ok)}
+        if ok:
+            secs = [r["seconds"] for r in ok]
+            row.update(median=statistics.median(secs), min=min(secs), max=max(secs))
+            medians[case] = row["median"]
+            keys = [k for k in PARTS if any(k in r["parts"] for r in ok)]
+            row["parts"] = {k: statistics.median(r["parts"].get(k, 0.0) for r in ok) for k in keys}
+            row["source"] = "/".join(sorted({str(r.get("source")) for r in ok}))
+            row["mode"] = "/".join(sorted({str(r.get("mode")) for r in ok}))
+            row["lost_steps"] = sorted({r.get("lost_steps") for r in ok}, key=str)
+        rows.append(row)
+    for row in rows:
+        for base in ("torchrun", "process"):
+            # The newcomer's time measures a join, not a kill: no ratio.
+            if "median" in row and base in medians and row["case"] not in (base, "newcomer"):
+                row[f"vs_{base}"] = medians[base] / row["median"]
+    return rows
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--kill-step", type=int, default=10)
+    p.add_argument("--kill-step", type=int, default=12,
+                   help="kill (or add the newcomer) once this step completed")  # fmt: skip
     p.add_argument("--limit", type=float, default=150.0, help="give up on a recovery after this")
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--cases", default="non-host,host")
+    p.add_argument("--cases", default=",".join(CASES), help=f"any of {','.join(CASES)}")
+    p.add_argument("--json", help="also write every run and the summary here")
     args = p.parse_args()
+    cases = [c for c in args.cases.split(",") if c]
+    if bad := [c for c in cases if c not in CASES]:
+        p.error(f"unknown case(s) {bad}; known: {','.join(CASES)}")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    print("recovery: SIGKILL of one of 2 nodes -> first step of the re-formed world, seconds")
-    print(f"{'case':<10} {'run':>3} {'elasticd':>9} {'torchrun':>9} {'ratio':>7}  elasticd parts")
-    for case in args.cases.split(","):
-        for rep in range(args.repeats):
-            kw = {"steps": args.steps, "kill_step": args.kill_step,
-                  "kill_host": case == "host", "limit": args.limit}  # fmt: skip
+    print(f"recovery: SIGKILL of a node at step {args.kill_step} -> first step of the re-formed "
+          "world, seconds (newcomer: its agent started -> first step of the larger world)")  # fmt: skip
+    print(f"{'case':<12} {'run':>3} {'seconds':>8}  {'mode':<9} {'source':<10} {'lost':>4}  parts")
+    results: dict[str, list[dict]] = {c: [] for c in cases}
+    for rep in range(args.repeats):  # cases interleaved: a load spike hits them alike
+        for case in cases:
+            kw = {"steps": args.steps, "kill_step": args.kill_step, "limit": args.limit}
             with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
-                ours = run_elasticd(os.path.join(tmp, "e"), **kw)
-                base = run_torchrun(os.path.join(tmp, "t"), **kw)
-            ratio = (f"{base['seconds'] / ours['seconds']:.1f}x"
-                     if "seconds" in ours and "seconds" in base else "-")  # fmt: skip
-            got = ours.get("parts", {})
-            order = ("detection", "stop", "rendezvous", "spawn", "pg_init", "ckpt_load",
-                     "first_step")  # fmt: skip
-            parts = " ".join(f"{k} {got[k]:.2f}" for k in order if k in got)
-            print(f"{case:<10} {rep + 1:>3} {fmt(ours):>9} {fmt(base):>9} {ratio:>7}  {parts}",
-                  flush=True)  # fmt: skip
-            for side, res in (("elasticd", ours), ("torchrun", base)):
-                if "error" in res:
-                    print(f"{'':<14}{side}: {res['error']}", flush=True)
+                if case == "torchrun":
+                    res = run_torchrun(os.path.join(tmp, "t"), **kw)
+                else:
+                    res = run_elasticd(os.path.join(tmp, "e"), case, **kw)
+            res["load"] = os.getloadavg()[0]
+            results[case].append(res)
+            if "error" in res:
+                print(f"{case:<12} {rep + 1:>3} {'n/a':>8}  {res['error']}", flush=True)
+                continue
+            print(f"{case:<12} {rep + 1:>3} {res['seconds']:>8.2f}  {res.get('mode')!s:<9} "
+                  f"{res.get('source')!s:<10} {res.get('lost_steps')!s:>4}  "
+                  f"{parts_text(res['parts'])}", flush=True)  # fmt: skip
+            extra = [f"first record: step {res.get('step')} in world {res.get('world')}"]
+            if res.get("record_first_step") is not None:
+                extra.append(f"agent's first step {res['record_first_step']}")
+            if res.get("transfer"):
+                extra.append(f"rank 0 recover_from_peers: {res['transfer']}")
+            print(f"{'':<18}{'; '.join(extra)}; load {res['load']:.1f}", flush=True)
+    rows = summarize(results)
+    print("\nsummary (medians; ratio = baseline median / this median)")
+    print(f"{'case':<12} {'median':>7} {'range':>13} {'source':<10} {'lost':<6} "
+          f"{'torchrun/x':>10} {'process/x':>9}  parts")  # fmt: skip
+    for row in rows:
+        if "median" not in row:
+            print(f"{row['case']:<12} {'n/a':>7}  ({row['runs']} runs failed)")
+            continue
+        rng = f"{row['min']:.2f}-{row['max']:.2f}"
+        tr = f"{row['vs_torchrun']:.1f}x" if "vs_torchrun" in row else "-"
+        pr = f"{row['vs_process']:.1f}x" if "vs_process" in row else "-"
+        lost = ",".join(str(x) for x in row["lost_steps"])
+        print(f"{row['case']:<12} {row['median']:>7.2f} {rng:>13} {row['source']:<10} "
+              f"{lost:<6} {tr:>10} {pr:>9}  {parts_text(row['parts'])}"
+              + (f"  ({row['ok']}/{row['runs']} ok)" if row["ok"] < row["runs"] else ""))  # fmt: skip
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump({"args": vars(args), "runs": results, "summary": rows}, fh, indent=1)
     return 0
 
 
