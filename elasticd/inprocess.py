@@ -160,7 +160,7 @@ class Context:
 
         boxes = {name: (t, ShardInfo.whole(name, tuple(t.shape))) for name, t in tensors.items()}
         newest = torch.tensor([-1 if step is None else int(step)], dtype=torch.int64)
-        group = _gloo_group()
+        group = transfer_group()
         if dist.is_initialized():
             dist.all_reduce(newest, op=dist.ReduceOp.MAX, group=group)
         if int(newest) < 0:
@@ -201,7 +201,7 @@ def state_tensors(model: Any, optimizer: Any = None) -> dict[str, Any]:
     return out
 
 
-def _gloo_group() -> Any:
+def transfer_group() -> Any:
     """The group state moves over: the default one on gloo, else a gloo group of all."""
     import torch.distributed as dist
 

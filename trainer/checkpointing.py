@@ -126,25 +126,10 @@ class Checkpointing:
     # -- what is saved --------------------------------------------------------------------
 
     def _model(self) -> dict[str, tuple[torch.Tensor, ShardInfo]]:
-        return {name: (p.detach(), p.shard_info) for name, p in self.trainer.named_parameters()}
+        return model_tensors(self.trainer)
 
     def _optimizer(self, *, create: bool) -> dict[str, tuple[torch.Tensor, ShardInfo]]:
-        opt = self.trainer.optimizer
-        out = {}
-        for name, p in self.trainer.named_parameters():
-            state = opt.state[p]
-            if create and not state:
-                # What AdamW's first step would create; the load then overwrites it.
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if not state:
-                continue
-            info = p.shard_info
-            out[f"exp_avg/{name}"] = (state["exp_avg"], info)
-            out[f"exp_avg_sq/{name}"] = (state["exp_avg_sq"], info)
-            out[f"step/{name}"] = (state["step"], ShardInfo.whole(f"step/{name}", ()))
-        return out
+        return optimizer_tensors(self.trainer, create=create)
 
     def _rank_state(self) -> dict[str, torch.Tensor]:
         out = {"rng/cpu": torch.get_rng_state()}
@@ -258,3 +243,30 @@ def _jsonable(value: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return True
+
+
+def model_tensors(trainer) -> dict[str, tuple[torch.Tensor, ShardInfo]]:
+    """A trainer's parameters by global name, as checkpoints (and in-process recovery)
+    name them."""
+    return {name: (p.detach(), p.shard_info) for name, p in trainer.named_parameters()}
+
+
+def optimizer_tensors(trainer, *, create: bool) -> dict[str, tuple[torch.Tensor, ShardInfo]]:
+    """A trainer's AdamW tensors by global name; ``create`` makes the state AdamW's first
+    step would (zeros) where it does not exist yet."""
+    opt = trainer.optimizer
+    out = {}
+    for name, p in trainer.named_parameters():
+        state = opt.state[p]
+        if create and not state:
+            # What AdamW's first step would create; the load then overwrites it.
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if not state:
+            continue
+        info = p.shard_info
+        out[f"exp_avg/{name}"] = (state["exp_avg"], info)
+        out[f"exp_avg_sq/{name}"] = (state["exp_avg_sq"], info)
+        out[f"step/{name}"] = (state["step"], ShardInfo.whole(f"step/{name}", ()))
+    return out

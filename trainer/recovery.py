@@ -33,19 +33,9 @@ log = logging.getLogger("trainer.recovery")
 
 def holdings(trainer: Any, *, create: bool) -> dict[str, tuple[torch.Tensor, Any]]:
     """A trainer's parameters and AdamW tensors by global name (as checkpoints name them)."""
-    from trainer.checkpointing import Checkpointing
+    from trainer.checkpointing import model_tensors, optimizer_tensors
 
-    # The checkpoint's own naming, without making a store: bind the two methods.
-    view = Checkpointing.__new__(Checkpointing)
-    view.trainer = trainer
-    return {**view._model(), **view._optimizer(create=create)}
-
-
-def _transfer_group() -> Any:
-    """The whole world on gloo (the state is staged through host memory)."""
-    if not dist.is_initialized() or dist.get_backend() == "gloo":
-        return None
-    return dist.new_group(backend="gloo")
+    return {**model_tensors(trainer), **optimizer_tensors(trainer, create=create)}
 
 
 def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any) -> str:
@@ -53,13 +43,14 @@ def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any) -> str:
     this round; returns the source. ``ctx.state['trainer']`` is the previous round's
     trainer of this process, if any; it is replaced by ``trainer`` once restored."""
     from checkpoint.live import recover_from_peers
+    from elasticd.inprocess import transfer_group
     from trainer.checkpointing import reseed_value
 
     old = ctx.state.get("trainer")
     have = holdings(old, create=True) if old is not None else None
     have_step = old.state.step if old is not None else None
     need = holdings(trainer, create=True) if trainer is not None else {}
-    group = _transfer_group()
+    group = transfer_group()
     newest_t = torch.tensor([-1 if have_step is None else have_step], dtype=torch.int64)
     if dist.is_initialized():
         dist.all_reduce(newest_t, op=dist.ReduceOp.MAX, group=group)

@@ -417,6 +417,7 @@ class JobRunner:
                 if ckpt_at_waiting is None:
                     ckpt_at_waiting = ckpt_now if ckpt_now is not None else -1
             stalest = rnd.workers.stalest_progress(now)
+            beats = rnd.workers.heartbeats()
             obs = Observation(
                 preempting=self._preempt.is_set(),
                 job_state=state,
@@ -432,9 +433,9 @@ class JobRunner:
                 checkpoint_now=ckpt_now,
                 user_error_code=USER_ERROR_EXIT_CODE,
                 fenced=self._report.fenced,
-                faulted=self._faulted(rnd),
+                faulted=self._faulted(beats),
             )
-            self._observe_progress(rnd, now, force=False, due=now >= next_status)
+            self._observe_progress(rnd, now, force=False, due=now >= next_status, beats=beats)
             if now >= next_status:
                 next_status = now + STATUS_EVERY
             outcome = decide(obs)
@@ -442,11 +443,11 @@ class JobRunner:
                 return outcome, self._detail(outcome, rnd, obs, stalest)
             time.sleep(TICK)
 
-    def _faulted(self, rnd: Round) -> bool:
+    def _faulted(self, beats: dict[int, dict]) -> bool:
         """Whether a local in-process worker reported a failed collective this round."""
         if self.job.restart.mode != "inprocess":
             return False
-        return any("fault" in beat for beat in rnd.workers.heartbeats().values())
+        return any("fault" in beat for beat in beats.values())
 
     def _detail(self, outcome: Outcome, rnd: Round, obs: Observation, stalest: Any) -> str:
         if outcome in (Outcome.WORKER_FAILED, Outcome.USER_ERROR):
@@ -456,9 +457,9 @@ class JobRunner:
         if outcome == Outcome.WORKER_HUNG and stalest:
             return f"rank {stalest[0].rank}: no progress for {stalest[1]:.1f} s"
         if outcome == Outcome.COLLECTIVE_FAILED:
-            faults = [f"rank {w.rank}: {beat['fault'].get('error', '')}"
-                      for w in rnd.workers.workers
-                      if "fault" in (beat := rnd.workers.heartbeats().get(w.local_rank, {}))]  # fmt: skip
+            beats = rnd.workers.heartbeats()
+            faults = [f"rank {w.rank}: {beats[w.local_rank]['fault'].get('error', '')}"
+                      for w in rnd.workers.workers if "fault" in beats.get(w.local_rank, {})]  # fmt: skip
             return "; ".join(faults)[:500]
         if outcome == Outcome.PEER_LOST:
             return "lost " + ",".join(obs.lost)
@@ -468,8 +469,12 @@ class JobRunner:
 
     # -- progress, status and metrics ----------------------------------------------------------
 
-    def _observe_progress(self, rnd: Round, now: float, *, force: bool, due: bool) -> None:
-        beats = rnd.workers.heartbeats()
+    def _observe_progress(
+        self, rnd: Round, now: float, *, force: bool, due: bool, beats: dict | None = None
+    ) -> None:
+        """``beats``: this tick's heartbeats if already read (each is one file read)."""
+        if beats is None:
+            beats = rnd.workers.heartbeats()
         m = self._metrics
         m.set_worker_states(self.name, rnd.workers.states())
         stalest = rnd.workers.stalest_progress(now)
@@ -542,14 +547,13 @@ class JobRunner:
         live ones are handed to the next round. A hung worker is killed (it may be
         SIGSTOPped and cannot recover)."""
         w = rnd.workers
-        if outcome == Outcome.WORKER_HUNG:
-            now = self._clock()
-            for worker in w.workers:
-                beat_age = now - os.stat(worker.heartbeat_path).st_mtime if os.path.exists(
-                    worker.heartbeat_path) else 0.0  # fmt: skip
-                if worker.proc.poll() is None and beat_age > self.job.restart.hang_timeout:
-                    worker.proc.kill()
-                    worker.proc.wait(timeout=10)
+        # Every hung worker: the stalest first, until none is past the timeout.
+        while outcome == Outcome.WORKER_HUNG:
+            stalest = w.stalest_progress(self._clock())
+            if stalest is None or stalest[1] <= self.job.restart.hang_timeout:
+                break
+            stalest[0].proc.kill()
+            stalest[0].proc.wait(timeout=10)
         write_control(control_path(self._node.state_dir, self.record.run_id),
                       round_=rnd.number, state="abort")  # fmt: skip
         self._kept = w
