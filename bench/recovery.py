@@ -16,6 +16,9 @@ under torchrun of the smaller world). One run measures, side by side:
 - ``inproc-ckpt``: in-process, 3 nodes × 1 worker, tp2 × dp1 + 1 spare; the tp1 rank's
   node is killed. No live rank holds the tp1 shard (no DP replica; the spare holds
   nothing), so the survivors keep their processes but load the latest checkpoint.
+- ``inproc-replica``: the job and the fault of ``inproc-ckpt`` with
+  ``checkpoint.memory_replicas: 1`` (every step): the tp1 shard comes back from its copy in
+  the surviving tp0 rank's memory (source replica, at most a step or two trained again).
 - ``process``: ``restart.mode: process`` (every worker stopped and started again, state
   from the checkpoint), the dp3 → dp2 job of ``inproc-dp``.
 - ``torchrun``: three ``torchrun --nnodes 2:3 --rdzv-backend c10d --max-restarts 3``
@@ -58,14 +61,18 @@ from elasticd.etcd import free_port
 from elasticd.localcluster import descendants
 
 JOB = "bench"
-CASES = ("inproc-dp", "inproc-move", "inproc-ckpt", "process", "torchrun", "newcomer")
-KILL_CASES = CASES[:5]
+CASES = ("inproc-dp", "inproc-move", "inproc-ckpt", "inproc-replica", "process", "torchrun",
+         "newcomer")  # fmt: skip
+KILL_CASES = CASES[:6]
+REPLICA_CASES = {"inproc-replica"}
+"""Cases run with ``checkpoint.memory_replicas: 1`` (``memory_every: 1``)."""
 
 # name -> (nodes, nproc, parallel, restart mode, global rank whose node is killed)
 SETUPS: dict[str, tuple[int, int, dict, str, int]] = {
     "inproc-dp": (3, 1, {}, "inprocess", 1),
     "inproc-move": (4, 1, {"tp": 2}, "inprocess", 0),
     "inproc-ckpt": (3, 1, {"tp": 2}, "inprocess", 1),
+    "inproc-replica": (3, 1, {"tp": 2}, "inprocess", 1),
     "process": (3, 1, {}, "process", 1),
     "torchrun": (3, 1, {}, "process", 1),
     "newcomer": (2, 1, {}, "inprocess", -1),
@@ -75,7 +82,7 @@ PARTS = ("detect", "abort", "stop", "rendezvous", "spawn", "pg_init", "state_tra
 
 
 def job_dict(out: str, steps: int, *, nodes: int, nproc: int, parallel: dict, mode: str,
-             spare_room: bool = False, ttl: float = 3.0) -> dict:  # fmt: skip
+             spare_room: bool = False, ttl: float = 3.0, replicas: bool = False) -> dict:  # fmt: skip
     raw = {
         "name": JOB,
         "output_dir": out,
@@ -92,6 +99,8 @@ def job_dict(out: str, steps: int, *, nodes: int, nproc: int, parallel: dict, mo
         raw["nodes"]["min"] = 2 // nproc
     if mode == "inprocess":
         raw["restart"]["scale_up"] = "immediate"  # the newcomer joins at once
+    if replicas:
+        raw["checkpoint"].update(memory_replicas=1, memory_every=1)
     return raw
 
 
@@ -142,7 +151,8 @@ def _transfer_line(out: str) -> str | None:
     prints one; a kept process goes on writing to the log of the round it started in)."""
     best: tuple[int, str] | None = None
     pattern = re.compile(
-        r"from peers at step (\d+) \(([\d.]+) MB received, ([\d.]+) MB local, ([\d.]+) s\)"
+        r"from (?:peers|replica) at step (\d+) \(([\d.]+) MB received, ([\d.]+) MB local, "
+        r"([\d.]+) s\)"
     )
     for path in glob.glob(os.path.join(out, "logs", "**", "*.log"), recursive=True):
         with open(path, encoding="utf-8", errors="replace") as fh:
@@ -162,7 +172,8 @@ def run_elasticd(base: str, case: str, *, steps: int, kill_step: int, limit: flo
     nodes, nproc, parallel, mode, victim_rank = SETUPS[case]
     out = os.path.join(base, "out")
     job = parse_job(job_dict(out, steps, nodes=nodes, nproc=nproc, parallel=parallel, mode=mode,
-                             spare_room=case == "newcomer"))  # fmt: skip
+                             spare_room=case == "newcomer",
+                             replicas=case in REPLICA_CASES))  # fmt: skip
     metrics = os.path.join(out, "metrics.jsonl")
     world = nodes * nproc
     with LocalCluster(base_dir=os.path.join(base, "cluster"), nproc=nproc) as cluster:

@@ -14,7 +14,9 @@ One call, collective over the group:
    and needs.
 2. **Decide** (pure, identical on every rank, from the gathered data only). The step S is
    the highest step whose holders cover every element of every needed box; survivors may
-   differ by one step (a fault between ranks' optimizer steps). No such step, holders of S
+   differ by one step (a fault between ranks' optimizer steps). A rank may hold more than
+   its live tensors (``extra``: a snapshot of its own at an earlier step, peers' in-memory
+   replicas), each set at its own step; any set held at S counts. No such step, holders of S
    that disagree on ``consumed_samples``, or any dtype or global shape that disagrees
    between ranks: every rank returns None (the caller falls back to a checkpoint).
 3. **Plan** (pure): each needed box is cut into pieces, each from one holder at S: the rank
@@ -38,6 +40,7 @@ another source. Padding (the local tensor outside ``ShardInfo.sizes``) is never 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -78,6 +81,16 @@ chunk (data and CRC slot), before it is verified; a test flips a byte here."""
 
 
 @dataclass(frozen=True)
+class Held:
+    """More state a rank holds beside its live tensors, at its own step: a snapshot of its
+    own shards, or a peer's in-memory replica (``checkpoint.memory_replicas``)."""
+
+    step: int
+    consumed: int
+    tensors: Holding
+
+
+@dataclass(frozen=True)
 class LiveRecovery:
     """What :func:`recover_from_peers` did on this rank."""
 
@@ -94,7 +107,8 @@ class LiveRecovery:
     sources: dict = field(default_factory=dict)
     """``holders`` (group ranks holding state at ``step``), ``skipped_steps`` (higher steps
     that did not cover everything), ``received_from`` / ``sent_to`` (group rank -> bytes),
-    ``bytes_out``, ``pieces`` (in the whole plan), ``chunks_in``, ``plan_seconds``."""
+    ``bytes_out``, ``pieces`` (in the whole plan), ``from_extra`` (whether any piece of the
+    plan comes from an ``extra`` holding), ``chunks_in``, ``plan_seconds``."""
 
 
 # -- pure planning ---------------------------------------------------------------------------
@@ -110,6 +124,8 @@ class Piece:
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     itemsize: int
+    src_set: int = 0
+    """Which of the source's holdings: 0 its live tensors, k its ``extra[k - 1]``."""
 
     @property
     def box(self) -> Box:
@@ -200,7 +216,7 @@ def pair_chunks(pieces: Sequence[Piece], *, chunk_bytes: int = CHUNK_BYTES) -> l
     start, length, items = 0, 0, []
     for p in pieces:
         for offs, sizes in split_box(p.box, itemsize=p.itemsize, max_bytes=chunk_bytes):
-            sub = Piece(p.key, p.src, p.dst, offs, sizes, p.itemsize)
+            sub = dataclasses.replace(p, offsets=offs, sizes=sizes)
             size = _aligned(sub.nbytes)
             if items and length + size > chunk_bytes:
                 chunks.append(Chunk(start, length, tuple(items)))
@@ -235,9 +251,11 @@ def describe(
     have_step: int | None,
     have_consumed: int | None,
     need: Holding,
+    extra: Sequence[Held] = (),
 ) -> dict[str, Any]:
     """This rank's JSON description for the all-gather. Local problems (a tensor smaller
-    than its region, state without a step) go in ``error`` so every rank refuses together."""
+    than its region, state without a step) go in ``error`` so every rank refuses together.
+    ``extra`` holdings go in ``more``, in order (set k of the plan is ``more[k - 1]``)."""
     errors = []
     if have is not None and (have_step is None or have_consumed is None):
         errors.append("state held without a step and consumed_samples")
@@ -246,6 +264,13 @@ def describe(
     for key, (t, info) in (have or {}).items():
         errors.append(_check_tensor(key, t, info) or "")
         held[key] = _entry(t, info)
+    more = []
+    for h in extra:
+        entries = {}
+        for key, (t, info) in h.tensors.items():
+            errors.append(_check_tensor(key, t, info) or "")
+            entries[key] = _entry(t, info)
+        more.append({"step": h.step, "consumed": h.consumed, "have": entries})
     needed = {}
     for key, (t, info) in need.items():
         errors.append(_check_tensor(key, t, info) or "")
@@ -256,9 +281,20 @@ def describe(
         "step": have_step if have is not None else None,
         "consumed": have_consumed if have is not None else None,
         "have": held,
+        "more": more,
         "need": needed,
         "error": error,
     }
+
+
+def _sets(d: Mapping[str, Any]) -> list[tuple[int, Mapping[str, Any]]]:
+    """A description's holdings as (set index, {step, consumed, have}): 0 the live ones,
+    then ``more`` (absent in a description without extra holdings)."""
+    out: list[tuple[int, Mapping[str, Any]]] = []
+    if d["step"] is not None:
+        out.append((0, d))
+    out += [(k + 1, m) for k, m in enumerate(d.get("more") or ())]
+    return out
 
 
 def _itemsize(dtype: str) -> int:
@@ -272,13 +308,14 @@ def plan_step(descs: Sequence[Mapping[str, Any]], step: int) -> tuple[list[Piece
     """The pieces that fill every rank's ``need`` from the holders at ``step``, or None and
     why (the first region no holder at ``step`` covers). Assumes consistent dtypes and
     shapes (:func:`plan_recovery` checks them)."""
-    holders: dict[str, list[tuple[int, Box]]] = defaultdict(list)
+    holders: dict[str, list[tuple[int, int, Box]]] = defaultdict(list)
     for r, d in enumerate(descs):
-        if d["step"] != step:
-            continue
-        for key, (_dtype, _shape, offs, sizes) in d["have"].items():
-            if numel(sizes):
-                holders[key].append((r, (tuple(offs), tuple(sizes))))
+        for k, held in _sets(d):
+            if held["step"] != step:
+                continue
+            for key, (_dtype, _shape, offs, sizes) in held["have"].items():
+                if numel(sizes):
+                    holders[key].append((r, k, (tuple(offs), tuple(sizes))))
     pieces: list[Piece] = []
     remote: list[tuple[int, str, int, list[Box]]] = []
     for r, d in enumerate(descs):
@@ -289,11 +326,18 @@ def plan_step(descs: Sequence[Mapping[str, Any]], step: int) -> tuple[list[Piece
                 continue
             itemsize = _itemsize(dtype)
             left = [box]
-            own = next((hb for hr, hb in holders.get(key, ()) if hr == r), None)
-            common = intersect(box, own) if own is not None else None
-            if common is not None:
-                pieces.append(Piece(key, r, r, *common, itemsize))
-                left = subtract(box, common)
+            for hr, k, hb in holders.get(key, ()):  # what this rank holds itself first
+                if hr != r:
+                    continue
+                rest = []
+                for b in left:
+                    common = intersect(b, hb)
+                    if common is None:
+                        rest.append(b)
+                        continue
+                    pieces.append(Piece(key, r, r, *common, itemsize, src_set=k))
+                    rest += subtract(b, common)
+                left = rest
             if left:
                 remote.append((r, key, itemsize, left))
     load: dict[int, int] = defaultdict(int)
@@ -303,12 +347,12 @@ def plan_step(descs: Sequence[Mapping[str, Any]], step: int) -> tuple[list[Piece
         todo = list(left)
         while todo:
             box = todo.pop()
-            best: tuple[tuple[int, int, int], Box] | None = None
-            for hr, hb in holders.get(key, ()):
+            best: tuple[tuple[int, int, int, int], Box] | None = None
+            for hr, k, hb in holders.get(key, ()):
                 common = intersect(box, hb)
                 if common is None:
                     continue
-                rank_key = (-numel(common[1]), load[hr], hr)
+                rank_key = (-numel(common[1]), load[hr], hr, k)
                 if best is None or rank_key < best[0]:
                     best = (rank_key, common)
             if best is None:
@@ -316,8 +360,8 @@ def plan_step(descs: Sequence[Mapping[str, Any]], step: int) -> tuple[list[Piece
                     f"{key} [{', '.join(f'{o}:{o + s}' for o, s in zip(*box, strict=True))}] "
                     f"needed by rank {r} has no holder at step {step}"
                 )
-            (_, _, src), common = best
-            piece = Piece(key, src, r, *common, itemsize)
+            (_, _, src, k), common = best
+            piece = Piece(key, src, r, *common, itemsize, src_set=k)
             pieces.append(piece)
             load[src] += piece.nbytes
             todo.extend(subtract(box, common))
@@ -337,8 +381,10 @@ def plan_recovery(descs: Sequence[Mapping[str, Any]]) -> tuple[RecoveryPlan | No
         return None, "; ".join(problems)
     meta: dict[str, tuple[str, tuple[int, ...], int, str]] = {}
     for r, d in enumerate(descs):
-        for side in ("have", "need"):
-            for key, (dtype, shape, _offs, _sizes) in d[side].items():
+        sides = [("have", d["have"]), ("need", d["need"])]
+        sides += [("have", m["have"]) for m in d.get("more") or ()]
+        for side, entries in sides:
+            for key, (dtype, shape, _offs, _sizes) in entries.items():
                 try:
                     _itemsize(dtype)
                 except ValueError as exc:
@@ -349,7 +395,7 @@ def plan_recovery(descs: Sequence[Mapping[str, Any]]) -> tuple[RecoveryPlan | No
                         f"{key}: rank {seen[2]} {seen[3]}s {seen[0]} {list(seen[1])}, "
                         f"rank {r} {side}s {dtype} {list(shape)}"
                     )
-    steps = sorted({d["step"] for d in descs if d["step"] is not None}, reverse=True)
+    steps = sorted({h["step"] for d in descs for _, h in _sets(d)}, reverse=True)
     if not steps:
         return None, "no rank holds any state"
     reasons, skipped = [], []
@@ -359,8 +405,9 @@ def plan_recovery(descs: Sequence[Mapping[str, Any]]) -> tuple[RecoveryPlan | No
             reasons.append(f"step {step}: {why}")
             skipped.append(step)
             continue
-        holders = tuple(r for r, d in enumerate(descs) if d["step"] == step)
-        consumed = {descs[r]["consumed"] for r in holders}
+        at_step = [(r, h) for r, d in enumerate(descs) for _, h in _sets(d) if h["step"] == step]
+        holders = tuple(sorted({r for r, _ in at_step}))
+        consumed = {h["consumed"] for _, h in at_step}
         if len(consumed) != 1:
             reasons.append(f"step {step}: holders disagree on consumed_samples {sorted(consumed)}")
             skipped.append(step)
@@ -383,12 +430,16 @@ def _stage_device(chunk: Chunk, tensors: Holding) -> torch.device:
     return tensors[key][0].device
 
 
-def _pack(chunk: Chunk, tensors: Holding, out: torch.Tensor) -> None:
-    """Copy the chunk's pieces from ``tensors`` into ``out`` (the chunk's data, CPU)."""
-    dev = _stage_device(chunk, tensors)
+def _pack(chunk: Chunk, sets: Sequence[Holding], out: torch.Tensor) -> None:
+    """Copy the chunk's pieces from their holdings (``sets[piece.src_set]``) into ``out``
+    (the chunk's data, CPU)."""
+    first = chunk.items[0][0]
+    dev = sets[first.src_set][first.key][0].device
+    if any(sets[p.src_set][p.key][0].device != dev for p, _ in chunk.items):
+        dev = torch.device("cpu")  # mixed holdings (a host replica beside GPU tensors)
     stage = out if dev.type == "cpu" else torch.empty(chunk.length, dtype=torch.uint8, device=dev)
     for piece, at in chunk.items:
-        t, info = tensors[piece.key]
+        t, info = sets[piece.src_set][piece.key]
         lo = at - chunk.start
         view = stage[lo : lo + piece.nbytes].view(t.dtype).view(piece.sizes)
         view.copy_(t[relative(piece.box, info.offsets)])
@@ -423,11 +474,14 @@ def recover_from_peers(
     have_consumed: int | None,
     need: Holding,
     group: dist.ProcessGroup | None,
+    extra: Sequence[Held] = (),
 ) -> LiveRecovery | None:
     """Fill ``need`` in place from what the ranks of ``group`` still hold; collective.
 
     ``have``: what this rank holds from before the fault (None for a newcomer), at step
-    ``have_step`` with the data position ``have_consumed``. ``need``: the new layout's
+    ``have_step`` with the data position ``have_consumed``. ``extra``: more holdings, each
+    at its own step (snapshots, peers' in-memory replicas); a region may come from any of
+    them held at the agreed step. ``need``: the new layout's
     tensors. ``group``: a gloo group over the new world (every rank calls this); None or
     torch.distributed not initialised means one process. Returns None on every rank when
     the live state cannot fill every needed region at one step, or a chunk failed its CRC
@@ -441,7 +495,10 @@ def recover_from_peers(
 
     me, world = group_rank(group), group_size(group)
     descs = all_gather_json(
-        describe(have=have, have_step=have_step, have_consumed=have_consumed, need=need), group
+        describe(
+            have=have, have_step=have_step, have_consumed=have_consumed, need=need, extra=extra
+        ),
+        group,
     )
     plan, why = plan_recovery(descs)
     mark("plan")
@@ -451,10 +508,11 @@ def recover_from_peers(
             log.warning("state from peers is not possible: %s", why)
         return None
     held: Holding = have or {}
+    sets: list[Holding] = [held, *(h.tensors for h in extra)]
     sends = {d: plan.between(me, d) for d in range(world) if d != me}
     recvs = {s: plan.between(s, me) for s in range(world) if s != me}
     pinned = torch.cuda.is_available() and any(
-        t.is_cuda for t, _ in [*held.values(), *need.values()]
+        t.is_cuda for h in (*sets, need) for t, _ in h.values()
     )
     # Post every receive first: one buffer per source, one message per chunk.
     incoming = []
@@ -487,7 +545,7 @@ def recover_from_peers(
                 in_slot[k].wait()  # a gloo send's wait must not be repeated
             msg = ring[k * slot_bytes : k * slot_bytes + c.end - c.start]
             data = msg[: c.length]
-            _pack(c, held, data)
+            _pack(c, sets, data)
             msg[c.length :].zero_()
             msg[c.length : c.length + 4] = torch.frombuffer(
                 bytearray(_crc(data).to_bytes(4, "little")), dtype=torch.uint8
@@ -499,7 +557,7 @@ def recover_from_peers(
     bytes_local = 0
     for p in plan.pieces:
         if p.src == me and p.dst == me:
-            src_t, src_info = held[p.key]
+            src_t, src_info = sets[p.src_set][p.key]
             dst_t, dst_info = need[p.key]
             dst_t[relative(p.box, dst_info.offsets)].copy_(src_t[relative(p.box, src_info.offsets)])
             bytes_local += p.nbytes
@@ -547,6 +605,7 @@ def recover_from_peers(
             "sent_to": {str(k): v for k, v in sorted(sent_to.items())},
             "bytes_out": sum(sent_to.values()),
             "pieces": len(plan.pieces),
+            "from_extra": any(p.src_set > 0 for p in plan.pieces),
             "chunks_in": len(incoming),
             "plan_seconds": planned - started,
             "phases": marks,
@@ -565,6 +624,7 @@ def _irecv(t: torch.Tensor, src: int, tag: int, group: dist.ProcessGroup | None)
 __all__ = [
     "CHUNK_BYTES",
     "Chunk",
+    "Held",
     "Holding",
     "LiveRecovery",
     "Piece",

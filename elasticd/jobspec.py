@@ -112,6 +112,14 @@ class CheckpointConfig:
     """Write in the background after a snapshot to CPU (YAML key `async`)."""
     resume: bool = True
     """Resume from the latest committed checkpoint when there is one."""
+    memory_replicas: int = 0
+    """restart.mode inprocess: how many ranks on other nodes keep, in their host memory, a
+    copy of each rank's parameters and optimizer state (0 or 1 in practice; each copy costs
+    the state's size in host memory on the receiver, plus one snapshot on the sender).
+    In-process recovery uses them when a shard's every live holder died (docs/inprocess.md)."""
+    memory_every: int = 1
+    """restart.mode inprocess, ``memory_replicas`` > 0: refresh the copies every this many
+    steps; a recovery from them loses at most this many steps (plus the one in flight)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -368,6 +376,7 @@ def _check(job: JobSpec, where: str) -> None:
         ("train.lr", t.lr),
         ("train.bucket_mb", t.bucket_mb),
         ("checkpoint.keep", job.checkpoint.keep),
+        ("checkpoint.memory_every", job.checkpoint.memory_every),
         ("rendezvous.ttl", job.rendezvous.ttl),
         ("rendezvous.join_timeout", job.rendezvous.join_timeout),
         ("restart.hang_timeout", job.restart.hang_timeout),
@@ -380,6 +389,7 @@ def _check(job: JobSpec, where: str) -> None:
         ("train.grad_clip", t.grad_clip),
         ("train.aux_loss_coeff", t.aux_loss_coeff),
         ("checkpoint.every", job.checkpoint.every),
+        ("checkpoint.memory_replicas", job.checkpoint.memory_replicas),
         ("restart.max_restarts", job.restart.max_restarts),
         ("restart.grace_period", job.restart.grace_period),
         ("rendezvous.settle", job.rendezvous.settle),
@@ -389,6 +399,16 @@ def _check(job: JobSpec, where: str) -> None:
         _positive(where, path, value, zero_ok=True)
     if n.max < n.min:
         raise JobSpecError(f"{where}: nodes.max: {n.max} is less than nodes.min ({n.min})")
+    if job.checkpoint.memory_replicas and job.restart.mode != "inprocess":
+        raise JobSpecError(
+            f"{where}: checkpoint.memory_replicas: {job.checkpoint.memory_replicas} needs "
+            "restart.mode: inprocess (a process restart loses every process's memory)"
+        )
+    if job.checkpoint.memory_replicas > 3:
+        raise JobSpecError(
+            f"{where}: checkpoint.memory_replicas: {job.checkpoint.memory_replicas} is more "
+            "than 3 (each copy costs the whole state's size in host memory)"
+        )
     if job.metrics.port > 65535:
         raise JobSpecError(f"{where}: metrics.port: {job.metrics.port} is not a TCP port")
     if not 0.0 <= m.dropout < 1.0:

@@ -58,7 +58,9 @@ def round_pids(job) -> dict[int, set[int]]:
     return out
 
 
-def check_inprocess(tmp_path, job, result, *, recoveries: int) -> list[dict]:
+def check_inprocess(
+    tmp_path, job, result, *, recoveries: int, source: str = "peers", lost: int = 0
+) -> list[dict]:
     assert result["state"] == "succeeded", result["reason"]
     records = result["metrics"]
     steps = [r["step"] for r in records]
@@ -70,7 +72,8 @@ def check_inprocess(tmp_path, job, result, *, recoveries: int) -> list[dict]:
     recs = [e for e in history if e["kind"] == "recovery"]
     assert len(recs) == recoveries, history
     for e in recs:
-        assert (e["mode"], e["source"], e["lost_steps"]) == ("inprocess", "peers", 0), e
+        assert (e["mode"], e["source"]) == ("inprocess", source), e
+        assert 0 <= e["lost_steps"] <= lost, e
     return records
 
 
@@ -130,6 +133,32 @@ def test_a_sharded_layout_loses_a_node_and_the_survivors_reshard_from_memory(
     pids = round_pids(job)
     first, second = (pids[r] for r in sorted(pids))
     assert second < first and len(second) == (nodes - 1) * nproc
+
+
+def test_a_tp_shard_with_no_live_holder_comes_back_from_its_in_memory_replica(tmp_path):
+    """tp2 on three nodes (the third a spare), ``memory_replicas: 1``: the killed node held
+    a TP shard that no other rank holds. Its replica, kept in another node's memory, fills
+    it: source replica, at most ``memory_every`` (1) step lost and recomputed, each step
+    still once in metrics.jsonl, the losses those of one process."""
+    job = make_job(tmp_path, "replica", steps=12, parallel={"tp": 2},
+                   nodes={"min": 2, "max": 3},
+                   checkpoint={"every": 0, "memory_replicas": 1, "memory_every": 1})  # fmt: skip
+    result = run(job, 3, ["kill-node=1@step=5"])
+    records = check_inprocess(tmp_path, job, result, recoveries=1, source="replica", lost=1)
+    shape = lambda r: (r["world"], r["tp"], r["dp"])  # noqa: E731
+    assert shape(records[0]) == (3, 2, 1) and shape(records[-1]) == (2, 2, 1)
+    pids = round_pids(job)
+    first, second = (pids[r] for r in sorted(pids))
+    assert second < first and len(second) == 2
+
+
+def test_without_replicas_a_lost_tp_shard_falls_back_to_the_checkpoint(tmp_path):
+    """The same fault with ``memory_replicas: 0`` and a checkpoint every 4 steps: no live
+    holder of the lost shard, so every rank resumes in-process from the checkpoint."""
+    job = make_job(tmp_path, "noreplica", steps=12, parallel={"tp": 2},
+                   nodes={"min": 2, "max": 3}, checkpoint={"every": 4})  # fmt: skip
+    result = run(job, 3, ["kill-node=1@step=6"])
+    check_inprocess(tmp_path, job, result, recoveries=1, source="checkpoint", lost=3)
 
 
 def test_a_frozen_node_is_left_behind_in_process_and_comes_back_as_a_newcomer(tmp_path):

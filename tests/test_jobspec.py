@@ -90,6 +90,19 @@ def test_relative_paths_are_resolved_against_the_submitting_directory(tmp_path):
         ("name: tiny\nversion: 2\n", "job.yaml: version: 2 is not supported"),
         ("name: tiny\n: [\n", "job.yaml: not valid YAML at line"),
         ("- a\n- b\n", "job.yaml: top level: expected a mapping"),
+        (
+            "name: tiny\ncheckpoint: {memory_replicas: 1}\n",
+            "job.yaml: checkpoint.memory_replicas: 1 needs restart.mode: inprocess",
+        ),
+        (
+            "name: tiny\ncheckpoint: {memory_replicas: 1, memory_every: 0}\n"
+            "restart: {mode: inprocess}\n",
+            "job.yaml: checkpoint.memory_every: 0",
+        ),
+        (
+            "name: tiny\ncheckpoint: {memory_replicas: 4}\nrestart: {mode: inprocess}\n",
+            "job.yaml: checkpoint.memory_replicas: 4 is more than 3",
+        ),
     ],
 )
 def test_bad_jobs_fail_with_one_line_naming_the_field(tmp_path, text, message):

@@ -162,7 +162,7 @@ def _train_round(ctx, *, job, layout, device) -> int:
             if ctx.inprocess:  # our memory may hold what the active ranks need
                 from trainer.recovery import recover
 
-                recover(ctx, None, None, channel=channel)
+                recover(ctx, None, None, channel=channel, job=job)
             print(f"rank {rank}: spare in a world of {world}; idling until the end", flush=True)
             # Poll the store rather than sit in a collective, which would time out.
             while not store.check([DONE_KEY]):
@@ -191,15 +191,26 @@ def _train_round(ctx, *, job, layout, device) -> int:
                 from trainer.recovery import recover
 
                 def restore(ckpt) -> None:
-                    recover(ctx, trainer, ckpt, channel=channel)
+                    recover(ctx, trainer, ckpt, channel=channel, job=job)
+
+            def after_step(r) -> None:
+                if ctx.inprocess:
+                    from trainer.recovery import replicate
+
+                    replicate(ctx, trainer)
+                stepped(ctx)
 
             preempt = channel.preempt_agreed if channel.supervised else None
             trainer.run(
                 metrics=metrics, progress=progress, preempt=preempt,
                 checkpoint_group=groups.side("checkpoint"), control_group=groups.side("control"),
                 on_resumed=lambda: channel.mark("ckpt_loaded"), restore=restore,
-                after_step=lambda r: stepped(ctx),
+                after_step=after_step,
             )  # fmt: skip
+            if ctx.inprocess:
+                from trainer.recovery import finish_replication
+
+                finish_replication(ctx)
             if rank == 0:
                 store.set(DONE_KEY, "preempted" if trainer.preempted else "1")
             preempted = trainer.preempted

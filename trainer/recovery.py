@@ -12,10 +12,16 @@ spare, survivor or newcomer, in the same order:
    each region the new layout needs, a rank that holds it at one agreed step, and the
    bytes go rank to rank, CRC-checked. Survivors may differ by one step (a fault between
    two ranks' optimizer steps): the newest step every region is held at wins;
-3. when no step covers every region (a TP or PP shard with no DP replica died with its
-   node), or a transfer fails its check, every rank falls back to the checkpoint.
+   Beside its live tensors a rank offers what ``checkpoint.memory_replicas`` kept
+   (:mod:`trainer.replicas`): a snapshot of its own state and the replicas of other nodes'
+   ranks, at the last replicated step; a TP or PP shard with no DP replica that died with
+   its node comes from there (``source`` replica, the steps since that step lost);
+3. when no step covers every region (a shard whose node died, with no replica), or a
+   transfer fails its check, every rank falls back to the checkpoint.
 
-The outcome (``source``: peers, checkpoint or none; ``resume_step``; ``lost_steps``, the
+The replication of the new round starts once its state is restored.
+
+The outcome (``source``: peers, replica, checkpoint or none; ``resume_step``; ``lost_steps``, the
 newest step held anywhere minus the step resumed at) goes to the agent through the
 heartbeat, and ``state_loaded`` marks the end of the state transfer.
 """
@@ -38,15 +44,18 @@ def holdings(trainer: Any, *, create: bool) -> dict[str, tuple[torch.Tensor, Any
     return {**model_tensors(trainer), **optimizer_tensors(trainer, create=create)}
 
 
-def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any) -> str:
+def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any, job: Any) -> str:
     """Restore ``trainer`` (None on a spare rank, which only serves what it holds) for
     this round; returns the source. ``ctx.state['trainer']`` is the previous round's
-    trainer of this process, if any; it is replaced by ``trainer`` once restored."""
+    trainer of this process, if any; it is replaced by ``trainer`` once restored, and
+    ``ctx.state['replicator']`` by this round's (``job.checkpoint.memory_replicas``)."""
     from checkpoint.live import recover_from_peers
     from elasticd.inprocess import transfer_group
     from trainer.checkpointing import reseed_value
 
     old = ctx.state.get("trainer")
+    old_replicas = ctx.state.pop("replicator", None)
+    extra = old_replicas.held() if old_replicas is not None else []
     have = holdings(old, create=True) if old is not None else None
     have_step = old.state.step if old is not None else None
     need = holdings(trainer, create=True) if trainer is not None else {}
@@ -61,13 +70,15 @@ def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any) -> str:
         result = recover_from_peers(
             have=have, have_step=have_step,
             have_consumed=old.state.consumed_samples if old is not None else None,
-            need=need, group=group,
+            need=need, group=group, extra=extra,
         )  # fmt: skip
+    del old_replicas, extra  # their memory goes once served
+    _start_replication(ctx, trainer, job=job, group=group)
     if trainer is None:  # a spare: it served its part
         ctx.state.pop("trainer", None)
         return "peers" if result is not None else "none"
     if result is not None:
-        source = "peers"
+        source = "replica" if result.sources.get("from_extra") else "peers"
         trainer.state.step = result.step
         trainer.state.consumed_samples = result.consumed_samples
         torch.manual_seed(
@@ -75,7 +86,7 @@ def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any) -> str:
         )
         ckpt.last_saved = None
         if ctx.rank == 0:
-            print(f"recovered in-process from peers at step {result.step} "
+            print(f"recovered in-process from {source} at step {result.step} "
                   f"({result.bytes_in / 1e6:.1f} MB received, {result.bytes_local / 1e6:.1f} MB "
                   f"local, {result.seconds:.3f} s)", flush=True)  # fmt: skip
     else:
@@ -90,3 +101,35 @@ def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any) -> str:
     channel.mark("state_loaded")
     ctx.state["trainer"] = trainer  # the old one (and its memory) goes
     return source
+
+
+def _start_replication(ctx: Any, trainer: Any, *, job: Any, group: Any) -> None:
+    """This round's :class:`trainer.replicas.Replicator` (collective over ``group``)."""
+    import socket
+
+    from trainer.replicas import Replicator
+
+    copies = job.checkpoint.memory_replicas
+    if not copies or not ctx.inprocess:
+        return
+    ctx.state["replicator"] = Replicator(
+        live=(lambda: holdings(trainer, create=True)) if trainer is not None else None,
+        copies=copies,
+        every=job.checkpoint.memory_every,
+        node=ctx.env.get("GROUP_RANK") or socket.gethostname(),
+        group=group,
+    )
+
+
+def replicate(ctx: Any, trainer: Any) -> None:
+    """After each optimizer step: refresh the in-memory replicas when due."""
+    rep = ctx.state.get("replicator")
+    if rep is not None:
+        rep.after_step(trainer.state.step, trainer.state.consumed_samples)
+
+
+def finish_replication(ctx: Any) -> None:
+    """At the end of a round that finished: let the last transfers complete."""
+    rep = ctx.state.get("replicator")
+    if rep is not None:
+        rep.close()

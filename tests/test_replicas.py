@@ -1,0 +1,123 @@
+"""In-memory replicas (``checkpoint.memory_replicas``): who keeps whose copy, how the live
+planner combines snapshots and replicas with live tensors, and the Replicator's double
+buffers on real gloo processes. The end-to-end case (a killed node's TP shard restored
+from its replica under real agents) is in test_inprocess.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from checkpoint.live import plan_recovery, recover_from_peers
+from checkpoint.shards import ShardInfo
+from trainer.replicas import Replicator, targets
+
+
+def test_each_rank_is_copied_to_the_next_active_ranks_on_other_nodes() -> None:
+    nodes = ["a", "a", "b", "b", "c", "c"]
+    active = [0, 1, 2, 3, 4, 5]
+    assert targets(nodes, active, 0, 1) == [2]
+    assert targets(nodes, active, 1, 1) == [2]
+    assert targets(nodes, active, 5, 1) == [0]
+    # two copies: two other nodes, never twice the same one
+    assert targets(nodes, active, 0, 2) == [2, 4]
+    assert targets(nodes, active, 3, 2) == [4, 0]
+    # spares keep nothing and send nothing; one node has nowhere to send
+    assert targets(nodes, [0, 2], 0, 1) == [2] and targets(nodes, [0, 2], 4, 1) == []
+    assert targets(["a", "a"], [0, 1], 0, 1) == []
+    assert targets(nodes, active, 0, 0) == []
+
+
+def _entry(g, o, s):
+    return ["float32", list(g), list(o), list(s)]
+
+
+def test_the_planner_takes_a_dead_ranks_shard_from_a_replica_at_the_replicated_step() -> None:
+    """tp2: rank 0 survives (live tp0 at step 6, its snapshot and rank 1's replica at 5);
+    rank 1 is a newcomer needing tp1. Step 6 lacks tp1; step 5 has both, from rank 0's
+    snapshot (its own part) and replica (the newcomer's part)."""
+    g = (4, 2)
+    tp0, tp1 = ((0, 0), (2, 2)), ((2, 0), (2, 2))
+    survivor = {
+        "v": 1, "step": 6, "consumed": 60, "have": {"w": _entry(g, *tp0)},
+        "more": [
+            {"step": 5, "consumed": 50, "have": {"w": _entry(g, *tp0)}},
+            {"step": 5, "consumed": 50, "have": {"w": _entry(g, *tp1)}},
+        ],
+        "need": {"w": _entry(g, *tp0)}, "error": None,
+    }  # fmt: skip
+    newcomer = {"v": 1, "step": None, "consumed": None, "have": {}, "more": [],
+                "need": {"w": _entry(g, *tp1)}, "error": None}  # fmt: skip
+    plan, why = plan_recovery([survivor, newcomer])
+    assert plan is not None, why
+    assert (plan.step, plan.consumed_samples, plan.skipped_steps) == (5, 50, (6,))
+    by_dst = {(p.dst, p.src, p.src_set, p.box) for p in plan.pieces}
+    assert by_dst == {(0, 0, 1, tp0), (1, 0, 2, tp1)}
+    # Without the replica, no step covers tp1.
+    survivor["more"] = survivor["more"][:1]
+    assert plan_recovery([survivor, newcomer])[0] is None
+
+
+WORLD = 3
+SHAPE = (6, 4)
+
+
+def _worker(rank: int, store: str, out: str, device: str) -> None:
+    """Three ranks on three 'nodes', each its own shard of one tensor; replicate at steps
+    1 and 2, then recover as if rank 2 had died: ranks 0 and 1 keep their shards and take
+    rank 2's from the replica. On ``cuda`` the tensors live on the GPU (one GPU shared by
+    the three processes; gloo moves them through pinned host memory)."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    rows = SHAPE[0] // WORLD
+    info = ShardInfo("w", SHAPE, (rank * rows, 0), (rows, SHAPE[1]))
+    w = torch.zeros(rows, SHAPE[1], device=device)
+    rep = Replicator(live=lambda: {"w": (w, info)}, copies=1, every=1, node=f"n{rank}",
+                     group=None)  # fmt: skip
+    for step in (1, 2):
+        w.fill_(10 * step + rank)
+        rep.after_step(step, step * 8)
+    rep.close()
+    dist.barrier()
+    w.fill_(99)  # step 3 trained on: live state moved past the replicas
+    held = rep.held()
+    # Recovery over the same group: rank 2 stands for a newcomer that holds nothing; ranks
+    # 0 and 1 offer live state (step 3) and what they held (steps 1 and 2).
+    need_t = torch.full((rows, SHAPE[1]), -1.0, device=device)
+    need = {"w": (need_t, info)}
+    if rank == 2:
+        result = recover_from_peers(have=None, have_step=None, have_consumed=None, need=need,
+                                    group=None)  # fmt: skip
+    else:
+        result = recover_from_peers(have={"w": (w, info)}, have_step=3, have_consumed=24,
+                                    need=need, group=None, extra=held)  # fmt: skip
+    Path(out, f"rank-{rank}.json").write_text(json.dumps({
+        "steps": sorted(h.step for h in held),
+        "step": result.step if result else None,
+        "values": need_t.unique().tolist(),
+        "pinned": [b.flat.is_pinned() for b in rep.snapshots],
+        "from_extra": result.sources["from_extra"] if result else None,
+    }))  # fmt: skip
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_replicas_on_real_gloo_restore_a_lost_shard_at_the_last_replicated_step(tmp_path, device):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(_worker, args=(str(tmp_path / "store"), str(out), device), nprocs=WORLD, join=True)
+    for rank in range(WORLD):
+        r = json.loads((out / f"rank-{rank}.json").read_text())
+        # Each rank holds two snapshots of its own (steps 1, 2) and two of its source's.
+        assert r["steps"] == [1, 1, 2, 2], (rank, r)
+        # Step 3 has no holder of rank 2's region: back to step 2, from snapshots/replicas.
+        assert r["step"] == 2 and r["from_extra"], (rank, r)
+        assert r["values"] == [20 + rank], (rank, r)
+        assert r["pinned"] == [device == "cuda"] * 2, r

@@ -1,0 +1,232 @@
+"""In-memory replicas of the trainer's state on other nodes (``checkpoint.memory_replicas``).
+
+A TP or PP shard with no data-parallel replica dies with its node; without a copy
+elsewhere, in-process recovery must go back to the last checkpoint on disk. With
+``memory_replicas: k`` every active rank, every ``memory_every`` steps (after the
+optimizer step), copies its parameters and AdamW tensors into a host *snapshot* and sends
+it, asynchronously, to the next k active ranks (in rank order, cyclic) on other nodes, each
+a different one. The receivers keep the bytes in host memory; nothing is written to disk.
+
+On a fault, :func:`trainer.recovery.recover` offers the planner, beside each survivor's
+live tensors (at step s), its snapshot and every replica whose transfer completed (both at
+the last replicated step S ≤ s). The planner takes the highest step at which every region
+the new layout needs has a holder: s when the survivors alone cover it (a DP shrink: no
+step lost), else S, from snapshots and replicas (s − S steps lost, recomputed), else the
+checkpoint on disk.
+
+The snapshot is the send buffer, so a rank never sends tensors that the next optimizer
+step is changing. The transfer runs in gloo's background threads while training goes on;
+the next replication first waits for the previous one (back-pressure, when a transfer takes
+longer than ``memory_every`` steps). A replica whose transfer had not completed when the
+fault came is not offered. So that one is always whole, both sides keep two buffers and
+alternate: the replica of the previous replication stays until the next one has landed,
+and the sender's snapshot of that step with it (the survivors' own regions are needed at
+the same step as the dead node's). A recovery from replicas therefore goes back to the
+newest replicated step whose transfer completed: at most ``2 × memory_every`` steps,
+plus the one in flight. Before the first replication completed, only the checkpoint
+covers a lost shard.
+
+Costs, per rank: host memory of two snapshots of its own state plus two per rank it keeps
+a replica of (4× its state at k = 1); per replication, one device-to-host copy of its state
+(blocking, on CUDA) and its bytes sent once over the network (in the background).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from checkpoint.comm import all_gather_json, group_rank
+from checkpoint.live import Held, Holding
+from checkpoint.shards import ShardInfo
+
+log = logging.getLogger("trainer.replicas")
+
+HEADER = 16
+"""Bytes before the tensors in every buffer: the step and consumed_samples (int64 each)."""
+ALIGN = 16
+TAG = 1 << 20
+"""Base tag of replica messages (``TAG + sender rank``), apart from recovery's chunk tags."""
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _entries(holding: Holding) -> dict[str, list[Any]]:
+    """JSON of each tensor: dtype, local shape, and its ShardInfo (global shape, offsets,
+    sizes); enough for a receiver to lay out the bytes and name them."""
+    return {
+        key: [
+            str(t.dtype).removeprefix("torch."),
+            list(t.shape),
+            list(info.global_shape),
+            list(info.offsets),
+            list(info.sizes),
+        ]
+        for key, (t, info) in sorted(holding.items())
+    }
+
+
+class _Buffer:
+    """A flat host buffer: the header, then each tensor at a 16-byte aligned offset."""
+
+    def __init__(self, entries: Mapping[str, list[Any]], *, pinned: bool) -> None:
+        layout, at = [], HEADER
+        for key, (dtype, shape, gshape, offs, sizes) in entries.items():
+            dt = getattr(torch, dtype)
+            n = dt.itemsize
+            for d in shape:
+                n *= d
+            layout.append((key, dt, tuple(shape), at, n, ShardInfo(key, tuple(gshape),
+                                                                   tuple(offs), tuple(sizes))))  # fmt: skip
+            at = _aligned(at + n)
+        self.flat = torch.empty(at, dtype=torch.uint8, pin_memory=pinned)
+        self.tensors: dict[str, tuple[torch.Tensor, ShardInfo]] = {
+            key: (self.flat[a : a + n].view(dt).view(shape), info)
+            for key, dt, shape, a, n, info in layout
+        }
+        self.step: int | None = None
+        self.consumed: int | None = None
+
+    def header(self) -> tuple[int, int]:
+        step, consumed = self.flat[:HEADER].view(torch.int64).tolist()
+        return int(step), int(consumed)
+
+    def held(self) -> Held | None:
+        if self.step is None or self.consumed is None:
+            return None
+        return Held(step=self.step, consumed=self.consumed, tensors=self.tensors)
+
+
+def targets(nodes: list[Any], active: list[int], rank: int, copies: int) -> list[int]:
+    """The ranks that keep ``rank``'s replicas: the next active ranks after it (cyclic, in
+    rank order) on nodes other than its own and each other's, at most ``copies`` (pure)."""
+    if rank not in active or copies <= 0:
+        return []
+    i = active.index(rank)
+    out, used = [], {nodes[rank]}
+    for r in active[i + 1 :] + active[:i]:
+        if nodes[r] not in used:
+            out.append(r)
+            used.add(nodes[r])
+            if len(out) == copies:
+                break
+    return out
+
+
+class Replicator:
+    """One round's replication; built collectively by every rank of ``group`` (spares
+    pass ``live=None``: they neither send nor keep replicas). ``live()`` returns the rank's
+    parameters and AdamW tensors by global name; it is called at each replication, so a
+    checkpoint load that replaces tensors is seen)."""
+
+    def __init__(
+        self,
+        *,
+        live: Callable[[], Holding] | None,
+        copies: int,
+        every: int,
+        node: str,
+        group: dist.ProcessGroup | None,
+    ) -> None:
+        self.every = every
+        self.group = group
+        self.rank = group_rank(group)
+        holding = live() if live is not None else None
+        descs = all_gather_json(
+            {"node": node, "entries": _entries(holding) if holding is not None else None}, group
+        )
+        nodes = [d["node"] for d in descs]
+        active = [r for r, d in enumerate(descs) if d["entries"] is not None]
+        plan = {r: targets(nodes, active, r, copies) for r in active}
+        short = [r for r in active if len(plan[r]) < copies]
+        if short and self.rank == 0:
+            log.warning(
+                "checkpoint.memory_replicas: %d: ranks %s have only %s other nodes to keep "
+                "their copies", copies, short, sorted({len(plan[r]) for r in short}),
+            )  # fmt: skip
+        self.live = live
+        self.to = plan.get(self.rank, [])
+        pinned = holding is not None and any(t.is_cuda for t, _ in holding.values())
+        mine = descs[self.rank]["entries"]
+        # Two of each, used in turn: the older is overwritten, the newer stays whole.
+        self.snapshots = [_Buffer(mine, pinned=pinned) for _ in range(2)] if self.to else []
+        self.replicas = {
+            src: [_Buffer(descs[src]["entries"], pinned=False) for _ in range(2)]
+            for src in active
+            if self.rank in plan[src]
+        }
+        self._sends: list[Any] = []
+        self._recvs: dict[int, tuple[Any, _Buffer]] = {}
+        self.bytes_held = sum(b.flat.numel() for b in self._buffers())
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.to or self.replicas)
+
+    def _buffers(self) -> list[_Buffer]:
+        return [*self.snapshots, *(b for pair in self.replicas.values() for b in pair)]
+
+    @staticmethod
+    def _older(pair: list[_Buffer]) -> _Buffer:
+        """The buffer to overwrite: an empty one, else the one at the lower step."""
+        return min(pair, key=lambda b: -1 if b.step is None else b.step)
+
+    def after_step(self, step: int, consumed: int) -> None:
+        """After the optimizer step of ``step``: replicate if it is due."""
+        if not self.enabled or step % self.every:
+            return
+        self._complete(wait=True)
+        if self.snapshots and self.live is not None:
+            snap = self._older(self.snapshots)
+            snap.step = snap.consumed = None  # being overwritten
+            for key, (t, _info) in self.live().items():
+                snap.tensors[key][0].copy_(t, non_blocking=True)
+            if snap.flat.is_pinned():
+                torch.cuda.current_stream().synchronize()  # the copies land before the send
+            snap.flat[:HEADER].view(torch.int64).copy_(torch.tensor([step, consumed]))
+            snap.step, snap.consumed = step, consumed
+            self._sends = [
+                dist.isend(snap.flat, group=self.group, group_dst=dst, tag=TAG + self.rank)
+                for dst in self.to
+            ]
+        for src, pair in self.replicas.items():
+            buf = self._older(pair)
+            buf.step = buf.consumed = None  # being overwritten
+            work = dist.irecv(buf.flat, group=self.group, group_src=src, tag=TAG + src)
+            self._recvs[src] = (work, buf)
+
+    def _complete(self, *, wait: bool) -> None:
+        """Mark replicas whose transfer finished (waiting for them if ``wait``)."""
+        for work in self._sends if wait else ():
+            work.wait()
+        if wait:
+            self._sends = []
+        for src, (work, buf) in list(self._recvs.items()):
+            try:
+                if not wait and not work.is_completed():
+                    continue
+                work.wait()
+            except Exception:  # the old world broke mid-transfer: that copy is not whole
+                del self._recvs[src]
+                continue
+            del self._recvs[src]
+            buf.step, buf.consumed = buf.header()
+
+    def held(self) -> list[Held]:
+        """What recovery may use beside the live tensors: the snapshot and every replica
+        whose transfer completed (never waits)."""
+        self._complete(wait=False)
+        return [h for h in (b.held() for b in self._buffers()) if h is not None]
+
+    def close(self) -> None:
+        """At the end of a round that finished: let the last transfers complete."""
+        try:
+            self._complete(wait=True)
+        except Exception:  # the round is over; a broken transfer only loses a copy
+            log.debug("replica transfer did not complete at close", exc_info=True)
