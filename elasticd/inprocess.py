@@ -397,6 +397,8 @@ def _open_round(env: Mapping[str, str], *, backend: str, timeout: timedelta) -> 
         # Under torchrun the agent hosts the store (TORCHELASTIC_USE_AGENT_STORE); under
         # elasticd rank 0 hosts each round's, on the port the rendezvous reserved.
         host = rank == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+        if not host:
+            _wait_listening(env["MASTER_ADDR"], int(env["MASTER_PORT"]), timeout)
         store = dist.TCPStore(
             env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, host,
             timeout=timeout, wait_for_workers=False,
@@ -407,6 +409,38 @@ def _open_round(env: Mapping[str, str], *, backend: str, timeout: timedelta) -> 
     prefixed = dist.PrefixStore(prefix, store)
     dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
     return prefixed
+
+
+def _wait_listening(host: str, port: int, timeout: timedelta) -> None:
+    """Wait, polling every 5 ms, until the round's store accepts connections. A TCPStore
+    client that finds no listener backs off for up to about a second before it tries
+    again; the new rank 0 starts its server at about the same moment as the others
+    connect, so without this a re-form often loses that second."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((host, port), timeout=1.0).close()
+            return
+        except OSError:
+            time.sleep(0.005)
+    # Past the deadline: TCPStore's own connect says what is wrong.
+
+
+def warm_imports() -> threading.Thread:
+    """Import, in a background thread, what torch imports lazily on first use at a cost
+    of seconds: the first ``torch.optim`` optimizer imports ``torch._dynamo`` (about 2 s
+    on a loaded CPU). A spare that becomes active, or a newcomer, would otherwise pay it
+    inside a recovery; here it overlaps the round's rendezvous and set-up."""
+
+    def work() -> None:
+        try:
+            import torch._dynamo  # noqa: F401
+        except Exception:  # only a warm-up: the real import reports any problem
+            log.debug("warm-up import failed", exc_info=True)
+
+    t = threading.Thread(target=work, name="elasticd-warm-imports", daemon=True)
+    t.start()
+    return t
 
 
 def _close_round(*, abort: bool) -> None:
@@ -470,6 +504,8 @@ def run(
     path = env.get(ENV_CONTROL) if env.get(ENV_MODE) == "inprocess" else None
     local_rank = int(env.get("LOCAL_RANK", "0") or 0)
     control = _Control(path, local_rank, env) if path else None
+    if control is not None:
+        warm_imports()
     state: dict[str, Any] = {}
     lived = 0
     failed_in_row = 0
