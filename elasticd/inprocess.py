@@ -67,6 +67,14 @@ ENV_CONTROL = "ELASTICD_CONTROL_FILE"
 """The node's control file for this job (set by the agent in ``inprocess`` mode)."""
 ENV_MODE = "ELASTICD_RESTART_MODE"
 """``process`` or ``inprocess`` (the job's restart.mode)."""
+ENV_WARM = "ELASTICD_WARM_AFTER"
+"""Set by the agent on a *warm* worker, started before its round formed (in-process jobs
+of the built-in trainer): the round after which its first round comes. The process
+imports what it needs, then waits for the agent to hand it that round's environment
+through the control file (:func:`first_round_env`)."""
+ENV_WARM_READY = "ELASTICD_WARM_READY"
+"""A warm worker creates this file once its imports are done (the agent of a node that is
+joining waits for it before it asks the world to re-form)."""
 POLL = 0.01
 """Seconds between looks at the control file."""
 MAX_FAILED_RECOVERIES = 2
@@ -443,6 +451,37 @@ def warm_imports() -> threading.Thread:
     return t
 
 
+_warm_control: _Control | None = None
+"""The control-file watcher a warm worker started while waiting; ``run`` goes on with it."""
+
+
+def first_round_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default ``os.environ``), or, in a warm worker (``ELASTICD_WARM_AFTER``
+    set), the environment of the first round its agent hands it: this blocks until then,
+    importing torch's lazily loaded modules meanwhile, and updates ``os.environ``. Call it
+    before reading RANK, WORLD_SIZE or the layout (``run`` calls it itself)."""
+    global _warm_control
+    env = dict(os.environ if env is None else env)
+    after = env.get(ENV_WARM)
+    if after is None:
+        return env
+    warm_imports().join()  # nothing else to do until a round comes
+    if env.get(ENV_WARM_READY):
+        try:
+            with open(env[ENV_WARM_READY], "w", encoding="utf-8") as fh:
+                fh.write(str(os.getpid()))
+        except OSError as exc:  # the agent then waits its bounded time
+            log.warning("cannot write the warm-ready file: %s", exc)
+    control = _Control(env[ENV_CONTROL], int(env.get("LOCAL_RANK", "0") or 0), env)
+    handed = control.next_round(int(after))
+    env.pop(ENV_WARM, None)
+    os.environ.pop(ENV_WARM, None)
+    env.update(handed)
+    os.environ.update(handed)
+    _warm_control = control
+    return env
+
+
 def _close_round(*, abort: bool) -> None:
     """Tear the default process group (and every group made from it) down."""
     import torch.distributed as dist
@@ -498,14 +537,19 @@ def run(
     does a second failed recovery in a row. Elsewhere ``train`` runs once."""
     import torch
 
-    env = dict(os.environ if env is None else env)
+    env = first_round_env(env)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     path = env.get(ENV_CONTROL) if env.get(ENV_MODE) == "inprocess" else None
     local_rank = int(env.get("LOCAL_RANK", "0") or 0)
-    control = _Control(path, local_rank, env) if path else None
-    if control is not None:
-        warm_imports()
+    control = None
+    if path:
+        warm = _warm_control
+        if warm is not None and warm.path == path and warm.local_rank == local_rank:
+            control = warm
+        else:
+            control = _Control(path, local_rank, env)
+            warm_imports()
     state: dict[str, Any] = {}
     lived = 0
     failed_in_row = 0
@@ -565,8 +609,11 @@ def _leave_round(control: _Control, round_: int, exc: BaseException) -> None:
 __all__ = [
     "ENV_CONTROL",
     "ENV_HEARTBEAT",
+    "ENV_WARM",
+    "ENV_WARM_READY",
     "Context",
     "RoundAborted",
+    "first_round_env",
     "is_comm_error",
     "run",
     "state_tensors",

@@ -78,14 +78,24 @@ def check_inprocess(
 
 
 def test_dp3_loses_a_node_then_a_newcomer_joins_the_survivors_all_in_process(tmp_path):
-    job = make_job(tmp_path, "dp", steps=40)
-    result = run(job, 3, ["kill-node=1@step=4", "add-node@step=10"])
+    # The newcomer asks for its round once its warm worker has imported torch (the
+    # survivors train meanwhile): enough steps that it comes before the end.
+    job = make_job(tmp_path, "dp", steps=200)
+    result = run(job, 3, ["kill-node=1@step=4", "add-node@step=6"])
     records = check_inprocess(tmp_path, job, result, recoveries=2)
-    assert [r["world"] for r in records if r["step"] in (1, 9, 40)] == [3, 2, 3]
+    worlds = [r["world"] for r in records]
+    assert worlds[0] == 3 and worlds[9] == 2 and worlds[-1] == 3, worlds
+    assert [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]] == [3, 2, 3]
     pids = round_pids(job)
     first, second, third = (pids[r] for r in sorted(pids))
     assert len(first) == 3 and second < first and len(second) == 2  # dp3 -> dp2: survivors
     assert second < third and len(third) == 3  # dp2 -> dp3: a newcomer joins them
+    # The newcomer's worker was started warm, before its round formed: its log is the
+    # warm one, and it holds the same process through the round (no second start).
+    (newcomer_pid,) = third - second
+    warm_log = os.path.join(job.out_dir, "logs", "warm", "node-3", "local-0.log")
+    assert os.path.exists(warm_log), os.listdir(os.path.join(job.out_dir, "logs"))
+    assert newcomer_pid not in first
 
 
 def test_a_killed_worker_is_replaced_and_its_peers_go_on_in_process(tmp_path):

@@ -89,3 +89,60 @@ def test_an_nccl_round_is_aborted_and_a_new_one_works_in_the_same_process(tmp_pa
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=120)  # fmt: skip
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-2000:]
+
+
+def test_a_warm_worker_waits_for_a_round_newer_than_the_control_files_and_takes_its_env(
+    tmp_path, monkeypatch
+):
+    """``first_round_env``: a warm worker writes its ready file, ignores the round the
+    control file named when it started, and takes its own local rank's environment of
+    the next one (also into os.environ)."""
+    import elasticd.inprocess as ei
+    from elasticd.agent.launch import control_round
+
+    monkeypatch.setenv("RANK", "0")  # restored (or removed) after the test
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    control = str(tmp_path / "control.json")
+    assert control_round(control) == -1
+    write_control(control, round_=3, state="run", envs={"1": {"RANK": "9"}})
+    assert control_round(control) == 3
+    ready = tmp_path / "ready"
+    env = {ei.ENV_CONTROL: control, ei.ENV_WARM: "3", ei.ENV_WARM_READY: str(ready),
+           "LOCAL_RANK": "1", "KEEP": "x"}  # fmt: skip
+    monkeypatch.setattr(ei, "_warm_control", None)
+    monkeypatch.delenv(ei.ENV_WARM, raising=False)
+    got: dict = {}
+    t = threading.Thread(target=lambda: got.update(ei.first_round_env(env)), daemon=True)
+    t.start()
+    deadline = time.time() + 60
+    while not ready.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    assert ready.exists()
+    time.sleep(0.2)
+    assert not got  # round 3 is not newer than what the file named at start
+    write_control(control, round_=4, state="run",
+                  envs={"0": {"RANK": "7"}, "1": {"RANK": "5", "WORLD_SIZE": "6"}})  # fmt: skip
+    t.join(30)
+    assert got["RANK"] == "5" and got["WORLD_SIZE"] == "6" and got["KEEP"] == "x"
+    assert ei.ENV_WARM not in got and os.environ["RANK"] == "5"
+    # An ordinary worker's env passes through untouched.
+    assert ei.first_round_env({"RANK": "2"}) == {"RANK": "2"}
+
+
+def test_warm_workers_only_for_in_process_jobs_of_the_built_in_trainer(tmp_path):
+    """A job's own ``command`` may read its rank at import time, and a process-mode job
+    has no control file to wait on: neither gets warm workers (nothing is started)."""
+    from elasticd.agent.launch import NodeInfo, warm_workers
+    from elasticd.jobspec import parse_job
+
+    node = NodeInfo(node_id="n0", addr="127.0.0.1", state_dir=str(tmp_path / "state"))
+    base = {"name": "w", "output_dir": str(tmp_path / "out")}
+    for extra in ({"restart": {"mode": "process"}},
+                  {"restart": {"mode": "inprocess"}, "command": ["python3", "train.py"]}):  # fmt: skip
+        job = parse_job({**base, **extra}).with_paths_resolved(tmp_path)
+        assert warm_workers(job=job, run_id="r", node=node, local_ranks=[0], env={},
+                            clock=time.time) is None  # fmt: skip
+    job = parse_job({**base, "restart": {"mode": "inprocess"}}).with_paths_resolved(tmp_path)
+    assert warm_workers(job=job, run_id="r", node=node, local_ranks=[], env={},
+                        clock=time.time) is None  # fmt: skip
+    assert not (tmp_path / "state").exists()

@@ -53,7 +53,10 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     from trainer.train import check_supported
 
     args = parse_args(argv)
-    env = os.environ if env is None else env
+    from elasticd.inprocess import first_round_env
+
+    # A warm worker (started by its agent before the round formed) waits here for it.
+    env = first_round_env(env)
     try:
         rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
         job = load_job(args.job, args.overrides).with_paths_resolved(os.getcwd())

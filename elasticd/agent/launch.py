@@ -9,6 +9,7 @@ pids for tools (``elasticd run``'s fault injection).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -17,9 +18,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from elasticd.agent.policy import WorkerEnvInputs, worker_argv, worker_envs
+from elasticd.agent.policy import WorkerEnvInputs, scrub_env, worker_argv, worker_envs
 from elasticd.agent.workers import WorkerGroup
-from elasticd.inprocess import ENV_CONTROL, ENV_MODE
+from elasticd.inprocess import ENV_CONTROL, ENV_MODE, ENV_WARM, ENV_WARM_READY
 from elasticd.jobspec import JobSpec
 from elasticd.layout import Layout, plan
 
@@ -188,6 +189,68 @@ def launch(
         resume_step=resume_step,
         carried=carried,
     )
+
+
+def warm_workers(
+    *,
+    job: JobSpec,
+    run_id: str,
+    node: NodeInfo,
+    local_ranks: list[int],
+    env: Mapping[str, str],
+    clock: Callable[[], float],
+    devices: list[str] | None = None,
+) -> WorkerGroup | None:
+    """Start warm workers for ``local_ranks`` before the next round forms (in-process jobs
+    of the built-in trainer): each imports torch and the trainer, then waits for the
+    control file to hand it a round newer than any the file names now, so that a round
+    that takes it (the job's first, a newcomer's, a killed worker's replacement) does not
+    wait for a Python start and ``import torch``. None when the job cannot use them: a
+    ``command`` of its own may read its rank at import time, before it could wait."""
+    if job.restart.mode != "inprocess" or job.command or not local_ranks:
+        return None
+    control = control_path(node.state_dir, run_id)
+    warm_dir = os.path.join(node.state_dir, "jobs", run_id, "warm")
+    os.makedirs(warm_dir, exist_ok=True)
+    job_path = os.path.join(warm_dir, "job.json")
+    write_json(job_path, job.to_dict())
+    base = scrub_env(env)
+    base.setdefault("OMP_NUM_THREADS", "1")
+    if devices is not None:
+        base["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
+    after = str(control_round(control))
+    own = {ENV_MODE: "inprocess", ENV_CONTROL: control, ENV_WARM: after}
+    envs = {}
+    for i in local_ranks:
+        ready = os.path.join(warm_dir, f"ready-{node.node_id}-{i}")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(ready)
+        envs[i] = {**base, "LOCAL_RANK": str(i), **own, ENV_WARM_READY: ready}
+    return WorkerGroup.spawn_warm(
+        argv=worker_argv(job.command, job_path, node.python), envs=envs,
+        log_dir=os.path.join(job.out_dir, "logs", "warm", node.node_id), cwd=os.getcwd(),
+        clock=clock,
+    )  # fmt: skip
+
+
+def warm_ready(group: WorkerGroup) -> bool:
+    """Whether every live warm worker of ``group`` has finished its imports (a dead one
+    counts as done: the round starts its replacement the usual way)."""
+    for w in group.workers:
+        if w.warm and w.proc.poll() is None:
+            ready = w.env_ready
+            if ready and not os.path.exists(ready):
+                return False
+    return True
+
+
+def control_round(path: str) -> int:
+    """The round the control file names, or -1 (no file yet, or unreadable)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return int(json.load(fh).get("round", -1))
+    except (OSError, ValueError, AttributeError, TypeError):
+        return -1
 
 
 def control_path(state_dir: str, run_id: str) -> str:

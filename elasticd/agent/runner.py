@@ -65,6 +65,8 @@ STATUS_EVERY = 3.0
 """Seconds between progress writes into the job's status (only when the step moved)."""
 NODE_TROUBLE_BACKOFF_CAP = 10.0
 """At most this many seconds between re-joins after this node's own errors."""
+WARM_WAIT = 120.0
+"""Seconds a joining node waits for its warm workers' imports before it asks for a round."""
 
 
 class JobRunner:
@@ -173,6 +175,7 @@ class JobRunner:
         try:
             while not self._preempt.is_set() and not self._over():
                 joined_at = self._clock()
+                self._prewarm()
                 try:
                     if self._evidence:
                         world = handler.next_world(evidence=True)
@@ -239,6 +242,55 @@ class JobRunner:
             log.exception("leaving the round failed; our lease lapses on its own")
         self._metrics.world_size.labels(job=self.name).set(0)
         self._preempt.wait(pause)
+
+    def _prewarm(self) -> None:
+        """In-process jobs of the built-in trainer: before waiting for a round, have a
+        live process for every local rank: the kept ones, and warm ones started now for
+        the rest (their Python start and ``import torch`` overlap the rendezvous)."""
+        from elasticd.agent.launch import warm_workers
+
+        nproc = self.job.nproc_per_node
+        missing = self._kept.missing(nproc) if self._kept is not None else list(range(nproc))
+        if not missing:
+            return
+        try:
+            warm = warm_workers(job=self.job, run_id=self.record.run_id, node=self._node,
+                                local_ranks=missing, env=os.environ, clock=self._clock,
+                                devices=self.devices)  # fmt: skip
+        except OSError as exc:  # the round starts them the usual way
+            log.warning("warm workers not started", **kv(job=self.name, error=str(exc)))
+            return
+        if warm is None:
+            return
+        newcomer = self._kept is None and self.outcome is None
+        if self._kept is None:
+            self._kept = warm
+        else:
+            self._kept.merge(warm)
+        if newcomer and self._job_running():
+            self._await_warm(warm)
+
+    def _job_running(self) -> bool:
+        """Whether the job has trained already (a world of it formed). At its start every
+        node joins at once, whatever its workers' imports: a node that joined seconds
+        later than the others would miss the first world's settle window."""
+        try:
+            current = self._current()
+        except ElasticdError:
+            return False
+        return current is not None and current.run_id == self.record.run_id and current.started
+
+    def _await_warm(self, warm: Any) -> None:
+        """A node joining a running job (a newcomer) asks for a round only once its warm
+        workers are ready: the world re-forms for us after our import, not before it (its
+        survivors train meanwhile). Bounded; a node already in the world never waits (its
+        peers' re-form would leave it out), nor one at the job's start."""
+        from elasticd.agent.launch import warm_ready
+
+        deadline = self._clock() + WARM_WAIT
+        while not warm_ready(warm) and self._clock() < deadline:
+            if self._preempt.wait(0.05) or self._over():
+                return
 
     def _drop_kept(self) -> None:
         """Workers kept for an in-process round that will not come: stop them."""

@@ -68,6 +68,11 @@ class Worker:
     """Wall-clock spawn time."""
     stopping: bool = False
     """Whether we asked it to stop."""
+    warm: bool = False
+    """Started before its round formed; it waits for the control file to hand it one
+    (rank, heartbeat and error paths are set when a round takes it)."""
+    env_ready: str = ""
+    """A warm worker's ready file (it exists once the worker's imports are done)."""
 
     @property
     def returncode(self) -> int | None:
@@ -218,9 +223,52 @@ class WorkerGroup:
         group.workers.sort(key=lambda w: w.local_rank)
         return group
 
+    @classmethod
+    def spawn_warm(
+        cls,
+        *,
+        argv: Sequence[str],
+        envs: Mapping[int, Mapping[str, str]],
+        log_dir: str,
+        cwd: str | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> WorkerGroup:
+        """Start a warm worker for each local rank in ``envs``: it imports what it needs,
+        then waits for a round through the control file (``ELASTICD_WARM_AFTER``)."""
+        os.makedirs(log_dir, exist_ok=True)
+        group = cls()
+        try:
+            for local_rank, env in sorted(envs.items()):
+                log_path = os.path.join(log_dir, f"local-{local_rank}.log")
+                with open(log_path, "ab") as log:
+                    proc = subprocess.Popen(
+                        with_pdeathsig(argv), env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL,
+                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                    )  # fmt: skip
+                worker = Worker(local_rank=local_rank, rank=-1, proc=proc, log_path=log_path,
+                                heartbeat_path="", error_path="", started=clock(), warm=True,
+                                env_ready=env.get("ELASTICD_WARM_READY", ""))  # fmt: skip
+                group.workers.append(worker)
+        except OSError:
+            group.kill()
+            raise
+        return group
+
+    def missing(self, nproc: int) -> list[int]:
+        """Local ranks below ``nproc`` with no live process in this group."""
+        alive = {w.local_rank for w in self.workers if w.proc.poll() is None}
+        return [i for i in range(nproc) if i not in alive]
+
+    def merge(self, other: WorkerGroup) -> None:
+        """Take ``other``'s workers in place of this group's dead ones of the same local rank."""
+        taken = {w.local_rank for w in other.workers}
+        self.workers = [w for w in self.workers if w.local_rank not in taken] + other.workers
+        self.workers.sort(key=lambda w: w.local_rank)
+
     def kept(self) -> int:
-        """How many workers are still alive (carried into the next round in-process)."""
-        return sum(1 for w in self.workers if w.proc.poll() is None)
+        """How many workers that lived a round are still alive (carried into the next
+        round in-process); warm ones do not count."""
+        return sum(1 for w in self.workers if w.proc.poll() is None and not w.warm)
 
     def pids(self) -> dict[int, int]:
         """Global rank → pid."""
