@@ -27,6 +27,9 @@ under torchrun of the smaller world). One run measures, side by side:
 - ``newcomer``: an in-process dp2 job (2 nodes × 1 worker, ``scale_up: immediate``) gets a
   third node at step S: the time from starting the newcomer's agent to the first record
   of the dp3 world (the newcomer's worker receives the whole state from the survivors).
+  The newcomer's worker starts warm and the node asks for its round once the worker's
+  imports are done, the survivors training on meanwhile: ``detect`` is that wait, and
+  the parts after it are the survivors' stall.
 
 For elasticd the parts come from the recovery record in the job's status history (what
 the agent of rank 0 recorded: abort, rendezvous, pg_init, state_transfer, first_step in
@@ -171,6 +174,10 @@ def run_elasticd(base: str, case: str, *, steps: int, kill_step: int, limit: flo
 
     nodes, nproc, parallel, mode, victim_rank = SETUPS[case]
     out = os.path.join(base, "out")
+    if case == "newcomer":
+        # A newcomer asks for its round once its warm worker has imported torch, while the
+        # survivors train on: the job must outlast that (it is cancelled once measured).
+        steps = max(steps, 100_000)
     job = parse_job(job_dict(out, steps, nodes=nodes, nproc=nproc, parallel=parallel, mode=mode,
                              spare_room=case == "newcomer",
                              replicas=case in REPLICA_CASES))  # fmt: skip
