@@ -64,6 +64,9 @@ def one_thread(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
 
 
+# `slow` (make test stays short): the short chaos soak checks every round resumed from a
+# checkpoint against one process, and test_agent_cluster kills a node in the default suite.
+@pytest.mark.slow
 def test_three_nodes_lose_one_at_step_8_and_the_resumed_steps_match_an_uninterrupted_run(
     tmp_path,
 ):
@@ -146,6 +149,9 @@ def test_killing_the_node_with_rank_zero_and_the_store_leaves_the_trainer_going(
     assert final.status["nodes"] == [f"node-{1 - host}"]
 
 
+# `slow`: scale-ups run in the default suite in test_agent_cluster, test_inprocess (a
+# newcomer in-process) and the short chaos soak (add-node).
+@pytest.mark.slow
 def test_a_node_added_mid_run_scales_the_trainer_up_without_harm(tmp_path):
     job = make_job(tmp_path, "grow", steps=40)
     result = run(job, 2, ["add-node@step=4"])

@@ -167,6 +167,9 @@ def assert_steps_exact(result, steps):
         assert rec["loss"] == pytest.approx(10.0 / (1.0 + step * (step + 1) / 2), rel=1e-9)
 
 
+# The short chaos soak (tests/test_chaos.py) puts a real job through every one of these
+# faults in the default suite; these two full-job runs are `slow` to keep `make test` short.
+@pytest.mark.slow
 def test_a_job_goes_on_without_a_frozen_node_and_takes_it_back_after_the_thaw(tmp_path):
     job = make_job(tmp_path, steps=40, every=3)
     result, text = run(job, 3, ["freeze-node=1@step=4:for=6"])
@@ -179,6 +182,7 @@ def test_a_job_goes_on_without_a_frozen_node_and_takes_it_back_after_the_thaw(tm
     assert result["status"]["restarts"] == 0  # a frozen node is a lost peer, not a worker failure
 
 
+@pytest.mark.slow
 def test_a_job_lives_through_a_killed_etcd_leader_and_a_whole_etcd_outage(tmp_path):
     # The leader is back (3 s, then its restart) well before the outage begins at step 45.
     # The job trains on for about 10 s after etcd is back (6 s away, about 3 s to stop its
