@@ -347,12 +347,13 @@ def plan_step(descs: Sequence[Mapping[str, Any]], step: int) -> tuple[list[Piece
         todo = list(left)
         while todo:
             box = todo.pop()
-            best: tuple[tuple[int, int, int, int], Box] | None = None
+            best: tuple[tuple[int, bool, int, int, int], Box] | None = None
             for hr, k, hb in holders.get(key, ()):
                 common = intersect(box, hb)
                 if common is None:
                     continue
-                rank_key = (-numel(common[1]), load[hr], hr, k)
+                # Live tensors before snapshots and replicas at the same step.
+                rank_key = (-numel(common[1]), k > 0, load[hr], hr, k)
                 if best is None or rank_key < best[0]:
                     best = (rank_key, common)
             if best is None:
@@ -360,7 +361,7 @@ def plan_step(descs: Sequence[Mapping[str, Any]], step: int) -> tuple[list[Piece
                     f"{key} [{', '.join(f'{o}:{o + s}' for o, s in zip(*box, strict=True))}] "
                     f"needed by rank {r} has no holder at step {step}"
                 )
-            (_, _, src, k), common = best
+            (_, _, _, src, k), common = best
             piece = Piece(key, src, r, *common, itemsize, src_set=k)
             pieces.append(piece)
             load[src] += piece.nbytes

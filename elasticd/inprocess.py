@@ -543,13 +543,14 @@ def run(
     path = env.get(ENV_CONTROL) if env.get(ENV_MODE) == "inprocess" else None
     local_rank = int(env.get("LOCAL_RANK", "0") or 0)
     control = None
+    warming = None
     if path:
         warm = _warm_control
         if warm is not None and warm.path == path and warm.local_rank == local_rank:
             control = warm
         else:
             control = _Control(path, local_rank, env)
-            warm_imports()
+            warming = warm_imports()
     state: dict[str, Any] = {}
     lived = 0
     failed_in_row = 0
@@ -568,6 +569,9 @@ def run(
         try:
             ctx.store = _open_round(env, backend=backend, timeout=timeout)
             ctx.mark("pg_ready")
+            if warming is not None:  # never import torch's modules from two threads at once
+                warming.join()
+                warming = None
             result = train(ctx)
         except BaseException as exc:
             if control is None or not (control.aborted(round_) or is_comm_error(exc)):

@@ -18,19 +18,35 @@ from checkpoint.shards import ShardInfo
 from trainer.replicas import Replicator, targets
 
 
-def test_each_rank_is_copied_to_the_next_active_ranks_on_other_nodes() -> None:
+def test_each_rank_is_copied_to_its_counterpart_on_the_next_nodes() -> None:
     nodes = ["a", "a", "b", "b", "c", "c"]
     active = [0, 1, 2, 3, 4, 5]
     assert targets(nodes, active, 0, 1) == [2]
-    assert targets(nodes, active, 1, 1) == [2]
-    assert targets(nodes, active, 5, 1) == [0]
-    # two copies: two other nodes, never twice the same one
+    assert targets(nodes, active, 1, 1) == [3]
+    assert targets(nodes, active, 5, 1) == [1]
+    # two copies: two other nodes, never twice the same one, never its own
     assert targets(nodes, active, 0, 2) == [2, 4]
-    assert targets(nodes, active, 3, 2) == [4, 0]
+    assert targets(nodes, active, 3, 2) == [5, 1]
+    assert targets(nodes, active, 0, 5) == [2, 4]
     # spares keep nothing and send nothing; one node has nowhere to send
     assert targets(nodes, [0, 2], 0, 1) == [2] and targets(nodes, [0, 2], 4, 1) == []
     assert targets(["a", "a"], [0, 1], 0, 1) == []
     assert targets(nodes, active, 0, 0) == []
+    # a node with fewer active ranks: indexes wrap
+    assert targets(["a", "a", "b"], [0, 1, 2], 1, 1) == [2]
+
+
+def test_with_eight_ranks_a_node_every_rank_keeps_one_replica_per_copy() -> None:
+    """No rank takes a whole node's copies (which would cost it 8x the memory)."""
+    nodes = [f"n{r // 8}" for r in range(32)]
+    active = list(range(32))
+    for copies in (1, 2):
+        kept = [0] * 32
+        for r in active:
+            for t in targets(nodes, active, r, copies):
+                assert nodes[t] != nodes[r]
+                kept[t] += 1
+        assert kept == [copies] * 32
 
 
 def _entry(g, o, s):

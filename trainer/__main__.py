@@ -54,12 +54,16 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 
     args = parse_args(argv)
     from elasticd.inprocess import first_round_env
+    from trainer.data import open_source
 
-    # A warm worker (started by its agent before the round formed) waits here for it.
-    env = first_round_env(env)
+    env = os.environ if env is None else env
     try:
-        rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
         job = load_job(args.job, args.overrides).with_paths_resolved(os.getcwd())
+        open_source(job.data, model_cfg=job.model, seed=job.train.seed)  # fail early
+        # A warm worker (started by its agent before the round formed) waits here for it,
+        # with its job and data already checked.
+        env = first_round_env(env)
+        rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
         if env.get("ELASTICD_LAYOUT"):
             layout = _read_layout(env["ELASTICD_LAYOUT"], Layout)
         else:
@@ -69,9 +73,6 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
                 f"ELASTICD_LAYOUT: the layout is for {layout.world} ranks, WORLD_SIZE is {world}"
             )
         check_supported(job, layout)
-        from trainer.data import open_source
-
-        open_source(job.data, model_cfg=job.model, seed=job.train.seed)  # fail early
     except (ElasticdError, TrainerConfigError, ValueError) as exc:
         print(f"trainer: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -48,13 +48,15 @@ def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any, job: Any) -> str
     """Restore ``trainer`` (None on a spare rank, which only serves what it holds) for
     this round; returns the source. ``ctx.state['trainer']`` is the previous round's
     trainer of this process, if any; it is replaced by ``trainer`` once restored, and
-    ``ctx.state['replicator']`` by this round's (``job.checkpoint.memory_replicas``)."""
+    ``ctx.state['replicator']`` by this round's (``job.checkpoint.memory_replicas``). If
+    this round fails before that, both stay for the next one."""
     from checkpoint.live import recover_from_peers
     from elasticd.inprocess import transfer_group
     from trainer.checkpointing import reseed_value
 
     old = ctx.state.get("trainer")
-    old_replicas = ctx.state.pop("replicator", None)
+    # Read, not taken: if this round fails too, the next one still has them.
+    old_replicas = ctx.state.get("replicator")
     extra = old_replicas.held() if old_replicas is not None else []
     have = holdings(old, create=True) if old is not None else None
     have_step = old.state.step if old is not None else None
@@ -72,10 +74,20 @@ def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any, job: Any) -> str
             have_consumed=old.state.consumed_samples if old is not None else None,
             need=need, group=group, extra=extra,
         )  # fmt: skip
-    del old_replicas, extra  # their memory goes once served
-    _start_replication(ctx, trainer, job=job, group=group)
+    del old_replicas, extra
+    if (
+        result is not None
+        and result.sources.get("from_extra")
+        and _checkpoint_is_newer(job, result.step, group)
+    ):
+        if ctx.rank == 0:
+            print(f"in-process recovery: the replicas hold step {result.step}, the latest "
+                  "checkpoint a newer one; resuming from the checkpoint", flush=True)  # fmt: skip
+        result = None
+    replicator = _start_replication(ctx, trainer, job=job, group=group)
     if trainer is None:  # a spare: it served its part
         ctx.state.pop("trainer", None)
+        ctx.state["replicator"] = replicator  # the old copies go now
         return "peers" if result is not None else "none"
     if result is not None:
         source = "replica" if result.sources.get("from_extra") else "peers"
@@ -100,19 +112,34 @@ def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any, job: Any) -> str
     channel.recovered(source=source, resume_step=step, lost_steps=lost)
     channel.mark("state_loaded")
     ctx.state["trainer"] = trainer  # the old one (and its memory) goes
+    ctx.state["replicator"] = replicator  # and the old copies
     return source
 
 
-def _start_replication(ctx: Any, trainer: Any, *, job: Any, group: Any) -> None:
-    """This round's :class:`trainer.replicas.Replicator` (collective over ``group``)."""
+def _checkpoint_is_newer(job: Any, step: int, group: Any) -> bool:
+    """Whether every rank sees a committed checkpoint newer than ``step`` (collective: all
+    ranks agree, or none moves): with ``memory_every`` above ``checkpoint.every`` the last
+    replicated step can be older than the last checkpoint."""
+    from elasticd.agent.policy import latest_checkpoint_step
+
+    on_disk = latest_checkpoint_step(job.ckpt_dir)
+    newer = torch.tensor([1 if on_disk is not None and on_disk > step else 0], dtype=torch.int32)
+    if dist.is_initialized():
+        dist.all_reduce(newer, op=dist.ReduceOp.MIN, group=group)
+    return bool(newer.item())
+
+
+def _start_replication(ctx: Any, trainer: Any, *, job: Any, group: Any) -> Any:
+    """This round's :class:`trainer.replicas.Replicator` (collective over ``group``), or
+    None when the job keeps no replicas."""
     import socket
 
     from trainer.replicas import Replicator
 
     copies = job.checkpoint.memory_replicas
     if not copies or not ctx.inprocess:
-        return
-    ctx.state["replicator"] = Replicator(
+        return None
+    return Replicator(
         live=(lambda: holdings(trainer, create=True)) if trainer is not None else None,
         copies=copies,
         every=job.checkpoint.memory_every,

@@ -4,8 +4,9 @@ A TP or PP shard with no data-parallel replica dies with its node; without a cop
 elsewhere, in-process recovery must go back to the last checkpoint on disk. With
 ``memory_replicas: k`` every active rank, every ``memory_every`` steps (after the
 optimizer step), copies its parameters and AdamW tensors into a host *snapshot* and sends
-it, asynchronously, to the next k active ranks (in rank order, cyclic) on other nodes, each
-a different one. The receivers keep the bytes in host memory; nothing is written to disk.
+it, asynchronously, to its counterparts (the active rank with its index on that node) on
+the next k nodes. With equal ranks per node each rank keeps k replicas, of k other nodes'
+ranks. The receivers keep the bytes in host memory; nothing is written to disk.
 
 On a fault, :func:`trainer.recovery.recover` offers the planner, beside each survivor's
 live tensors (at step s), its snapshot and every replica whose transfer completed (both at
@@ -104,18 +105,23 @@ class _Buffer:
 
 
 def targets(nodes: list[Any], active: list[int], rank: int, copies: int) -> list[int]:
-    """The ranks that keep ``rank``'s replicas: the next active ranks after it (cyclic, in
-    rank order) on nodes other than its own and each other's, at most ``copies`` (pure)."""
+    """The ranks that keep ``rank``'s replicas, at most ``copies`` (pure): on each of the
+    next nodes (cyclic, in the order of their first active rank), the active rank with
+    ``rank``'s index among its own node's active ranks (wrapped when that node has fewer).
+    With equal ranks per node every rank keeps ``copies`` replicas, each of a different
+    node's rank: no rank takes a whole node's."""
     if rank not in active or copies <= 0:
         return []
-    i = active.index(rank)
-    out, used = [], {nodes[rank]}
-    for r in active[i + 1 :] + active[:i]:
-        if nodes[r] not in used:
-            out.append(r)
-            used.add(nodes[r])
-            if len(out) == copies:
-                break
+    per_node: dict[Any, list[int]] = {}
+    for r in active:
+        per_node.setdefault(nodes[r], []).append(r)
+    order = list(per_node)
+    mine = per_node[nodes[rank]]
+    i, index = order.index(nodes[rank]), mine.index(rank)
+    out = []
+    for j in range(1, min(len(order), copies + 1)):
+        members = per_node[order[(i + j) % len(order)]]
+        out.append(members[index % len(members)])
     return out
 
 
@@ -152,22 +158,32 @@ class Replicator:
             )  # fmt: skip
         self.live = live
         self.to = plan.get(self.rank, [])
-        pinned = holding is not None and any(t.is_cuda for t, _ in holding.values())
-        mine = descs[self.rank]["entries"]
-        # Two of each, used in turn: the older is overwritten, the newer stays whole.
-        self.snapshots = [_Buffer(mine, pinned=pinned) for _ in range(2)] if self.to else []
-        self.replicas = {
-            src: [_Buffer(descs[src]["entries"], pinned=False) for _ in range(2)]
-            for src in active
-            if self.rank in plan[src]
-        }
+        self._pinned = holding is not None and any(t.is_cuda for t, _ in holding.values())
+        self._mine = descs[self.rank]["entries"]
+        self._sources = {src: descs[src]["entries"] for src in active if self.rank in plan[src]}
+        # Allocated at the first replication, not here: a recovery does not wait for them,
+        # and the previous round's copies are still held while this one is being built.
+        self.snapshots: list[_Buffer] = []
+        self.replicas: dict[int, list[_Buffer]] = {}
         self._sends: list[Any] = []
         self._recvs: dict[int, tuple[Any, _Buffer]] = {}
-        self.bytes_held = sum(b.flat.numel() for b in self._buffers())
+
+    def _allocate(self) -> None:
+        """Two buffers of each, used in turn: the older is overwritten, the newer stays whole."""
+        if self.to and not self.snapshots:
+            self.snapshots = [_Buffer(self._mine, pinned=self._pinned) for _ in range(2)]
+        for src, entries in self._sources.items():
+            if src not in self.replicas:
+                self.replicas[src] = [_Buffer(entries, pinned=False) for _ in range(2)]
+
+    @property
+    def bytes_held(self) -> int:
+        """Host memory of this rank's snapshots and replicas (once allocated)."""
+        return sum(b.flat.numel() for b in self._buffers())
 
     @property
     def enabled(self) -> bool:
-        return bool(self.to or self.replicas)
+        return bool(self.to or self._sources)
 
     def _buffers(self) -> list[_Buffer]:
         return [*self.snapshots, *(b for pair in self.replicas.values() for b in pair)]
@@ -181,6 +197,7 @@ class Replicator:
         """After the optimizer step of ``step``: replicate if it is due."""
         if not self.enabled or step % self.every:
             return
+        self._allocate()
         self._complete(wait=True)
         if self.snapshots and self.live is not None:
             snap = self._older(self.snapshots)

@@ -108,6 +108,9 @@ class JobRunner:
         self._last_step_written: Any = None
         self._closed_run = False
         self._kept: Any = None
+        self._outside = True
+        """Not in the job's world: before our first round, and after leaving one for our
+        own trouble (a newcomer to a running job waits for its warm workers)."""
         """restart.mode inprocess: the live workers carried into the next round."""
         self._evidence = False
         """Whether we re-form because we saw the fault ourselves (rendezvous evidence)."""
@@ -230,6 +233,7 @@ class JobRunner:
     def _node_trouble(self, handler: Any, exc: Exception) -> None:
         """An error in this node's round: leave it cleanly, back off, join again."""
         self._troubles += 1
+        self._outside = True
         self._drop_kept()
         pause = min(NODE_TROUBLE_BACKOFF_CAP, 0.5 * 2 ** (self._troubles - 1))
         log.exception(
@@ -262,7 +266,7 @@ class JobRunner:
             return
         if warm is None:
             return
-        newcomer = self._kept is None and self.outcome is None
+        newcomer = self._kept is None and self._outside
         if self._kept is None:
             self._kept = warm
         else:
@@ -325,6 +329,7 @@ class JobRunner:
         self._report.for_round(fence)
         resume_step = latest_checkpoint_step(self.job.ckpt_dir)
         keep, self._kept = self._kept, None
+        self._outside = False
         try:
             rnd = launch(
                 job=self.job, run_id=self.record.run_id, world=world, node=self._node,
