@@ -55,6 +55,9 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from recovery import wait_until  # bench/recovery.py: the same polling helper
 
 JOB = "bench"
 NODES = 2
@@ -83,16 +86,6 @@ def job_dict(out: str, steps: int, *, replicas: int, every: int) -> dict:
         "restart": {"mode": "inprocess"},
         "rendezvous": {"ttl": 5.0, "settle": 1.0},
     }
-
-
-def wait_until(predicate, limit: float, interval: float = 0.05):
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    return None
 
 
 def rss_mb(pid: int) -> float | None:

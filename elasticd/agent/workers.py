@@ -119,6 +119,18 @@ def last_line(path: str, tail: int = 4096) -> str:
     return lines[-1].strip() if lines else ""
 
 
+def _start(
+    argv: Sequence[str], env: Mapping[str, str], cwd: str | None, log_path: str
+) -> subprocess.Popen:
+    """One worker process: its own session, dying with the agent, output appended to
+    ``log_path``."""
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            with_pdeathsig(argv), env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL,
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+
+
 @dataclass(kw_only=True, slots=True)
 class WorkerGroup:
     """The nproc workers of this node in one round."""
@@ -196,16 +208,7 @@ class WorkerGroup:
                     base_env, run_dir, local_rank
                 )  # fmt: skip
                 log_path = os.path.join(log_dir, f"rank-{rank}.log")
-                with open(log_path, "ab") as log:
-                    proc = subprocess.Popen(
-                        with_pdeathsig(argv),
-                        env=env,
-                        cwd=cwd,
-                        stdin=subprocess.DEVNULL,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                    )
+                proc = _start(argv, env, cwd, log_path)
                 group.workers.append(
                     Worker(
                         local_rank=local_rank,
@@ -240,11 +243,7 @@ class WorkerGroup:
         try:
             for local_rank, env in sorted(envs.items()):
                 log_path = os.path.join(log_dir, f"local-{local_rank}.log")
-                with open(log_path, "ab") as log:
-                    proc = subprocess.Popen(
-                        with_pdeathsig(argv), env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL,
-                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                    )  # fmt: skip
+                proc = _start(argv, env, cwd, log_path)
                 worker = Worker(local_rank=local_rank, rank=-1, proc=proc, log_path=log_path,
                                 heartbeat_path="", error_path="", started=clock(), warm=True,
                                 env_ready=env.get("ELASTICD_WARM_READY", ""))  # fmt: skip
