@@ -77,9 +77,13 @@ ENV_WARM_READY = "ELASTICD_WARM_READY"
 joining waits for it before it asks the world to re-form)."""
 POLL = 0.01
 """Seconds between looks at the control file."""
-MAX_FAILED_RECOVERIES = 2
-"""Rounds in a row that may fail before the first step; then the process exits (non-zero)
-and the agent falls back to a process restart."""
+MAX_FAILED_RECOVERIES = 3
+"""Failed rounds in a row, counting the one that trained before its fault: after two
+recoveries in a row that never reached a step the process exits (non-zero) and the agent
+falls back to a process restart. One is not enough: a second event while the survivors
+wait for a replacement (a newcomer, a peer lost meanwhile, the agent's re-form racing a
+port) ends a recovery that would have worked, and a process restart there loses every
+step since the last checkpoint."""
 ABORT_WATCHDOG = 10.0
 """Seconds an NCCL abort may take before the process gives up and exits."""
 EXIT_RECOVERY_FAILED = 1
@@ -581,8 +585,8 @@ def run(
             state["_stepped"] = False
             _leave_round(control, round_, exc)
             if failed_in_row >= MAX_FAILED_RECOVERIES:
-                print(f"elasticd.inprocess: {failed_in_row} rounds in a row failed before "
-                      "a step; exiting for a process restart", file=sys.stderr, flush=True)  # fmt: skip
+                print(f"elasticd.inprocess: {failed_in_row - 1} recoveries in a row failed "
+                      "before a step; exiting for a process restart", file=sys.stderr, flush=True)  # fmt: skip
                 raise SystemExit(EXIT_RECOVERY_FAILED) from exc
             env = control.next_round(round_)
             lived += 1

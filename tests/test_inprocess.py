@@ -58,6 +58,23 @@ def round_pids(job) -> dict[int, set[int]]:
     return out
 
 
+def story(job) -> str:
+    """What the agents and workers said about rounds: the lines that explain a failed
+    check (a failure on CI leaves nothing else behind)."""
+    lines = []
+    for path in sorted(glob.glob(os.path.join(job.out_dir, "cluster", "agent-*.log"))):
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            keep = [ln.rstrip()[:300] for ln in fh
+                    if any(w in ln for w in ("round ended", "workers started", "recovered",
+                                             "falling back", "level=error"))]  # fmt: skip
+        lines += [f"== {os.path.basename(path)}", *keep]
+    for path in sorted(glob.glob(os.path.join(job.out_dir, "logs", "**", "*.log"), recursive=True)):
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            tail = [ln.rstrip()[:300] for ln in fh if "step " not in ln][-8:]
+        lines += [f"== {os.path.relpath(path, job.out_dir)}", *tail]
+    return "\n".join(lines)
+
+
 def check_inprocess(
     tmp_path, job, result, *, recoveries: int, source: str = "peers", lost: int = 0
 ) -> list[dict]:
@@ -70,10 +87,10 @@ def check_inprocess(
         assert rec["loss"] == pytest.approx(reference[rec["step"]], rel=1e-4), rec["step"]
     history = result["status"]["history"]
     recs = [e for e in history if e["kind"] == "recovery"]
-    assert len(recs) == recoveries, history
+    assert len(recs) == recoveries, f"{history}\n{story(job)}"
     for e in recs:
-        assert (e["mode"], e["source"]) == ("inprocess", source), e
-        assert 0 <= e["lost_steps"] <= lost, e
+        assert (e["mode"], e["source"]) == ("inprocess", source), f"{e}\n{story(job)}"
+        assert 0 <= e["lost_steps"] <= lost, f"{e}\n{story(job)}"
     return records
 
 

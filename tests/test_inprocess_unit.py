@@ -146,3 +146,51 @@ def test_warm_workers_only_for_in_process_jobs_of_the_built_in_trainer(tmp_path)
     assert warm_workers(job=job, run_id="r", node=node, local_ranks=[], env={},
                         clock=time.time) is None  # fmt: skip
     assert not (tmp_path / "state").exists()
+
+
+RECOVERIES_SCRIPT = """
+import sys
+from elasticd.agent.launch import write_control
+import elasticd.inprocess as ei
+
+path, succeed_at = sys.argv[1], int(sys.argv[2])
+base = {"ELASTICD_RESTART_MODE": "inprocess", "ELASTICD_CONTROL_FILE": path, "RANK": "0",
+        "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+write_control(path, round_=1, state="run", envs={"0": {**base, "ELASTICD_ROUND": "1"}})
+calls = []
+
+def train(ctx):
+    calls.append(ctx.round)
+    print("round", ctx.round, flush=True)
+    if ctx.round == succeed_at:
+        return "done"
+    if ctx.round == 1:
+        ei.stepped(ctx)  # the first round trained; later ones fail before a step
+    nxt = ctx.round + 1
+    write_control(path, round_=nxt, state="run", envs={"0": {**base, "ELASTICD_ROUND": str(nxt)}})
+    raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+
+print(ei.run(train, env={**base, "ELASTICD_ROUND": "1"}), flush=True)
+"""
+
+
+@pytest.mark.parametrize(("succeed_at", "rounds", "code"), [(3, [1, 2, 3], 0), (0, [1, 2, 3], 1)])
+def test_two_failed_recoveries_in_a_row_end_the_process_and_one_does_not(
+    tmp_path, succeed_at, rounds, code
+):
+    """A round that trained fails; its recovery fails before a step (a second event while
+    the replacement starts); the next recovery is still tried in-process. Only a second
+    failed recovery in a row exits (code 1) for the agent's process restart."""
+    script = tmp_path / "recoveries.py"
+    script.write_text(RECOVERIES_SCRIPT)
+    r = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "control.json"), str(succeed_at)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == code, r.stderr[-2000:]
+    seen = [int(line.split()[1]) for line in r.stdout.splitlines() if line.startswith("round ")]
+    assert seen == rounds, r.stdout
+    if code:
+        assert "2 recoveries in a row failed before a step; exiting" in r.stderr
+    else:
+        assert r.stdout.splitlines()[-1] == "done"

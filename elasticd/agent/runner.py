@@ -571,9 +571,13 @@ class JobRunner:
                      ("first_step", now)]  # fmt: skip
         resume = told.get("resume_step", rnd.resume_step)
         source = str(told.get("source") or ("checkpoint" if resume else "none"))
+        # The workers know what they lost only when some of them held state: a round of
+        # fresh processes says 0 (nothing to compare with). What we saw rank 0 complete
+        # before the fault bounds it from below either way.
         lost = told.get("lost_steps")
-        if lost is None and self._last_step_seen is not None:
-            lost = max(0, int(self._last_step_seen) - int(resume or 0))
+        if self._last_step_seen is not None:
+            seen = max(0, int(self._last_step_seen) - int(resume or 0))
+            lost = seen if lost is None else max(int(lost), seen)
         self._report.recovered(
             round_=rnd.number, rec=rec, marks=marks, now=now, first_step=lead.get("step"),
             write=rnd.node_rank == 0, mode=mode, source=source, lost_steps=lost,
@@ -585,7 +589,7 @@ class JobRunner:
         """restart.mode inprocess: whether this round's live workers go on into the next.
         Not when our own workers died or hung in a round that recovered in-process and
         never completed a step (a recovery that cannot work: the worker gives up after
-        two failed rounds in a row): then the process restart is the fallback. Another
+        two failed recoveries in a row): then the process restart is the fallback. Another
         node's event during a recovery (a peer lost, a node waiting) keeps them."""
         if self.job.restart.mode != "inprocess" or not outcome.keeps_workers:
             return False

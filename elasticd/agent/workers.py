@@ -123,10 +123,12 @@ def _start(
     argv: Sequence[str], env: Mapping[str, str], cwd: str | None, log_path: str
 ) -> subprocess.Popen:
     """One worker process: its own session, dying with the agent, output appended to
-    ``log_path``."""
+    ``log_path``, unbuffered unless the job says otherwise (a SIGKILLed worker's last
+    lines are the ones that explain it)."""
+    env = {"PYTHONUNBUFFERED": "1", **env}
     with open(log_path, "ab") as log:
         return subprocess.Popen(
-            with_pdeathsig(argv), env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL,
+            with_pdeathsig(argv), env=env, cwd=cwd, stdin=subprocess.DEVNULL,
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
 
