@@ -154,12 +154,6 @@ class RendezvousConfig:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class MetricsConfig:
-    port: int = 9400
-    """Prometheus port of the agent; 0 turns the endpoint off."""
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
 class JobSpec:
     name: str
     """The job id: [a-z0-9][a-z0-9-]*."""
@@ -185,8 +179,6 @@ class JobSpec:
     """Failure handling."""
     rendezvous: RendezvousConfig = field(default_factory=RendezvousConfig)
     """World formation timing."""
-    metrics: MetricsConfig = field(default_factory=MetricsConfig)
-    """Prometheus export."""
 
     @property
     def out_dir(self) -> str:
@@ -290,6 +282,13 @@ def _convert(value: Any, tp: Any, path: str, where: str) -> Any:
     raise JobSpecError(f"{where}: {path}: {value!r} is not {_describe(tp)}")
 
 
+REMOVED_KEYS = {
+    "metrics": "no longer a job setting: the agent serves every job's Prometheus metrics on "
+    "its own port (elasticd agent --metrics-port); delete this key",
+}
+"""Keys of earlier job specs that are refused with a message saying what replaced them."""
+
+
 def _build(cls: type, raw: Any, path: str, where: str) -> Any:
     if raw is None:
         raw = {}
@@ -298,6 +297,9 @@ def _build(cls: type, raw: Any, path: str, where: str) -> Any:
     hints = typing.get_type_hints(cls)
     by_key = {_yaml_key(f.name): f for f in dataclasses.fields(cls)}
     for key in raw:
+        gone = REMOVED_KEYS.get(f"{path}.{key}" if path else str(key))
+        if gone is not None:
+            raise JobSpecError(f"{where}: {path + '.' if path else ''}{key}: {gone}")
         if key not in by_key:
             close = difflib.get_close_matches(str(key), list(by_key), n=1)
             hint = f"; did you mean {close[0]!r}?" if close else f" (known: {', '.join(by_key)})"
@@ -394,7 +396,6 @@ def _check(job: JobSpec, where: str) -> None:
         ("restart.grace_period", job.restart.grace_period),
         ("rendezvous.settle", job.rendezvous.settle),
         ("rendezvous.reform_grace", job.rendezvous.reform_grace),
-        ("metrics.port", job.metrics.port),
     ):
         _positive(where, path, value, zero_ok=True)
     if n.max < n.min:
@@ -409,8 +410,6 @@ def _check(job: JobSpec, where: str) -> None:
             f"{where}: checkpoint.memory_replicas: {job.checkpoint.memory_replicas} is more "
             "than 3 (each copy costs the whole state's size in host memory)"
         )
-    if job.metrics.port > 65535:
-        raise JobSpecError(f"{where}: metrics.port: {job.metrics.port} is not a TCP port")
     if not 0.0 <= m.dropout < 1.0:
         raise JobSpecError(f"{where}: model.dropout: {m.dropout} must be in [0, 1)")
     if m.hidden % m.heads:

@@ -1,20 +1,40 @@
 """Prometheus metrics of the agent, on an injected CollectorRegistry.
 
-Names follow Prometheus conventions: an ``elasticd_`` prefix, base units (seconds),
-``_total`` for counters. Every series carries the ``job`` label (the elasticd job name,
-not Prometheus' own scrape job). Worker-side numbers (step, loss, tokens/s) come through
-the heartbeat channel of :mod:`elasticd.worker`, so workers need no HTTP server of their
-own and no multiprocess directory.
+Names follow Prometheus conventions: an ``elasticd_`` prefix, base units (seconds, bytes),
+``_total`` for counters. Per-job series carry the ``elasticd_job`` label (the elasticd job
+name; ``job`` is Prometheus' own target label and would clash with it).
+
+**Right when summed, by construction** (docs/metrics.md lists every series):
+
+- *agent* series describe this agent alone (its workers, its etcd errors); a sum over
+  agents is the cluster's total.
+- *job* series describe the whole job; only the agent that is node rank 0 of the job's
+  current world exports the gauges (every other agent removes them), and each event
+  (a step, a save, a recovery, a re-form) is counted by exactly one agent, so ``sum`` over
+  agents is the job's total even when node rank 0 moves.
+- *cluster* series (nodes alive, each job's ``nodes.min``) come from the coordinator, the
+  live agent with the lowest id.
+
+Worker-side numbers (step, loss, tokens/s, checkpoint times) come through the heartbeat
+channel of :mod:`elasticd.worker`, so workers need no HTTP server of their own.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from elasticd.errors import UsageError
+
+JOB_LABEL = "elasticd_job"
 WORKER_STATES = ("starting", "running", "stopping", "exited", "failed")
 RESTART_REASONS = (
     "worker_failed",
     "worker_hung",
+    "collective_failed",
     "peer_lost",
     "scale_up",
     "preempted",
@@ -22,74 +42,189 @@ RESTART_REASONS = (
 # Recovery on this design takes seconds; torchrun's takes tens of seconds. The buckets
 # cover both so the two can be compared on one dashboard.
 RECOVERY_BUCKETS = (0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 45, 60, 90, 120, 300)
+STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120)
+CKPT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 600)
 
 
 class AgentMetrics:
-    """Every series the agent exports."""
+    """Every series the agent exports (``docs/metrics.md`` is the catalogue)."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        r = registry
-        self.world_size = Gauge(
-            "elasticd_world_size", "Nodes in the job's current world.", ["job"], registry=r
+        r, j = registry, JOB_LABEL
+
+        # -- agent series: this agent only; sum over agents is the cluster's total --------
+        self.agent_start_time = Gauge(
+            "elasticd_agent_start_time_seconds", "Unix time this agent started.", registry=r
         )
-        self.world_ranks = Gauge(
-            "elasticd_world_ranks", "Worker ranks in the job's current world.", ["job"], registry=r
-        )
-        self.nodes_alive = Gauge(
-            "elasticd_nodes_alive", "Agents registered in etcd (leases alive).", registry=r
-        )
-        self.rendezvous_rounds = Counter(
-            "elasticd_rendezvous_rounds_total", "Rendezvous rounds this agent joined.", ["job"],
+        self.agent_registrations = Counter(
+            "elasticd_agent_registrations_total",
+            "Times this agent registered its node in etcd (more than one: its lease was lost).",
             registry=r,
-        )  # fmt: skip
-        self.rendezvous_seconds = Histogram(
-            "elasticd_rendezvous_seconds", "Time from joining a round to its world being known.",
-            ["job"], buckets=(0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 30, 60, 300), registry=r,
-        )  # fmt: skip
-        self.restarts = Counter(
-            "elasticd_restarts_total", "Worker restarts by reason.", ["job", "reason"], registry=r
         )
-        self.recovery_seconds = Histogram(
-            "elasticd_recovery_seconds",
-            "From a failure being known to the first completed step after it; mode is "
-            "inprocess or process, source where the state came from (peers, replica, "
-            "checkpoint, none).",
-            ["job", "reason", "mode", "source"], buckets=RECOVERY_BUCKETS, registry=r,
-        )  # fmt: skip
-        self.lost_steps = Counter(
-            "elasticd_lost_steps_total",
-            "Completed optimizer steps trained again after recoveries (work lost).", ["job"],
-            registry=r,
+        self.etcd_errors = Counter(
+            "elasticd_etcd_request_errors_total",
+            "etcd requests of this agent that failed (each failed attempt), by operation and "
+            "gRPC code.", ["op", "code"], registry=r,
         )  # fmt: skip
         self.worker_states = Gauge(
-            "elasticd_workers", "Local worker processes by state.", ["job", "state"], registry=r
-        )
-        self.step = Gauge(
-            "elasticd_job_step", "Last completed optimizer step.", ["job"], registry=r
-        )
-        self.loss = Gauge(
-            "elasticd_job_loss", "Training loss at the last step.", ["job"], registry=r
-        )
-        self.tokens_per_second = Gauge(
-            "elasticd_job_tokens_per_second", "Training throughput at the last step.", ["job"],
-            registry=r,
-        )  # fmt: skip
-        self.checkpoint_step = Gauge(
-            "elasticd_checkpoint_step", "Step of the latest committed checkpoint.", ["job"],
-            registry=r,
+            "elasticd_workers", "This agent's worker processes of the job, by state.",
+            [j, "state"], registry=r,
         )  # fmt: skip
         self.heartbeat_age = Gauge(
             "elasticd_worker_heartbeat_age_seconds",
-            "Seconds since the stalest local worker last reported progress.", ["job"], registry=r,
+            "Seconds since this agent's stalest worker of the job last reported progress "
+            "(aggregate with max).", [j], registry=r,
         )  # fmt: skip
+        self.in_world = Gauge(
+            "elasticd_job_node_in_world",
+            "1 while this agent's workers train in the job's world, else 0 (waiting, spare, "
+            "re-forming); the sum over agents is the nodes training.", [j], registry=r,
+        )  # fmt: skip
+        self.rendezvous_rounds = Counter(
+            "elasticd_rendezvous_rounds_total",
+            "Rendezvous rounds of the job this agent joined (sum: node-memberships).", [j],
+            registry=r,
+        )  # fmt: skip
+        self.rendezvous_seconds = Histogram(
+            "elasticd_rendezvous_seconds",
+            "Time from this agent joining a round to its world being known.", [j],
+            buckets=(0.1, 0.25, 0.5, 1, 2, 3, 5, 10, 30, 60, 300), registry=r,
+        )  # fmt: skip
+
+        # -- cluster series: the coordinator (lowest live node id) only --------------------
+        self.nodes_alive = Gauge(
+            "elasticd_nodes_alive", "Agents registered in etcd (leases alive).", registry=r
+        )
+        self.nodes_min = Gauge(
+            "elasticd_job_nodes_min", "nodes.min of each job not yet finished.", [j], registry=r
+        )
+
+        # -- job gauges: node rank 0 of the job's current world only -----------------------
+        self.world_size = Gauge(
+            "elasticd_world_size", "Nodes in the job's current world.", [j], registry=r
+        )
+        self.world_ranks = Gauge(
+            "elasticd_world_ranks", "Worker ranks in the job's current world.", [j], registry=r
+        )
+        self.step = Gauge("elasticd_job_step", "Last completed optimizer step.", [j], registry=r)
+        self.last_step_time = Gauge(
+            "elasticd_job_last_step_timestamp_seconds",
+            "Unix time the last optimizer step was seen complete.", [j], registry=r,
+        )  # fmt: skip
+        self.loss = Gauge("elasticd_job_loss", "Training loss at the last step.", [j], registry=r)
+        self.tokens_per_second = Gauge(
+            "elasticd_job_tokens_per_second", "Training throughput of the whole job.", [j],
+            registry=r,
+        )  # fmt: skip
+        self.checkpoint_step = Gauge(
+            "elasticd_checkpoint_step", "Step of the latest committed checkpoint.", [j],
+            registry=r,
+        )  # fmt: skip
+        self.checkpoint_commit_time = Gauge(
+            "elasticd_checkpoint_last_commit_timestamp_seconds",
+            "Unix time the latest committed checkpoint was committed.", [j], registry=r,
+        )  # fmt: skip
+
+        # -- job events: each counted once, by the agent that saw it as node rank 0 --------
+        self.step_seconds = Histogram(
+            "elasticd_job_step_seconds",
+            "Optimizer step time (each step rank 0 reported, as the agent saw it).", [j],
+            buckets=STEP_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.ckpt_save_seconds = Histogram(
+            "elasticd_checkpoint_save_seconds",
+            "From a save's start to its commit (rank 0's view; async saves overlap training).",
+            [j], buckets=CKPT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.ckpt_saved_bytes = Counter(
+            "elasticd_checkpoint_saved_bytes_total", "Bytes of committed checkpoints (all ranks).",
+            [j], registry=r,
+        )  # fmt: skip
+        self.ckpt_load_seconds = Histogram(
+            "elasticd_checkpoint_load_seconds",
+            "Time to load a checkpoint from disk at a world's start (rank 0's view).", [j],
+            buckets=CKPT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.ckpt_loaded_bytes = Counter(
+            "elasticd_checkpoint_loaded_bytes_total",
+            "Bytes of the checkpoints loaded at worlds' starts (the checkpoint's size).", [j],
+            registry=r,
+        )  # fmt: skip
+        self.restarts = Counter(
+            "elasticd_restarts_total",
+            "World re-forms by cause (worker_failed, worker_hung, collective_failed, "
+            "peer_lost, scale_up, preempted).", [j, "reason"], registry=r,
+        )  # fmt: skip
+        self.recoveries = Counter(
+            "elasticd_recoveries_total",
+            "Completed recoveries by cause, mode (inprocess, process) and state source "
+            "(peers, replica, checkpoint, none).", [j, "reason", "mode", "source"], registry=r,
+        )  # fmt: skip
+        self.recovery_seconds = Histogram(
+            "elasticd_recovery_seconds",
+            "From a failure being known to the first completed step after it.",
+            [j, "reason", "mode", "source"], buckets=RECOVERY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.lost_steps = Counter(
+            "elasticd_lost_steps_total",
+            "Completed optimizer steps trained again after recoveries (work lost).", [j],
+            registry=r,
+        )  # fmt: skip
+        self.agent_start_time.set(time.time())
+
+    LEAD_GAUGES = (
+        "world_size", "world_ranks", "step", "last_step_time", "loss", "tokens_per_second",
+        "checkpoint_step", "checkpoint_commit_time",
+    )  # fmt: skip
+    """The job gauges only node rank 0 of the current world exports."""
 
     def set_worker_states(self, job: str, counts: dict[str, int]) -> None:
         """Set every state's gauge, zero for states with no worker."""
         for state in WORKER_STATES:
-            self.worker_states.labels(job=job, state=state).set(counts.get(state, 0))
+            self.worker_states.labels(job, state).set(counts.get(state, 0))
+
+    def drop_lead(self, job: str) -> None:
+        """This agent is no longer node rank 0 of the job's world: stop exporting the job
+        gauges (the new node rank 0 exports them)."""
+        for name in self.LEAD_GAUGES:
+            _remove(getattr(self, name), job)
+
+    def drop_job(self, job: str) -> None:
+        """The job is over: remove every series of it from this agent."""
+        for metric in self._job_metrics():
+            for labels in _children(metric):
+                if labels and labels[0] == job:
+                    _remove(metric, *labels)
+
+    def job_names(self) -> set[str]:
+        """Jobs this agent exports any series of."""
+        return {labels[0] for m in self._job_metrics() for labels in _children(m) if labels}
+
+    def _job_metrics(self) -> list:
+        return [m for m in vars(self).values()
+                if hasattr(m, "_labelnames") and m._labelnames[:1] == (JOB_LABEL,)]  # fmt: skip
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> int:
-        """Start the /metrics HTTP endpoint; returns the port (``0`` picks a free one)."""
-        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+        """Start the /metrics HTTP endpoint; returns the port (``0`` picks a free one).
+        A port in use is the user's to fix: one line naming ``--metrics-port``."""
+        try:
+            server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise UsageError(
+                    f"--metrics-port: port {port} is in use (another agent on this host?); "
+                    "give each agent its own --metrics-port, or 0 to turn metrics off"
+                ) from None
+            raise UsageError(f"--metrics-port: cannot serve on {addr}:{port}: {exc}") from None
         return server.server_address[1]
+
+
+def _children(metric) -> list[tuple[str, ...]]:
+    with metric._lock:
+        return list(metric._metrics)
+
+
+def _remove(metric, *labels: str) -> None:
+    with contextlib.suppress(KeyError):  # never exported here
+        metric.remove(*labels)

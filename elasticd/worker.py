@@ -138,8 +138,12 @@ class WorkerChannel:
         loss: float | None = None,
         tokens_per_s: float | None = None,
         checkpoint_step: int | None = None,
+        step_s: float | None = None,
+        checkpoint_save: dict[str, Any] | None = None,
     ) -> None:
-        """Report a completed optimizer step (1-based); this is the heartbeat."""
+        """Report a completed optimizer step (1-based); this is the heartbeat. ``step_s``:
+        the step's wall time; ``checkpoint_save``: the last committed save of this rank
+        (``step``, ``seconds`` from its start to its commit), for the agent's metrics."""
         keep = {k: self._last[k] for k in ("recovery",) if k in self._last}
         self._last = {"step": int(step), **keep}
         if loss is not None:
@@ -148,6 +152,10 @@ class WorkerChannel:
             self._last["tokens_per_s"] = float(tokens_per_s)
         if checkpoint_step is not None:
             self._last["checkpoint_step"] = int(checkpoint_step)
+        if step_s is not None:
+            self._last["step_s"] = float(step_s)
+        if checkpoint_save is not None:
+            self._last["checkpoint_save"] = dict(checkpoint_save)
         self._write()
 
     def _write(self) -> None:

@@ -40,7 +40,9 @@ def latest(ckpt: str) -> tuple[int, float]:
         return 0, 0.0
 
 
-def save(ckpt: str, step: int, value: float, rank: int) -> None:
+def save(ckpt: str, step: int, value: float, rank: int) -> dict:
+    """Commit ``step``; returns what the heartbeat reports of it (step, seconds)."""
+    t0 = time.time()
     dist.barrier()
     if rank == 0:
         name = f"step-{step:09d}"
@@ -50,13 +52,16 @@ def save(ckpt: str, step: int, value: float, rank: int) -> None:
             os.makedirs(tmp, exist_ok=True)
             with open(os.path.join(tmp, "state.json"), "w", encoding="utf-8") as fh:
                 json.dump({"step": step, "value": value}, fh)
+            size = os.path.getsize(os.path.join(tmp, "state.json"))
             with open(os.path.join(tmp, "manifest.json"), "w", encoding="utf-8") as fh:
-                json.dump({"step": step}, fh)
+                json.dump({"step": step, "created_unix": time.time(),
+                           "files": {"state.json": {"bytes": size}}}, fh)  # fmt: skip
             os.replace(tmp, final)
         with open(os.path.join(ckpt, "latest.tmp"), "w", encoding="utf-8") as fh:
             fh.write(name)
         os.replace(os.path.join(ckpt, "latest.tmp"), os.path.join(ckpt, "latest"))
     dist.barrier()
+    return {"step": step, "seconds": time.time() - t0}
 
 
 def main() -> int:
@@ -73,6 +78,7 @@ def main() -> int:
     os.makedirs(ckpt, exist_ok=True)
     start, value = latest(ckpt)
     channel.mark("ckpt_loaded")
+    saved = None
     user_error_at = int(os.environ.get("AGENT_TEST_USER_ERROR_AT", "0") or 0)
     for step in range(start + 1, steps + 1):
         if rank == 0 and step == user_error_at:
@@ -91,9 +97,11 @@ def main() -> int:
                           "devices": os.environ.get("CUDA_VISIBLE_DEVICES")}  # fmt: skip
                 fh.write(json.dumps(record) + "\n")
         print(f"rank {rank} step {step} loss {loss:.6f}", flush=True)
-        channel.progress(step=step, loss=loss, tokens_per_s=100.0)
+        channel.progress(step=step, loss=loss, tokens_per_s=100.0, step_s=time.time() - t0,
+                         checkpoint_save=saved)  # fmt: skip
         if (every and step % every == 0) or step == steps:
-            save(ckpt, step, value, rank)
+            saved = save(ckpt, step, value, rank)
+            channel.progress(step=step, loss=loss, tokens_per_s=100.0, checkpoint_save=saved)
         if channel.preempt_agreed():
             save(ckpt, step, value, rank)
             dist.destroy_process_group()

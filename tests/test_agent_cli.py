@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
@@ -18,6 +19,14 @@ from elasticd.jobspec import parse_job
 from elasticd.localcluster import LocalCluster
 
 WORKER = os.path.join(os.path.dirname(__file__), "agent_worker.py")
+
+
+def sample(body: str, series: str) -> float:
+    """The value of one exposition line (``name{labels}``); fails if absent."""
+    for line in body.splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{series} not exported")
 
 
 def job_dict(tmp_path, name, *, steps=5, nodes=(2, 2), **extra):
@@ -54,6 +63,23 @@ def cli(cluster, *args, cwd=None, timeout=120):
     )  # fmt: skip
 
 
+def test_a_second_agent_on_a_taken_metrics_port_exits_with_one_line_naming_the_flag(
+    cluster, tmp_path
+):
+    taken = cluster.metrics_ports[0]
+    r = subprocess.run(
+        [sys.executable, "-m", "elasticd", "agent", "--etcd", cluster.endpoint, "--node-id",
+         "node-x", "--state-dir", str(tmp_path / "x"), "--metrics-port", str(taken)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--metrics-port" in lines[0] and str(taken) in lines[0], r.stderr
+    with connect(cluster.etcd.client_config()) as client:  # it never registered
+        kvs, _ = client.get_prefix("/elasticd/nodes/node-x")
+    assert not kvs
+
+
 def test_each_agent_registers_its_node_on_a_lease(cluster):
     with connect(cluster.etcd.client_config()) as client:
         kvs, _ = client.get_prefix("/elasticd/nodes/")
@@ -83,10 +109,25 @@ def test_submit_follow_status_logs_and_metrics_of_a_finished_job(cluster, tmp_pa
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         for port in cluster.metrics_ports
     ]
-    assert all("elasticd_nodes_alive 2.0" in b for b in bodies)
-    assert all('elasticd_rendezvous_rounds_total{job="follow"} 1.0' in b for b in bodies)
-    assert any('elasticd_job_step{job="follow"} 5.0' in b for b in bodies)
-    assert any('elasticd_checkpoint_step{job="follow"} 5.0' in b for b in bodies)
+    # Cluster series from the coordinator alone; job gauges from node rank 0 alone; each
+    # agent its own memberships: every sum over the agents is right.
+    assert sorted(sample(b, "elasticd_nodes_alive") for b in bodies) == [0.0, 2.0]
+    assert all(sample(b, 'elasticd_rendezvous_rounds_total{elasticd_job="follow"}') == 1.0
+               for b in bodies)  # fmt: skip
+    leads = [b for b in bodies if 'elasticd_job_step{elasticd_job="follow"}' in b]
+    assert len(leads) == 1
+    lead = leads[0]
+    assert sample(lead, 'elasticd_job_step{elasticd_job="follow"}') == 5.0
+    assert sample(lead, 'elasticd_checkpoint_step{elasticd_job="follow"}') == 5.0
+    assert sample(lead, 'elasticd_world_size{elasticd_job="follow"}') == 2.0
+    assert sample(lead, 'elasticd_job_step_seconds_count{elasticd_job="follow"}') >= 1
+    assert sample(lead, 'elasticd_checkpoint_save_seconds_count{elasticd_job="follow"}') >= 1
+    assert sample(lead, 'elasticd_checkpoint_saved_bytes_total{elasticd_job="follow"}') > 0
+    committed = sample(
+        lead, 'elasticd_checkpoint_last_commit_timestamp_seconds{elasticd_job="follow"}'
+    )
+    assert abs(committed - time.time()) < 120
+    assert all("elasticd_world_size{" not in b for b in bodies if b is not lead)
 
 
 def test_a_job_past_its_restart_limit_fails_and_says_why(cluster, tmp_path):

@@ -84,6 +84,11 @@ def test_a_killed_node_is_dropped_and_training_resumes_on_the_survivors(tmp_path
     recovery = [e for e in history if e["kind"] == "recovery"]
     assert recovery and recovery[-1]["reason"] == "peer_lost"
     assert result["status"]["restarts"] == 0  # a node death is not a worker restart
+    # Nor is it the job's last failure, though the survivors' workers crashed first.
+    last = result["status"].get("last_failure")
+    assert last is None or ("peer_lost" in last and "worker_failed" not in last), last
+    failures = [e for e in history if e["kind"] == "failure"]
+    assert [e["reason"] for e in failures] == ["peer_lost"] and failures[0]["counted"]
     assert set(recovery[-1]["parts"]) >= {"rendezvous", "spawn", "pg_init", "first_step"}
 
 

@@ -188,27 +188,52 @@ def test_bad_fault_specs_are_usage_errors(text):
 def test_metrics_follow_prometheus_names_and_are_served():
     reg = CollectorRegistry()
     m = AgentMetrics(reg)
-    m.world_size.labels(job="j").set(3)
-    m.restarts.labels(job="j", reason="worker_failed").inc()
-    m.recovery_seconds.labels(
-        job="j", reason="peer_lost", mode="process", source="checkpoint"
-    ).observe(4.2)
+    m.world_size.labels("j").set(3)
+    m.restarts.labels("j", "worker_failed").inc()
+    m.recovery_seconds.labels("j", "peer_lost", "process", "checkpoint").observe(4.2)
     m.set_worker_states("j", {"running": 2})
     port = m.serve(0, addr="127.0.0.1")
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    assert 'elasticd_world_size{job="j"} 3.0' in body
-    assert 'elasticd_restarts_total{job="j",reason="worker_failed"} 1.0' in body
+    assert 'elasticd_world_size{elasticd_job="j"} 3.0' in body
+    assert 'elasticd_restarts_total{elasticd_job="j",reason="worker_failed"} 1.0' in body
     assert (
-        'elasticd_recovery_seconds_bucket{job="j",le="5.0",mode="process",reason="peer_lost",'
-        'source="checkpoint"} 1.0'
+        'elasticd_recovery_seconds_bucket{elasticd_job="j",le="5.0",mode="process",'
+        'reason="peer_lost",source="checkpoint"} 1.0'
     ) in body
-    m.lost_steps.labels(job="j").inc(3)
+    m.lost_steps.labels("j").inc(3)
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    assert 'elasticd_lost_steps_total{job="j"} 3.0' in body
-    assert 'elasticd_workers{job="j",state="running"} 2.0' in body
-    assert 'elasticd_workers{job="j",state="failed"} 0.0' in body
+    assert 'elasticd_lost_steps_total{elasticd_job="j"} 3.0' in body
+    assert 'elasticd_workers{elasticd_job="j",state="running"} 2.0' in body
+    assert 'elasticd_workers{elasticd_job="j",state="failed"} 0.0' in body
     names = {metric.name for metric in reg.collect()}
     assert all(n.startswith("elasticd_") for n in names)
+    # No series carries Prometheus' own target label.
+    assert not any("job" in s.labels for metric in reg.collect() for s in metric.samples)
+
+
+def test_an_agent_that_stops_leading_a_job_stops_exporting_its_gauges_and_a_finished_job_leaves():
+    m = AgentMetrics(CollectorRegistry())
+    m.world_size.labels("j").set(2)
+    m.step.labels("j").set(7)
+    m.restarts.labels("j", "peer_lost").inc()
+    m.set_worker_states("j", {"running": 1})
+    m.world_size.labels("other").set(1)
+    m.drop_lead("j")
+    samples = {(s.name, tuple(sorted(s.labels.items()))) for mf in m.registry.collect()
+               for s in mf.samples}  # fmt: skip
+    assert ("elasticd_world_size", (("elasticd_job", "j"),)) not in samples
+    assert ("elasticd_job_step", (("elasticd_job", "j"),)) not in samples
+    assert ("elasticd_restarts_total", (("elasticd_job", "j"), ("reason", "peer_lost"))) in samples
+    assert m.job_names() == {"j", "other"}
+    m.drop_job("j")
+    assert m.job_names() == {"other"}
+
+
+def test_a_metrics_port_in_use_is_a_one_line_error_naming_the_flag():
+    first = AgentMetrics(CollectorRegistry())
+    port = first.serve(0, addr="127.0.0.1")
+    with pytest.raises(UsageError, match=f"--metrics-port: port {port} is in use"):
+        AgentMetrics(CollectorRegistry()).serve(port, addr="127.0.0.1")
 
 
 @given(

@@ -40,7 +40,7 @@ BAD_SPECS = [
      "job.yaml: data.path: required when data.source is 'file'"),
     ("experts without moe", "name: t\nparallel: {ep: 2}\n", "job.yaml: parallel.ep: 2 needs model.experts > 0"),
     ("dropout out of range", "name: t\nmodel: {dropout: 1.5}\n", "job.yaml: model.dropout: 1.5 must be in [0, 1)"),
-    ("port out of range", "name: t\nmetrics: {port: 70000}\n", "job.yaml: metrics.port: 70000 is not a TCP port"),
+    ("metrics is the agent's", "name: t\nmetrics: {port: 9400}\n", "job.yaml: metrics: no longer a job setting: the agent serves every job's Prometheus metrics on its own port (elasticd agent --metrics-port); delete this key"),
     ("empty command", "name: t\ncommand: []\n", "job.yaml: command: [] is not a list of strings or null"),
     ("unsupported version", "version: 2\nname: t\n", "job.yaml: version: 2 is not supported"),
     ("nan learning rate", "name: t\ntrain: {lr: .nan}\n", "job.yaml: train.lr: nan must be a finite number"),

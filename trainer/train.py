@@ -129,6 +129,9 @@ class Trainer:
         self._tied_name = TIED_EMBEDDING if job.model.tie_embeddings else None
         self.job, self.layout, self.ctx = job, layout, ctx
         self.preempted = False
+        self.checkpointing = None
+        """The run's Checkpointing once ``run`` started (its saver's last result is
+        reported to the agent)."""
         self.device = device or torch.device("cpu")
         m, t, p = job.model, job.train, layout.parallel
         self.source = open_source(job.data, model_cfg=m, seed=t.seed)
@@ -290,6 +293,7 @@ class Trainer:
         from trainer.checkpointing import Checkpointing
 
         ckpt = Checkpointing.create(self, group=checkpoint_group)
+        self.checkpointing = ckpt
         if restore is not None:
             restore(ckpt)
         else:

@@ -84,6 +84,9 @@ class AgentConfig:
     """Which job ``command:`` this agent runs: ``none`` (only the built-in trainer),
     ``all``, or a tuple of allowed executables (names or paths)."""
     ttl_after_finished: float = WEEK
+    keep_finished_metrics: float = 120.0
+    """Seconds a finished job's series stay on /metrics (long enough for a few scrapes to
+    see its final values), then they are removed."""
     """Seconds a finished job stays in the registry before it is deleted (0: never)."""
     devices: int | None = None
     """GPUs on this node (None: counted from the driver)."""
@@ -141,6 +144,10 @@ class Agent:
         self._record_lock = threading.Lock()
         self._held: dict[str, _Held] = {}
         self._done: set[str] = set()
+        self._retiring: dict[str, float] = {}
+        """Jobs finished here -> when their series are removed from /metrics."""
+        self._nodes_min: dict[str, int] = {}
+        """run_id -> nodes.min (the coordinator exports it; specs parsed once)."""
         self._retry_at: dict[str, tuple[float, int]] = {}
         self._view: ClusterView | None = None
         self._registry: JobRegistry | None = None
@@ -250,6 +257,7 @@ class Agent:
     def _registered(self, lease: int, usage: dict[str, object]) -> None:
         self._published = usage
         self._lease = lease
+        self.metrics.agent_registrations.inc()
         self._client.keeper().add(lease, self.config.node_ttl / 3, self._on_node_lease_lost)
 
     def _on_node_lease_lost(self, lease: int) -> None:
@@ -308,10 +316,12 @@ class Agent:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda signum, frame: self.stop())
+        # Before anything is registered: a port in use is a one-line user error.
+        port = self.metrics.serve(self.config.metrics_port) if self.config.metrics_port else 0
         self._client = self._connect()
+        self._client.on_error = self._etcd_error
         try:
             self._register()
-            port = self.metrics.serve(self.config.metrics_port) if self.config.metrics_port else 0
             self._write_info(port)
             log.info("agent started", **kv(node=self.config.node_id, addr=self.config.addr,
                                            slots=self.slots, metrics_port=port,
@@ -351,9 +361,9 @@ class Agent:
         view, now = self._view, self._clock()
         assert view is not None
         nodes = view.nodes()
-        self.metrics.nodes_alive.set(len(nodes))
         wake_in: list[float] = []
         self._reap(now)
+        wake_in.extend(self._retire_series(now))
         for record in view.jobs():
             if record.state.terminal:
                 self._done.discard(record.run_id)
@@ -370,6 +380,7 @@ class Agent:
             self._maybe_take(record)
         self._publish()  # a no-op unless free slots or jobs held changed since the last
         coordinator = self._is_coordinator(nodes)
+        self._export_cluster(coordinator, nodes)
         try:
             view.follow_usage(coordinator)
         except ElasticdError as exc:
@@ -378,6 +389,48 @@ class Agent:
         if coordinator:
             wake_in.extend(self._coordinate(view.jobs(), view.nodes(), now))
         return min(wake_in) if wake_in else None
+
+    # -- metrics ---------------------------------------------------------------------------------
+
+    def _etcd_error(self, what: str, code: str) -> None:
+        self.metrics.etcd_errors.labels(what, code).inc()
+
+    def _export_cluster(self, coordinator: bool, nodes: dict[str, dict]) -> None:
+        """Cluster series: the coordinator exports them, every other agent exports 0 nodes
+        and no job's nodes.min (so sum and max are both right)."""
+        m = self.metrics
+        m.nodes_alive.set(len(nodes) if coordinator else 0)
+        wanted: dict[str, int] = {}
+        if coordinator:
+            for record in self._view.jobs():  # type: ignore[union-attr]
+                if record.state.terminal:
+                    continue
+                if record.run_id not in self._nodes_min:
+                    try:
+                        self._nodes_min[record.run_id] = record.job().nodes.min
+                    except ElasticdError:
+                        continue
+                wanted[record.name] = self._nodes_min[record.run_id]
+        for labels in list(m.nodes_min._metrics):
+            if labels[0] not in wanted:
+                m.nodes_min.remove(*labels)
+        for name, value in wanted.items():
+            m.nodes_min.labels(name).set(value)
+
+    def _retire_series(self, now: float) -> list[float]:
+        """Remove the series of jobs this agent finished, once they were kept long enough
+        to be scraped; returns the seconds until the next is due."""
+        running = {h.runner.name for h in self._held.values()}
+        wake = []
+        for name, due in list(self._retiring.items()):
+            if name in running:
+                del self._retiring[name]  # submitted again: its series are live
+            elif due <= now:
+                del self._retiring[name]
+                self.metrics.drop_job(name)
+            else:
+                wake.append(due - now)
+        return wake
 
     def _reap(self, now: float) -> bool:
         changed = False
@@ -395,6 +448,7 @@ class Agent:
                             **kv(job=held.runner.name, retry_in=pause))  # fmt: skip
             else:
                 self._done.add(run_id)
+                self._retiring[held.runner.name] = now + self.config.keep_finished_metrics
         return changed
 
     def _maybe_take(self, record: JobRecord) -> bool:

@@ -12,7 +12,9 @@ stops its stale workers and joins again as a new member.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +33,25 @@ PART_MARKS = ("stop", "rendezvous", "spawn", "pg_init", "ckpt_load", "first_step
 INPROCESS_PART_MARKS = ("abort", "rendezvous", "pg_init", "state_transfer", "first_step")
 """The parts of an in-process recovery, in order (``detect``, from the fault itself to the
 first node knowing, is measured by bench/recovery.py: no agent knows when a node died)."""
+
+
+def checkpoint_facts(ckpt_dir: str, step: int) -> tuple[int, float | None] | None:
+    """A committed checkpoint's total bytes (every rank's file) and commit time, from its
+    manifest (plain JSON: the agent does not import the checkpoint library); None if
+    unreadable."""
+    path = os.path.join(ckpt_dir, f"step-{int(step):09d}", "manifest.json")
+    try:
+        with open(path, "rb") as fh:
+            manifest = json.load(fh)
+        size = sum(int(f.get("bytes", 0)) for f in manifest.get("files", {}).values())
+        created = manifest.get("created_unix")
+        return size, float(created) if created is not None else os.path.getmtime(path)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
+def _uncounted(event: dict[str, Any]) -> bool:
+    return event.get("kind") == "failure" and not event.get("counted")
 
 
 def recovery_parts(t0: float, marks: list[tuple[str, float | None]]) -> dict[str, float]:
@@ -64,6 +85,9 @@ class JobReporter:
         """The round writes are made for (None: unfenced, before the first world)."""
         self.fenced = False
         """Whether a write of the current round was refused (a newer world exists)."""
+        self._step_seen: int | None = None
+        self._save_seen: Any = None
+        self._ckpt_seen: int | None = None
 
     def for_round(self, fence: Fence | None) -> None:
         """Writes from now on are made on behalf of ``fence``'s round."""
@@ -92,35 +116,47 @@ class JobReporter:
         break at once, the dead node's lease expires a TTL later), so the previous round's
         claim may say worker_failed. The new world tells the truth: if members of the
         previous world are missing, the round ended because a node was lost, and that is
-        not a worker restart. Returns the missing nodes (call before ``world_formed``)."""
+        not a worker restart (nor the job's ``last_failure``).
+
+        Node rank 0 of the new world then counts the re-forms not yet counted into
+        ``elasticd_restarts_total``, with their corrected cause: once each, by one agent.
+        Returns the missing nodes (call before ``world_formed``)."""
         record = self._registry.get(self.name)
-        previous = record.status.get("nodes") if record is not None else None
+        status = record.status if record is not None else {}
+        previous = status.get("nodes")
         lost = sorted(set(previous or ()) - set(world.nodes))
-        if not lost:
+        if not lost and not any(_uncounted(e) for e in status.get("history", [])):
             return []
         prev_round = world.round - 1
+        counted: list[str] = []
 
         def change(st: dict[str, Any]) -> None:
+            counted.clear()
             for event in st.get("history", []):
-                if (event.get("kind") == "failure" and event.get("round") == prev_round
+                if not _uncounted(event):
+                    continue
+                if (lost and event.get("round") == prev_round
                         and event.get("reason") in FAILURE_REASONS):  # fmt: skip
                     event["reason"] = "peer_lost"
                     event["detail"] = f"lost {','.join(lost)} ({event.get('detail', '')})"
                     st["restarts"] = max(0, int(st.get("restarts", 0)) - 1)
+                    st["last_failure"] = f"round {prev_round}: peer_lost: {event['detail']}"
+                event["counted"] = True
+                counted.append(str(event.get("reason")))
 
         self._registry.update_status(self.name, change, fence=self.fence)
+        for reason in counted:
+            self._metrics.restarts.labels(self.name, reason).inc()
         return lost
 
-    def progress(self, lead: dict[str, Any], *, checkpoint: int | None, write: bool) -> None:
-        """Rank 0's last heartbeat: into the metrics, and into the status if ``write``."""
-        m = self._metrics
-        m.step.labels(job=self.name).set(lead["step"])
-        if "loss" in lead:
-            m.loss.labels(job=self.name).set(lead["loss"])
-        if "tokens_per_s" in lead:
-            m.tokens_per_second.labels(job=self.name).set(lead["tokens_per_s"])
-        if checkpoint is not None:
-            m.checkpoint_step.labels(job=self.name).set(checkpoint)
+    def progress(
+        self, lead: dict[str, Any], *, checkpoint: int | None, write: bool, lead_node: bool = True,
+        ckpt_dir: str | None = None,
+    ) -> None:  # fmt: skip
+        """Rank 0's last heartbeat: into the metrics if we are node rank 0 (``lead_node``),
+        and into the status if ``write``."""
+        if lead_node:
+            self._lead_metrics(lead, checkpoint, ckpt_dir)
         if not write:
             return
         fields = {k: lead[k] for k in ("step", "loss", "tokens_per_s") if k in lead}
@@ -131,6 +167,46 @@ class JobReporter:
             self._fenced(exc)
         except ElasticdError as exc:
             log.warning("status update failed", **kv(job=self.name, error=str(exc)))
+
+    def _lead_metrics(
+        self, lead: dict[str, Any], checkpoint: int | None, ckpt_dir: str | None
+    ) -> None:
+        m, j = self._metrics, self.name
+        step = lead["step"]
+        if step != self._step_seen:
+            # Steps between two looks are not seen: the histogram samples (about every
+            # step once a step takes longer than the agent's 50 ms tick).
+            if lead.get("step_s") is not None:
+                m.step_seconds.labels(j).observe(float(lead["step_s"]))
+            self._step_seen = step
+            m.last_step_time.labels(j).set(float(lead.get("t") or self._clock()))
+        m.step.labels(j).set(step)
+        if "loss" in lead:
+            m.loss.labels(j).set(lead["loss"])
+        if "tokens_per_s" in lead:
+            m.tokens_per_second.labels(j).set(lead["tokens_per_s"])
+        saved = lead.get("checkpoint_save")
+        if isinstance(saved, dict) and saved.get("step") != self._save_seen:
+            self._save_seen = saved.get("step")
+            m.ckpt_save_seconds.labels(j).observe(float(saved.get("seconds", 0.0)))
+            facts = checkpoint_facts(ckpt_dir, int(saved["step"])) if ckpt_dir else None
+            if facts is not None:
+                m.ckpt_saved_bytes.labels(j).inc(facts[0])
+            checkpoint = max(checkpoint or 0, int(saved["step"]))
+        if checkpoint is not None and checkpoint != self._ckpt_seen and ckpt_dir:
+            self._ckpt_seen = checkpoint
+            m.checkpoint_step.labels(j).set(checkpoint)
+            facts = checkpoint_facts(ckpt_dir, checkpoint)
+            if facts is not None and facts[1] is not None:
+                m.checkpoint_commit_time.labels(j).set(facts[1])
+
+    def loaded(self, *, seconds: float, ckpt_dir: str, step: int) -> None:
+        """Node rank 0's workers loaded checkpoint ``step`` from disk at a world's start."""
+        m, j = self._metrics, self.name
+        m.ckpt_load_seconds.labels(j).observe(max(0.0, seconds))
+        facts = checkpoint_facts(ckpt_dir, step)
+        if facts is not None:
+            m.ckpt_loaded_bytes.labels(j).inc(facts[0])
 
     def recovered(
         self, *, round_: int, rec: dict[str, Any], marks: list[tuple[str, float | None]],
@@ -145,11 +221,12 @@ class JobReporter:
         total = round(now - t0, 3)
         reason = str(rec.get("reason", "unknown"))
         m = self._metrics
-        m.recovery_seconds.labels(job=self.name, reason=reason, mode=mode, source=source).observe(
-            total
-        )
-        if write and lost_steps:
-            m.lost_steps.labels(job=self.name).inc(lost_steps)
+        if write:  # node rank 0 only: each recovery is counted once
+            labels = (self.name, reason, mode, source)
+            m.recovery_seconds.labels(*labels).observe(total)
+            m.recoveries.labels(*labels).inc()
+            if lost_steps:
+                m.lost_steps.labels(self.name).inc(lost_steps)
         log.info(
             "recovered",
             **kv(job=self.name, round=round_, seconds=total, mode=mode, source=source,
@@ -192,6 +269,8 @@ class JobReporter:
 
         status = self._registry.update_status(self.name, change, fence=self.fence)
         if failure and int(status.get("restarts", 0)) > limit:
+            # No next world will count this last one (see ``reattribute``).
+            self._metrics.restarts.labels(self.name, str(claim.get("reason"))).inc()
             self.fail(f"restart limit reached ({limit}): {status.get('last_failure')}")
             return True
         return False

@@ -244,7 +244,7 @@ class JobRunner:
             handler.leave()  # revokes our membership: peers re-form without us at once
         except Exception:
             log.exception("leaving the round failed; our lease lapses on its own")
-        self._metrics.world_size.labels(job=self.name).set(0)
+        self._left_world()
         self._preempt.wait(pause)
 
     def _prewarm(self) -> None:
@@ -305,8 +305,12 @@ class JobRunner:
     def _finish(self, handler: Any) -> None:
         """Leave the rendezvous; close the run when the job is over for everyone."""
         self._drop_kept()
+        # The job is over (not only for us): node rank 0 keeps its final values.
+        over = self.outcome in (Outcome.SUCCEEDED, Outcome.FINISHED, Outcome.CANCELLED)
         try:
             record = self._current()
+            over = over or record is None or record.run_id != self.record.run_id
+            over = over or record.state.terminal
             if record is not None and record.state.terminal and record.run_id == self.record.run_id:
                 handler.set_closed()  # wakes nodes still waiting for a round
         except ElasticdError as exc:
@@ -315,8 +319,16 @@ class JobRunner:
             handler.close()  # revokes our lease: peers are told at once
         except Exception:  # the lease lapses on its own within a TTL
             log.exception("leaving the rendezvous failed", **kv(job=self.name))
-        self._metrics.world_size.labels(job=self.name).set(0)
+        if over:  # the final values stay until the agent retires the job's series
+            self._metrics.in_world.labels(self.name).set(0)
+        else:
+            self._left_world()
         self._metrics.set_worker_states(self.name, {})
+
+    def _left_world(self) -> None:
+        """Not in the job's world any more: the job's gauges go to the next node rank 0."""
+        self._metrics.in_world.labels(self.name).set(0)
+        self._metrics.drop_lead(self.name)
 
     # -- one round ----------------------------------------------------------------------------
 
@@ -342,10 +354,14 @@ class JobRunner:
                 keep.kill()
             raise
         m, nproc = self._metrics, self.job.nproc_per_node
-        m.rendezvous_rounds.labels(job=self.name).inc()
-        m.rendezvous_seconds.labels(job=self.name).observe(rnd.formed_at - joined_at)
-        m.world_size.labels(job=self.name).set(world.size)
-        m.world_ranks.labels(job=self.name).set(world.size * nproc)
+        m.rendezvous_rounds.labels(self.name).inc()
+        m.rendezvous_seconds.labels(self.name).observe(rnd.formed_at - joined_at)
+        m.in_world.labels(self.name).set(1)
+        if rnd.node_rank == 0:  # the job's gauges: exported by node rank 0 alone
+            m.world_size.labels(self.name).set(world.size)
+            m.world_ranks.labels(self.name).set(world.size * nproc)
+        else:
+            m.drop_lead(self.name)
         log.info(
             "workers started",
             **kv(job=self.name, round=world.round, node_rank=rnd.node_rank, world=world.size,
@@ -535,7 +551,7 @@ class JobRunner:
         m = self._metrics
         m.set_worker_states(self.name, rnd.workers.states())
         stalest = rnd.workers.stalest_progress(now)
-        m.heartbeat_age.labels(job=self.name).set(stalest[1] if stalest else 0.0)
+        m.heartbeat_age.labels(self.name).set(stalest[1] if stalest else 0.0)
         lead = beats.get(0)
         if lead is None or "step" not in lead:
             return
@@ -544,6 +560,8 @@ class JobRunner:
             self._failures_here = 0  # training again: the next failure backs off afresh
             if rnd.recovery is not None:
                 self._recovered(rnd, lead, now)
+            if rnd.node_rank == 0:
+                self._loaded(rnd, lead)
         write = rnd.node_rank == 0 and (
             force or (due and lead.get("step") != self._last_step_written)
         )
@@ -551,7 +569,20 @@ class JobRunner:
         if write:
             self._last_step_written = lead.get("step")
         self._last_step_seen = lead.get("step")
-        self._report.progress(lead, checkpoint=ckpt, write=write)
+        self._report.progress(lead, checkpoint=ckpt, write=write, lead_node=rnd.node_rank == 0,
+                              ckpt_dir=self.job.ckpt_dir)  # fmt: skip
+
+    def _loaded(self, rnd: Round, lead: dict[str, Any]) -> None:
+        """The world's first step: if its state came from a checkpoint on disk, observe the
+        load (from the process group being ready to the state being loaded)."""
+        phases = lead.get("phases", {}) or {}
+        told = lead.get("recovery") or {}
+        source = told.get("source") or ("checkpoint" if rnd.resume_step else "none")
+        step = told.get("resume_step", rnd.resume_step)
+        start, end = phases.get("pg_ready"), phases.get("ckpt_loaded") or phases.get("state_loaded")
+        if source == "checkpoint" and step and start is not None and end is not None:
+            self._report.loaded(seconds=float(end) - float(start), ckpt_dir=self.job.ckpt_dir,
+                                step=int(step))  # fmt: skip
 
     def _recovered(self, rnd: Round, lead: dict[str, Any], now: float) -> None:
         """Rank 0's first step after a re-form: record the recovery and its parts."""
@@ -674,7 +705,8 @@ class JobRunner:
             # A config error fails the same way on every retry: fail now, spend nothing.
             self._report.fail(f"user error (exit code {USER_ERROR_EXIT_CODE}): {detail}")
             return
-        self._metrics.restarts.labels(job=self.name, reason=str(outcome)).inc()
+        # elasticd_restarts_total is counted by the next world's node rank 0, once, with
+        # the cause corrected (JobReporter.reattribute).
         if outcome == Outcome.PREEMPTED:
             return
         fence = self._report.fence

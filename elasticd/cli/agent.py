@@ -38,6 +38,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ttl-after-finished", default="7d", metavar="DURATION",
                    help="delete finished jobs from the registry after this long (e.g. 7d, 12h, "
                    "30m, 90s; 0 keeps them; default 7d)")  # fmt: skip
+    p.add_argument("--keep-finished-metrics", default="2m", metavar="DURATION",
+                   help="keep a finished job's series on /metrics this long, so Prometheus "
+                   "scrapes its final values, then remove them (default 2m)")  # fmt: skip
     add_etcd_options(p)
     p.set_defaults(func=run)
 
@@ -77,5 +80,6 @@ def run(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         allow_commands="all" if args.allow_commands else (tuple(args.allow_command) or "none"),
         ttl_after_finished=parse_duration(args.ttl_after_finished, "--ttl-after-finished"),
+        keep_finished_metrics=parse_duration(args.keep_finished_metrics, "--keep-finished-metrics"),
     )
     return Agent(config).run()

@@ -181,6 +181,9 @@ class EtcdClient:
         self._token: str | None = None
         self._closed = False
         self._keeper: Any = None
+        self.on_error: Callable[[str, str], None] | None = None
+        """Told ``(operation, gRPC code name)`` of every failed attempt (the agent counts
+        them in ``elasticd_etcd_request_errors_total``)."""
 
     # -- plumbing ---------------------------------------------------------------------------
 
@@ -226,6 +229,8 @@ class EtcdClient:
             except grpc.RpcError as exc:
                 last = exc
                 code, detail = exc.code(), (exc.details() or "")
+                if self.on_error is not None:
+                    self.on_error(what, getattr(code, "name", str(code)))
                 if (
                     code == grpc.StatusCode.INVALID_ARGUMENT
                     and "auth token" in detail
