@@ -293,6 +293,8 @@ class LocalCluster:
     """Agent processes by node index."""
     metrics_ports: list[int] = field(default_factory=list)
     """Each agent's metrics port (0: off)."""
+    agent_args: tuple[str, ...] = ()
+    """More `elasticd agent` options for every agent (e.g. --keep-finished-metrics 5s)."""
     fault_log: list[dict[str, Any]] = field(default_factory=list)
     """One record per injected fault: ``fault``, ``kind``, ``t``, ``detail``, and ``end``
     (``{"t", "detail"}``) once a timed fault is over. Read it under ``lock``."""
@@ -345,6 +347,7 @@ class LocalCluster:
             "--node-id", f"node-{index}", "--addr", "127.0.0.1",
             "--nproc-per-node", str(self.nproc), "--state-dir", self.state_dir(index),
             "--metrics-port", str(port), "--allow-commands",  # a local cluster runs its user's own jobs
+            *self.agent_args,
         ]  # fmt: skip
         log_file = open(os.path.join(self.base_dir, f"agent-{index}.log"), "ab")  # noqa: SIM115
         with log_file:

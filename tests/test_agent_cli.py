@@ -21,6 +21,17 @@ from elasticd.localcluster import LocalCluster
 WORKER = os.path.join(os.path.dirname(__file__), "agent_worker.py")
 
 
+KEEP_FINISHED = 8
+"""Seconds the agents keep a finished job's series (short, so a test sees them go)."""
+
+
+def scrape(cluster) -> list[str]:
+    return [
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        for port in cluster.metrics_ports
+    ]
+
+
 def sample(body: str, series: str) -> float:
     """The value of one exposition line (``name{labels}``); fails if absent."""
     for line in body.splitlines():
@@ -49,7 +60,8 @@ def cluster(tmp_path_factory):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     base = tmp_path_factory.mktemp("cli-cluster")
     env = {**os.environ, "AGENT_TEST_STEP_S": "0.2", "OMP_NUM_THREADS": "1"}
-    with LocalCluster(base_dir=str(base), nproc=1, metrics=True, env=env) as c:
+    with LocalCluster(base_dir=str(base), nproc=1, metrics=True, env=env,
+                      agent_args=("--keep-finished-metrics", f"{KEEP_FINISHED}s")) as c:  # fmt: skip
         c.start(2)
         with connect(c.etcd.client_config()) as client:
             wait_for(lambda: len(client.get_prefix("/elasticd/nodes/")[0]) == 2, timeout=30)
@@ -98,6 +110,7 @@ def test_submit_follow_status_logs_and_metrics_of_a_finished_job(cluster, tmp_pa
     r = cli(cluster, "submit", "job.yaml", "--follow", cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "[########################] step 5/5" in r.stdout and "succeeded" in r.stdout
+    bodies = scrape(cluster)  # at once: the series of a finished job go after KEEP_FINISHED
     status = json.loads(cli(cluster, "status", "follow", "--json").stdout)
     assert status["state"] == "succeeded" and status["step"] == 5 and status["world"] == 2
     assert status["checkpoint"] == 5 and status["layout"]["dp"] == 2
@@ -105,10 +118,6 @@ def test_submit_follow_status_logs_and_metrics_of_a_finished_job(cluster, tmp_pa
     assert logs.returncode == 0 and "round-1/rank-1.log <==" in logs.stdout
     assert "rank 1 step 5 loss" in logs.stdout and "rank 0 step" not in logs.stdout
     assert "follow" in cli(cluster, "list").stdout
-    bodies = [
-        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        for port in cluster.metrics_ports
-    ]
     # Cluster series from the coordinator alone; job gauges from node rank 0 alone; each
     # agent its own memberships: every sum over the agents is right.
     assert sorted(sample(b, "elasticd_nodes_alive") for b in bodies) == [0.0, 2.0]
@@ -128,6 +137,10 @@ def test_submit_follow_status_logs_and_metrics_of_a_finished_job(cluster, tmp_pa
     )
     assert abs(committed - time.time()) < 120
     assert all("elasticd_world_size{" not in b for b in bodies if b is not lead)
+    # A finished job's series go once they could be scraped; the agents' own stay.
+    wait_for(lambda: all('elasticd_job="follow"' not in b for b in scrape(cluster)),
+             timeout=KEEP_FINISHED + 10)  # fmt: skip
+    assert all("elasticd_agent_registrations_total 1.0" in b for b in scrape(cluster))
 
 
 def test_a_job_past_its_restart_limit_fails_and_says_why(cluster, tmp_path):
