@@ -183,6 +183,10 @@ class Context:
         )  # fmt: skip
         if result is None:
             raise RuntimeError("in-process recovery: the survivors' state could not be agreed")
+        # What the agent records of this recovery (source, lost steps): the step every
+        # rank now holds against the newest any survivor held.
+        self.channel.recovered(source="peers", resume_step=result.step,
+                              lost_steps=max(0, int(newest) - result.step))  # fmt: skip
         self.mark("state_loaded")
         return result.step
 

@@ -26,7 +26,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,11 +38,11 @@ log = logging.getLogger("elasticd.localcluster")
 
 FAULT_KINDS = (
     "kill-node", "kill-worker", "hang-worker", "term-node", "add-node", "freeze-node",
-    "etcd-outage", "kill-etcd-member", "kill-etcd-leader",
+    "etcd-outage", "kill-etcd-member", "kill-etcd-leader", "raise-error",
 )  # fmt: skip
 NODE_FAULTS = frozenset({"kill-node", "term-node", "freeze-node"})
 """Faults whose target is a node index."""
-RANK_FAULTS = frozenset({"kill-worker", "hang-worker"})
+RANK_FAULTS = frozenset({"kill-worker", "hang-worker", "raise-error"})
 """Faults whose target is a global rank."""
 ETCD_MEMBER_FAULTS = frozenset({"kill-etcd-member", "kill-etcd-leader"})
 """Faults that need an etcd of several members."""
@@ -53,11 +53,12 @@ _NO_TARGET = frozenset({"add-node", "etcd-outage", "kill-etcd-leader"})
 MAX_FOR = 3600.0
 FAULT_SYNTAX = (
     "kill-node=I, term-node=I, freeze-node=I[:for=T], kill-worker=RANK, hang-worker=RANK, "
-    "kill-etcd-member=I[:for=T] (each @step=S), or add-node@step=S, etcd-outage@step=S[:for=T], "
-    "kill-etcd-leader@step=S[:for=T]"
+    "raise-error=RANK, kill-etcd-member=I[:for=T] (each @step=S), or add-node@step=S, "
+    "etcd-outage@step=S[:for=T], kill-etcd-leader@step=S[:for=T]; any of them "
+    "[:phase=forward|backward|optimizer|checkpoint-save]"
 )
 _FAULT_RE = re.compile(
-    r"^(?P<kind>[a-z-]+)(?:=(?P<target>\d+))?@step=(?P<step>\d+)(?::for=(?P<for>[^:@=]+))?$"
+    r"^(?P<kind>[a-z-]+)(?:=(?P<target>\d+))?@step=(?P<step>\d+)(?P<opts>(?::[a-z]+=[^:@=]+)*)$"
 )
 
 
@@ -74,20 +75,39 @@ class Fault:
     """Fire once a step >= this has completed."""
     duration: float | None = None
     """Seconds until the fault ends by itself (thaw, etcd restarted); timed kinds only."""
+    phase: str | None = None
+    """With a phase the workers fire it themselves, inside step ``step`` (the step in
+    progress; for checkpoint-save the step being saved) as that phase begins
+    (elasticd/faultplan.py); without one the cluster fires it once step ``step``
+    completed."""
 
     def __str__(self) -> str:
         target = "" if self.target is None else f"={self.target}"
         lasts = "" if self.duration is None else f":for={self.duration:g}"
-        return f"{self.kind}{target}@step={self.step}{lasts}"
+        phase = "" if self.phase is None else f":phase={self.phase}"
+        return f"{self.kind}{target}@step={self.step}{lasts}{phase}"
 
 
 def parse_fault(text: str) -> Fault:
-    """``kill-node=1@step=8``, ``freeze-node=1@step=8:for=5`` → Fault; a malformed spec is
-    a one-line UsageError."""
+    """``kill-node=1@step=8``, ``freeze-node=1@step=8:for=5``,
+    ``kill-worker=1@step=5:phase=checkpoint-save`` → Fault; a malformed spec is a one-line
+    UsageError."""
+    from elasticd.faultplan import PHASES
+
     m = _FAULT_RE.match(text.strip())
     if not m or m.group("kind") not in FAULT_KINDS:
         raise UsageError(f"--fault {text!r}: expected one of {FAULT_SYNTAX}")
     kind, target = m.group("kind"), m.group("target")
+    opts: dict[str, str] = {}
+    for part in m.group("opts").split(":")[1:]:
+        key, _, value = part.partition("=")
+        if key not in ("for", "phase") or key in opts:
+            raise UsageError(f"--fault {text!r}: unknown or repeated option :{key}= "
+                             "(options: :for=T, :phase=P)")  # fmt: skip
+        opts[key] = value
+    phase = opts.get("phase")
+    if phase is not None and phase not in PHASES:
+        raise UsageError(f"--fault {text!r}: phase={phase} is not one of {', '.join(PHASES)}")
     if kind in _NO_TARGET and target is not None:
         raise UsageError(f"--fault {text!r}: {kind} takes no target ({kind}@step=S)")
     if kind not in _NO_TARGET and target is None:
@@ -96,21 +116,21 @@ def parse_fault(text: str) -> Fault:
     if step < 1:
         raise UsageError(f"--fault {text!r}: step must be >= 1")
     duration = DEFAULT_FOR.get(kind)
-    if m.group("for") is not None:
+    if "for" in opts:
         if duration is None:
             raise UsageError(
                 f"--fault {text!r}: {kind} takes no :for=T (it does not end by itself)"
             )
         try:
-            duration = float(m.group("for"))
+            duration = float(opts["for"])
         except ValueError:
             duration = math.nan
         if not 0 < duration <= MAX_FOR:  # also catches nan
             raise UsageError(
-                f"--fault {text!r}: for={m.group('for')} must be seconds in (0, {MAX_FOR:g}]"
+                f"--fault {text!r}: for={opts['for']} must be seconds in (0, {MAX_FOR:g}]"
             )
     return Fault(kind=kind, target=None if target is None else int(target), step=step,
-                 duration=duration)  # fmt: skip
+                 duration=duration, phase=phase)  # fmt: skip
 
 
 def check_plan(
@@ -354,7 +374,12 @@ class LocalCluster:
             proc = subprocess.Popen(
                 with_pdeathsig(argv, self.python),  # agents go when `elasticd run` goes
                 cwd=self.cwd,
-                env={**self.env, "ELASTICD_ETCD": self.endpoint},
+                # The node id reaches the workers (phase-keyed node faults find their node).
+                env={
+                    **self.env,
+                    "ELASTICD_ETCD": self.endpoint,
+                    "ELASTICD_NODE_ID": f"node-{index}",
+                },
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
@@ -731,21 +756,35 @@ def run_cluster(
     out: Any,
     etcd_members: int = 1,
     poll: float = 0.02,
+    env: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Start the cluster, submit ``job``, inject ``faults`` (a list, fired by step, or an
-    object with ``due(RunView) -> list[Fault]``), follow the job to its end.
+    """Start the cluster, submit ``job``, inject ``faults`` (a list, fired by step or by
+    the workers at a phase, or an object with ``due(RunView) -> list[Fault]`` and
+    optionally ``injected(fault, record)``), follow the job to its end. ``env``: the
+    agents' environment (default ours).
 
     Returns the job's final record as a dict, with ``faults`` (each injected fault's record,
     both ends of the timed ones) and ``metrics`` (the records this run appended).
     """
     from elasticd.etcd import connect
+    from elasticd.faultplan import ENV_PLAN, PlanSource, worker_side, write_plan
     from elasticd.jobs import JobRegistry, JobState
 
-    source = AtSteps(faults) if isinstance(faults, Sequence) else faults
     base = os.path.join(job.out_dir, "cluster")
+    agents_env = dict(os.environ if env is None else env)
+    if isinstance(faults, Sequence):
+        inside = [f for f in faults if worker_side(f)]
+        source = AtSteps([f for f in faults if not worker_side(f)])
+        if inside:
+            plan_dir = os.path.join(base, "faults")
+            agents_env[ENV_PLAN] = write_plan(plan_dir, inside)
+            source = PlanSource(plan_dir, inside, source)
+    else:
+        source = faults
     tail = MetricsTail.at_end(os.path.join(job.out_dir, "metrics.jsonl"))
     records: list[dict] = []
-    cluster = LocalCluster(base_dir=base, nproc=job.nproc_per_node, etcd_members=etcd_members)
+    cluster = LocalCluster(base_dir=base, nproc=job.nproc_per_node, etcd_members=etcd_members,
+                           env=agents_env)  # fmt: skip
     record, timed_out, step, announced = None, False, 0, 0
     with cluster:
         cluster.start(nodes)
@@ -772,6 +811,8 @@ def run_cluster(
                 for fault in source.due(view):
                     fired = cluster.inject(fault)
                     fired["step"] = step
+                    if hasattr(source, "injected"):
+                        source.injected(fault, fired)
                     out.write(f"fault {_verb(fired)}: {fault} (at step {step}){_detail(fired)}\n")
                 announced = _announce_ends(cluster, announced, out)
                 line = _progress(record, step) if etcd_up else f"  etcd unreachable: step {step}"

@@ -61,11 +61,16 @@ class WorkerChannel:
         self._preempt = threading.Event()
         self._phases: dict[str, float] = {}
         self._last: dict[str, Any] = {}
+        self._env: Mapping[str, str] = {}
+        self._faults: Any = None
+        self._metrics_path: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> WorkerChannel:
         env = os.environ if env is None else env
-        return cls(path=env.get(ENV_HEARTBEAT) or None, rank=int(env.get("RANK", "0") or 0))
+        channel = cls(path=env.get(ENV_HEARTBEAT) or None, rank=int(env.get("RANK", "0") or 0))
+        channel._env = dict(env)
+        return channel
 
     @property
     def supervised(self) -> bool:
@@ -109,6 +114,56 @@ class WorkerChannel:
         flag = torch.tensor([1 if local else 0], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item())
+
+    # -- phases and metrics (elasticd.testing) -----------------------------------------------
+
+    def phase(self, name: str, step: int) -> None:
+        """This rank enters phase ``name`` (forward, backward, optimizer, checkpoint-save)
+        of step ``step`` (the step in progress, 1-based; for checkpoint-save the step being
+        saved). A fault planned for that phase fires here (elasticd/faultplan.py): the call
+        may SIGKILL or stop this process, raise ``InjectedFault``, or wait while the cluster
+        kills, stops or preempts this node. Without a plan it costs one attribute check."""
+        self._at(name, step)
+
+    def _at(self, name: str | None, step: int) -> None:
+        if self._faults is None:
+            from elasticd.faultplan import WorkerFaults
+
+            self._faults = WorkerFaults(self._env)
+        if self._faults.entries:
+            self._faults.at(name, int(step))
+
+    def record(self, *, step: int, loss: float | None = None, **metrics: float) -> None:
+        """Report step ``step`` done, as :meth:`progress` does, and on global rank 0 append
+        its record (``step``, ``loss``, ``world``, ``round``, ``t`` and ``metrics``) to the
+        job's metrics.jsonl, where ``elasticd run`` and ``elasticd.testing`` read a
+        script's steps and losses. Outside an agent only the heartbeat part applies (none)."""
+        if self._rank == 0:
+            path = self._metrics_file()
+            if path:
+                rec = {"step": int(step), "world": int(self._env.get("WORLD_SIZE", "1") or 1),
+                       "round": int(self._env.get("ELASTICD_ROUND", "0") or 0), "t": self._clock()}  # fmt: skip
+                if loss is not None:
+                    rec["loss"] = float(loss)
+                rec.update({k: float(v) for k, v in metrics.items()})
+                with open(path, "a", encoding="utf-8") as fh:
+                    fh.write(json.dumps(rec) + "\n")
+        self.progress(step=step, loss=loss)
+
+    def _metrics_file(self) -> str | None:
+        """``<output_dir>/metrics.jsonl`` of the job the agent handed us (its job file)."""
+        if self._metrics_path is None:
+            self._metrics_path = ""
+            job_file = self._env.get("ELASTICD_JOB_FILE")
+            if job_file and self.supervised:
+                try:
+                    with open(job_file, encoding="utf-8") as fh:
+                        out = json.load(fh).get("output_dir")
+                except (OSError, ValueError, AttributeError):
+                    out = None
+                if out:
+                    self._metrics_path = os.path.join(out, "metrics.jsonl")
+        return self._metrics_path or None
 
     # -- progress ----------------------------------------------------------------------------
 
@@ -157,6 +212,7 @@ class WorkerChannel:
         if checkpoint_save is not None:
             self._last["checkpoint_save"] = dict(checkpoint_save)
         self._write()
+        self._at(None, step)  # a raise-error fault with no phase: "after step S"
 
     def _write(self) -> None:
         if self._path is None:

@@ -1,0 +1,178 @@
+"""Faults keyed to a step *and* a phase of it, fired from inside the workers.
+
+``elasticd run --fault`` and ``elasticd.testing`` fire a plain ``kind=T@step=S`` fault from
+outside, once the job's metrics say step S completed: it lands somewhere in step S+1 or
+S+2, wherever the workers happen to be. A fault with a phase
+(``kill-worker=1@step=5:phase=checkpoint-save``) lands exactly there, because the workers
+fire it themselves: the worker-side API (:meth:`elasticd.worker.WorkerChannel.phase`) is
+told when a rank enters a phase of a step, and looks the pair up in the run's **fault
+plan** (``ELASTICD_FAULT_PLAN``, a JSON file the local cluster writes before the agents
+start; they pass it on to their workers).
+
+- ``step`` in a phase fault is the step *in progress* (1-based, as ``progress`` reports it
+  once done); for ``checkpoint-save`` it is the step being saved.
+- Phases: ``forward``, ``backward``, ``optimizer``, ``checkpoint-save``.
+- Who fires: the target rank for kill-worker, hang-worker and raise-error (it SIGKILLs or
+  SIGSTOPs itself, or raises :class:`InjectedFault`); the first rank of the target node to
+  get there for kill-node, term-node and freeze-node; rank 0 for add-node and the etcd
+  faults. The firing rank creates ``fired-<id>`` (exclusively: a fault fires once, even if
+  a recovery trains that step again) and, for a fault the cluster carries out, waits in the
+  phase until the cluster has done it (``acked-<id>``), so the fault hits that phase and
+  not a later one.
+- ``raise-error=RANK@step=S`` without a phase raises when rank RANK reports step S done
+  (inside its training loop): it tests the script's own error handling.
+
+Everything here is the standard library: the worker imports it on every start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Mapping
+from typing import Any
+
+ENV_PLAN = "ELASTICD_FAULT_PLAN"
+"""Path of the run's fault plan (set by the local cluster on its agents)."""
+ENV_NODE = "ELASTICD_NODE_ID"
+"""The node id of the agent that started this worker (set by the local cluster)."""
+PHASES = ("forward", "backward", "optimizer", "checkpoint-save")
+SELF_KINDS = frozenset({"kill-worker", "hang-worker", "raise-error"})
+"""Faults a worker carries out on itself."""
+NODE_KINDS = frozenset({"kill-node", "term-node", "freeze-node"})
+ACK_WAIT = 120.0
+"""Seconds a firing worker waits in its phase for the cluster to carry the fault out."""
+
+
+class InjectedFault(Exception):
+    """Raised inside a rank's training step by a ``raise-error`` fault."""
+
+
+def worker_side(fault: Any) -> bool:
+    """Whether ``fault`` (a localcluster.Fault) is fired by the workers (it has a phase, or
+    only a worker can do it) rather than by the cluster once a step completed."""
+    return fault.phase is not None or fault.kind == "raise-error"
+
+
+def write_plan(directory: str, faults: list[Any]) -> str:
+    """Write the plan of the worker-fired ``faults`` under ``directory``; returns its path.
+    Each fault's id is its index in the list."""
+    os.makedirs(os.path.join(directory, "fired"), exist_ok=True)
+    entries = [{"id": i, "fault": str(f), "kind": f.kind, "target": f.target, "step": f.step,
+                "phase": f.phase} for i, f in enumerate(faults)]  # fmt: skip
+    path = os.path.join(directory, "plan.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump({"faults": entries}, fh)
+    os.replace(tmp, path)
+    return path
+
+
+class WorkerFaults:
+    """One worker's view of the plan: cheap when there is none (one dict lookup)."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.entries: list[dict[str, Any]] = []
+        path = env.get(ENV_PLAN)
+        if path:
+            try:
+                with open(path, encoding="utf-8") as fh:
+                    self.entries = list(json.load(fh)["faults"])
+            except (OSError, ValueError, KeyError):
+                self.entries = []
+            self.dir = os.path.join(os.path.dirname(path), "fired")
+        self.rank = int(env.get("RANK", "0") or 0)
+        self.node = env.get(ENV_NODE, "")
+        self.round = env.get("ELASTICD_ROUND", "")
+
+    def at(self, phase: str | None, step: int) -> None:
+        """This rank is entering ``phase`` of step ``step`` (None: it reported the step
+        done). Fires any planned fault of this rank there; may not return."""
+        for entry in self.entries:
+            if entry["step"] == step and entry["phase"] == phase and self._mine(entry):
+                self._fire(entry)
+
+    def _mine(self, entry: Mapping[str, Any]) -> bool:
+        kind = entry["kind"]
+        if kind in SELF_KINDS:
+            return entry["target"] == self.rank
+        if kind in NODE_KINDS:
+            return self.node == f"node-{entry['target']}"
+        return self.rank == 0
+
+    def _fire(self, entry: Mapping[str, Any]) -> None:
+        name = os.path.join(self.dir, f"fired-{entry['id']}")
+        try:
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return  # fired already (by a peer on the node, or before a recovery)
+        except OSError:
+            return  # the run's directory is gone: nobody is listening
+        record = {"rank": self.rank, "pid": os.getpid(), "node": self.node, "t": time.time(),
+                  "round": self.round}  # fmt: skip
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(record, fh)
+        kind, where = (
+            entry["kind"],
+            f"step {entry['step']}" + (f" {entry['phase']}" if entry["phase"] else " done"),
+        )
+        if kind == "kill-worker":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "hang-worker":
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return
+        if kind == "raise-error":
+            raise InjectedFault(f"injected fault {entry['fault']} (rank {self.rank}, {where})")
+        acked = os.path.join(self.dir, f"acked-{entry['id']}")
+        deadline = time.monotonic() + ACK_WAIT
+        while not os.path.exists(acked) and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+
+class PlanSource:
+    """The cluster's side, a fault source for ``run_cluster``: the step-keyed faults fire
+    as before (``outside``); a worker-fired one is returned for injection once its
+    ``fired-<id>`` appears, and acknowledged once injected (:meth:`injected`); one the
+    worker carried out itself is only entered into the cluster's fault log."""
+
+    def __init__(self, directory: str, planned: list[Any], outside: Any) -> None:
+        self.dir = os.path.join(directory, "fired")
+        self.planned = planned
+        self.outside = outside
+        self.seen: set[int] = set()
+        self.ids: dict[int, int] = {}  # id(fault object) -> plan id
+
+    def due(self, view: Any) -> list[Any]:
+        out = list(self.outside.due(view))
+        for i, fault in enumerate(self.planned):
+            if i in self.seen:
+                continue
+            try:
+                with open(os.path.join(self.dir, f"fired-{i}"), encoding="utf-8") as fh:
+                    fired = json.load(fh)
+            except (OSError, ValueError):
+                continue  # not fired yet (or half written: next poll)
+            self.seen.add(i)
+            if fault.kind in SELF_KINDS:
+                verb = {"kill-worker": "SIGKILLed itself", "hang-worker": "SIGSTOPped itself",
+                        "raise-error": "raised InjectedFault"}[fault.kind]  # fmt: skip
+                phase = f" in {fault.phase}" if fault.phase else " after it"
+                record = {"fault": str(fault), "kind": fault.kind, "t": fired.get("t"),
+                          "end": None, "step": fault.step, "pid": fired.get("pid"),
+                          "detail": f"rank {fired.get('rank')} {verb} at step {fault.step}{phase}"}  # fmt: skip
+                with view.cluster.lock:
+                    view.cluster.fault_log.append(record)
+                continue
+            self.ids[id(fault)] = i
+            out.append(fault)
+        return out
+
+    def injected(self, fault: Any, record: dict[str, Any]) -> None:
+        i = self.ids.pop(id(fault), None)
+        if i is None:
+            return
+        path = os.path.join(self.dir, f"acked-{i}")
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump({"t": time.time(), "detail": record.get("detail", "")}, fh)

@@ -1,0 +1,491 @@
+"""Fault-injection tests of your own training script, with pytest (docs/testing.md).
+
+Installing elasticd registers a pytest plugin (``elasticd.testing.plugin``) that gives
+every test the ``elasticd_cluster`` fixture: a factory of local clusters, each a real
+embedded etcd and N real ``elasticd agent`` processes in the test's own temporary
+directory, torn down when the run ends (or the test fails, or times out)::
+
+    def test_my_script_survives_a_dead_node(elasticd_cluster):
+        job = elasticd_cluster.script_job("train.py", steps=20)
+        result = elasticd_cluster.run(job, nodes=2, faults=["kill-node=1@step=5"])
+        reference = elasticd_cluster.reference(job, nodes=2)   # cached per session
+        result.assert_losses_match(reference)
+        result.assert_worlds([2, 1])
+        result.assert_recovered_within(60)
+
+A script is any command that uses the worker-side API (``elasticd.worker.WorkerChannel``:
+``record(step=..., loss=...)`` after each step, ``phase(...)`` where faults keyed to a phase
+should land; ``elasticd.inprocess.run`` for in-process restart).
+
+Nothing here imports torch: the plugin costs an unrelated test suite nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from elasticd.errors import UsageError
+from elasticd.faultplan import InjectedFault
+
+DEFAULT_TIMEOUT = 300.0
+"""Seconds a run may take (the ``elasticd`` marker's ``timeout`` overrides it)."""
+
+BUILTIN_JOB: dict[str, Any] = {
+    "nodes": {"min": 1, "max": 8},
+    "nproc_per_node": 1,
+    "model": {"layers": 2, "hidden": 64, "heads": 4, "ffn_hidden": 128, "vocab": 256,
+              "seq_len": 32},
+    "train": {"steps": 20, "global_batch": 12, "micro_batch": 2},
+    "checkpoint": {"every": 5},
+    "rendezvous": {"ttl": 2, "settle": 1.0},
+}  # fmt: skip
+"""The built-in trainer's small GPT (seconds per run on a laptop CPU), the base of
+:meth:`Cluster.builtin_job`. A global batch of 12 splits evenly over 1, 2, 3, 4 or 6 ranks."""
+
+
+class ElasticdAssertionError(AssertionError):
+    """A failed ``assert_*`` of a run: the message names what differs."""
+
+
+# -- the result ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Recovery:
+    """One recovery of the job: from the fault's detection to rank 0's next step."""
+
+    round: int
+    reason: str
+    """What ended the previous round (peer_lost, worker_failed, collective_failed, ...)."""
+    mode: str
+    """``inprocess`` (the survivors' processes went on) or ``process`` (all restarted)."""
+    source: str
+    """Where the state came from: peers, replica, checkpoint or none."""
+    lost_steps: int
+    """Completed steps that had to be trained again."""
+    seconds: float
+    parts: Mapping[str, float]
+    """The recovery's time split into its parts (abort or stop, rendezvous, ...)."""
+
+
+@dataclass(kw_only=True)
+class RunResult:
+    """What one run on a local cluster did."""
+
+    outcome: str
+    """The job's final state: ``succeeded``, ``failed``, ``cancelled``; ``timed_out``
+    when the run passed its timeout (the job was then cancelled)."""
+    reason: str
+    records: list[dict[str, Any]]
+    """metrics.jsonl records of the run, the last record of each step, by step."""
+    worlds: list[int]
+    """The world sizes in order (nodes in each new world; consecutive repeats merged)."""
+    recoveries: list[Recovery]
+    faults: list[dict[str, Any]]
+    """Each fault as fired: ``fault``, ``kind``, ``t``, ``detail`` (and ``end``)."""
+    run_dir: str
+    """The job's output dir: metrics.jsonl, logs/, ckpt/, cluster/ (agent logs, etcd)."""
+    output: str
+    """What the run printed (as ``elasticd run`` would)."""
+    status: dict[str, Any] = field(default_factory=dict)
+    """The job's final status record, with its ``history``."""
+
+    @property
+    def steps(self) -> list[int]:
+        return [int(r["step"]) for r in self.records]
+
+    @property
+    def losses(self) -> dict[int, float]:
+        return {int(r["step"]): float(r["loss"]) for r in self.records if "loss" in r}
+
+    def logs(self) -> dict[str, str]:
+        """Every worker log of the run: path under ``logs/`` -> its text."""
+        out = {}
+        root = os.path.join(self.run_dir, "logs")
+        for dirpath, _, files in os.walk(root):
+            for name in sorted(files):
+                path = os.path.join(dirpath, name)
+                with open(path, encoding="utf-8", errors="replace") as fh:
+                    out[os.path.relpath(path, root)] = fh.read()
+        return dict(sorted(out.items()))
+
+    def rank_log(self, rank: int) -> str:
+        """Everything global rank ``rank`` printed, over the run's rounds, in order."""
+        return "".join(
+            text
+            for path, text in self.logs().items()
+            if os.path.basename(path) == f"rank-{rank}.log"
+        )
+
+    def describe(self) -> str:
+        """A few lines for a failure message: outcome, worlds, faults, recoveries."""
+        lines = [f"outcome {self.outcome} ({self.reason}); worlds {self.worlds}; "
+                 f"steps {self.steps[:1]}..{self.steps[-1:]} ({len(self.steps)} records); "
+                 f"run dir {self.run_dir}"]  # fmt: skip
+        lines += [f"  fault {f.get('fault')}: {f.get('detail')}" for f in self.faults]
+        lines += [f"  recovery round {r.round}: {r.reason}, {r.mode} from {r.source}, "
+                  f"{r.seconds:.2f} s, lost {r.lost_steps}" for r in self.recoveries]  # fmt: skip
+        return "\n".join(lines)
+
+    # -- assertions (each also a module-level function) --------------------------------------
+
+    def assert_succeeded(self) -> RunResult:
+        if self.outcome != "succeeded":
+            raise ElasticdAssertionError(f"the job did not succeed\n{self.describe()}")
+        return self
+
+    def assert_losses_match(
+        self,
+        reference: RunResult,
+        *,
+        after: int = 0,
+        rtol: float = 1e-4,
+        atol: float = 0.0,
+        keys: Sequence[str] = ("loss",),
+    ) -> RunResult:
+        """Every step past ``after`` has ``keys`` within ``rtol``/``atol`` of the reference's
+        same step; a step one run has and the other lacks is a difference too."""
+        mine = {int(r["step"]): r for r in self.records}
+        theirs = {int(r["step"]): r for r in reference.records}
+        rows = []
+        for step in sorted(set(mine) | set(theirs)):
+            if step <= after:
+                continue
+            for key in keys:
+                got = mine.get(step, {}).get(key)
+                want = theirs.get(step, {}).get(key)
+                if got is None or want is None:
+                    rows.append((step, key, got, want, math.inf))
+                    continue
+                diff = abs(float(got) - float(want))
+                if not diff <= atol + rtol * abs(float(want)):  # also catches nan
+                    rows.append((step, key, got, want, diff / max(abs(float(want)), 1e-30)))
+        if rows:
+            raise ElasticdAssertionError(
+                f"{len(rows)} value(s) differ from the reference after step {after} "
+                f"(rtol {rtol:g}, atol {atol:g}):\n{_table(rows)}\n{self.describe()}"
+            )
+        return self
+
+    def assert_recovered_within(self, seconds: float) -> RunResult:
+        """At least one recovery, and every one took at most ``seconds``."""
+        if not self.recoveries:
+            raise ElasticdAssertionError(f"the run recorded no recovery\n{self.describe()}")
+        slow = [r for r in self.recoveries if not r.seconds <= seconds]
+        if slow:
+            lines = "\n".join(
+                f"  round {r.round}: {r.seconds:.2f} s ({_parts(r.parts)})" for r in slow
+            )
+            raise ElasticdAssertionError(
+                f"{len(slow)} recovery(ies) took longer than {seconds:g} s:\n{lines}\n"
+                f"{self.describe()}"
+            )
+        return self
+
+    def assert_no_lost_steps(self) -> RunResult:
+        """No recovery trained a completed step again, and no step is missing."""
+        lost = [r for r in self.recoveries if r.lost_steps]
+        steps = self.steps
+        gaps = sorted(set(range(1, (steps[-1] if steps else 0) + 1)) - set(steps))
+        if lost or gaps:
+            lines = [f"  round {r.round}: {r.lost_steps} step(s) lost ({r.mode} from {r.source})"
+                     for r in lost]  # fmt: skip
+            if gaps:
+                lines.append(f"  steps missing from metrics.jsonl: {_ranges(gaps)}")
+            raise ElasticdAssertionError("steps were lost:\n" + "\n".join(lines) + "\n"
+                                         + self.describe())  # fmt: skip
+        return self
+
+    def assert_worlds(self, sizes: Sequence[int]) -> RunResult:
+        """The world went through exactly these sizes, in order."""
+        if list(sizes) != self.worlds:
+            raise ElasticdAssertionError(
+                f"worlds {self.worlds}, expected {list(sizes)}\n{self.describe()}"
+            )
+        return self
+
+
+def _table(rows: list[tuple[int, str, Any, Any, float]], limit: int = 20) -> str:
+    def fmt(v: Any) -> str:
+        return "-" if v is None else f"{float(v):.8g}"
+
+    lines = [f"  {'step':>6}  {'key':<10} {'got':>14} {'reference':>14} {'rel diff':>10}"]
+    for step, key, got, want, rel in rows[:limit]:
+        lines.append(f"  {step:>6}  {key:<10} {fmt(got):>14} {fmt(want):>14} {rel:>10.3g}")
+    if len(rows) > limit:
+        lines.append(f"  ... and {len(rows) - limit} more")
+    return "\n".join(lines)
+
+
+def _parts(parts: Mapping[str, float]) -> str:
+    return ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
+
+
+def _ranges(steps: list[int]) -> str:
+    out, start = [], None
+    for i, s in enumerate(steps):
+        if start is None:
+            start = s
+        if i + 1 == len(steps) or steps[i + 1] != s + 1:
+            out.append(str(start) if start == s else f"{start}-{s}")
+            start = None
+    return ", ".join(out)
+
+
+def assert_losses_match(result: RunResult, reference: RunResult, **kw: Any) -> None:
+    result.assert_losses_match(reference, **kw)
+
+
+def assert_recovered_within(result: RunResult, seconds: float) -> None:
+    result.assert_recovered_within(seconds)
+
+
+def assert_no_lost_steps(result: RunResult) -> None:
+    result.assert_no_lost_steps()
+
+
+def assert_worlds(result: RunResult, sizes: Sequence[int]) -> None:
+    result.assert_worlds(sizes)
+
+
+def result_from(final: Mapping[str, Any], *, run_dir: str, output: str) -> RunResult:
+    """A RunResult from ``run_cluster``'s final record."""
+    last: dict[int, dict[str, Any]] = {}
+    for rec in final.get("metrics", []):
+        if "step" in rec:
+            last[int(rec["step"])] = rec
+    status = dict(final.get("status") or {})
+    history = status.get("history") or []
+    worlds: list[int] = []
+    for e in history:
+        if e.get("kind") == "world" and (not worlds or worlds[-1] != int(e["world"])):
+            worlds.append(int(e["world"]))
+    recoveries = [
+        Recovery(round=int(e.get("round", 0)), reason=str(e.get("reason", "")),
+                 mode=str(e.get("mode", "process")), source=str(e.get("source", "")),
+                 lost_steps=int(e.get("lost_steps") or 0), seconds=float(e.get("seconds", 0.0)),
+                 parts=dict(e.get("parts") or {}))
+        for e in history if e.get("kind") == "recovery"
+    ]  # fmt: skip
+    outcome = "timed_out" if final.get("timed_out") else str(final.get("state", "unknown"))
+    return RunResult(
+        outcome=outcome, reason=str(final.get("reason", "")),
+        records=[last[s] for s in sorted(last)], worlds=worlds, recoveries=recoveries,
+        faults=list(final.get("faults", [])), run_dir=run_dir, output=output, status=status,
+    )  # fmt: skip
+
+
+# -- the factory --------------------------------------------------------------------------------
+
+
+def _set(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    node = raw
+    *head, last = dotted.split(".")
+    for key in head:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise UsageError(f"override {dotted}: {key} is not a section")
+    node[last] = value
+
+
+def _merge(raw: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``overrides`` into a copy of ``raw``: dotted keys (``"train.steps": 8``) or sections
+    (``train={"steps": 8}``, merged key by key)."""
+    out = copy.deepcopy(raw)
+    for key, value in overrides.items():
+        if "." not in key and isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = {**out[key], **value}
+        else:
+            _set(out, key, value)
+    return out
+
+
+def _job_dict(job: Any) -> dict[str, Any]:
+    """A job given as a dict, a JobSpec, or a path to a job.yaml/json -> a plain dict."""
+    from elasticd.jobspec import JobSpec, load_job
+
+    if isinstance(job, JobSpec):
+        return job.to_dict()
+    if isinstance(job, Mapping):
+        return copy.deepcopy(dict(job))
+    if isinstance(job, (str, os.PathLike)):
+        return load_job(os.fspath(job)).to_dict()
+    raise UsageError(f"job: expected a dict, a JobSpec or a path, not {type(job).__name__}")
+
+
+@dataclass(kw_only=True)
+class Cluster:
+    """The ``elasticd_cluster`` fixture: runs jobs on fresh local clusters under ``base``."""
+
+    base: str
+    """This test's directory; each run gets ``run-<n>/`` under it."""
+    timeout: float = DEFAULT_TIMEOUT
+    references: dict[str, RunResult] = field(default_factory=dict)
+    """Uninterrupted runs of this session, by job and cluster shape (shared by all tests)."""
+    reference_base: str | None = None
+    """Where reference runs live (a session directory); default under ``base``."""
+    runs: list[RunResult] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment for every agent (and so every worker) of this fixture's runs."""
+
+    def builtin_job(self, **overrides: Any) -> dict[str, Any]:
+        """The built-in trainer's job (a small GPT), with ``overrides``: sections
+        (``train={"steps": 8}``) or dotted keys (``**{"parallel.tp": 2}``)."""
+        return _merge(BUILTIN_JOB, overrides)
+
+    def script_job(
+        self,
+        script: str | os.PathLike[str],
+        *args: str,
+        steps: int = 20,
+        python: str = sys.executable,
+        **overrides: Any,
+    ) -> dict[str, Any]:
+        """A job running ``python script args...`` on every rank; ``train.steps`` is
+        what the script should train (it reads it from ``ELASTICD_JOB_FILE`` if it wants)."""
+        path = os.path.abspath(os.fspath(script))
+        if not os.path.isfile(path):
+            raise UsageError(f"script_job: {script}: no such file")
+        raw = _merge(BUILTIN_JOB, {"command": [python, path, *args], "train.steps": steps})
+        return _merge(raw, overrides)
+
+    def run(
+        self,
+        job: Any,
+        *,
+        nodes: int = 1,
+        nproc_per_node: int | None = None,
+        restart: str | None = None,
+        faults: Iterable[str] = (),
+        timeout: float | None = None,
+        env: Mapping[str, str] | None = None,
+        name: str | None = None,
+    ) -> RunResult:
+        """Run ``job`` (a dict, a JobSpec or a path) on a fresh cluster of ``nodes`` agents
+        with ``nproc_per_node`` workers each, under ``restart`` (inprocess or process;
+        default the job's), firing ``faults`` (``elasticd run --fault`` specs, which may
+        name a phase). Returns when the job ends or ``timeout`` passes; the cluster is gone
+        by then."""
+        from elasticd.jobspec import parse_job
+        from elasticd.localcluster import check_plan, parse_fault, run_cluster
+
+        index = len(self.runs)
+        run_dir = os.path.join(self.base, f"run-{index}")
+        raw = _job_dict(job)
+        raw["name"] = name or f"{raw.get('name') or 'test'}-{index}"
+        raw["output_dir"] = os.path.join(run_dir, "out")
+        raw.setdefault("checkpoint", {})["dir"] = os.path.join(run_dir, "out", "ckpt")
+        if nproc_per_node is not None:
+            raw["nproc_per_node"] = nproc_per_node
+        if restart is not None:
+            if restart not in ("inprocess", "process"):
+                raise UsageError(f"restart: {restart!r} must be inprocess or process")
+            raw.setdefault("restart", {})["mode"] = restart
+        spec = parse_job(raw, where=f"job {raw['name']}").with_paths_resolved(run_dir)
+        parsed = [parse_fault(f) for f in faults]
+        check_plan(nodes_min=spec.nodes.min, nproc=spec.nproc_per_node, nodes=nodes,
+                   faults=parsed, etcd_members=1, where=f"job {raw['name']}")  # fmt: skip
+        os.makedirs(spec.out_dir, exist_ok=True)
+        out = io.StringIO()
+        agents_env = {**os.environ, **self.env, **(env or {})}
+        agents_env.setdefault("OMP_NUM_THREADS", "1")
+        final = run_cluster(spec, nodes=nodes, faults=parsed,
+                            timeout=timeout or self.timeout, out=out, env=agents_env)  # fmt: skip
+        result = result_from(final, run_dir=spec.out_dir, output=out.getvalue())
+        self.runs.append(result)
+        return result
+
+    def reference(
+        self, job: Any, *, nodes: int = 1, nproc_per_node: int | None = None, **kw: Any
+    ) -> RunResult:
+        """The uninterrupted run of ``job`` on ``nodes`` agents, made once per session and
+        shared by every test that asks for the same job and shape. It must succeed."""
+        raw = _job_dict(job)
+        raw.pop("name", None)
+        raw.pop("output_dir", None)
+        if isinstance(raw.get("checkpoint"), dict):
+            raw["checkpoint"].pop("dir", None)
+        key = json.dumps([raw, nodes, nproc_per_node, kw.get("restart")], sort_keys=True)
+        if key not in self.references:
+            where = Cluster(base=os.path.join(self.reference_base or self.base,
+                                              f"reference-{len(self.references)}"),
+                            timeout=self.timeout, env=self.env)  # fmt: skip
+            result = where.run(raw, nodes=nodes, nproc_per_node=nproc_per_node, **kw)
+            if result.outcome != "succeeded":
+                raise ElasticdAssertionError(
+                    f"the reference run did not succeed\n{result.describe()}"
+                )
+            self.references[key] = result
+        return self.references[key]
+
+
+def leftover_processes(path: str) -> list[int]:
+    """Pids of live processes whose command line names ``path`` (agents, etcd, workers of
+    a run under it); the plugin's teardown kills them, its tests check there are none."""
+    out = []
+    needle = os.fsencode(os.path.abspath(path))
+    me = os.getpid()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                cmdline = fh.read()
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                state = fh.read().rsplit(b")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if needle in cmdline and state != b"Z":
+            out.append(int(entry))
+    return out
+
+
+def sweep(path: str, *, remove: bool, settle: float = 3.0, grace: float = 5.0) -> list[int]:
+    """Kill what a run under ``path`` left running (normally nothing: workers die with
+    their agent, which can take a moment, hence ``settle`` seconds first); with ``remove``
+    delete ``path``. Returns the pids that were still there."""
+    import signal
+
+    deadline = time.monotonic() + settle
+    pids = leftover_processes(path)
+    while pids and time.monotonic() < deadline:
+        time.sleep(0.05)
+        pids = leftover_processes(path)
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + grace
+    while pids and leftover_processes(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if remove:
+        shutil.rmtree(path, ignore_errors=True)
+    return pids
+
+
+__all__ = [
+    "BUILTIN_JOB",
+    "DEFAULT_TIMEOUT",
+    "Cluster",
+    "ElasticdAssertionError",
+    "InjectedFault",
+    "Recovery",
+    "RunResult",
+    "assert_losses_match",
+    "assert_no_lost_steps",
+    "assert_recovered_within",
+    "assert_worlds",
+    "leftover_processes",
+    "result_from",
+    "sweep",
+]

@@ -1,0 +1,105 @@
+"""The pytest plugin of elasticd.testing, registered through the ``pytest11`` entry point.
+
+- ``elasticd_cluster``: a :class:`elasticd.testing.Cluster` for the test, in its own
+  temporary directory. At teardown anything a run left running is killed and the run
+  directories are deleted, unless the test failed under ``--elasticd-keep`` (then they stay
+  and the report says where).
+- ``@pytest.mark.elasticd(timeout=S)``: a cluster test. Its runs time out after S seconds
+  (default 300), and with pytest-timeout installed the whole test gets S + 120 seconds
+  unless it has its own ``timeout`` marker.
+- Reference runs are shared by the whole session (per xdist worker).
+
+Only the standard library and pytest are imported at start-up.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from elasticd.testing import DEFAULT_TIMEOUT, Cluster, sweep
+
+_REPORTS = pytest.StashKey[dict[str, Any]]()
+_REFERENCES: dict[str, Any] = {}
+TEARDOWN_MARGIN = 120.0
+"""Seconds a cluster test gets beyond its runs' timeout (start-up, teardown, assertions)."""
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("elasticd", "elasticd fault-injection tests")
+    group.addoption(
+        "--elasticd-keep", action="store_true", default=False,
+        help="keep the run directories (agent and worker logs, metrics, checkpoints) of "
+             "failed elasticd cluster tests, and print where they are",
+    )  # fmt: skip
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "elasticd(timeout=300): a test on elasticd local clusters; its runs time out after "
+        "`timeout` seconds",
+    )
+
+
+def _timeout(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("elasticd")
+    if marker is None:
+        return DEFAULT_TIMEOUT
+    value = marker.kwargs.get("timeout", marker.args[0] if marker.args else DEFAULT_TIMEOUT)
+    return float(value)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("timeout"):
+        return
+    for item in items:
+        if item.get_closest_marker("elasticd") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(_timeout(item) + TEARDOWN_MARGIN))
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
+    report = yield
+    item.stash.setdefault(_REPORTS, {})[report.when] = report
+    return report
+
+
+def _failed(item: pytest.Item) -> bool:
+    reports = item.stash.get(_REPORTS, {})
+    return any(r.failed for r in reports.values())
+
+
+@pytest.fixture(scope="session")
+def elasticd_reference_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Where the session's reference runs live; deleted at the end of the session."""
+    path = str(tmp_path_factory.mktemp("elasticd-references"))
+    yield path
+    sweep(path, remove=True)
+    _REFERENCES.clear()
+
+
+@pytest.fixture
+def elasticd_cluster(
+    request: pytest.FixtureRequest, tmp_path: Any, elasticd_reference_dir: str
+) -> Iterator[Cluster]:
+    """A factory of local clusters (embedded etcd + agents) for this test."""
+    base = str(tmp_path / "elasticd")
+    os.makedirs(base, exist_ok=True)
+    cluster = Cluster(base=base, timeout=_timeout(request.node), references=_REFERENCES,
+                      reference_base=elasticd_reference_dir)  # fmt: skip
+    yield cluster
+    keep = request.config.getoption("elasticd_keep") and _failed(request.node)
+    stray = sweep(base, remove=not keep)
+    if keep:
+        request.node.add_report_section(
+            "teardown", "elasticd", f"run directories kept in {base} (--elasticd-keep)"
+        )
+        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"elasticd: {request.node.nodeid}: run directories kept in {base}")
+    if stray:
+        pytest.fail(f"elasticd: processes left running after the test were killed: {stray}")
