@@ -6,8 +6,12 @@ every chunk read is checked against its CRC-32, so a chunk only partly needed is
 whole (chunks are small grid cells, so aligned reshards read nothing extra): whole chunks
 are viewed in place from a memory map of the safetensors file (header offsets checked
 against the manifest), checked, and copied once into the local tensor. Without
-``verify``, a partly needed chunk is read through ``safe_open(...).get_slice(...)``, which
-reads only the overlap.
+``verify``, a partly needed chunk is sliced in the same mapping, so only the pages of the
+overlap are read.
+
+Nothing in a checkpoint is trusted before it is checked: the manifest is parsed and
+checked whole (:meth:`Manifest.from_json`), and each tensor file is opened only as a
+regular file of the manifest's size, its header checked against that size.
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError, safe_open
 
 from checkpoint import store
 from checkpoint.comm import all_gather_json, broadcast_json
@@ -36,11 +39,15 @@ from checkpoint.errors import (
 from checkpoint.manifest import MANIFEST, Manifest, parse_step_dirname, st_code
 from checkpoint.planner import SavedChunk, plan_reads
 from checkpoint.shards import ShardInfo
-from checkpoint.stfile import crc32_hex, read_header
+from checkpoint.stfile import crc32_hex, open_regular, read_header_fd, read_regular
 
 log = logging.getLogger("checkpoint.load")
 
 Sharded = tuple[torch.Tensor, ShardInfo]
+
+MAX_MANIFEST_BYTES = 256 << 20
+"""A manifest larger than this is refused before it is read (a real one of a model with
+thousands of tensors is a few MB)."""
 
 
 @dataclass(slots=True)
@@ -59,17 +66,7 @@ class _OpenFile:
     path: str
     header: dict
     data_start: int
-    mm: mmap.mmap | None
-    st: object = None
-
-    def safetensors(self):
-        """The same file through ``safe_open``, for reading exact sub-slices."""
-        if self.st is None:
-            try:
-                self.st = safe_open(self.path, framework="pt", device="cpu")
-            except (SafetensorError, OSError) as exc:
-                raise CorruptCheckpointError(f"{self.path}: unreadable: {exc}") from exc
-        return self.st
+    mm: mmap.mmap
 
 
 class Checkpoint:
@@ -92,14 +89,11 @@ class Checkpoint:
             )
         if not os.path.isdir(path):
             raise NoCheckpointError(f"{path}: no such checkpoint")
-        try:
-            with open(os.path.join(path, MANIFEST), "rb") as f:
-                raw = f.read()
-        except FileNotFoundError as exc:
-            raise NoCheckpointError(
-                f"{path}: has no {MANIFEST}, so it was never committed"
-            ) from exc
-        return cls(path, Manifest.from_json(raw, where=os.path.join(path, MANIFEST)))
+        where = os.path.join(path, MANIFEST)
+        if not os.path.lexists(where):
+            raise NoCheckpointError(f"{path}: has no {MANIFEST}, so it was never committed")
+        raw = read_regular(where, max_bytes=MAX_MANIFEST_BYTES)
+        return cls(path, Manifest.from_json(raw, where=where))
 
     @property
     def step(self) -> int:
@@ -151,6 +145,14 @@ class Checkpoint:
             if e.kind == "rank" and n.startswith(prefix)
         }
 
+    def check_files(self) -> None:
+        """Open every tensor file as a load would (a regular file of the manifest's size, its
+        header checked against that size and its checksum) and match every chunk's header
+        entry to the manifest, reading no tensor data. Raises CorruptCheckpointError."""
+        for entry in self.manifest.tensors.values():
+            for chunk in entry.chunks:
+                self._chunk_view(chunk, entry.dtype)
+
     def _entry(self, name: str):
         entry = self.manifest.tensors.get(name)
         if entry is None:
@@ -177,7 +179,7 @@ class Checkpoint:
                         partial[cache_key] = chunk
                 region[op.dst].copy_(chunk[op.src])
             else:
-                region[op.dst].copy_(self._read_slice(op.chunk, op.src, entry.dtype.itemsize))
+                region[op.dst].copy_(self._read_slice(op.chunk, op.src, entry.dtype))
 
     def _handle(self, file: str) -> _OpenFile:
         h = self._handles.get(file)
@@ -187,19 +189,18 @@ class Checkpoint:
         meta = self.manifest.files.get(file)
         if meta is None:
             raise CorruptCheckpointError(f"{path}: not listed in the manifest")
+        # The name is a plain one (Manifest checked it); the file must be a regular file
+        # of the manifest's size, checked on the descriptor that is then read and mapped.
+        fd, size = open_regular(path, expect_bytes=meta.bytes)
         try:
-            size = os.path.getsize(path)
-        except FileNotFoundError as exc:
-            raise CorruptCheckpointError(f"{path}: file is missing") from exc
-        if size != meta.bytes:
-            raise CorruptCheckpointError(f"{path}: {size} bytes, the manifest says {meta.bytes}")
-        header, parsed = read_header(path)
-        self.stats.bytes_read += len(header)
-        if hashlib.sha256(header).hexdigest() != meta.header_sha256:
-            raise CorruptCheckpointError(f"{path}: header checksum mismatch")
-        with open(path, "rb") as f:
+            header, parsed = read_header_fd(fd, size, path)
+            self.stats.bytes_read += len(header)
+            if hashlib.sha256(header).hexdigest() != meta.header_sha256:
+                raise CorruptCheckpointError(f"{path}: header checksum mismatch")
             # A private mapping: tensors viewing it are writable without copying the file.
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+            mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+        finally:
+            os.close(fd)
         h = _OpenFile(path=path, header=parsed, data_start=len(header), mm=mm)
         self._handles[file] = h
         return h
@@ -208,6 +209,19 @@ class Checkpoint:
         self, chunk: SavedChunk, crc32: str, verify: bool, dtype: torch.dtype
     ) -> torch.Tensor:
         """A whole chunk, viewed in place from the file's mapping (no copy), checked."""
+        f, view = self._chunk_view(chunk, dtype)
+        self.stats.bytes_read += len(view)
+        if not len(view):
+            return torch.empty(chunk.sizes, dtype=dtype)
+        if verify and crc32_hex(view) != crc32:
+            raise CorruptCheckpointError(
+                f"{f.path}: {chunk.key}: checksum mismatch (corrupted data)"
+            )
+        return torch.frombuffer(view, dtype=dtype).view(chunk.sizes)
+
+    def _chunk_view(self, chunk: SavedChunk, dtype: torch.dtype) -> tuple[_OpenFile, memoryview]:
+        """The bytes of a chunk in the file's mapping, after its header entry (whose offsets
+        were checked against the file when it was opened) matches the manifest."""
         f = self._handle(chunk.file)
         info = f.header.get(chunk.key)
         nbytes = math.prod(chunk.sizes) * dtype.itemsize
@@ -215,32 +229,21 @@ class Checkpoint:
             not isinstance(info, dict)
             or info.get("dtype") != st_code(dtype)
             or info.get("shape") != list(chunk.sizes)
-            or len(info.get("data_offsets", ())) != 2
-            or info["data_offsets"][1] - info["data_offsets"][0] != nbytes
         ):
             raise CorruptCheckpointError(
                 f"{f.path}: {chunk.key}: missing or not as the manifest says"
             )
         begin = f.data_start + info["data_offsets"][0]
-        if f.mm is None or begin + nbytes > len(f.mm):
-            raise CorruptCheckpointError(f"{f.path}: {chunk.key}: beyond the end of the file")
-        self.stats.bytes_read += nbytes
-        if nbytes == 0:
-            return torch.empty(chunk.sizes, dtype=dtype)
-        view = memoryview(f.mm)[begin : begin + nbytes]
-        if verify and crc32_hex(view) != crc32:
-            raise CorruptCheckpointError(
-                f"{f.path}: {chunk.key}: checksum mismatch (corrupted data)"
-            )
-        return torch.frombuffer(view, dtype=dtype).view(chunk.sizes)
+        return f, memoryview(f.mm)[begin : begin + nbytes]
 
-    def _read_slice(self, chunk: SavedChunk, src: tuple[slice, ...], itemsize: int) -> torch.Tensor:
-        path = os.path.join(self.path, chunk.file)
-        try:
-            t = self._handle(chunk.file).safetensors().get_slice(chunk.key)[src]
-        except SafetensorError as exc:
-            raise CorruptCheckpointError(f"{path}: {chunk.key}: {exc}") from exc
-        self.stats.bytes_read += t.numel() * itemsize
+    def _read_slice(self, chunk: SavedChunk, src: tuple[slice, ...], dtype: torch.dtype):
+        """Only the ``src`` part of a chunk (unverified: ``verify=False``); the pages of the
+        mapping that are not touched are not read."""
+        _, view = self._chunk_view(chunk, dtype)
+        if not len(view):
+            return torch.empty(chunk.sizes, dtype=dtype)[src]
+        t = torch.frombuffer(view, dtype=dtype).view(chunk.sizes)[src]
+        self.stats.bytes_read += t.numel() * dtype.itemsize
         return t
 
 
@@ -266,7 +269,7 @@ def load_latest(
     if not order:
         raise NoCheckpointError(f"{ckpt_dir}: no committed checkpoint")
     failures = []
-    for step in order:
+    for i, step in enumerate(order):
         path = store.step_path(ckpt_dir, step)
         ckpt, error = None, ""
         try:
@@ -280,7 +283,11 @@ def load_latest(
         if isinstance(ckpt, Checkpoint):
             ckpt.close()
         failures.append(f"step {step}: {errors[0]}")
-        warn(f"checkpoint step {step} cannot be loaded ({errors[0]}); falling back to an older one")
+        if i + 1 < len(order):  # else the error below says it, once
+            warn(
+                f"checkpoint step {step} cannot be loaded ({errors[0]}); "
+                "falling back to an older one"
+            )
     raise CorruptCheckpointError(
         f"{ckpt_dir}: no committed checkpoint loads: " + "; ".join(failures)
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import torch
 
 from checkpoint.errors import FormatError
-from checkpoint.planner import SavedChunk
+from checkpoint.planner import SavedChunk, coverage_problem
 
 FORMAT_NAME = "elasticd-checkpoint"
 FORMAT_VERSION = 1
@@ -157,9 +158,17 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, *, where: str) -> Manifest:
+        """Parse and check a manifest: nothing in it is trusted before it is checked.
+
+        The manifest's own sha256 guards against accidents only (anyone can recompute it),
+        so every field that later drives a path, an allocation or a read is checked here,
+        before any tensor file is opened: file names are plain names inside the step
+        directory, every tensor's chunks tile it exactly, and the chunks of each file fit in
+        the bytes the manifest says it has (which a load checks against the real file
+        before it reads)."""
         try:
             raw = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise FormatError(f"{where}: not valid JSON ({exc})") from exc
         if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
             raise FormatError(f"{where}: not an {FORMAT_NAME} manifest")
@@ -172,49 +181,130 @@ class Manifest:
         if expected != _self_checksum(raw):
             raise FormatError(f"{where}: manifest checksum does not match its content")
         try:
-            files = {
-                name: FileEntry(
-                    name=name,
-                    bytes=int(f["bytes"]),
-                    sha256=str(f["sha256"]),
-                    header_sha256=str(f["header_sha256"]),
-                    rank=int(f["rank"]),
-                )
-                for name, f in raw["files"].items()
-            }
-            tensors = {}
-            for name, t in raw["tensors"].items():
-                chunks = tuple(
-                    SavedChunk(
-                        file=s["file"],
-                        key=s["key"],
-                        offsets=tuple(int(x) for x in s["offsets"]),
-                        sizes=tuple(int(x) for x in s["sizes"]),
-                    )
-                    for s in t["shards"]
-                )
-                tensors[name] = TensorEntry(
-                    name=name,
-                    kind=str(t["kind"]),
-                    dtype=dtype_of(t["dtype"]),
-                    shape=tuple(int(x) for x in t["shape"]),
-                    chunks=chunks,
-                    crc32={s["key"]: str(s["crc32"]) for s in t["shards"]},
-                )
-            return cls(
-                step=int(raw["step"]),
-                consumed_samples=int(raw["consumed_samples"]),
-                job=str(raw["job"]),
-                world=int(raw["world"]),
-                layout=raw.get("layout"),
-                files=files,
-                tensors=tensors,
-                optimizer=dict(raw.get("optimizer") or {}),
-                extra=dict(raw.get("extra") or {}),
-                created_unix=float(raw.get("created_unix", 0.0)),
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            return _parse(cls, raw, where)
+        except _Bad as exc:
+            raise FormatError(f"{where}: {exc}") from None
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as exc:
             raise FormatError(f"{where}: malformed manifest ({exc!r})") from exc
+
+
+MAX_NDIM = 8
+"""Dimensions a stored tensor may have (coverage checks cost 2^ndim per chunk)."""
+FILE_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,200}\.safetensors$")
+"""A tensor file's name: a plain name inside the step directory (no ``/``, no ``..``)."""
+_HEX = re.compile(r"^[0-9a-f]+$")
+
+
+class _Bad(Exception):
+    """A manifest field that fails its check (becomes a FormatError naming the manifest)."""
+
+
+def _int(value: Any, what: str, *, lo: int = 0) -> int:
+    if type(value) is not int or value < lo:
+        raise _Bad(f"{what}: {value!r} is not an integer >= {lo}")
+    return value
+
+
+def _hex(value: Any, what: str, digits: int) -> str:
+    if not isinstance(value, str) or len(value) != digits or not _HEX.match(value):
+        raise _Bad(f"{what}: {value!r} is not {digits} hex digits")
+    return value
+
+
+def _ints(value: Any, what: str, ndim: int | None = None) -> tuple[int, ...]:
+    if not isinstance(value, list) or len(value) > MAX_NDIM:
+        raise _Bad(f"{what}: {value!r} is not a list of at most {MAX_NDIM} integers")
+    if ndim is not None and len(value) != ndim:
+        raise _Bad(f"{what}: {value!r} has {len(value)} dimensions, the tensor {ndim}")
+    return tuple(_int(x, what) for x in value)
+
+
+def _dict(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _Bad(f"{what}: not a JSON object")
+    return value
+
+
+def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
+    files: dict[str, FileEntry] = {}
+    for name, f in _dict(raw["files"], "files").items():
+        if not FILE_NAME_RE.match(name) or ".." in name:
+            raise _Bad(
+                f"file name {name!r} is not a plain *.safetensors name inside the step directory"
+            )
+        f = _dict(f, f"files.{name}")
+        files[name] = FileEntry(
+            name=name,
+            bytes=_int(f["bytes"], f"files.{name}.bytes", lo=8),
+            sha256=_hex(f["sha256"], f"files.{name}.sha256", 64),
+            header_sha256=_hex(f["header_sha256"], f"files.{name}.header_sha256", 64),
+            rank=_int(f["rank"], f"files.{name}.rank"),
+        )
+    held = dict.fromkeys(files, 8)  # the 8-byte header length, at least
+    keys: set[tuple[str, str]] = set()
+    tensors: dict[str, TensorEntry] = {}
+    for name, t in _dict(raw["tensors"], "tensors").items():
+        t = _dict(t, f"tensor {name}")
+        kind = t["kind"]
+        if kind not in KINDS:
+            raise _Bad(f"tensor {name}: kind {kind!r} is not one of {', '.join(KINDS)}")
+        if not isinstance(t["dtype"], str):
+            raise _Bad(f"tensor {name}: dtype {t['dtype']!r} is not a name")
+        dtype = dtype_of(t["dtype"])
+        shape = _ints(t["shape"], f"tensor {name}: shape")
+        if not isinstance(t["shards"], list):
+            raise _Bad(f"tensor {name}: shards is not a list")
+        chunks, crc = [], {}
+        for s in t["shards"]:
+            s = _dict(s, f"tensor {name}: shard")
+            file, key = s["file"], s["key"]
+            if file not in files:
+                raise _Bad(f"tensor {name}: shard in {file!r}, a file the manifest does not list")
+            if not isinstance(key, str) or (file, key) in keys:
+                raise _Bad(f"tensor {name}: shard key {key!r} is not a new string in {file}")
+            keys.add((file, key))
+            chunk = SavedChunk(
+                file=file,
+                key=key,
+                offsets=_ints(s["offsets"], f"tensor {name}: offsets", len(shape)),
+                sizes=_ints(s["sizes"], f"tensor {name}: sizes", len(shape)),
+            )
+            crc[key] = _hex(s["crc32"], f"tensor {name}: crc32", 8)
+            held[file] += math.prod(chunk.sizes) * dtype.itemsize
+            chunks.append(chunk)
+        problem = coverage_problem(name, shape, [(c.offsets, c.sizes) for c in chunks])
+        if problem:
+            raise _Bad(f"tensor {problem}")
+        tensors[name] = TensorEntry(
+            name=name, kind=kind, dtype=dtype, shape=shape, chunks=tuple(chunks), crc32=crc
+        )
+    for name, n in held.items():
+        if n > files[name].bytes:
+            raise _Bad(
+                f"{name}: its shards need {n} bytes, more than the {files[name].bytes} "
+                "bytes the manifest gives the file"
+            )
+    layout = raw.get("layout")
+    if layout is not None:
+        _dict(layout, "layout")
+    job = raw["job"]
+    if not isinstance(job, str):
+        raise _Bad(f"job: {job!r} is not a string")
+    created = raw.get("created_unix", 0.0)
+    if type(created) not in (int, float):
+        raise _Bad(f"created_unix: {created!r} is not a number")
+    return cls(
+        step=_int(raw["step"], "step"),
+        consumed_samples=_int(raw["consumed_samples"], "consumed_samples"),
+        job=job,
+        world=_int(raw["world"], "world", lo=1),
+        layout=layout,
+        files=files,
+        tensors=tensors,
+        optimizer=dict(_dict(raw.get("optimizer") or {}, "optimizer")),
+        extra=dict(_dict(raw.get("extra") or {}, "extra")),
+        created_unix=float(created),
+    )
 
 
 def _self_checksum(body: dict[str, Any]) -> str:

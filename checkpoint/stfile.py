@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import stat
 import struct
 import zlib
 from collections.abc import Sequence
@@ -104,41 +106,139 @@ def write_all(fd: int, buf: memoryview | bytes) -> None:
         view = view[n:]
 
 
-def read_header(path: str) -> tuple[bytes, dict]:
-    """The raw header bytes (length prefix included) and the parsed header of a file."""
+def open_regular(path: str, *, expect_bytes: int | None = None, max_bytes: int | None = None):
+    """Open ``path`` for reading only if it is a regular file (not a symlink, a device or a
+    FIFO) of the expected size; returns ``(fd, size)``; the caller closes ``fd``.
+
+    ``O_NOFOLLOW`` refuses a symlink (say, to /dev/zero or out of the step directory) and
+    ``O_NONBLOCK`` keeps the open of a FIFO from blocking; the file type and size then come
+    from ``fstat`` of the very file opened, so nothing is read before they are checked."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     try:
-        with open(path, "rb") as f:
-            prefix = f.read(8)
-            if len(prefix) != 8:
-                raise CorruptCheckpointError(f"{path}: truncated safetensors header")
-            (n,) = struct.unpack("<Q", prefix)
-            if n > 100 << 20:
-                raise CorruptCheckpointError(f"{path}: implausible header length {n}")
-            text = f.read(n)
+        fd = os.open(path, flags)
     except FileNotFoundError as exc:
         raise CorruptCheckpointError(f"{path}: file is missing") from exc
-    if len(text) != n:
+    except OSError as exc:
+        if os.path.islink(path):
+            raise CorruptCheckpointError(f"{path}: a symlink, not a regular file") from exc
+        raise CorruptCheckpointError(f"{path}: cannot open: {exc.strerror}") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CorruptCheckpointError(f"{path}: not a regular file")
+        if expect_bytes is not None and st.st_size != expect_bytes:
+            raise CorruptCheckpointError(
+                f"{path}: {st.st_size} bytes, the manifest says {expect_bytes}"
+            )
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise CorruptCheckpointError(f"{path}: {st.st_size} bytes, more than {max_bytes}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_size
+
+
+def read_regular(path: str, *, max_bytes: int) -> bytes:
+    """The whole of a small regular file (see :func:`open_regular`)."""
+    fd, size = open_regular(path, max_bytes=max_bytes)
+    try:
+        return read_exact(fd, 0, size, path)
+    finally:
+        os.close(fd)
+
+
+def read_exact(fd: int, offset: int, n: int, path: str) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        got = os.pread(fd, n - len(out), offset + len(out))
+        if not got:
+            raise CorruptCheckpointError(f"{path}: truncated (shorter than it was)")
+        out += got
+    return bytes(out)
+
+
+# safetensors dtype codes and their item sizes (the codes this store writes).
+ITEMSIZE = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+    "U8": 1, "BOOL": 1,
+}  # fmt: skip
+MAX_HEADER_BYTES = 100 << 20
+
+
+def read_header_fd(fd: int, size: int, path: str) -> tuple[bytes, dict]:
+    """The raw header bytes (length prefix included) and the parsed, checked header of an
+    open safetensors file of ``size`` bytes.
+
+    Every entry is checked against the file before anything trusts it: a known dtype, a
+    shape, and ``data_offsets`` with ``0 <= begin <= end <= data length`` and
+    ``end - begin`` the bytes of that dtype and shape."""
+    if size < 8:
         raise CorruptCheckpointError(f"{path}: truncated safetensors header")
+    (n,) = struct.unpack("<Q", read_exact(fd, 0, 8, path))
+    if n > MAX_HEADER_BYTES or 8 + n > size:
+        raise CorruptCheckpointError(
+            f"{path}: header length {n} does not fit a file of {size} bytes"
+        )
+    text = read_exact(fd, 8, n, path)
     try:
         parsed = json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{path}: header is not valid JSON") from exc
-    return prefix + text, parsed
+    if not isinstance(parsed, dict):
+        raise CorruptCheckpointError(f"{path}: header is not a JSON object")
+    data_len = size - 8 - n
+    for key, info in parsed.items():
+        if key == "__metadata__":
+            continue
+        problem = _entry_problem(info, data_len)
+        if problem:
+            raise CorruptCheckpointError(f"{path}: header entry {key!r}: {problem}")
+    return struct.pack("<Q", n) + text, parsed
 
 
-def file_sha256(path: str, *, block: int = 8 << 20) -> tuple[str, int]:
-    """sha256 and size of a whole file."""
-    h = hashlib.sha256()
-    size = 0
+def _entry_problem(info: object, data_len: int) -> str | None:
+    if not isinstance(info, dict):
+        return "not a JSON object"
+    dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in ITEMSIZE:
+        return f"unknown dtype {dtype!r}"
+    if not isinstance(shape, list) or not all(type(x) is int and x >= 0 for x in shape):
+        return f"shape {shape!r} is not a list of integers >= 0"
+    if (
+        not isinstance(offs, list)
+        or len(offs) != 2
+        or not all(type(x) is int for x in offs)
+        or not 0 <= offs[0] <= offs[1] <= data_len
+    ):
+        return f"data_offsets {offs!r} are not within the {data_len} bytes of data"
+    if offs[1] - offs[0] != math.prod(shape) * ITEMSIZE[dtype]:
+        return f"data_offsets {offs!r} do not hold a {dtype} tensor of shape {shape}"
+    return None
+
+
+def read_header(path: str) -> tuple[bytes, dict]:
+    """The raw header bytes and the parsed, checked header of a regular file at ``path``."""
+    fd, size = open_regular(path)
     try:
-        with open(path, "rb", buffering=0) as f:
+        return read_header_fd(fd, size, path)
+    finally:
+        os.close(fd)
+
+
+def file_sha256(path: str, *, expect_bytes: int | None = None, block: int = 8 << 20):
+    """sha256 and size of a whole regular file (refused unless it has ``expect_bytes``)."""
+    fd, size = open_regular(path, expect_bytes=expect_bytes)
+    h = hashlib.sha256()
+    done = 0
+    try:
+        with open(fd, "rb", buffering=0, closefd=True) as f:
             buf = bytearray(block)
             mv = memoryview(buf)
-            while n := f.readinto(buf):
-                h.update(mv[:n])
-                size += n
-    except FileNotFoundError as exc:
-        raise CorruptCheckpointError(f"{path}: file is missing") from exc
+            while done < size and (n := f.readinto(buf)):
+                h.update(mv[: min(n, size - done)])
+                done += n
+    except OSError as exc:
+        raise CorruptCheckpointError(f"{path}: cannot read: {exc.strerror}") from exc
     return h.hexdigest(), size
 
 

@@ -22,14 +22,13 @@ def verify(ckpt: Checkpoint) -> list[str]:
     for name, meta in sorted(ckpt.manifest.files.items()):
         path = os.path.join(ckpt.path, name)
         try:
-            sha, size = file_sha256(path)
+            # Refused unless a regular file of the manifest's size, before anything is read.
+            sha, _ = file_sha256(path, expect_bytes=meta.bytes)
             _, headers[name] = read_header(path)
         except CheckpointError as exc:
             problems.append(str(exc))
             continue
-        if size != meta.bytes:
-            problems.append(f"{path}: {size} bytes, the manifest says {meta.bytes}")
-        elif sha != meta.sha256:
+        if sha != meta.sha256:
             problems.append(f"{path}: sha256 mismatch (corrupted)")
     for tname, entry in sorted(ckpt.manifest.tensors.items()):
         problem = coverage_problem(tname, entry.shape, [(c.offsets, c.sizes) for c in entry.chunks])
@@ -66,6 +65,7 @@ def export(
     names = sorted(n for n, e in ckpt.manifest.tensors.items() if e.kind == "model")
     if not names:
         raise CorruptCheckpointError(f"{ckpt.path}: holds no model tensors to export")
+    ckpt.check_files()  # refuse a bad file before writing anything
     groups: list[list[str]] = [[]]
     size = 0
     for n in names:

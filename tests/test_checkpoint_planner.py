@@ -162,3 +162,20 @@ def test_ranks_whose_shards_do_not_tile_a_tensor_cannot_save():
         assert "overlap" in str(exc)
     else:
         raise AssertionError("overlapping shards were accepted")
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), shape=shapes)
+def test_coverage_names_an_overlap_that_hides_a_gap_of_the_same_size(data, shape):
+    saved = data.draw(tilings(shape))
+    pairs = [
+        (i, j)
+        for i in range(len(saved))
+        for j in range(len(saved))
+        if i != j and saved[i][1] == saved[j][1]
+    ]
+    if not pairs:
+        return
+    i, j = data.draw(st.sampled_from(pairs))
+    doubled = [saved[i] if k == j else b for k, b in enumerate(saved)]
+    assert coverage_problem("t", shape, doubled) == "t: shards overlap and leave a gap"

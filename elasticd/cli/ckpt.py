@@ -156,7 +156,9 @@ def run_ls(args: argparse.Namespace) -> int:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    m = _open(args).manifest
+    ckpt = _open(args)
+    ckpt.check_files()  # headers and sizes only: what is shown is what a load would find
+    m = ckpt.manifest
     if args.json:
         print(
             json.dumps(
@@ -202,10 +204,12 @@ def run_verify(args: argparse.Namespace) -> int:
 
     ckpt = _open(args)
     problems = verify(ckpt)
+    if len(problems) == 1:  # one line, as every other refusal
+        raise CheckpointCheckFailed(f"{ckpt.path}: 1 problem found: {problems[0]}")
     for p in problems:
         print(p, file=sys.stderr)
     if problems:
-        raise CheckpointCheckFailed(f"{ckpt.path}: {len(problems)} problem(s) found")
+        raise CheckpointCheckFailed(f"{ckpt.path}: {len(problems)} problems found")
     m = ckpt.manifest
     print(f"{ckpt.path}: ok ({len(m.files)} files, {len(m.tensors)} tensors, {_mb(m.total_bytes)})")
     return 0
