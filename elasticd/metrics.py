@@ -39,6 +39,7 @@ RESTART_REASONS = (
     "scale_up",
     "preempted",
 )
+RECOVERY_SOURCES = ("peers", "replica", "checkpoint", "none")
 # Recovery on this design takes seconds; torchrun's takes tens of seconds. The buckets
 # cover both so the two can be compared on one dashboard.
 RECOVERY_BUCKETS = (0.5, 1, 2, 3, 5, 7.5, 10, 15, 20, 30, 45, 60, 90, 120, 300)
@@ -99,6 +100,11 @@ class AgentMetrics:
         self.nodes_min = Gauge(
             "elasticd_job_nodes_min", "nodes.min of each job not yet finished.", [j], registry=r
         )
+        self.checkpoint_every = Gauge(
+            "elasticd_job_checkpoint_every_steps",
+            "checkpoint.every of each job not yet finished (0: only the final save).", [j],
+            registry=r,
+        )  # fmt: skip
 
         # -- job gauges: node rank 0 of the job's current world only -----------------------
         self.world_size = Gauge(
@@ -166,6 +172,14 @@ class AgentMetrics:
             "From a failure being known to the first completed step after it.",
             [j, "reason", "mode", "source"], buckets=RECOVERY_BUCKETS, registry=r,
         )  # fmt: skip
+        self.last_recovery_seconds = Gauge(
+            "elasticd_job_last_recovery_seconds",
+            "How long the job's last recovery took.", [j], registry=r,
+        )  # fmt: skip
+        self.last_recovery_time = Gauge(
+            "elasticd_job_last_recovery_timestamp_seconds",
+            "Unix time the job's last recovery completed.", [j], registry=r,
+        )  # fmt: skip
         self.lost_steps = Counter(
             "elasticd_lost_steps_total",
             "Completed optimizer steps trained again after recoveries (work lost).", [j],
@@ -175,7 +189,8 @@ class AgentMetrics:
 
     LEAD_GAUGES = (
         "world_size", "world_ranks", "step", "last_step_time", "loss", "tokens_per_second",
-        "checkpoint_step", "checkpoint_commit_time",
+        "checkpoint_step", "checkpoint_commit_time", "last_recovery_seconds",
+        "last_recovery_time",
     )  # fmt: skip
     """The job gauges only node rank 0 of the current world exports."""
 
@@ -183,6 +198,18 @@ class AgentMetrics:
         """Set every state's gauge, zero for states with no worker."""
         for state in WORKER_STATES:
             self.worker_states.labels(job, state).set(counts.get(state, 0))
+
+    def init_job(self, job: str, mode: str) -> None:
+        """This agent takes the job: export its counters at 0 now. Prometheus' increase()
+        and rate() need a sample before the first event; a series born at 1 loses it."""
+        for reason in RESTART_REASONS:
+            self.restarts.labels(job, reason)
+            for source in RECOVERY_SOURCES:
+                self.recoveries.labels(job, reason, mode, source)
+        for metric in (self.lost_steps, self.ckpt_saved_bytes, self.ckpt_loaded_bytes,
+                       self.step_seconds, self.ckpt_save_seconds, self.ckpt_load_seconds,
+                       self.rendezvous_rounds, self.rendezvous_seconds):  # fmt: skip
+            metric.labels(job)
 
     def drop_lead(self, job: str) -> None:
         """This agent is no longer node rank 0 of the job's world: stop exporting the job

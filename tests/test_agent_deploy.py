@@ -78,7 +78,7 @@ def test_the_systemd_unit_lets_the_agent_drive_a_stop_and_names_real_options():
 
 
 def test_the_scrape_config_parses_and_keeps_the_agent_pods():
-    config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     jobs = {c["job_name"]: c for c in config["scrape_configs"]}
     assert {"elasticd", "elasticd-kubernetes"} <= set(jobs)
     keep = jobs["elasticd-kubernetes"]["relabel_configs"][0]

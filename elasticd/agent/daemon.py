@@ -146,8 +146,9 @@ class Agent:
         self._done: set[str] = set()
         self._retiring: dict[str, float] = {}
         """Jobs finished here -> when their series are removed from /metrics."""
-        self._nodes_min: dict[str, int] = {}
-        """run_id -> nodes.min (the coordinator exports it; specs parsed once)."""
+        self._job_settings: dict[str, tuple[int, int]] = {}
+        """run_id -> (nodes.min, checkpoint.every): the coordinator exports them; each spec
+        is parsed once."""
         self._retry_at: dict[str, tuple[float, int]] = {}
         self._view: ClusterView | None = None
         self._registry: JobRegistry | None = None
@@ -397,25 +398,28 @@ class Agent:
 
     def _export_cluster(self, coordinator: bool, nodes: dict[str, dict]) -> None:
         """Cluster series: the coordinator exports them, every other agent exports 0 nodes
-        and no job's nodes.min (so sum and max are both right)."""
+        and no job's settings (so sum and max are both right)."""
         m = self.metrics
         m.nodes_alive.set(len(nodes) if coordinator else 0)
-        wanted: dict[str, int] = {}
+        wanted: dict[str, tuple[int, int]] = {}
         if coordinator:
             for record in self._view.jobs():  # type: ignore[union-attr]
                 if record.state.terminal:
                     continue
-                if record.run_id not in self._nodes_min:
+                if record.run_id not in self._job_settings:
                     try:
-                        self._nodes_min[record.run_id] = record.job().nodes.min
+                        job = record.job()
                     except ElasticdError:
                         continue
-                wanted[record.name] = self._nodes_min[record.run_id]
-        for labels in list(m.nodes_min._metrics):
-            if labels[0] not in wanted:
-                m.nodes_min.remove(*labels)
-        for name, value in wanted.items():
-            m.nodes_min.labels(name).set(value)
+                    self._job_settings[record.run_id] = (job.nodes.min, job.checkpoint.every)
+                wanted[record.name] = self._job_settings[record.run_id]
+        for gauge in (m.nodes_min, m.checkpoint_every):
+            for labels in list(gauge._metrics):
+                if labels[0] not in wanted:
+                    gauge.remove(*labels)
+        for name, (nodes_min, every) in wanted.items():
+            m.nodes_min.labels(name).set(nodes_min)
+            m.checkpoint_every.labels(name).set(every)
 
     def _retire_series(self, now: float) -> list[float]:
         """Remove the series of jobs this agent finished, once they were kept long enough

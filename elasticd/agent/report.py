@@ -225,6 +225,8 @@ class JobReporter:
             labels = (self.name, reason, mode, source)
             m.recovery_seconds.labels(*labels).observe(total)
             m.recoveries.labels(*labels).inc()
+            m.last_recovery_seconds.labels(self.name).set(total)
+            m.last_recovery_time.labels(self.name).set(now)
             if lost_steps:
                 m.lost_steps.labels(self.name).inc(lost_steps)
         log.info(

@@ -121,6 +121,7 @@ class JobRunner:
         self.outcome: Outcome | None = None
         self._limit = self.job.restart.max_restarts
         self._report = JobReporter(name=self.name, registry=registry, metrics=metrics, clock=clock)
+        metrics.init_job(self.name, self.job.restart.mode)
 
     # -- rendezvous ---------------------------------------------------------------------------
 

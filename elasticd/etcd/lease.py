@@ -111,6 +111,11 @@ class LeaseKeeper:
                 reader.join(timeout=2)
             if self._stop.is_set():
                 return
+            on_error = getattr(self._client, "on_error", None)
+            if on_error is not None:  # counted like a failed request (agent metrics)
+                on_error(
+                    "lease_keepalive", "STREAM_BROKEN" if stream is not None else "UNAVAILABLE"
+                )
             self._client.rotate(member)  # type: ignore[attr-defined]
             # A stream that was answered broke now: start the back-off afresh. Short
             # pauses, because a lease waits for nobody: once etcd is back (a new leader
