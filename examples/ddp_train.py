@@ -77,7 +77,9 @@ def train(ctx: ei.Context) -> None:  # elasticd: the process group exists
     channel.install_preemption_handler()  # elasticd
     if "model" not in ctx.state:  # a fresh process: build (same seed on every rank)
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+        model = torch.nn.Sequential(
+            torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)
+        )
         ctx.state["model"] = model
         ctx.state["opt"] = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, opt = ctx.state["model"], ctx.state["opt"]

@@ -1,0 +1,109 @@
+"""The pytest plugin as its users meet it: pytest in a subprocess (``pytester``) on test
+files that use ``elasticd_cluster``, with real etcd, agents and workers underneath."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+
+from elasticd.testing import leftover_processes
+
+pytest_plugins = ["pytester"]
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "examples", "ddp_train.py")
+
+
+def nothing_left(pytester) -> None:
+    assert leftover_processes(str(pytester.path)) == []
+    runs = glob.glob(str(pytester.path / "**" / "elasticd" / "run-*"), recursive=True)
+    assert runs == [], runs
+    refs = glob.glob(str(pytester.path / "**" / "elasticd-references*" / "*"), recursive=True)
+    assert refs == [], refs
+
+
+def test_a_fault_test_passes_and_a_failing_assertion_says_what_differs(pytester):
+    pytester.makepyfile(
+        test_user=f"""
+        import pytest
+
+        SCRIPT = {os.path.abspath(SCRIPT)!r}
+
+        @pytest.mark.elasticd(timeout=240)
+        def test_survives_a_killed_worker(elasticd_cluster):
+            job = elasticd_cluster.script_job(SCRIPT, steps=10)
+            result = elasticd_cluster.run(job, nodes=2, restart="inprocess",
+                                          faults=["kill-worker=1@step=4:phase=backward"])
+            reference = elasticd_cluster.reference(job, nodes=2)
+            result.assert_succeeded().assert_losses_match(reference).assert_no_lost_steps()
+            result.assert_worlds([2]).assert_recovered_within(120)
+            assert [f["kind"] for f in result.faults] == ["kill-worker"]
+            assert "in backward" in result.faults[0]["detail"]
+
+        @pytest.mark.elasticd(timeout=240)
+        def test_expects_the_wrong_worlds(elasticd_cluster):
+            job = elasticd_cluster.script_job(SCRIPT, steps=10)
+            elasticd_cluster.reference(job, nodes=2).assert_worlds([2, 1])
+        """
+    )
+    res = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--elasticd-keep")
+    res.assert_outcomes(passed=1, failed=1)
+    res.stdout.fnmatch_lines(["*ElasticdAssertionError: worlds [[]2[]], expected [[]2, 1[]]*"])
+    res.stdout.fnmatch_lines(["*test_expects_the_wrong_worlds: run directories kept in *"])
+    assert "test_survives_a_killed_worker: run directories kept" not in res.stdout.str()
+    assert leftover_processes(str(pytester.path)) == []
+
+
+def test_a_test_that_times_out_leaves_no_process_and_no_directory_behind(pytester):
+    pytester.makepyfile(
+        test_slowpoke=f"""
+        import pytest
+
+        @pytest.mark.timeout(25)
+        def test_never_ends_in_time(elasticd_cluster):
+            job = elasticd_cluster.script_job({os.path.abspath(SCRIPT)!r}, steps=100000)
+            elasticd_cluster.run(job, nodes=2)
+        """
+    )
+    res = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    res.assert_outcomes(failed=1)
+    res.stdout.fnmatch_lines(["*Timeout*"])
+    nothing_left(pytester)
+
+
+def test_a_run_that_passes_its_own_timeout_is_timed_out_and_cancelled(pytester):
+    pytester.makepyfile(
+        test_short=f"""
+        import pytest
+
+        @pytest.mark.elasticd(timeout=12)
+        def test_run_times_out(elasticd_cluster):
+            job = elasticd_cluster.script_job({os.path.abspath(SCRIPT)!r}, steps=100000)
+            result = elasticd_cluster.run(job, nodes=1)
+            assert result.outcome == "timed_out", result.describe()
+            assert result.steps, "it trained before it was stopped"
+        """
+    )
+    res = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    res.assert_outcomes(passed=1)
+    nothing_left(pytester)
+
+
+@pytest.mark.slow
+def test_two_xdist_workers_run_cluster_tests_side_by_side(pytester):
+    pytester.makepyfile(
+        test_pair=f"""
+        import pytest
+
+        @pytest.mark.elasticd(timeout=240)
+        @pytest.mark.parametrize("nodes", [1, 2])
+        def test_runs(elasticd_cluster, nodes):
+            job = elasticd_cluster.script_job({os.path.abspath(SCRIPT)!r}, steps=6)
+            elasticd_cluster.run(job, nodes=nodes).assert_succeeded().assert_worlds([nodes])
+        """
+    )
+    res = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2")
+    res.assert_outcomes(passed=2)
+    res.stdout.fnmatch_lines(["*2 workers*"])
+    nothing_left(pytester)

@@ -1,0 +1,162 @@
+"""elasticd.testing's pure parts: the fault language with phases, the worker-side plan
+(real files, no cluster), and the assertions' messages."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from elasticd.errors import UsageError
+from elasticd.faultplan import InjectedFault, PlanSource, WorkerFaults, write_plan
+from elasticd.localcluster import AtSteps, LocalCluster, parse_fault
+from elasticd.testing import ElasticdAssertionError, Recovery, result_from
+
+
+@pytest.mark.parametrize(
+    ("text", "kind", "target", "step", "phase"),
+    [("kill-worker=1@step=5:phase=checkpoint-save", "kill-worker", 1, 5, "checkpoint-save"),
+     ("raise-error=0@step=3", "raise-error", 0, 3, None),
+     ("raise-error=2@step=3:phase=backward", "raise-error", 2, 3, "backward"),
+     ("kill-node=1@step=4:phase=forward", "kill-node", 1, 4, "forward"),
+     ("add-node@step=6:phase=optimizer", "add-node", None, 6, "optimizer")],
+)  # fmt: skip
+def test_faults_keyed_to_a_phase_parse_and_print_back(text, kind, target, step, phase):
+    f = parse_fault(text)
+    assert (f.kind, f.target, f.step, f.phase) == (kind, target, step, phase)
+    assert str(f) == text
+
+
+def test_a_timed_fault_takes_a_phase_in_either_order():
+    a = parse_fault("freeze-node=1@step=4:for=3:phase=backward")
+    b = parse_fault("freeze-node=1@step=4:phase=backward:for=3")
+    assert a == b and a.duration == 3.0 and a.phase == "backward"
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [("kill-worker=1@step=5:phase=lunch", "phase=lunch is not one of forward"),
+     ("kill-worker=1@step=5:phase=forward:phase=backward", "unknown or repeated option"),
+     ("kill-worker=1@step=5:when=now", "unknown or repeated option"),
+     ("raise-error@step=5", "needs a target"),
+     ("kill-worker=1@step=5:for=3", "takes no :for=T")],
+)  # fmt: skip
+def test_bad_phase_specs_are_one_line_usage_errors(text, says):
+    with pytest.raises(UsageError, match=says) as info:
+        parse_fault(text)
+    assert "\n" not in str(info.value)
+
+
+def _plan(tmp_path, *texts):
+    faults = [parse_fault(t) for t in texts]
+    return faults, write_plan(str(tmp_path / "faults"), faults)
+
+
+def test_a_worker_fires_only_its_own_fault_once_and_raise_error_raises(tmp_path):
+    _, path = _plan(tmp_path, "raise-error=1@step=3:phase=backward", "raise-error=0@step=2")
+    other = WorkerFaults({"ELASTICD_FAULT_PLAN": path, "RANK": "0"})
+    other.at("backward", 3)  # rank 1's fault: nothing happens on rank 0
+    target = WorkerFaults({"ELASTICD_FAULT_PLAN": path, "RANK": "1"})
+    target.at("forward", 3)  # another phase of the step: nothing
+    target.at("backward", 2)  # another step: nothing
+    with pytest.raises(InjectedFault, match="raise-error=1@step=3:phase=backward"):
+        target.at("backward", 3)
+    target.at("backward", 3)  # fired once: a recovery that trains step 3 again goes on
+    again = WorkerFaults({"ELASTICD_FAULT_PLAN": path, "RANK": "1"})  # a new process
+    again.at("backward", 3)
+    with pytest.raises(InjectedFault, match="step 2 done"):
+        other.at(None, 2)  # no phase: when the step is reported done
+    fired = json.loads((tmp_path / "faults" / "fired" / "fired-0").read_text())
+    assert fired["rank"] == 1 and fired["pid"] == os.getpid()
+
+
+def test_without_a_plan_a_worker_does_nothing():
+    faults = WorkerFaults({"RANK": "0"})
+    assert faults.entries == []
+    faults.at("forward", 1)
+
+
+def test_the_cluster_side_injects_a_node_fault_when_a_worker_fires_it_and_acks_it(tmp_path):
+    faults, _ = _plan(tmp_path, "kill-node=1@step=4:phase=optimizer", "kill-worker=0@step=2")
+    source = PlanSource(str(tmp_path / "faults"), faults, AtSteps([]))
+    cluster = LocalCluster(base_dir=str(tmp_path / "c"), nproc=1)
+
+    class View:
+        pass
+
+    view = View()
+    view.cluster, view.step = cluster, 0
+    assert source.due(view) == []  # nothing fired yet
+    fired_dir = tmp_path / "faults" / "fired"
+    (fired_dir / "fired-0").write_text(json.dumps({"rank": 3, "t": 1.0, "pid": 9}))
+    (fired_dir / "fired-1").write_text(json.dumps({"rank": 0, "t": 2.0, "pid": 8}))
+    due = source.due(view)
+    assert due == [faults[0]]  # the node fault is the cluster's to do
+    assert [r["fault"] for r in cluster.fault_log] == ["kill-worker=0@step=2"]  # logged only
+    assert "SIGKILLed itself at step 2" in cluster.fault_log[0]["detail"]
+    assert not (fired_dir / "acked-0").exists()
+    source.injected(faults[0], {"detail": "node 1: agent and workers SIGKILLed"})
+    assert (fired_dir / "acked-0").exists()  # the waiting worker goes on
+    assert source.due(view) == []  # each once
+
+
+def _result(records, *, history=(), state="succeeded"):
+    final = {"state": state, "reason": "r", "metrics": records,
+             "status": {"history": list(history)}, "faults": []}  # fmt: skip
+    return result_from(final, run_dir="/nowhere", output="")
+
+
+def test_records_are_the_last_per_step_and_worlds_and_recoveries_come_from_the_history():
+    r = _result(
+        [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}, {"step": 2, "loss": 2.5},
+         {"step": 3, "loss": 1.0}],
+        history=[{"kind": "world", "world": 3}, {"kind": "world", "world": 2},
+                 {"kind": "recovery", "round": 2, "reason": "peer_lost", "mode": "inprocess",
+                  "source": "peers", "lost_steps": 0, "seconds": 0.6, "parts": {"abort": 0.1}},
+                 {"kind": "world", "world": 2}, {"kind": "world", "world": 3}],
+    )  # fmt: skip
+    assert r.steps == [1, 2, 3] and r.losses == {1: 3.0, 2: 2.5, 3: 1.0}
+    assert r.worlds == [3, 2, 3]
+    assert r.recoveries == [Recovery(round=2, reason="peer_lost", mode="inprocess",
+                                     source="peers", lost_steps=0, seconds=0.6,
+                                     parts={"abort": 0.1})]  # fmt: skip
+    r.assert_worlds([3, 2, 3]).assert_recovered_within(1.0).assert_no_lost_steps()
+
+
+def test_a_loss_mismatch_is_a_table_of_the_differing_steps():
+    ref = _result([{"step": s, "loss": 1.0 / s} for s in range(1, 9)])
+    got = _result([{"step": s, "loss": 1.0 / s * (1.01 if s >= 6 else 1.0)} for s in range(1, 8)])
+    got.assert_losses_match(ref, after=8)
+    with pytest.raises(ElasticdAssertionError) as info:
+        got.assert_losses_match(ref, after=2, rtol=1e-4)
+    text = str(info.value)
+    assert "3 value(s) differ from the reference after step 2" in text
+    rows = [
+        line.split()
+        for line in text.splitlines()
+        if line.startswith("  ") and line.strip()[:1].isdigit()
+    ]
+    assert [row[0] for row in rows] == ["6", "7", "8"]  # step 8: missing from the run
+    assert rows[0][1] == "loss" and float(rows[0][4]) == pytest.approx(0.01, rel=1e-3)
+    assert rows[2][2] == "-"
+
+
+def test_lost_steps_slow_recoveries_and_wrong_worlds_are_named():
+    r = _result(
+        [{"step": s, "loss": 1.0} for s in (1, 2, 5, 6)],
+        history=[{"kind": "world", "world": 2},
+                 {"kind": "recovery", "round": 2, "reason": "worker_failed", "mode": "process",
+                  "source": "checkpoint", "lost_steps": 3, "seconds": 14.0,
+                  "parts": {"stop": 1.0, "spawn": 9.0}}],
+    )  # fmt: skip
+    with pytest.raises(ElasticdAssertionError, match=r"(?s)3 step\(s\) lost.*missing.*3-4"):
+        r.assert_no_lost_steps()
+    with pytest.raises(ElasticdAssertionError, match=r"longer than 5 s:\n  round 2: 14.00 s"):
+        r.assert_recovered_within(5)
+    with pytest.raises(ElasticdAssertionError, match=r"worlds \[2\], expected \[2, 1\]"):
+        r.assert_worlds([2, 1])
+    with pytest.raises(ElasticdAssertionError, match="no recovery"):
+        _result([{"step": 1}]).assert_recovered_within(5)
+    with pytest.raises(ElasticdAssertionError, match="did not succeed"):
+        _result([], state="failed").assert_succeeded()
