@@ -155,6 +155,25 @@ def test_a_job_past_its_restart_limit_fails_and_says_why(cluster, tmp_path):
         final = wait_for(lambda: (rec := reg.get("limit")).state.terminal and rec, timeout=60)
     assert final.state == "failed"
     assert "restart limit reached (0)" in final.reason and "worker_failed" in final.reason
+    # Counted once, by the agent that failed the job (no next world counts it).
+    restarts = [sample(b, 'elasticd_restarts_total{elasticd_job="limit",reason="worker_failed"}')
+                for b in scrape(cluster)]  # fmt: skip
+    assert sum(restarts) == 1.0
+
+
+def test_status_of_a_job_that_never_ran_shows_dashes_not_python_none(cluster, tmp_path):
+    (tmp_path / "job.yaml").write_text(json.dumps(job_dict(tmp_path, "waits", nodes=(3, 3))))
+    assert cli(cluster, "submit", "job.yaml", cwd=tmp_path).returncode == 0
+    try:
+        status = cli(cluster, "status", "waits")
+        listing = cli(cluster, "list")
+        nodes = cli(cluster, "nodes")
+    finally:
+        cli(cluster, "cancel", "waits")
+    assert status.returncode == 0 and "job waits: " in status.stdout
+    assert "world -  round -  layout -" in status.stdout and "last failure -" in status.stdout
+    for out in (status.stdout, listing.stdout, nodes.stdout):
+        assert "None" not in out, out
 
 
 def test_a_spare_node_replaces_a_lost_one_without_a_layout_change(tmp_path):

@@ -135,7 +135,7 @@ def progress_line(record: JobRecord) -> str:
     waiting = f" ({record.reason})" if record.state == JobState.QUEUED else ""
     return (
         f"{record.name} [{bar}] step {step}/{total} loss {loss_text} "
-        f"world {st.get('world', '-')} restarts {st.get('restarts', 0)} {record.state}{waiting}"
+        f"world {show(st.get('world'))} restarts {show(st.get('restarts', 0))} {record.state}{waiting}"
     )
 
 
@@ -208,15 +208,26 @@ def run_status(args: argparse.Namespace) -> int:
         docs = [{**_summary(r), "status": r.status} for r in records]
         print(json.dumps(docs[0] if args.name else docs, indent=2, sort_keys=True))
         return 0
+    if not records:
+        print("no jobs")
     for r in records:
-        s = _summary(r)
-        print(f"job {s['name']}: {s['state']}" + (f" ({s['reason']})" if s["reason"] else ""))
-        layout = r.status.get("layout_text") or s["layout"]
+        s = {k: show(v) for k, v in _summary(r).items()}
+        print(f"job {s['name']}: {s['state']}" + (f" ({s['reason']})" if r.reason else ""))
+        layout = show(r.status.get("layout_text") or r.status.get("layout"))
         print(f"  world {s['world']}  round {s['round']}  layout {layout}")
         print(f"  step {s['step']}/{s['steps']}  loss {s['loss']}  checkpoint {s['checkpoint']}")
         print(f"  restarts {s['restarts']}  last failure {s['last_failure']}")
         print(f"  output {s['output_dir']}")
     return 0
+
+
+def show(value: Any) -> str:
+    """A status value for people: ``-`` for unknown (never Python's ``None``)."""
+    if value is None or value == "":
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
 
 
 def run_list(args: argparse.Namespace) -> int:
@@ -228,9 +239,9 @@ def run_list(args: argparse.Namespace) -> int:
     for r in records:
         st = r.status
         print(
-            f"{r.name:<24} {r.state!s:<11} step {st.get('step', 0)}/"
-            f"{r.spec.get('train', {}).get('steps')}  world {st.get('world', '-')}  "
-            f"restarts {st.get('restarts', 0)}"
+            f"{r.name:<24} {r.state!s:<11} step {show(st.get('step', 0))}/"
+            f"{show(r.spec.get('train', {}).get('steps'))}  world {show(st.get('world'))}  "
+            f"restarts {show(st.get('restarts', 0))}"
         )
     return 0
 
@@ -260,8 +271,9 @@ def run_nodes(args: argparse.Namespace) -> int:
         print("no agents registered")
     for n in nodes:
         print(
-            f"{n.get('node', '?'):<20} {n.get('addr', '?'):<16} nproc {n.get('nproc')}  "
-            f"devices {n.get('devices')}  host {n.get('hostname')}  version {n.get('version')}"
+            f"{show(n.get('node')):<20} {show(n.get('addr')):<16} nproc {show(n.get('nproc'))}  "
+            f"devices {show(n.get('devices'))}  host {show(n.get('hostname'))}  "
+            f"version {show(n.get('version'))}"
         )
     return 0
 
@@ -271,7 +283,7 @@ def run_delete(args: argparse.Namespace) -> int:
     with client:
         record = registry.delete(args.name)
     print(f"job {record.name} ({record.state}) deleted; its output stays in "
-          f"{record.spec.get('output_dir')}")  # fmt: skip
+          f"{show(record.spec.get('output_dir'))}")  # fmt: skip
     return 0
 
 

@@ -1,0 +1,80 @@
+"""The CLI as a newcomer meets it: a version, one-line errors that name the program once,
+and a quiet end when the reader of its output goes away (`elasticd ... | head`)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ELASTICD = [sys.executable, "-m", "elasticd"]
+
+
+def elasticd(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*ELASTICD, *args], capture_output=True, text=True, timeout=60)
+
+
+def read_one_line_and_close(*args: str) -> tuple[int, str, str]:
+    """Run elasticd, read its first line, close the pipe (as `| head -1` does), and
+    return its exit code, that line and everything it wrote to stderr."""
+    proc = subprocess.Popen([*ELASTICD, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.readline().decode()
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    return proc.wait(timeout=60), first, err
+
+
+def test_version_prints_the_package_version():
+    r = elasticd("--version")
+    assert (
+        r.returncode == 0 and r.stdout.startswith("elasticd ") and r.stdout.split()[1][0].isdigit()
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["layout"], "elasticd: error: layout: the following arguments are required: --world"),
+        (["layout", "--world", "4", "--bogus"], "elasticd: error: unrecognized arguments: --bogus"),
+        (["ckpt", "inspect"], "elasticd: error: ckpt inspect: the following arguments are required: DIR"),
+    ],
+)  # fmt: skip
+def test_errors_are_one_line_naming_the_program_once(args, line):
+    r = elasticd(*args)
+    assert r.returncode == 2 and r.stderr.strip() == line, r.stderr
+    assert r.stderr.count("elasticd") == 1
+
+
+def test_an_unknown_command_is_one_line_with_the_choices():
+    r = elasticd("frobnicate")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].count("elasticd") == 1
+    assert lines[0].startswith("elasticd: error: argument COMMAND: invalid choice: 'frobnicate'")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["layout", "--world", "4096", "--tp", "8", "--pp", "4"],
+        ["layout", "--world", "4096", "--tp", "8", "--pp", "4", "--json"],
+        ["schedule", "--pp", "8", "--vpp", "2", "--microbatches", "256"],
+    ],
+)  # fmt: skip
+def test_a_closed_pipe_ends_the_command_quietly(args):
+    code, first, err = read_one_line_and_close(*args)  # each writes far more than a pipe holds
+    assert first and code == 0 and err == ""
+
+
+def test_ckpt_inspect_into_a_closed_pipe_ends_quietly(tmp_path):
+    from checkpoint import SaveOptions, Saver, ShardInfo
+
+    saver = Saver(str(tmp_path), group=None, options=SaveOptions(async_=False))
+    model = {f"layer.{i}.w": (torch.zeros(2), ShardInfo.whole(f"layer.{i}.w", (2,)))
+             for i in range(3000)}  # fmt: skip
+    saver.save(step=1, consumed_samples=1, model=model, optimizer={}, layout={"world": 1})
+    saver.close()
+    code, first, err = read_one_line_and_close("ckpt", "inspect", str(tmp_path))
+    assert first and code == 0 and err == ""
