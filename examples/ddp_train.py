@@ -87,6 +87,8 @@ def train(ctx: ei.Context) -> None:  # elasticd: the process group exists
     step = ctx.sync_state(ei.state_tensors(model, opt), step=ctx.state.get("step"))
     if step is None:
         step = resume(ckpt, model, opt)
+        # elasticd: what the job's recovery record says (the agent counts the lost steps)
+        channel.recovered(source="checkpoint" if step else "none", resume_step=step)
     ddp = DDP(model)
     rank, world = dist.get_rank(), dist.get_world_size()
     while step < steps:

@@ -179,6 +179,7 @@ def _train_round(ctx, *, job, layout, device) -> int:
             trainer = Trainer(job=job, layout=layout, ctx=pctx, dp_rank=groups.index("dp"),
                               model_groups=model_groups, device=device,
                               pipeline=PipelineGroups.from_groups(groups))  # fmt: skip
+            trainer.on_phase = channel.phase  # faults keyed to a phase (elasticd.testing)
             metrics = None
             if rank == 0:
                 metrics = MetricsWriter(

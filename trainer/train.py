@@ -129,6 +129,11 @@ class Trainer:
         self._tied_name = TIED_EMBEDDING if job.model.tie_embeddings else None
         self.job, self.layout, self.ctx = job, layout, ctx
         self.preempted = False
+        self.on_phase: Callable[[str, int], None] | None = None
+        """Told ``(phase, step)`` as each phase of a step begins (forward, backward,
+        optimizer, checkpoint-save): ``WorkerChannel.phase``, where faults keyed to a phase
+        fire (elasticd.testing)."""
+        self._backward_seen = False
         self.checkpointing = None
         """The run's Checkpointing once ``run`` started (its saver's last result is
         reported to the agent)."""
@@ -215,13 +220,27 @@ class Trainer:
                 dtype=DTYPES[t.dtype],
                 device=self.device,
                 forward=self.chunk_forward,
-                before_backward=lambda c, last: self.grad_syncs[c].set_sync(last),
+                before_backward=self._before_backward,
             )
             return
         sync = self.grad_syncs[0]
         for m in range(len(self._batch)):
             sync.set_sync(m == len(self._batch) - 1)
-            self.chunk_forward(0, m, None).backward()
+            loss = self.chunk_forward(0, m, None)
+            if m == 0:
+                self._phase("backward")
+            loss.backward()
+
+    def _before_backward(self, chunk: int, last: bool) -> None:
+        if not self._backward_seen:
+            self._backward_seen = True
+            self._phase("backward")
+        self.grad_syncs[chunk].set_sync(last)
+
+    def _phase(self, name: str, step: int | None = None) -> None:
+        """``on_phase`` for phase ``name`` of the step in progress (or ``step``)."""
+        if self.on_phase is not None:
+            self.on_phase(name, self.state.step + 1 if step is None else step)
 
     def local_loss(self) -> torch.Tensor:
         """This rank's mean loss over its share of the step (meaningful on the last chunk's
@@ -259,7 +278,10 @@ class Trainer:
     def train_step(self) -> StepResult:
         started = time.perf_counter()
         lr = self.begin_step()
+        self._backward_seen = False
+        self._phase("forward")
         self.forward_backward()
+        self._phase("optimizer")
         return self.finish_step(lr=lr, started=started)
 
     # -- the loop ------------------------------------------------------------------------------
@@ -310,6 +332,9 @@ class Trainer:
         try:
             while self.state.step < self.job.train.steps:
                 result = self.train_step()
+                every, step = self.job.checkpoint.every, self.state.step
+                if (every and step % every == 0) or step == self.job.train.steps:
+                    self._phase("checkpoint-save", step)
                 ckpt.after_step()
                 if metrics is not None:
                     metrics.write(result)

@@ -410,13 +410,16 @@ class Cluster:
         self, job: Any, *, nodes: int = 1, nproc_per_node: int | None = None, **kw: Any
     ) -> RunResult:
         """The uninterrupted run of ``job`` on ``nodes`` agents, made once per session and
-        shared by every test that asks for the same job and shape. It must succeed."""
+        shared by every test that asks for the same job and shape (whatever its
+        ``restart.mode``: a run without faults never restarts). It must succeed."""
         raw = _job_dict(job)
         raw.pop("name", None)
         raw.pop("output_dir", None)
+        raw.pop("restart", None)
+        kw.pop("restart", None)
         if isinstance(raw.get("checkpoint"), dict):
             raw["checkpoint"].pop("dir", None)
-        key = json.dumps([raw, nodes, nproc_per_node, kw.get("restart")], sort_keys=True)
+        key = json.dumps([raw, nodes, nproc_per_node, sorted(kw.items())], sort_keys=True)
         if key not in self.references:
             where = Cluster(base=os.path.join(self.reference_base or self.base,
                                               f"reference-{len(self.references)}"),
