@@ -671,7 +671,8 @@ class MetricsTail:
 
 OUTPUT_MARKER = ".elasticd-output"
 """The file ``elasticd run`` leaves in an output dir it made; ``--fresh`` deletes only those."""
-_OWN_NAMES = frozenset({"metrics.jsonl", "logs", "ckpt", "cluster", OUTPUT_MARKER})
+_OWN_NAMES = frozenset({"metrics.jsonl", "logs", "ckpt", "cluster", OUTPUT_MARKER,
+                        "events.jsonl", "run.json", "report.html", "report.png"})  # fmt: skip
 
 
 def _refuse_precious(path: str, what: str) -> None:

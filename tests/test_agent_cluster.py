@@ -99,6 +99,19 @@ def test_a_killed_worker_is_restarted_and_counted(tmp_path, fast_steps):
     assert result["status"]["restarts"] == 1
     assert "signal 9" in result["status"]["last_failure"]
     assert_resumed_exactly(result, 10)
+    # Node rank 0's agent kept the run's events for `elasticd report`.
+    from elasticd.report import load_run, recovery_bars
+
+    (tmp_path / "out" / "run.json").write_text(json.dumps(result))
+    report = load_run(job.out_dir)
+    assert [w["world"] for w in report.worlds] == [2, 2]
+    assert [(r["reason"], r["mode"], r["source"]) for r in report.recoveries] == [
+        ("worker_failed", "process", "checkpoint")
+    ]
+    assert {s["step"] for s in report.saves} >= {3, 6, 9, 10}  # checkpoint.every 3, and the end
+    assert [ld["step"] for ld in report.loads] == [3] and report.loads[0]["seconds"] > 0
+    ((_label, parts),) = recovery_bars(report)
+    assert [p for p, _ in parts][:2] == ["detect", "stop"] and parts[-1][0] == "first_step"
 
 
 def test_a_hung_worker_is_detected_within_the_hang_timeout(tmp_path, fast_steps):
@@ -203,6 +216,11 @@ def test_the_run_command_prints_a_summary_and_exits_zero_on_success(tmp_path, fa
     assert r.returncode == 0, r.stdout + r.stderr
     assert "job cli: succeeded" in r.stdout and "steps completed: 4" in r.stdout
     assert (tmp_path / "runs" / "cli" / "logs" / "round-1" / "rank-0.log").exists()
+    # It leaves the run's record and its report in the output dir.
+    out = tmp_path / "runs" / "cli"
+    assert "report: " in r.stdout and (out / "report.html").stat().st_size > 10_000
+    assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((out / "run.json").read_text())["state"] == "succeeded"
 
 
 def test_an_etcd_outage_mid_run_does_not_stop_training(tmp_path, fast_steps):

@@ -26,6 +26,8 @@ from elasticd.metrics import AgentMetrics
 
 log = logging.getLogger("elasticd.agent")
 
+EVENTS_FILE = "events.jsonl"
+"""In the job's output_dir: one JSON object per world, recovery, checkpoint save and load."""
 FAILURE_REASONS = ("worker_failed", "worker_hung", "collective_failed")
 """Round-ending causes that use up one of restart.max_restarts."""
 PART_MARKS = ("stop", "rendezvous", "spawn", "pg_init", "ckpt_load", "first_step")
@@ -76,8 +78,12 @@ class JobReporter:
         registry: JobRegistry,
         metrics: AgentMetrics,
         clock: Callable[[], float] = time.time,
+        events_path: str | None = None,
     ) -> None:
+        """``events_path``: the run's ``events.jsonl`` (worlds, recoveries, checkpoint saves
+        and loads, appended by node rank 0 for ``elasticd report``); None: not written."""
         self.name = name
+        self._events_path = events_path
         self._registry = registry
         self._metrics = metrics
         self._clock = clock
@@ -88,6 +94,18 @@ class JobReporter:
         self._step_seen: int | None = None
         self._save_seen: Any = None
         self._ckpt_seen: int | None = None
+
+    def _event(self, event: dict[str, Any]) -> None:
+        """Append one record to the run's events.jsonl (best effort: a full or missing
+        disk costs the report a line, never the job)."""
+        if self._events_path is None:
+            return
+        line = json.dumps({"t": round(self._clock(), 3), **event}, separators=(",", ":"))
+        try:
+            with open(self._events_path, "a", encoding="utf-8") as fh:
+                fh.write(line + "\n")
+        except OSError as exc:
+            log.debug("event not written", **kv(job=self.name, error=str(exc)))
 
     def for_round(self, fence: Fence | None) -> None:
         """Writes from now on are made on behalf of ``fence``'s round."""
@@ -101,6 +119,8 @@ class JobReporter:
         summary = {"world": world.size, "ranks": layout.world, "active": layout.active,
                    "dp": layout.dp, "tp": p.tp, "pp": p.pp, "vpp": p.vpp, "ep": p.ep}  # fmt: skip
         text = "tp{tp} pp{pp} dp{dp}".format(**summary)
+        self._event({"kind": "world", "round": world.round, "world": world.size,
+                     "nodes": list(world.nodes), "layout": text, "resume_step": ckpt_step})  # fmt: skip
         # The event carries no node list (a thousand nodes would swell every history
         # entry); the status keeps only the current world's nodes.
         self._registry.add_event(
@@ -192,6 +212,9 @@ class JobReporter:
             facts = checkpoint_facts(ckpt_dir, int(saved["step"])) if ckpt_dir else None
             if facts is not None:
                 m.ckpt_saved_bytes.labels(j).inc(facts[0])
+            self._event({"kind": "checkpoint_save", "step": int(saved["step"]),
+                         "seconds": float(saved.get("seconds", 0.0)),
+                         "bytes": facts[0] if facts else None})  # fmt: skip
             checkpoint = max(checkpoint or 0, int(saved["step"]))
         if checkpoint is not None and checkpoint != self._ckpt_seen and ckpt_dir:
             self._ckpt_seen = checkpoint
@@ -207,6 +230,8 @@ class JobReporter:
         facts = checkpoint_facts(ckpt_dir, step)
         if facts is not None:
             m.ckpt_loaded_bytes.labels(j).inc(facts[0])
+        self._event({"kind": "checkpoint_load", "step": step, "seconds": round(max(0.0, seconds), 4),
+                     "bytes": facts[0] if facts else None})  # fmt: skip
 
     def recovered(
         self, *, round_: int, rec: dict[str, Any], marks: list[tuple[str, float | None]],
@@ -239,6 +264,7 @@ class JobReporter:
         event = {"kind": "recovery", "round": round_, "reason": reason, "detected_at": t0,
                  "seconds": total, "parts": parts, "first_step": first_step, "mode": mode,
                  "source": source, "lost_steps": lost_steps}  # fmt: skip
+        self._event(event)
         try:
             self._registry.add_event(self.name, event, fence=self.fence)
         except FencedError as exc:

@@ -49,7 +49,7 @@ from elasticd.agent.policy import (
     latest_checkpoint_step,
     stop_plan,
 )
-from elasticd.agent.report import FAILURE_REASONS, JobReporter
+from elasticd.agent.report import EVENTS_FILE, FAILURE_REASONS, JobReporter
 from elasticd.errors import ElasticdError
 from elasticd.jobs import Fence, FencedError, JobRecord, JobRegistry, JobState
 from elasticd.jobspec import JobSpec
@@ -120,7 +120,8 @@ class JobRunner:
         """Set by the agent when ``run`` raised: the job is taken again after a back-off."""
         self.outcome: Outcome | None = None
         self._limit = self.job.restart.max_restarts
-        self._report = JobReporter(name=self.name, registry=registry, metrics=metrics, clock=clock)
+        self._report = JobReporter(name=self.name, registry=registry, metrics=metrics, clock=clock,
+                                   events_path=os.path.join(self.job.out_dir, EVENTS_FILE))  # fmt: skip
         metrics.init_job(self.name, self.job.restart.mode)
 
     # -- rendezvous ---------------------------------------------------------------------------

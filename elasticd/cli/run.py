@@ -83,4 +83,25 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result, sort_keys=True, default=str))
     else:
         print_summary(result, out=sys.stdout)
+    write_report(job.out_dir, result, out=progress)
     return 0 if result["state"] == "succeeded" else 1
+
+
+def write_report(out_dir: str, result: dict, *, out) -> None:
+    """Leave the run's final record (run.json: state, history, faults; the steps are in
+    metrics.jsonl) and its report (report.html, report.png) in its output_dir."""
+    from elasticd.errors import ElasticdError
+    from elasticd.report import load_run, png_bytes, write_html, write_png
+
+    final = {k: v for k, v in result.items() if k != "metrics"}
+    try:
+        with open(os.path.join(out_dir, "run.json"), "w", encoding="utf-8") as fh:
+            json.dump(final, fh, sort_keys=True, default=str)
+        run = load_run(out_dir)
+        picture = png_bytes(run)
+        write_html(run, os.path.join(out_dir, "report.html"), png=picture)
+        write_png(run, os.path.join(out_dir, "report.png"), png=picture)
+    except (OSError, ElasticdError) as exc:  # the run's outcome stands; the report is extra
+        out.write(f"report not written: {exc}\n")
+        return
+    out.write(f"report: {os.path.join(out_dir, 'report.html')} (picture: report.png)\n")
