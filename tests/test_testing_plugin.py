@@ -107,3 +107,36 @@ def test_two_xdist_workers_run_cluster_tests_side_by_side(pytester):
     res.assert_outcomes(passed=2)
     res.stdout.fnmatch_lines(["*2 workers*"])
     nothing_left(pytester)
+
+
+@pytest.mark.elasticd(timeout=240)
+def test_the_built_in_trainer_killed_in_its_checkpoint_save_recovers_in_process(elasticd_cluster):
+    job = elasticd_cluster.builtin_job(train={"steps": 10}, checkpoint={"every": 4})
+    result = elasticd_cluster.run(
+        job, nodes=2, restart="inprocess", faults=["kill-worker=1@step=4:phase=checkpoint-save"]
+    )
+    reference = elasticd_cluster.reference(job, nodes=2)
+    result.assert_succeeded().assert_worlds([2]).assert_no_lost_steps()
+    result.assert_losses_match(reference)
+    assert result.faults[0]["detail"] == "rank 1 SIGKILLed itself at step 4 in checkpoint-save"
+    (recovery,) = result.recoveries
+    assert (recovery.mode, recovery.source) == ("inprocess", "peers")
+
+
+@pytest.mark.elasticd(timeout=240)
+def test_an_error_raised_in_a_ranks_step_is_the_scripts_to_handle(elasticd_cluster):
+    # Not a communication error: the script's own exception. Its worker exits non-zero,
+    # the job restarts it (process mode) from the checkpoint, and the log shows the error.
+    job = elasticd_cluster.script_job(SCRIPT, steps=10, checkpoint={"every": 3})
+    result = elasticd_cluster.run(
+        job, nodes=2, restart="process", faults=["raise-error=1@step=5:phase=optimizer"]
+    )
+    result.assert_succeeded().assert_worlds([2])
+    result.assert_losses_match(elasticd_cluster.reference(job, nodes=2))
+    (recovery,) = result.recoveries
+    # Rank 1 raised before its optimizer step 5; rank 0 had all it needed and completed
+    # step 5; the restart resumes from the step-3 checkpoint: steps 4 and 5 trained again.
+    assert recovery.reason == "worker_failed" and recovery.lost_steps == 2
+    assert "InjectedFault: injected fault raise-error=1@step=5:phase=optimizer" in result.rank_log(
+        1
+    )

@@ -332,12 +332,12 @@ class Trainer:
         try:
             while self.state.step < self.job.train.steps:
                 result = self.train_step()
+                if metrics is not None:  # before the save: a fault in it keeps the record
+                    metrics.write(result)
                 every, step = self.job.checkpoint.every, self.state.step
                 if (every and step % every == 0) or step == self.job.train.steps:
                     self._phase("checkpoint-save", step)
                 ckpt.after_step()
-                if metrics is not None:
-                    metrics.write(result)
                 if progress is not None:
                     progress(result)
                 if after_step is not None:
