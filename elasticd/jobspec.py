@@ -64,6 +64,9 @@ class ModelConfig:
     """Share the output head with the token embedding, as GPT-2 does."""
     dropout: float = 0.0
     """Dropout probability; 0 makes every layout bit-comparable."""
+    init_from: str | None = None
+    """``hf:DIR``: start from a Hugging Face GPT-2 directory's weights (config.json and
+    model.safetensors) when there is no checkpoint to resume; dense models only."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -452,6 +455,14 @@ def _check(job: JobSpec, where: str) -> None:
         raise JobSpecError(
             f"{where}: train.global_batch: {t.global_batch} is not a multiple of "
             f"train.micro_batch ({t.micro_batch})"
+        )
+    init = job.model.init_from
+    if init is not None and (not init.startswith("hf:") or not init[3:].strip()):
+        raise JobSpecError(f"{where}: model.init_from: {init!r} must be hf:DIR")
+    if init is not None and job.model.experts:
+        raise JobSpecError(
+            f"{where}: model.init_from: a Hugging Face GPT-2 model is dense; model.experts "
+            f"is {job.model.experts}"
         )
     _check_dir(where, "output_dir", job.output_dir)
     _check_dir(where, "checkpoint.dir", job.checkpoint.dir)
