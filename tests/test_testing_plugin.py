@@ -140,3 +140,19 @@ def test_an_error_raised_in_a_ranks_step_is_the_scripts_to_handle(elasticd_clust
     assert "InjectedFault: injected fault raise-error=1@step=5:phase=optimizer" in result.rank_log(
         1
     )
+
+
+def test_the_plugin_loads_from_its_entry_point_without_importing_torch(pytester):
+    pytester.makepyfile(
+        test_plain="""
+        import sys
+
+        def test_unrelated(request):
+            assert request.config.pluginmanager.hasplugin("elasticd")
+            assert "torch" not in sys.modules, "the plugin imported torch at start-up"
+        """
+    )
+    res = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--fixtures")
+    res.stdout.fnmatch_lines(["elasticd_cluster*", "*factory of local clusters*"])
+    res = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    res.assert_outcomes(passed=1)

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from elasticd.errors import UsageError
+from elasticd.errors import JobSpecError, UsageError
 from elasticd.faultplan import InjectedFault, PlanSource, WorkerFaults, write_plan
 from elasticd.localcluster import AtSteps, LocalCluster, parse_fault
 from elasticd.testing import ElasticdAssertionError, Recovery, result_from
@@ -160,3 +160,30 @@ def test_lost_steps_slow_recoveries_and_wrong_worlds_are_named():
         _result([{"step": 1}]).assert_recovered_within(5)
     with pytest.raises(ElasticdAssertionError, match="did not succeed"):
         _result([], state="failed").assert_succeeded()
+
+
+def test_a_job_is_a_dict_a_path_or_the_built_in_one_with_overrides(tmp_path):
+    from elasticd.jobspec import load_job
+    from elasticd.testing import BUILTIN_JOB, Cluster, _job_dict
+
+    cluster = Cluster(base=str(tmp_path))
+    job = cluster.builtin_job(train={"steps": 8}, **{"parallel.tp": 2, "model.layers": 4})
+    assert job["train"] == {**BUILTIN_JOB["train"], "steps": 8}
+    assert job["parallel"] == {"tp": 2} and job["model"]["layers"] == 4
+    assert BUILTIN_JOB["train"]["steps"] == 20  # the base is not changed
+    path = tmp_path / "job.yaml"
+    path.write_text("name: j\ntrain: {steps: 3, global_batch: 4, micro_batch: 2}\n")
+    assert _job_dict(str(path))["train"]["steps"] == 3
+    assert _job_dict(load_job(str(path)))["name"] == "j"
+    with pytest.raises(UsageError, match="no such file"):
+        cluster.script_job(tmp_path / "missing.py")
+    with pytest.raises(UsageError, match="restart: 'sometimes' must be inprocess or process"):
+        cluster.run(job, restart="sometimes")
+    with pytest.raises(JobSpecError, match=r"nodes\.min: a world of 1 ranks is smaller than tp"):
+        cluster.run(job)  # the job spec's own checks, before anything starts
+    plain = cluster.builtin_job()
+    with pytest.raises(UsageError, match="phase=lunch"):
+        cluster.run(plain, faults=["kill-worker=0@step=2:phase=lunch"])
+    with pytest.raises(UsageError, match="there is no rank 5"):
+        cluster.run(plain, nodes=2, faults=["raise-error=5@step=2"])
+    assert cluster.runs == [] and not (tmp_path / "run-0" / "out" / "cluster").exists()
