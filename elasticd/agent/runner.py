@@ -412,6 +412,7 @@ class JobRunner:
             return self._round(handler, world, joined_at)
         finally:
             self._in_round = False
+            self._metrics.in_world.labels(self.name).set(0)  # re-forming, or done
 
     def _round(self, handler: Any, world: Any, joined_at: float) -> Outcome:
         rnd = self._start_round(world, joined_at)
