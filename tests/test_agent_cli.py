@@ -21,7 +21,7 @@ from elasticd.localcluster import LocalCluster
 WORKER = os.path.join(os.path.dirname(__file__), "agent_worker.py")
 
 
-KEEP_FINISHED = 8
+KEEP_FINISHED = 5
 """Seconds the agents keep a finished job's series (short, so a test sees them go)."""
 
 
@@ -90,6 +90,21 @@ def test_a_second_agent_on_a_taken_metrics_port_exits_with_one_line_naming_the_f
     with connect(cluster.etcd.client_config()) as client:  # it never registered
         kvs, _ = client.get_prefix("/elasticd/nodes/node-x")
     assert not kvs
+
+
+def test_an_agent_without_node_id_takes_it_from_the_environment(cluster, tmp_path):
+    env = {**os.environ, "ELASTICD_NODE_ID": "node-env"}
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "elasticd", "agent", "--etcd", cluster.endpoint, "--state-dir",
+         str(tmp_path / "env"), "--metrics-port", "0", "--nproc-per-node", "1"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        with connect(cluster.etcd.client_config()) as client:
+            wait_for(lambda: client.get_prefix("/elasticd/nodes/node-env")[0], timeout=30)
+    finally:
+        agent.terminate()
+        assert agent.wait(timeout=30) == 0
 
 
 def test_each_agent_registers_its_node_on_a_lease(cluster):

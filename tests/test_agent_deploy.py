@@ -4,9 +4,14 @@ dashboard and scrape config use metric names the agent really exports."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
@@ -66,7 +71,9 @@ def test_the_systemd_unit_lets_the_agent_drive_a_stop_and_names_real_options():
     assert "KillMode=mixed" in unit and "KillSignal=SIGTERM" in unit
     exec_start = re.search(r"ExecStart=(.*?)\n(?!\s)", unit, re.S).group(1)
     words = exec_start.replace("\\\n", " ").split()
-    assert words[1:3] == ["agent", "--node-id"]
+    assert words[1] == "agent"
+    # Nothing node-specific is hard-coded: the node id is the host name (or the env file's).
+    assert "--node-id" not in words
     options = [w for w in words if w.startswith("--")]
     parsed = build_parser().parse_args(
         ["agent", *[x for o in options for x in (o, "1" if "port" in o or "nproc" in o else "x")]]
@@ -75,6 +82,27 @@ def test_the_systemd_unit_lets_the_agent_drive_a_stop_and_names_real_options():
     env = (DEPLOY / "systemd" / "elasticd-agent.env").read_text()
     for var in re.findall(r"\$\{(\w+)\}", unit):
         assert re.search(rf"^{var}=", env, re.M), var
+    assert not re.search(r"^ELASTICD_NODE_ID=", env, re.M)  # every node would copy it
+
+
+SYSTEMD_ANALYZE = shutil.which("systemd-analyze")
+
+
+@pytest.mark.skipif(SYSTEMD_ANALYZE is None, reason="systemd-analyze not found")
+def test_the_systemd_unit_is_hardened_and_verifies_clean(tmp_path):
+    unit = (DEPLOY / "systemd" / "elasticd-agent.service").read_text()
+    # verify checks that ExecStart's program exists: point it at this install's.
+    elasticd = os.path.join(os.path.dirname(sys.executable), "elasticd")
+    copy = tmp_path / "elasticd-agent.service"
+    copy.write_text(unit.replace("/opt/elasticd/.venv/bin/elasticd", elasticd))
+    verify = subprocess.run([SYSTEMD_ANALYZE, "verify", str(copy)], capture_output=True,
+                            text=True, timeout=60)  # fmt: skip
+    assert verify.returncode == 0 and verify.stderr.strip() == "", verify.stderr
+    security = subprocess.run([SYSTEMD_ANALYZE, "security", "--offline=yes", str(copy)],
+                              capture_output=True, text=True, timeout=60)  # fmt: skip
+    score = re.search(r"Overall exposure level for \S+: ([\d.]+)", security.stdout)
+    assert score, security.stdout[-500:] + security.stderr
+    assert float(score.group(1)) <= 5.0, security.stdout
 
 
 def test_the_scrape_config_parses_and_keeps_the_agent_pods():

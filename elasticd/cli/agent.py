@@ -18,7 +18,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "and re-form the world when a node dies, is preempted or joins. Without --etcd and "
         "with nothing at 127.0.0.1:2379, an embedded etcd is started in --state-dir.",
     )
-    p.add_argument("--node-id", default=None, help="stable node id (default: the host name)")
+    p.add_argument("--node-id", default=None,
+                   help="stable node id (default: $ELASTICD_NODE_ID, else the host name)")  # fmt: skip
     p.add_argument("--addr", default=None,
                    help="address peers reach this node at (default: $ELASTICD_ADDR, else the "
                    "host name's address)")  # fmt: skip
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     )
     config = AgentConfig(
         etcd=etcd_config(args) if given else None,
-        node_id=args.node_id or socket.gethostname(),
+        node_id=args.node_id or os.environ.get("ELASTICD_NODE_ID") or socket.gethostname(),
         addr=args.addr or os.environ.get("ELASTICD_ADDR") or default_addr(),
         nproc=args.nproc_per_node,
         state_dir=os.path.abspath(state_dir),
