@@ -28,6 +28,7 @@ from checkpoint.errors import (
     FormatError,
     LayoutMismatchError,
     NoCheckpointError,
+    OwnershipError,
     SaveFailedError,
 )
 from checkpoint.fence import Fence, check_fence, read_fence, write_fence
@@ -50,6 +51,7 @@ __all__ = [
     "LoadStats",
     "Manifest",
     "NoCheckpointError",
+    "OwnershipError",
     "SaveFailedError",
     "SaveOptions",
     "SaveResult",

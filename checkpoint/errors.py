@@ -29,6 +29,10 @@ class SaveFailedError(CheckpointError):
     """A save did not commit (a write failed on some rank, or ranks disagreed)."""
 
 
+class OwnershipError(CheckpointError):
+    """The checkpoint directory belongs to another job, or another run is using it."""
+
+
 class FencedError(SaveFailedError):
     """A save refused because ``fence.json`` names another round or run than the saver's:
     the world moved on without this node. ``writer`` and ``current`` are the two fences

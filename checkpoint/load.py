@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import store
-from checkpoint.comm import all_gather_json, broadcast_json
+from checkpoint.comm import all_gather_json, broadcast_json, group_rank
 from checkpoint.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -258,12 +258,17 @@ def load_latest(
 ) -> Checkpoint:
     """Load the newest loadable committed checkpoint into the given tensors.
 
-    Tries `latest` first, then older committed steps. A checkpoint counts as loaded only
+    Tries the steps in :func:`checkpoint.store.load_order` (newest commit of the current
+    lineage first; `latest` is only a hint). A step that fails is recorded as unloadable
+    (retention then never keeps it in place of one that loads). A checkpoint counts as loaded only
     when every rank of ``group`` loaded it; otherwise all ranks fall back together, with a
     warning naming what was wrong. Raises NoCheckpointError when nothing is committed.
     """
-    order = store.load_order(ckpt_dir)
     distributed = dist.is_initialized()
+    leader = group_rank(group) == 0
+    if leader:
+        store.recover_replaced(ckpt_dir)  # a step moved aside by a writer that then died
+    order = store.load_order(ckpt_dir)
     if distributed:
         order = broadcast_json(order, group)
     if not order:
@@ -283,6 +288,11 @@ def load_latest(
         if isinstance(ckpt, Checkpoint):
             ckpt.close()
         failures.append(f"step {step}: {errors[0]}")
+        if leader:  # retention must never keep it in place of a step that loads
+            try:
+                store.mark_unloadable(ckpt_dir, step, errors[0])
+            except OSError as exc:
+                warn(f"cannot record that step {step} failed to load: {exc}")
         if i + 1 < len(order):  # else the error below says it, once
             warn(
                 f"checkpoint step {step} cannot be loaded ({errors[0]}); "
@@ -294,7 +304,7 @@ def load_latest(
 
 
 def open_step(ckpt_dir: str, step: int | None = None) -> Checkpoint:
-    """Open ``step`` (default: `latest`, else the newest committed) of a checkpoint directory."""
+    """Open ``step`` (default: the newest commit, as a load would) of a checkpoint directory."""
     if step is None:
         order = store.load_order(ckpt_dir)
         if not order:

@@ -108,6 +108,10 @@ class Manifest:
     optimizer: dict[str, Any]
     extra: dict[str, Any]
     created_unix: float
+    commit: int = 0
+    """The commit's number in its checkpoint directory (1 + the highest before it), so that
+    commit order, not the step number, says which step is newest; 0 in manifests written
+    before it was recorded."""
 
     @property
     def total_bytes(self) -> int:
@@ -152,6 +156,7 @@ class Manifest:
             },
             "optimizer": self.optimizer,
             "extra": self.extra,
+            "commit": self.commit,
         }
         body["checksum"] = _self_checksum(body)
         return json.dumps(body, indent=1, sort_keys=False).encode()
@@ -304,6 +309,7 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
         optimizer=dict(_dict(raw.get("optimizer") or {}, "optimizer")),
         extra=dict(_dict(raw.get("extra") or {}, "extra")),
         created_unix=float(created),
+        commit=_int(raw.get("commit", 0), "commit"),
     )
 
 

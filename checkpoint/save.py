@@ -20,7 +20,7 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +55,10 @@ class SaveOptions:
     """Smallest stored chunk; chunks are what a resharded load reads and verifies whole."""
     fence: Fence | None = None
     """The run and round this saver commits for; None: commits are not fenced."""
+    hook: Callable[[str], None] | None = None
+    """Called by group rank 0 at each named point of a commit (``before-rename``,
+    ``replaced-moved-aside``, ``renamed``, ``latest-tmp-written``, ``latest-switched``,
+    ``pruning``): the crash tests kill the process there."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,6 +364,7 @@ class Saver:
             optimizer=head["scalars"],
             extra=head["extra"],
             created_unix=time.time(),
+            commit=store.next_commit(self.ckpt_dir),
         )
         tmp, token = head["tmp"], head["token"]
         path = os.path.join(tmp, MANIFEST)
@@ -378,4 +383,7 @@ class Saver:
             keep=self.options.keep,
             check=self._check_fence,
             log=log.info,
+            warn=log.warning,
+            hook=self.options.hook,
+            commit=manifest.commit,
         )

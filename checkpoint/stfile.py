@@ -250,7 +250,7 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_atomic(path: str, data: bytes) -> None:
+def write_atomic(path: str, data: bytes, *, before_rename=None) -> None:
     """Replace ``path`` with ``data`` atomically: write a tmp file, fsync, rename, fsync dir."""
     tmp = f"{path}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -259,6 +259,8 @@ def write_atomic(path: str, data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+    if before_rename is not None:
+        before_rename()
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 

@@ -1,20 +1,25 @@
 """The checkpoint directory: committed steps, the `latest` pointer, retention, leftovers.
 
 A step counts as committed only when ``step-<9 digits>/manifest.json`` exists: rank 0
-writes the manifest into ``step-N.tmp/`` and renames the directory only after every rank's
-files are fsynced, so a directory without ``.tmp`` always holds a complete checkpoint.
+writes the manifest into ``step-N.<token>.tmp/`` and renames the directory only after every
+rank's files are fsynced, so a directory without ``.tmp`` always holds a complete
+checkpoint. The rename is the one commit point. Which committed step is newest is said by
+the commit numbers in the manifests, not by the step numbers nor by `latest` (a hint).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
+import secrets
 import shutil
 from collections.abc import Callable
 
-from checkpoint.fence import FENCE_FILE
+from checkpoint.errors import CheckpointError
 from checkpoint.manifest import LATEST, MANIFEST, parse_step_dirname, step_dirname
-from checkpoint.stfile import fsync_dir, write_atomic
+from checkpoint.stfile import fsync_dir, read_regular, write_atomic
 
 
 def step_path(ckpt_dir: str, step: int) -> str:
@@ -44,8 +49,16 @@ def read_latest(ckpt_dir: str) -> int | None:
         return None
 
 
-def write_latest(ckpt_dir: str, step: int) -> None:
-    write_atomic(os.path.join(ckpt_dir, LATEST), (step_dirname(step) + "\n").encode())
+def write_latest(ckpt_dir: str, step: int, hook: Callable[[str], None] | None = None) -> None:
+    write_atomic(
+        os.path.join(ckpt_dir, LATEST),
+        (step_dirname(step) + "\n").encode(),
+        before_rename=(lambda: hook("latest-tmp-written")) if hook else None,
+    )
+
+
+def _nothing(_what: str) -> None:
+    pass
 
 
 def commit_step(
@@ -57,34 +70,68 @@ def commit_step(
     keep: int,
     check: Callable[[str], None],
     log: Callable[[str], None] | None = None,
+    warn: Callable[[str], None] | None = None,
+    hook: Callable[[str], None] | None = None,
+    commit: int | None = None,
 ) -> None:
     """Commit the finished save in ``tmp`` (manifest written and fsynced) as ``step``:
-    rename it to ``step-N``, switch `latest` to it, then apply retention.
+    rename it to ``step-N`` (the commit point), switch `latest` to it, then apply retention.
+
+    The rename is the one commit point. After it the step is committed whatever happens:
+    a failure to fsync the directory, to switch `latest` (a hint: loads go by commit order)
+    or to prune is a warning (``warn``), not an error. Only the fence still stops a writer
+    after it (see below).
 
     ``check(what)`` is the fence (:func:`checkpoint.fence.check_fence`): it raises to refuse,
-    ``what`` opening its message. It is asked right before the rename (the commit point),
-    again after the rename (before `latest`) and once more before anything is deleted, so
-    that a writer frozen between a check and its next step and thawed in a newer world
-    stops at the next check. After the rename, a refused writer's own step stays where it
-    is, complete (moving it again could move a newer world's commit of the same step), and
-    a committed step it displaced is put back: nothing committed is deleted."""
+    ``what`` opening its message. It is asked right before the rename, again after the
+    rename (before `latest`) and once more before anything is deleted, so that a writer
+    frozen between a check and its next step and thawed in a newer world stops at the next
+    check. After the rename, a refused writer's own step stays where it is, complete
+    (moving it again could move a newer world's commit of the same step), and a committed
+    step it displaced is put back: nothing committed is deleted. A refused step that
+    displaced nothing is recorded as unloadable under its ``commit`` number, so it never
+    outranks the current world's commits.
+
+    An existing ``step-N`` (saved again after resuming from an older step) is first moved
+    aside to ``step-N.<token>.replaced.tmp``; should the writer die before its own rename,
+    :func:`recover_replaced` puts it back, so a replaced step is never lost. ``hook(point)``
+    is called at each named point (tests aim a SIGKILL at them)."""
+    hook = hook or _nothing
+    warn = warn or log or _nothing
     final = step_path(ckpt_dir, step)
     check(f"checkpoint step {step} was not committed")
+    hook("before-rename")
     aside = None
     if os.path.exists(final):  # a step saved again after resuming from an older one
         aside = f"{final}.{token}.replaced.tmp"
         os.replace(final, aside)
-    os.replace(tmp, final)
-    fsync_dir(ckpt_dir)
-    undo = (ckpt_dir, final, aside, token)
+        hook("replaced-moved-aside")
+    os.replace(tmp, final)  # the commit point
+    hook("renamed")
+    _warn_on_error(warn, f"checkpoint step {step} is committed, but fsync of {ckpt_dir}",
+                   lambda: fsync_dir(ckpt_dir))  # fmt: skip
+    undo = (ckpt_dir, final, aside, token, commit)
     _check_after_rename(
         *undo, check, f"checkpoint step {step} was renamed into place, `latest` not switched"
     )
-    write_latest(ckpt_dir, step)
+    _warn_on_error(warn, f"checkpoint step {step} is committed, but switching `latest`",
+                   lambda: write_latest(ckpt_dir, step, hook))  # fmt: skip
+    hook("latest-switched")
     _check_after_rename(*undo, check, f"checkpoint step {step} was committed, nothing pruned")
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
-    prune(ckpt_dir, keep=keep, log=log)
+
+    def tidy() -> None:
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+        prune(ckpt_dir, keep=keep, log=log, hook=hook)
+
+    _warn_on_error(warn, f"checkpoint step {step} is committed, but retention", tidy)
+
+
+def _warn_on_error(warn: Callable[[str], None], what: str, func: Callable[[], None]) -> None:
+    try:
+        func()
+    except Exception as exc:
+        warn(f"{what} failed: {exc}")
 
 
 def _check_after_rename(
@@ -92,6 +139,7 @@ def _check_after_rename(
     final: str,
     aside: str | None,
     token: str,
+    commit: int | None,
     check: Callable[[str], None],
     what: str,
 ) -> None:
@@ -99,43 +147,188 @@ def _check_after_rename(
         what += " (the step it displaced is put back)"
     try:
         check(what)
-    except BaseException:
+    except BaseException as exc:
         if aside is not None:
             os.replace(final, f"{final}.{token}.fenced.tmp")  # ours: a leftover now
             os.replace(aside, final)
             fsync_dir(ckpt_dir)
+        elif commit is not None:
+            # Our step stays in place (moving it could move a newer world's commit of the
+            # same step), but marked by our commit number, so that it does not outrank the
+            # current world's commits: loaded last, pruned first.
+            with contextlib.suppress(Exception):
+                mark_unloadable(ckpt_dir, int(os.path.basename(final)[5:]), str(exc),
+                                commit=commit)  # fmt: skip
         raise
 
 
+# -- commit order, lineage and what failed to load -------------------------------------------
+
+UNLOADABLE = "unloadable.json"
+"""``{"<step>": {"commit": <n>, "error": "..."}}``: committed steps a load fell back from."""
+_MANIFEST_MAX = 256 << 20
+
+
+def commit_numbers(ckpt_dir: str) -> dict[int, int]:
+    """Each committed step's commit number (0 when its manifest has none or is unreadable:
+    such a step is ordered by its step number below every numbered commit). Only the one
+    field is read here; a load checks the whole manifest."""
+    out = {}
+    for step in committed_steps(ckpt_dir):
+        out[step] = 0
+        path = os.path.join(step_path(ckpt_dir, step), MANIFEST)
+        with contextlib.suppress(CheckpointError, ValueError, UnicodeDecodeError, RecursionError):
+            raw = json.loads(read_regular(path, max_bytes=_MANIFEST_MAX))
+            n = raw.get("commit", 0) if isinstance(raw, dict) else 0
+            out[step] = n if type(n) is int and n >= 0 else 0
+    return out
+
+
+def next_commit(ckpt_dir: str) -> int:
+    return 1 + max(commit_numbers(ckpt_dir).values(), default=0)
+
+
+def lineage(ckpt_dir: str, numbers: dict[int, int] | None = None) -> tuple[list[int], list[int]]:
+    """``(current, abandoned)``, each newest commit first. The current lineage is the newest
+    commit and, going back in commit order, every step older than the one after it; a
+    step not on it (step 100 of a timeline abandoned when training resumed from step 90 and
+    committed step 95) is abandoned."""
+    numbers = commit_numbers(ckpt_dir) if numbers is None else numbers
+    current: list[int] = []
+    abandoned: list[int] = []
+    for step in sorted(numbers, key=lambda s: (numbers[s], s), reverse=True):
+        if not current or step < current[-1]:
+            current.append(step)
+        else:
+            abandoned.append(step)
+    return current, abandoned
+
+
+def read_unloadable(ckpt_dir: str) -> dict[int, int]:
+    """Steps a load fell back from: step -> the commit number that failed."""
+    path = os.path.join(ckpt_dir, UNLOADABLE)
+    try:
+        raw = json.loads(read_regular(path, max_bytes=1 << 20))
+        return {int(k): int(v["commit"]) for k, v in raw.items()}
+    except (CheckpointError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        return {}
+
+
+def mark_unloadable(ckpt_dir: str, step: int, error: str, *, commit: int | None = None) -> None:
+    """Record that ``step`` (its present commit, or commit number ``commit``) failed to
+    load, or must not be loaded: retention deletes it before any step that loads, and a
+    load tries it last. Saving the step again clears it (a new commit number)."""
+    numbers = commit_numbers(ckpt_dir)
+    if step not in numbers:
+        return
+    if commit is not None:
+        numbers[step] = commit
+    path = os.path.join(ckpt_dir, UNLOADABLE)
+    try:
+        raw = json.loads(read_regular(path, max_bytes=1 << 20))
+        if not isinstance(raw, dict):
+            raw = {}
+    except (CheckpointError, ValueError, RecursionError):
+        raw = {}
+    raw = {k: v for k, v in raw.items() if k.isdigit() and int(k) in numbers}
+    raw[str(step)] = {"commit": numbers[step], "error": error[:500]}
+    write_atomic(path, json.dumps(raw, sort_keys=True).encode())
+
+
+def _failed(ckpt_dir: str, numbers: dict[int, int]) -> set[int]:
+    return {s for s, n in read_unloadable(ckpt_dir).items() if numbers.get(s) == n}
+
+
 def load_order(ckpt_dir: str) -> list[int]:
-    """Committed steps to try when resuming: `latest` first, then the others, newest first."""
-    steps = committed_steps(ckpt_dir)
-    latest = read_latest(ckpt_dir)
-    order = sorted(steps, reverse=True)
-    if latest in steps:
-        order.remove(latest)
-        order.insert(0, latest)
-    return order
+    """Committed steps to try when resuming: the current lineage newest first, then the
+    abandoned steps; a step that failed to load before comes after all the others.
+
+    `latest` is not consulted: it is a hint for people and tools, and a writer killed
+    after its rename but before switching it leaves it naming an older step."""
+    numbers = commit_numbers(ckpt_dir)
+    current, abandoned = lineage(ckpt_dir, numbers)
+    failed = _failed(ckpt_dir, numbers)
+    order = current + abandoned
+    return [s for s in order if s not in failed] + [s for s in order if s in failed]
+
+
+def newest_job(ckpt_dir: str) -> str | None:
+    """The job named by the manifest of the newest commit, if any (read, not checked)."""
+    for step in load_order(ckpt_dir)[:1]:
+        path = os.path.join(step_path(ckpt_dir, step), MANIFEST)
+        with contextlib.suppress(CheckpointError, ValueError, UnicodeDecodeError, RecursionError):
+            raw = json.loads(read_regular(path, max_bytes=_MANIFEST_MAX))
+            job = raw.get("job") if isinstance(raw, dict) else None
+            return job if isinstance(job, str) and job else None
+    return None
+
+
+PROBE_PREFIX = ".probe-"
+
+
+def write_probe(ckpt_dir: str) -> str:
+    """Create a probe file that every rank then looks for (is this one shared directory?);
+    returns its name."""
+    name = PROBE_PREFIX + secrets.token_hex(8)
+    path = os.path.join(ckpt_dir, name)
+    with open(path, "wb") as f:
+        f.write(b"elasticd storage probe\n")
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(ckpt_dir)
+    return name
+
+
+def remove_probe(ckpt_dir: str, name: str) -> None:
+    _unlink(os.path.join(ckpt_dir, name))
+
+
+def recover_replaced(ckpt_dir: str) -> list[int]:
+    """Put back a committed step that a writer moved aside to replace it and then died
+    before its own rename (``step-N.<token>.replaced.tmp`` holding a manifest, while
+    ``step-N`` is missing). Returns the steps put back."""
+    try:
+        names = sorted(os.listdir(ckpt_dir))
+    except FileNotFoundError:
+        return []
+    back = []
+    for name in names:
+        m = _REPLACED_RE.match(name)
+        if not m:
+            continue
+        step = int(m.group(1))
+        final = step_path(ckpt_dir, step)
+        aside = os.path.join(ckpt_dir, name)
+        if os.path.lexists(final) or not os.path.isfile(os.path.join(aside, MANIFEST)):
+            continue
+        os.replace(aside, final)
+        back.append(step)
+    if back:
+        fsync_dir(ckpt_dir)
+    return back
+
+
+_REPLACED_RE = re.compile(r"^step-(\d{9})\.[0-9a-f]+\.replaced\.tmp$")
+_LEFTOVER_RE = re.compile(r"^(step-\d{9}\..+\.tmp|latest\.tmp)$")
 
 
 def leftovers(ckpt_dir: str) -> list[str]:
-    """Paths of unfinished saves (``*.tmp`` directories and files).
-
-    Not the fence's tmp files (``fence.json.*``): the agents write those, and one may be
-    on its way to being renamed over ``fence.json`` right now."""
+    """Paths of the store's own unfinished work: ``step-N.<...>.tmp`` (a save in progress
+    or one that died, a step being deleted) and ``latest.tmp``. Nothing else: not the
+    fence's tmp files (the agents write those), not a file of the user's that happens to
+    end in ``.tmp``."""
     try:
         names = os.listdir(ckpt_dir)
     except FileNotFoundError:
         return []
-    return sorted(
-        os.path.join(ckpt_dir, n)
-        for n in names
-        if n.endswith(".tmp") and not n.startswith(FENCE_FILE + ".")
-    )
+    return sorted(os.path.join(ckpt_dir, n) for n in names if _LEFTOVER_RE.match(n))
 
 
 def remove_leftovers(ckpt_dir: str) -> list[str]:
-    """Delete unfinished saves; only call when no save is in flight in this directory."""
+    """Put back any step moved aside by a writer that died (:func:`recover_replaced`),
+    then delete the store's unfinished saves; call only when no save of this job is in
+    flight in this directory (the owner's lock and the fence see to that)."""
+    recover_replaced(ckpt_dir)
     removed = leftovers(ckpt_dir)
     for path in removed:
         if os.path.isdir(path):
@@ -145,18 +338,35 @@ def remove_leftovers(ckpt_dir: str) -> list[str]:
     return removed
 
 
-def prune(ckpt_dir: str, *, keep: int, log: Callable[[str], None] | None = None) -> list[int]:
-    """Delete all but the newest ``keep`` committed steps; `latest` is never deleted."""
+def prune(
+    ckpt_dir: str,
+    *,
+    keep: int,
+    log: Callable[[str], None] | None = None,
+    hook: Callable[[str], None] | None = None,
+) -> list[int]:
+    """Keep the newest ``keep`` loadable steps of the current lineage; delete the rest:
+    abandoned steps first, then steps that failed to load, then the oldest. The newest
+    commit is never deleted, and a step that failed to load is never kept in place of one
+    that loads. Returns the steps deleted, in order."""
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
-    latest = read_latest(ckpt_dir)
-    steps = committed_steps(ckpt_dir)
-    doomed = [s for s in steps[:-keep] if s != latest]
+    numbers = commit_numbers(ckpt_dir)
+    current, abandoned = lineage(ckpt_dir, numbers)
+    if not current:
+        return []
+    failed = _failed(ckpt_dir, numbers)
+    kept = {current[0], *[s for s in current if s not in failed][:keep]}
+    doomed = [s for s in abandoned if s not in kept]
+    doomed += [s for s in current if s in failed and s not in kept]
+    doomed += [s for s in reversed(current) if s not in failed and s not in kept]
     for step in doomed:
         path = step_path(ckpt_dir, step)
         # Rename first so a crash mid-delete leaves a `.tmp` leftover, never a half step.
         trash = f"{path}.deleting.tmp"
         os.replace(path, trash)
+        if hook:
+            hook("pruning")
         shutil.rmtree(trash, ignore_errors=True)
         if log:
             log(f"pruned {step_dirname(step)}")

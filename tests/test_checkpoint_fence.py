@@ -32,7 +32,7 @@ from checkpoint import (
     write_fence,
 )
 from checkpoint.fence import FENCE_FILE, check_fence
-from checkpoint.store import commit_step, leftovers, remove_leftovers, step_path
+from checkpoint.store import commit_step, leftovers, load_order, remove_leftovers, step_path
 
 RUN = "tiny-0a1b2c3d"
 ROWS, COLS = 8, 16
@@ -233,6 +233,22 @@ def test_a_writer_fenced_after_its_rename_keeps_its_step_and_never_switches_late
     assert read_latest(ckpt) == 6
     # Its step stays, complete, for the current world's retention; nothing was pruned.
     assert committed_steps(ckpt) == [2, 4, 6, 12]
+
+
+def test_a_stale_step_left_in_place_after_its_rename_never_outranks_the_current_worlds(
+    tmp_path,
+):
+    ckpt = str(tmp_path)
+    for n, step in enumerate((2, 4, 6), start=1):
+        fake_step(step_path(ckpt, step), json.dumps({"commit": n}))
+    fake_step(step_path(ckpt, 12) + ".t.tmp", json.dumps({"commit": 4}))
+    check, _ = refuse_at(2)
+    with pytest.raises(FencedError):
+        commit_step(ckpt, step=12, tmp=step_path(ckpt, 12) + ".t.tmp", token="t", keep=1,
+                    check=check, commit=4)  # fmt: skip
+    # Its commit number is the highest, but it is recorded as not to be loaded first.
+    assert committed_steps(ckpt) == [2, 4, 6, 12]
+    assert load_order(ckpt) == [6, 4, 2, 12]
 
 
 @pytest.mark.parametrize("call", [2, 3], ids=["before-latest", "after-latest"])

@@ -145,13 +145,44 @@ def test_a_directory_without_a_commit_is_never_loaded(tmp_path):
         load_latest(ckpt, model=model, optimizer=optim)
 
 
-def test_retention_keeps_the_newest_steps_and_never_deletes_latest(tmp_path):
+def test_retention_keeps_the_newest_commits_and_prunes_an_abandoned_timeline_first(tmp_path):
     ckpt = str(tmp_path)
     save_steps(ckpt, [1, 2, 3, 4], keep=2)
     assert committed_steps(ckpt) == [3, 4] and read_latest(ckpt) == 4
-    # Resumed from step 2 of an older run: `latest` (6) is lower than an existing step 9.
-    save_steps(ckpt, [9, 6], keep=1)
-    assert read_latest(ckpt) == 6 and committed_steps(ckpt) == [6, 9]
+    # Resumed from step 2 of an older timeline: 9 was committed before 6, so 9 belongs to
+    # the timeline that was abandoned; 6 is the newest commit, whatever the step numbers.
+    save_steps(ckpt, [9, 6], keep=2)
+    assert read_latest(ckpt) == 6 and committed_steps(ckpt) == [4, 6]
+    model, optim = blank()
+    assert load_latest(ckpt, model=model, optimizer=optim).step == 6
+
+
+def test_after_falling_back_from_a_corrupt_step_retention_keeps_the_step_that_loads(tmp_path):
+    ckpt = str(tmp_path)
+    save_steps(ckpt, [80, 90, 100], keep=3)
+    flip_byte(data_file(ckpt, 100))
+    warnings: list[str] = []
+    model, optim = blank()
+    assert load_latest(ckpt, model=model, optimizer=optim, warn=warnings.append).step == 90
+    assert len(warnings) == 1 and "step 100" in warnings[0]
+    # Training goes on from 90: the next commit (95) makes 100 an abandoned step, pruned
+    # first; keeping by step number would have kept 100 and deleted 90.
+    save_steps(ckpt, [95], keep=2)
+    assert committed_steps(ckpt) == [90, 95]
+
+
+def test_a_step_that_failed_to_load_is_never_kept_in_place_of_one_that_loads(tmp_path):
+    ckpt = str(tmp_path)
+    save_steps(ckpt, [70, 80, 90, 100], keep=4)
+    for step in (90, 100):
+        flip_byte(data_file(ckpt, step))
+    model, optim = blank()
+    assert load_latest(ckpt, model=model, optimizer=optim, warn=lambda _m: None).step == 80
+    # 90 is older than the next commit (95), so it is on the current lineage; it failed to
+    # load, so it does not count among the two kept, and goes before the good 70 and 80.
+    save_steps(ckpt, [95], keep=2)
+    assert committed_steps(ckpt) == [80, 95]
+    assert load_latest(ckpt, model=model, optimizer=optim).step == 95
 
 
 def test_async_saves_reuse_one_staging_buffer_and_a_step_saved_again_replaces_the_old(tmp_path):

@@ -41,6 +41,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
         help="override a job field by dotted path, e.g. --set train.steps=5 (YAML value)",
     )  # fmt: skip
+    p.add_argument(
+        "--fresh", action="store_true",
+        help="start over from step 0 instead of resuming from the job's checkpoints "
+        "(same as --set checkpoint.resume=false; the old steps are pruned as they are replaced)",
+    )  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -58,7 +63,8 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 
     env = os.environ if env is None else env
     try:
-        job = load_job(args.job, args.overrides).with_paths_resolved(os.getcwd())
+        overrides = [*args.overrides, *(["checkpoint.resume=false"] if args.fresh else [])]
+        job = load_job(args.job, overrides).with_paths_resolved(os.getcwd())
         open_source(job.data, model_cfg=job.model, seed=job.train.seed)  # fail early
         # A warm worker (started by its agent before the round formed) waits here for it,
         # with its job and data already checked.

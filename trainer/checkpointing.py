@@ -99,6 +99,7 @@ class Checkpointing:
         )
         self.last_saved: int | None = None
         self.layout = json.loads(json.dumps(trainer.layout.to_dict()))
+        self.claim = None
 
     @classmethod
     def create(
@@ -113,15 +114,59 @@ class Checkpointing:
         here (every rank must then call this). ``env``: as for the constructor."""
         if group is not None or not dist.is_initialized():
             rank = dist.get_rank() if dist.is_initialized() else 0
-            return cls(trainer, rank=rank, group=group, env=env)
-        layout = trainer.layout
-        if layout.active != dist.get_world_size():
-            raise RuntimeError(
-                "a world with spare ranks needs the checkpoint group passed in "
-                "(ProcessGroups.side('checkpoint')), built by every rank"
+            made = cls(trainer, rank=rank, group=group, env=env)
+        else:
+            layout = trainer.layout
+            if layout.active != dist.get_world_size():
+                raise RuntimeError(
+                    "a world with spare ranks needs the checkpoint group passed in "
+                    "(ProcessGroups.side('checkpoint')), built by every rank"
+                )
+            group = dist.new_group(list(range(layout.active)), backend="gloo")
+            made = cls(trainer, rank=dist.get_rank(), group=group, env=env)
+        made.start(os.environ if env is None else env)
+        return made
+
+    def start(self, env: Mapping[str, str]) -> None:
+        """At job start, before anything is loaded or saved (collective over the group):
+        rank 0 claims the checkpoint directory for this job (``checkpoint.owner``: another
+        job's directory, or one locked by another run, is refused), then every rank looks
+        for a probe file rank 0 wrote there, so that a directory that is not shared by all
+        nodes stops the job here, in one line, rather than at the first save."""
+        from checkpoint import OwnershipError, store
+        from checkpoint.comm import broadcast_json, group_rank
+        from checkpoint.owner import claim
+        from checkpoint.shared import blind_ranks
+
+        error = ""
+        if group_rank(self.group) == 0:
+            try:
+                self.claim = claim(
+                    self.dir,
+                    job=self.job.name,
+                    run_id=env.get("TORCHELASTIC_RUN_ID", ""),
+                    newest_job=lambda: store.newest_job(self.dir),
+                    warn=log.warning,
+                )
+            except (OwnershipError, OSError) as exc:
+                error = str(exc)
+        if dist.is_initialized():
+            error = broadcast_json(error, self.group)
+        if error:
+            raise TrainerConfigError(f"checkpoint.dir: {error}")
+        blind, probe = blind_ranks(self.dir, self.group)
+        if blind:
+            raise TrainerConfigError(
+                f"checkpoint.dir: {self.dir} is not one directory shared by every node: "
+                f"rank(s) {', '.join(map(str, blind))} do not see the file {probe} that "
+                "rank 0 wrote there; it must be storage shared by all nodes"
             )
-        group = dist.new_group(list(range(layout.active)), backend="gloo")
-        return cls(trainer, rank=dist.get_rank(), group=group, env=env)
+
+    def release(self) -> None:
+        """Free the claim on the checkpoint directory (process exit frees it too)."""
+        if self.claim is not None:
+            self.claim.release()
+            self.claim = None
 
     # -- what is saved --------------------------------------------------------------------
 
@@ -162,14 +207,28 @@ class Checkpointing:
             seed = reseed_value(self.job.train.seed, state.step, self.trainer.batches.dp_rank)
             torch.manual_seed(seed)
         self.last_saved = state.step
+        changed = restore_param_groups(
+            self.trainer.optimizer,
+            ckpt.manifest.optimizer.get("param_groups"),
+            job_lr=self.job.train.lr,
+            saved_lr=ckpt.manifest.extra.get("train_lr"),
+        )
         if self.rank == 0:
             how = "RNG restored" if same_layout else "layout changed, RNG reseeded"
+            done = ""
+            if state.step >= self.job.train.steps:
+                done = (
+                    f"; train.steps is {self.job.train.steps}, so nothing is left to train "
+                    "(--fresh starts over)"
+                )
             print(
                 f"resumed from {ckpt.path} at step {state.step} "
                 f"(consumed_samples {state.consumed_samples}; {how}; "
-                f"read {ckpt.stats.bytes_read / 1e6:.1f} MB in {ckpt.stats.seconds:.2f} s)",
+                f"read {ckpt.stats.bytes_read / 1e6:.1f} MB in {ckpt.stats.seconds:.2f} s){done}",
                 flush=True,
             )
+            if changed:
+                print(f"optimizer changed since step {state.step}: {changed}", flush=True)
         ckpt.close()
         return True
 
@@ -221,20 +280,84 @@ class Checkpointing:
             optimizer=self._optimizer(create=False),
             rank_state=self._rank_state(),
             scalars=scalars,
-            extra={"seed": self.job.train.seed},
+            extra={"seed": self.job.train.seed, "train_lr": self.job.train.lr},
             layout=self.layout,
         )
         self.last_saved = state.step
 
     def finish(self) -> None:
         """Save the final step if not saved yet, and wait until it is committed."""
-        if self.trainer.state.step > 0:
-            self.save()
-        self.saver.close()
+        try:
+            if self.trainer.state.step > 0:
+                self.save()
+            self.saver.close()
+        finally:
+            self.release()
 
     def abandon(self) -> None:
         """On an error path: stop without waiting on peers that may be gone."""
         self.saver.abandon()
+        self.release()
+
+
+# Set by the job each step or at start, not state to bring back: lr follows the schedule
+# of train.lr; weight_decay is train.weight_decay (group 0) or 0 (group 1).
+_JOB_OWNED = ("lr", "initial_lr", "weight_decay")
+
+
+def restore_param_groups(
+    optimizer: torch.optim.Optimizer,
+    saved: Any,
+    *,
+    job_lr: float,
+    saved_lr: Any = None,
+) -> str:
+    """Put the saved optimizer hyperparameters (``param_groups`` without ``params``) back
+    into ``optimizer``, and say what changed, in one clause per change ("" when nothing).
+
+    The job's own settings win over the checkpoint's: ``train.lr`` (compared with the
+    ``train_lr`` the checkpoint was saved under) and ``train.weight_decay``. Everything
+    else a group holds (AdamW's ``betas`` and ``eps``, its flags) comes back from the
+    checkpoint; a value that differs from this run's is named too."""
+    if not isinstance(saved, list) or not saved:
+        return ""
+    notes = []
+    if isinstance(saved_lr, (int, float)) and float(saved_lr) != float(job_lr):
+        notes.append(f"train.lr {saved_lr:g} -> {job_lr:g} (the job's is used)")
+    groups = optimizer.param_groups
+    if len(saved) != len(groups):
+        notes.append(
+            f"{len(saved)} parameter groups saved, {len(groups)} now (hyperparameters not restored)"
+        )
+        return "; ".join(notes)
+    differ: dict[str, tuple[Any, Any]] = {}
+    for group, old in zip(groups, saved, strict=True):
+        if not isinstance(old, dict):
+            continue
+        for key, value in old.items():
+            if key == "params" or key not in group:
+                continue
+            now = group[key]
+            if isinstance(now, tuple):
+                value = tuple(value) if isinstance(value, list) else value
+            if value == now:
+                continue
+            if key in _JOB_OWNED:
+                if key == "weight_decay":
+                    differ.setdefault(key, (value, now))
+                continue
+            differ.setdefault(key, (value, now))
+            group[key] = value
+    for key, (old, now) in differ.items():
+        used = "the job's is used" if key in _JOB_OWNED else "the checkpoint's is used"
+        notes.append(f"{key} {_show(old)} (checkpoint) vs {_show(now)} (this run): {used}")
+    return "; ".join(notes)
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return "(" + ", ".join(_show(v) for v in value) + ")"
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def _jsonable(value: Any) -> bool:

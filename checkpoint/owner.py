@@ -1,0 +1,152 @@
+"""Who owns a checkpoint directory: ``owner.json`` names the job, ``lock`` is held by the run.
+
+- ``<ckpt_dir>/owner.json`` is ``{"job": "<name>", "run_id": "<run>"}``: the job whose
+  checkpoints these are (``run_id``, the last run that claimed it, is for information). A
+  claim by another job is refused: two jobs pointing at one directory would prune, replace
+  and resume from each other's steps. A directory without ``owner.json`` (written before
+  owners existed) belongs to the job its newest manifest names.
+- ``<ckpt_dir>/lock`` is ``flock``-ed (exclusive, non-blocking) by the claimer for as
+  long as it trains, and holds ``{"job", "run_id", "host", "pid"}`` of the holder. A second
+  run of the same job while the first still holds it is refused, naming the holder, unless
+  both are the same run (a previous round's process of this run, still on its way out: the
+  commit fence orders those). On a file system without ``flock`` the claim goes on without
+  the lock, and says so.
+
+Standard library only, like :mod:`checkpoint.fence`. Format: docs/checkpoint-format.md,
+"Ownership".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from checkpoint.errors import OwnershipError
+
+OWNER_FILE = "owner.json"
+LOCK_FILE = "lock"
+_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+
+
+@dataclass(slots=True)
+class Claim:
+    """A held claim on a checkpoint directory; :meth:`release` (or process exit) frees it."""
+
+    ckpt_dir: str
+    job: str
+    run_id: str
+    fd: int | None
+    """The descriptor holding the flock; None when none is held (no flock there, or the
+    same run holds it already)."""
+
+    def release(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)  # closing the descriptor releases the flock
+
+
+def claim(
+    ckpt_dir: str,
+    *,
+    job: str,
+    run_id: str,
+    newest_job: Callable[[], str | None] = lambda: None,
+    warn: Callable[[str], None] = lambda _msg: None,
+) -> Claim:
+    """Take ``ckpt_dir`` for ``job`` (run ``run_id``), or raise :class:`OwnershipError`.
+
+    ``newest_job()`` names the job of the newest committed manifest, asked only when there
+    is no ``owner.json`` yet."""
+    os.makedirs(ckpt_dir, exist_ok=True)
+    fd = _lock(ckpt_dir, job=job, run_id=run_id, warn=warn)
+    try:
+        owner = read_owner(ckpt_dir)
+        if owner is None:
+            found = newest_job()
+            if found and found != job:
+                raise OwnershipError(
+                    f"checkpoint directory {ckpt_dir} holds checkpoints of job {found!r}, "
+                    f"not {job!r}: give this job its own checkpoint.dir"
+                )
+        elif owner.get("job") != job:
+            raise OwnershipError(
+                f"checkpoint directory {ckpt_dir} belongs to job {owner.get('job')!r} "
+                f"({OWNER_FILE}), not {job!r}: give this job its own checkpoint.dir"
+            )
+        if owner != {"job": job, "run_id": run_id}:
+            _write_atomic(os.path.join(ckpt_dir, OWNER_FILE), {"job": job, "run_id": run_id})
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+        raise
+    return Claim(ckpt_dir=ckpt_dir, job=job, run_id=run_id, fd=fd)
+
+
+def read_owner(ckpt_dir: str) -> dict | None:
+    """The parsed ``owner.json``, or None when there is none. An unreadable one refuses."""
+    path = os.path.join(ckpt_dir, OWNER_FILE)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(1 << 16)
+    except FileNotFoundError:
+        return None
+    try:
+        obj = json.loads(raw)
+        if not isinstance(obj, dict) or not isinstance(obj.get("job"), str):
+            raise ValueError("no job name")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise OwnershipError(f"{path}: not an owner record ({exc})") from exc
+    return obj
+
+
+def _lock(ckpt_dir: str, *, job: str, run_id: str, warn: Callable[[str], None]) -> int | None:
+    path = os.path.join(ckpt_dir, LOCK_FILE)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(fd)
+        os.close(fd)
+        if run_id and holder.get("run_id") == run_id and holder.get("job") == job:
+            return None  # this run's own earlier process; the commit fence orders us
+        raise OwnershipError(
+            f"checkpoint directory {ckpt_dir} is in use by run {holder.get('run_id') or '?'} "
+            f"of job {holder.get('job') or '?'} (pid {holder.get('pid', '?')} on "
+            f"{holder.get('host', '?')}); wait for it to end or give this job another "
+            "checkpoint.dir"
+        ) from None
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in _NO_LOCKS:
+            warn(f"{path}: this file system has no flock ({exc.strerror}); not locked")
+            return None
+        raise
+    record = {"job": job, "run_id": run_id, "host": socket.gethostname(), "pid": os.getpid()}
+    data = json.dumps(record).encode()
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, data, 0)
+    return fd
+
+
+def _holder(fd: int) -> dict:
+    with contextlib.suppress(OSError, ValueError, UnicodeDecodeError):
+        obj = json.loads(os.pread(fd, 1 << 16, 0))
+        if isinstance(obj, dict):
+            return obj
+    return {}
+
+
+def _write_atomic(path: str, obj: dict) -> None:
+    tmp = f"{path}.{os.getpid()}.writing"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

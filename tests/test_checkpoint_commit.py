@@ -1,0 +1,138 @@
+"""One commit point: a SIGKILL aimed at each window of a commit, and what loads after it.
+
+The worker half runs as ``python tests/test_checkpoint_commit.py CKPT POINT KILL_AT STEPS``:
+a real process saves ``STEPS`` in order (sync, keep 2) and kills itself with SIGKILL at the
+named point of save number ``KILL_AT``, through the store's injected ``SaveOptions.hook``.
+Every tensor holds the number of the save that wrote it, so the test knows which save of a
+step it loaded.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from checkpoint import SaveOptions, Saver, ShardInfo, committed_steps, load_latest, read_latest
+from checkpoint.store import leftovers, step_path
+
+SHAPE = (64, 32)
+
+
+def tensors(save_no: int):
+    info = ShardInfo.whole("w", SHAPE)
+    return {"w": (torch.full(SHAPE, float(save_no)), info)}, {
+        "exp_avg/w": (torch.full(SHAPE, -float(save_no)), info)
+    }
+
+
+def saver(ckpt: str, hook=None) -> Saver:
+    opts = SaveOptions(async_=False, keep=2, chunk_min_bytes=1024, hook=hook)
+    return Saver(ckpt, group=None, options=opts)
+
+
+def worker(ckpt: str, point: str, kill_at: int, steps: list[int]) -> None:
+    now = {"save": -1}
+
+    def hook(where: str) -> None:
+        if where == point and now["save"] == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    s = saver(ckpt, hook)
+    for i, step in enumerate(steps):
+        now["save"] = i
+        model, optim = tensors(i)
+        s.save(step=step, consumed_samples=step, model=model, optimizer=optim)
+    s.close()
+
+
+def loaded(ckpt: str) -> tuple[int, int]:
+    """(step, save number) of what a resume loads."""
+    model, optim = tensors(-1)
+    ckpt_ = load_latest(ckpt, model=model, optimizer=optim)
+    value = int(model["w"][0][0, 0])
+    assert torch.all(model["w"][0] == value) and torch.all(optim["exp_avg/w"][0] == -value)
+    return ckpt_.step, value
+
+
+# point: (steps saved, save killed, (step, save) loaded, committed after, latest after)
+CASES = {
+    "before-rename": ([1, 2, 3], 2, (2, 1), [1, 2], 2),
+    "replaced-moved-aside": ([1, 2, 3, 2], 3, (3, 2), [2, 3], 3),
+    "renamed": ([1, 2, 3], 2, (3, 2), [1, 2, 3], 2),
+    "latest-tmp-written": ([1, 2, 3], 2, (3, 2), [1, 2, 3], 2),
+    "latest-switched": ([1, 2, 3], 2, (3, 2), [1, 2, 3], 3),
+    "pruning": ([1, 2, 3], 2, (3, 2), [2, 3], 3),
+}
+
+
+@pytest.mark.parametrize("point", list(CASES))
+def test_a_sigkill_at_each_window_of_a_commit_leaves_the_newest_commit_loadable(point, tmp_path):
+    steps, kill_at, want, committed, latest = CASES[point]
+    ckpt = str(tmp_path / "ckpt")
+    args = [sys.executable, __file__, ckpt, point, str(kill_at), *map(str, steps)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    # After the rename the step is committed, whether or not `latest` was switched.
+    assert loaded(ckpt) == want
+    assert committed_steps(ckpt) == committed and read_latest(ckpt) == latest
+    if point == "replaced-moved-aside":
+        # The step being replaced was moved aside and the writer died before its own
+        # rename: the load put it back, whole, with the content of its own save.
+        model, optim = tensors(-1)
+        from checkpoint import Checkpoint
+
+        Checkpoint.open(step_path(ckpt, 2)).load_into(model, optim)
+        assert torch.all(model["w"][0] == 1)
+    # The next save of the job cleans the leftovers of the killed one and commits.
+    s = saver(ckpt)
+    model, optim = tensors(9)
+    s.save(step=4, consumed_samples=4, model=model, optimizer=optim)
+    s.close()
+    assert loaded(ckpt) == (4, 9) and read_latest(ckpt) == 4
+    assert committed_steps(ckpt) == [want[0], 4] and leftovers(ckpt) == []
+
+
+def test_after_the_rename_a_failure_is_a_warning_and_the_step_stays_committed(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    s = saver(ckpt)
+    model, optim = tensors(0)
+    s.save(step=1, consumed_samples=1, model=model, optimizer=optim)
+    # `latest` cannot be replaced (a directory in its way): the commit stands regardless.
+    os.remove(os.path.join(ckpt, "latest"))
+    os.mkdir(os.path.join(ckpt, "latest"))
+    os.mkdir(os.path.join(ckpt, "latest", "x"))
+    model, optim = tensors(1)
+    s.save(step=2, consumed_samples=2, model=model, optimizer=optim)
+    result = s.wait() or s.last
+    s.close()
+    assert result is not None and result.committed and result.step == 2
+    assert loaded(ckpt) == (2, 1)
+
+
+def test_a_save_deletes_only_its_own_leftovers(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "notes.tmp").write_text("the user's")
+    (ckpt / "fence.json.node1.42.writing.tmp").write_text("an agent's")
+    (ckpt / "step-000000007.deadbeef.tmp").mkdir()  # a save of this job that died
+    s = saver(str(ckpt))
+    model, optim = tensors(0)
+    s.save(step=1, consumed_samples=1, model=model, optimizer=optim)
+    s.close()
+    assert sorted(os.listdir(ckpt)) == [
+        "fence.json.node1.42.writing.tmp",
+        "latest",
+        "notes.tmp",
+        "step-000000001",
+    ]
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    worker(sys.argv[1], sys.argv[2], int(sys.argv[3]), [int(x) for x in sys.argv[4:]])

@@ -1,0 +1,145 @@
+"""Ownership of a checkpoint directory (owner.json and the lock), the shared-storage probe,
+and what a re-run of a job says: real files, real flock, real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from checkpoint import OwnershipError, SaveOptions, Saver, ShardInfo
+from checkpoint.owner import OWNER_FILE, claim, read_owner
+from checkpoint.shared import blind_ranks
+from checkpoint.store import newest_job
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "examples" / "tiny.yaml"
+
+
+def test_a_second_job_is_refused_and_the_owner_record_names_the_job(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    mine = claim(ckpt, job="tiny", run_id="tiny-1")
+    assert read_owner(ckpt) == {"job": "tiny", "run_id": "tiny-1"}
+    mine.release()
+    with pytest.raises(OwnershipError, match=r"belongs to job 'tiny' .*not 'other'"):
+        claim(ckpt, job="other", run_id="other-1")
+    # The same job again (a new run) takes it, and the record names the new run.
+    claim(ckpt, job="tiny", run_id="tiny-2").release()
+    assert read_owner(ckpt) == {"job": "tiny", "run_id": "tiny-2"}
+
+
+def test_a_directory_from_before_owner_records_belongs_to_the_job_its_manifests_name(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    saver = Saver(ckpt, group=None, options=SaveOptions(async_=False, job="tiny"))
+    saver.save(step=1, consumed_samples=1, model={"w": (torch.ones(4), ShardInfo.whole("w", (4,)))})
+    saver.close()
+    assert not os.path.exists(os.path.join(ckpt, OWNER_FILE)) and newest_job(ckpt) == "tiny"
+    with pytest.raises(OwnershipError, match="holds checkpoints of job 'tiny', not 'other'"):
+        claim(ckpt, job="other", run_id="", newest_job=lambda: newest_job(ckpt))
+    claim(ckpt, job="tiny", run_id="", newest_job=lambda: newest_job(ckpt)).release()
+
+
+def test_the_lock_refuses_another_run_naming_the_holder_but_lets_the_same_run_in(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    held = claim(ckpt, job="tiny", run_id="tiny-1")
+    try:
+        with pytest.raises(
+            OwnershipError, match=rf"in use by run tiny-1 of job tiny \(pid {os.getpid()} on "
+        ):
+            claim(ckpt, job="tiny", run_id="tiny-2")
+        with pytest.raises(OwnershipError, match="in use by run tiny-1"):
+            claim(ckpt, job="tiny", run_id="")
+        # A process of the same run (an earlier round's, still exiting) is let in.
+        same = claim(ckpt, job="tiny", run_id="tiny-1")
+        assert same.fd is None
+    finally:
+        held.release()
+    claim(ckpt, job="tiny", run_id="tiny-2").release()  # free again once released
+
+
+def _probe_worker(rank: int, store: str, root: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))  # fmt: skip
+    results = {}
+    for case, dirs in (("shared", ["a", "a"]), ("local", ["a", "b"])):
+        blind, name = blind_ranks(os.path.join(root, dirs[rank]), None)
+        results[case] = {"blind": blind, "name": name}
+    Path(root, f"result.{rank}").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def test_the_storage_probe_names_the_ranks_that_do_not_share_the_directory(tmp_path):
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+    mp.start_processes(_probe_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2,
+                       start_method="spawn")  # fmt: skip
+    results = [json.loads((tmp_path / f"result.{r}").read_text()) for r in range(2)]
+    assert results[0] == results[1]  # every rank gets the same answer
+    assert results[0]["shared"]["blind"] == [] and results[0]["local"]["blind"] == [1]
+    assert os.listdir(tmp_path / "a") == [] and os.listdir(tmp_path / "b") == []  # probes gone
+
+
+def test_param_groups_come_back_and_a_changed_lr_or_betas_is_said_in_one_clause_each():
+    from trainer.checkpointing import restore_param_groups
+
+    params = [torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(2))]
+    saved_opt = torch.optim.AdamW(
+        [{"params": params[:1], "weight_decay": 0.1}, {"params": params[1:], "weight_decay": 0.0}],
+        lr=3e-3, betas=(0.9, 0.99), eps=1e-6,
+    )  # fmt: skip
+    saved = [
+        {k: list(v) if isinstance(v, tuple) else v for k, v in g.items() if k != "params"}
+        for g in saved_opt.param_groups
+    ]
+    json.dumps(saved)  # what the manifest holds
+    opt = torch.optim.AdamW(
+        [{"params": params[:1], "weight_decay": 0.1}, {"params": params[1:], "weight_decay": 0.0}],
+        lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
+    )  # fmt: skip
+    note = restore_param_groups(opt, saved, job_lr=1e-3, saved_lr=3e-3)
+    assert note == (
+        "train.lr 0.003 -> 0.001 (the job's is used); "
+        "betas (0.9, 0.99) (checkpoint) vs (0.9, 0.95) (this run): the checkpoint's is used; "
+        "eps 1e-06 (checkpoint) vs 1e-08 (this run): the checkpoint's is used"
+    )
+    assert all(g["betas"] == (0.9, 0.99) and g["eps"] == 1e-6 for g in opt.param_groups)
+    assert all(g["lr"] == 1e-3 for g in opt.param_groups)  # the schedule's, not restored
+    assert restore_param_groups(opt, saved, job_lr=3e-3, saved_lr=3e-3) == ""
+    assert "1 parameter groups saved, 2 now" in restore_param_groups(opt, saved[:1], job_lr=3e-3)
+
+
+def trainer(tmp_path: Path, *extra: str, steps: int = 2) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    args = [sys.executable, "-m", "trainer", str(TINY), "--set", f"output_dir={tmp_path / 'out'}",
+            "--set", f"train.steps={steps}", *extra]  # fmt: skip
+    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=180,
+                          cwd=tmp_path)  # fmt: skip
+
+
+@pytest.mark.slow  # four trainer processes: about a minute on the 2-core machine
+def test_a_rerun_resumes_saying_the_step_another_job_is_refused_and_fresh_starts_over(tmp_path):
+    assert trainer(tmp_path).returncode == 0
+    again = trainer(tmp_path, "--set", "train.lr=0.001")
+    assert again.returncode == 0, again.stderr[-2000:]
+    lines = again.stdout.strip().splitlines()
+    resumed = [line for line in lines if line.startswith("resumed from")]
+    assert len(resumed) == 1 and "at step 2 " in resumed[0], again.stdout
+    assert "train.steps is 2, so nothing is left to train (--fresh starts over)" in resumed[0]
+    changed = [line for line in lines if line.startswith("optimizer changed since step 2: ")]
+    assert len(changed) == 1 and "train.lr 0.003 -> 0.001 (the job's is used)" in changed[0]
+    other = trainer(tmp_path, "--set", "name=other")
+    assert other.returncode == 2 and "Traceback" not in other.stderr
+    err = other.stderr.strip().splitlines()
+    assert len(err) == 1 and "belongs to job 'tiny' (owner.json), not 'other'" in err[0], err
+    fresh = trainer(tmp_path, "--fresh", steps=1)
+    assert fresh.returncode == 0 and "resumed from" not in fresh.stdout
+    metrics = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(metrics[-1])["step"] == 1
