@@ -16,7 +16,6 @@ import yaml
 from prometheus_client import CollectorRegistry
 
 from elasticd.cli import build_parser
-from elasticd.jobspec import parse_job
 from elasticd.metrics import JOB_LABEL, AgentMetrics
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
@@ -44,26 +43,6 @@ def test_every_metric_on_the_dashboard_is_one_the_agent_exports():
     base = {m.name for m in AgentMetrics(CollectorRegistry()).registry.collect()}
     charted = {n.removesuffix("_bucket").removesuffix("_total") for n in used}
     assert base <= charted | {n.removesuffix("_total") for n in used}, base - charted
-
-
-def test_the_kubernetes_manifests_parse_and_the_submitted_job_is_valid():
-    docs = []
-    for path in sorted((DEPLOY / "kubernetes").glob("*.yaml")):
-        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
-    kinds = {d["kind"] for d in docs}
-    assert {"DaemonSet", "StatefulSet", "Job", "ConfigMap", "Service"} <= kinds
-    config = next(d for d in docs if d["kind"] == "ConfigMap")
-    job = parse_job(yaml.safe_load(config["data"]["job.yaml"]))
-    assert job.output_dir.startswith("/shared/")
-    daemonset = next(d for d in docs if d["kind"] == "DaemonSet")
-    pod = daemonset["spec"]["template"]["spec"]
-    grace = pod["terminationGracePeriodSeconds"]
-    assert grace > job.restart.grace_period  # the emergency checkpoint fits in the eviction
-    args = pod["containers"][0]["args"]
-    agent = build_parser().parse_args(
-        ["agent", *[a.replace("$(", "").replace(")", "") for a in args]]
-    )
-    assert agent.metrics_port == 9400 and agent.nproc_per_node == 8
 
 
 def test_the_systemd_unit_lets_the_agent_drive_a_stop_and_names_real_options():
