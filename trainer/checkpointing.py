@@ -58,6 +58,14 @@ def fence_from_env(env: Mapping[str, str]) -> Fence | None:
     return Fence(run_id=env.get("TORCHELASTIC_RUN_ID", ""), round=round_)
 
 
+def checkpoint_extra(job) -> dict[str, Any]:
+    """The trainer's ``extra`` in a manifest: the seed, the job's ``train.lr`` (to say a
+    changed one on resume) and the model settings (for ``ckpt export --format hf``)."""
+    from trainer.hf import model_record
+
+    return {"seed": job.train.seed, "train_lr": job.train.lr, "model": model_record(job.model)}
+
+
 def reseed_value(seed: int, step: int, dp_rank: int) -> int:
     """The generator seed of a rank resuming at ``step`` in a layout other than the saved one.
 
@@ -185,8 +193,16 @@ class Checkpointing:
     # -- resume -----------------------------------------------------------------------------
 
     def resume(self) -> bool:
-        """Load the latest committed checkpoint, resharded to this layout, if there is one."""
+        """Load the latest committed checkpoint, resharded to this layout, if there is one.
+        Without one (or with ``--fresh``), start from ``model.init_from`` if it is set."""
         if not self.job.checkpoint.resume or not self._everyone_sees_a_checkpoint():
+            init = self.job.model.init_from
+            if init is not None:
+                from trainer.hf import init_from_hf
+
+                init_from_hf(self.trainer, init.removeprefix("hf:"))
+                if self.rank == 0:
+                    print(f"initialised from Hugging Face GPT-2 at {init[3:]}", flush=True)
             return False
         ckpt = load_latest(
             self.dir,
@@ -280,7 +296,7 @@ class Checkpointing:
             optimizer=self._optimizer(create=False),
             rank_state=self._rank_state(),
             scalars=scalars,
-            extra={"seed": self.job.train.seed, "train_lr": self.job.train.lr},
+            extra=checkpoint_extra(self.job),
             layout=self.layout,
         )
         self.last_saved = state.step

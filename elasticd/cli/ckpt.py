@@ -1,6 +1,7 @@
 """`elasticd ckpt`: list, inspect, verify, export and prune checkpoints.
 
-`checkpoint` is imported inside each run function (the CLI's rule), and its errors become
+`checkpoint` (and `trainer.hf`, for ``export --format hf``: the GPT-2 names are the
+trainer's) is imported inside each run function (the CLI's rule), and its errors become
 :class:`~elasticd.errors.ElasticdError` here, so the user sees one line and exit code 2.
 """
 
@@ -49,6 +50,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     ex.add_argument("dir", metavar="DIR")
     ex.add_argument("out", metavar="OUT", help="output directory")
     ex.add_argument("--step", type=int, default=None, help="step (default: latest)")
+    ex.add_argument(
+        "--format",
+        choices=("raw", "hf"),
+        default="raw",
+        help="raw: our global tensor names (default); hf: a Hugging Face GPT-2 directory "
+        "(config.json, model.safetensors) that transformers loads; dense models only",
+    )
     ex.add_argument(
         "--max-file-size",
         type=_size,
@@ -219,7 +227,16 @@ def run_export(args: argparse.Namespace) -> int:
     from checkpoint import export
 
     ckpt = _open(args)
-    files = export(ckpt, args.out, max_file_bytes=args.max_file_size)
+    if args.format == "hf":
+        from trainer.errors import TrainerConfigError
+        from trainer.hf import export_hf
+
+        try:
+            files = export_hf(ckpt, args.out)
+        except TrainerConfigError as exc:
+            raise UsageError(f"ckpt export: {exc}") from exc
+    else:
+        files = export(ckpt, args.out, max_file_bytes=args.max_file_size)
     print(f"exported step {ckpt.step} to {args.out}: {', '.join(files)}")
     return 0
 
