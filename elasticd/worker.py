@@ -16,16 +16,22 @@ agree before saving: :meth:`WorkerChannel.preempt_agreed` all-reduces the flag (
 Outside the agent (no env var) everything here is a cheap no-op, so the trainer runs the
 same under plain torchrun.
 
-Usage in a training loop::
+Usage in a training loop (the flag goes over a gloo group of its own: it stays on the CPU,
+costs the GPU nothing, and cannot interleave with collectives another thread, such as an
+async checkpoint writer, runs on the default group)::
 
     channel = WorkerChannel.from_env()
     channel.install_preemption_handler()
+    flags = dist.new_group(backend="gloo")  # once per world, on every rank
     for step in ...:
         ...
         channel.progress(step=step, loss=loss, tokens_per_s=tps)
-        if channel.preempt_agreed():
+        if channel.preempt_agreed(flags):
             save_checkpoint(step, wait=True)
             sys.exit(PREEMPTED_EXIT_CODE)
+
+``preempt_agreed()`` on the default group works too, on any backend: the flag is put on
+the device that group's backend needs (the current CUDA device for NCCL).
 """
 
 from __future__ import annotations
@@ -111,7 +117,10 @@ class WorkerChannel:
 
         if not dist.is_available() or not dist.is_initialized():
             return local
-        flag = torch.tensor([1 if local else 0], dtype=torch.int32)
+        device = flag_device(str(dist.get_backend(group)))
+        if device == "cuda":
+            device = f"cuda:{torch.cuda.current_device()}"
+        flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item())
 
@@ -233,6 +242,17 @@ class WorkerChannel:
             # A full or vanished state dir must not kill training; the agent sees a stale
             # heartbeat and judges for itself.
             pass
+
+
+def flag_device(backend: str) -> str:
+    """Where a small flag tensor must live for a collective on a group of ``backend``
+    (``dist.get_backend(group)``): ``"cpu"`` when the backend takes CPU tensors (gloo, or a
+    per-device backend such as ``cpu:gloo,cuda:nccl``), ``"cuda"`` for NCCL alone, which
+    raises on a CPU tensor."""
+    parts = [p.strip() for p in backend.lower().split(",") if p.strip()]
+    if any(p.startswith("cpu:") or p in ("gloo", "mpi", "ucc") for p in parts):
+        return "cpu"
+    return "cuda" if any(p.split(":")[-1] == "nccl" for p in parts) else "cpu"
 
 
 def read_heartbeat(path: str) -> dict[str, Any] | None:

@@ -105,6 +105,18 @@ def _gather_rows(x: torch.Tensor, group, n: int, size: int) -> torch.Tensor:
     return out[:n]
 
 
+def regroup_by_expert(recv_counts: torch.Tensor, *, local: int, ep: int) -> torch.Tensor:
+    """The permutation that sorts received rows by local expert.
+
+    ``recv_counts[r·local + e]`` rows came from ep rank ``r`` for local expert ``e``, and
+    they arrive grouped by source rank, then by expert. Everything is built on the counts'
+    device: a CPU ``arange`` against CUDA repeats raises on NCCL (gloo tests cannot see it).
+    """
+    experts = torch.arange(local, device=recv_counts.device).repeat(ep)
+    expert_of_row = torch.repeat_interleave(experts, recv_counts)
+    return torch.argsort(expert_of_row, stable=True)
+
+
 class Expert(nn.Module):
     """One expert: GPT-2's MLP (fc1, tanh GeLU, fc2), tensor-split over expert-tp."""
 
@@ -230,11 +242,7 @@ class MoE(nn.Module):
             send = counts.view(ep.size, self.local).sum(1).tolist()
             recv = recv_counts.view(ep.size, self.local).sum(1).tolist()
             rows = _AllToAll.apply(rows, recv, send, ep.group)
-            # Received rows are grouped by source rank, then by expert: regroup by expert.
-            expert_of_row = torch.repeat_interleave(
-                torch.arange(self.local).repeat(ep.size), recv_counts
-            )
-            regroup = torch.argsort(expert_of_row, stable=True)
+            regroup = regroup_by_expert(recv_counts, local=self.local, ep=ep.size)
             rows = rows[regroup]
             per_expert = recv_counts.view(ep.size, self.local).sum(0).tolist()
         else:

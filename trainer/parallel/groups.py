@@ -8,6 +8,12 @@ torch requires every rank of the default group to call ``new_group`` for every g
 the same order, even for groups it is not in. The layout is identical on every rank, so
 iterating it in a fixed order satisfies that. Identical rank lists (tp and tp-cp when
 cp = 1, say) share one communicator instead of creating a second.
+
+There are no gloo twins of the data-parallel groups: every collective of the step runs on
+device tensors over the main backend, and the few CPU collectives (checkpoint agreement,
+preemption flags, in-process transfers) run on gloo groups over all active ranks.
+A twin per DP group would cost a gloo communicator (sockets, and a rendezvous through the
+store at start-up) per group on every rank, for nothing.
 """
 
 from __future__ import annotations
@@ -17,10 +23,6 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from elasticd.layout import GROUP_KINDS, Layout
-
-# Kinds whose collectives may run on CPU tensors (gradient-norm scalars, checkpoint
-# agreement), so they get a gloo twin when the main backend is NCCL.
-GLOO_TWIN_KINDS = ("dp", "dp-cp", "expert-dp")
 
 # Gloo groups over all active ranks, one communicator per purpose: the checkpoint store's
 # writer thread runs collectives on "checkpoint" while the loop runs its own on "control"
@@ -41,14 +43,12 @@ class ProcessGroups:
         rank: int,
         backend: str,
         groups: dict[str, dist.ProcessGroup | None],
-        gloo_groups: dict[str, dist.ProcessGroup | None],
         side_groups: dict[str, dist.ProcessGroup | None] | None = None,
     ) -> None:
         self.layout = layout
         self.rank = rank
         self.backend = backend
         self._groups = groups
-        self._gloo = gloo_groups
         self._side = dict(side_groups or {})
         self._destroyed = False
 
@@ -80,28 +80,19 @@ class ProcessGroups:
             return made[key]
 
         groups: dict[str, dist.ProcessGroup | None] = {}
-        gloo: dict[str, dist.ProcessGroup | None] = {}
         for kind in GROUP_KINDS:
             groups[kind] = None
             for ranks in layout.groups[kind]:
                 pg = make(ranks, backend)
                 if rank in ranks:
                     groups[kind] = pg
-        for kind in GLOO_TWIN_KINDS:
-            gloo[kind] = None
-            for ranks in layout.groups[kind]:
-                # With a gloo main backend the cache hands back the group made above.
-                pg = make(ranks, "gloo")
-                if rank in ranks:
-                    gloo[kind] = pg
         active = list(range(layout.active))
         side = {}
         for purpose in SIDE_PURPOSES:
             pg = dist.new_group(active, backend="gloo", **kwargs)  # never shared: no cache
             side[purpose] = pg if rank in active else None
         return cls(
-            layout=layout, rank=rank, backend=backend, groups=groups, gloo_groups=gloo,
-            side_groups=side,
+            layout=layout, rank=rank, backend=backend, groups=groups, side_groups=side,
         )  # fmt: skip
 
     @property
@@ -115,13 +106,6 @@ class ProcessGroups:
         if kind not in self._groups:
             raise KeyError(f"unknown group kind {kind!r}")
         return self._groups[kind]
-
-    def gloo(self, kind: str) -> dist.ProcessGroup | None:
-        """The gloo twin of a data-parallel kind (the group itself when already gloo)."""
-        self._check_alive()
-        if kind not in self._gloo:
-            raise KeyError(f"no gloo twin for {kind!r}; kinds with one: {GLOO_TWIN_KINDS}")
-        return self._gloo[kind]
 
     def side(self, purpose: str) -> dist.ProcessGroup | None:
         """The gloo group over all active ranks for ``purpose`` (see SIDE_PURPOSES); None
@@ -150,7 +134,6 @@ class ProcessGroups:
     def destroy(self) -> None:
         """Drop the references; the default group's teardown releases the communicators."""
         self._groups = {k: None for k in self._groups}
-        self._gloo = {k: None for k in self._gloo}
         self._side = {k: None for k in self._side}
         self._destroyed = True
 
