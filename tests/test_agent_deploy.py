@@ -90,3 +90,23 @@ def test_the_scrape_config_parses_and_keeps_the_agent_pods():
     assert {"elasticd", "elasticd-kubernetes"} <= set(jobs)
     keep = jobs["elasticd-kubernetes"]["relabel_configs"][0]
     assert keep["action"] == "keep" and keep["regex"] == "elasticd-agent"
+
+
+def test_the_slurm_script_parses_and_asks_slurm_for_what_an_elastic_run_needs():
+    script = DEPLOY / "slurm" / "elasticd.sbatch"
+    text = script.read_text()
+    check = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr
+    directives = re.findall(r"^#SBATCH (\S+)", text, re.M)
+    assert {"--ntasks-per-node=1", "--no-kill"} <= set(directives)
+    signal = next(d for d in directives if d.startswith("--signal="))
+    assert signal.startswith("--signal=B:TERM@") and int(signal.rsplit("@", 1)[1]) >= 60
+    assert "--kill-on-bad-exit=0" in text  # one dead agent does not end the others
+    # Every elasticd command it runs parses (its variables stand in as plain words).
+    commands = re.findall(r'"\$elasticd" ((?:[^\n\\]|\\\n)+)', text)
+    assert {c.split()[0] for c in commands} == {"agent", "nodes", "submit"}
+    for command in commands:
+        words = re.sub(r"\\\n", " ", command).replace('"', "").split()
+        words = [w for w in words if w not in ("&", "2>/dev/null")]
+        words = [w.replace("$job_file", "job.yaml").replace("$metrics_port", "9400") for w in words]
+        build_parser().parse_args(words[: words.index("|")] if "|" in words else words)
