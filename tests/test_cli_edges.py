@@ -3,11 +3,15 @@ and a quiet end when the reader of its output goes away (`elasticd ... | head`).
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 
 import pytest
 import torch
+
+from elasticd.cli.jobs import Progress
+from elasticd.jobs import JobRecord, JobState
 
 ELASTICD = [sys.executable, "-m", "elasticd"]
 
@@ -78,3 +82,46 @@ def test_ckpt_inspect_into_a_closed_pipe_ends_quietly(tmp_path):
     saver.close()
     code, first, err = read_one_line_and_close("ckpt", "inspect", str(tmp_path))
     assert first and code == 0 and err == ""
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def job_at(step: int, state: str = "running") -> JobRecord:
+    status = {"step": step, "loss": 1.5, "tokens_per_s": 12345.0, "world": 2, "restarts": 0}
+    return JobRecord(name="j", spec={"train": {"steps": 10}}, state=JobState(state), since=0.0,
+                     status=status)  # fmt: skip
+
+
+def test_follow_on_a_terminal_draws_one_live_line_with_an_eta():
+    out, now = Terminal(), [0.0]
+    progress = Progress(out, clock=lambda: now[0])
+    for i, step in enumerate([0, 2, 4]):
+        now[0] = 10.0 * i
+        progress.show(job_at(step))
+    progress.close()
+    text = out.getvalue()
+    assert text.count("\n") == 1 and "\r" in text  # redrawn in place, one line at the end
+    last = text.rstrip("\n").split("\r")[-1]
+    # 4 steps in 20 s: 6 left take 30 s.
+    assert last.startswith("j ") and "4/10" in last and "eta 0:30" in last
+    assert "loss 1.5000 tokens/s 12,345 world 2" in last
+
+
+def test_follow_elsewhere_prints_a_plain_line_per_change():
+    out, now = io.StringIO(), [0.0]
+    progress = Progress(out, clock=lambda: now[0])
+    progress.show(job_at(1))
+    now[0] = 5.0
+    progress.show(job_at(2))
+    progress.show(job_at(2))  # no change, no line
+    progress.show(job_at(10, "succeeded"))
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3 and "\r" not in out.getvalue()
+    assert lines[1] == (
+        "j [####....................] step 2/10 loss 1.5000 tokens/s 12,345 world 2 restarts 0 "
+        "running eta 0:40"
+    )
+    assert lines[2].endswith("succeeded")  # no ETA once over

@@ -122,54 +122,115 @@ def run_submit(args: argparse.Namespace) -> int:
     return 0 if final.state == JobState.SUCCEEDED else 1
 
 
-def progress_line(record: JobRecord) -> str:
-    """One line: a bar of steps, loss, world and restarts."""
+def progress_line(record: JobRecord, eta: float | None = None) -> str:
+    """One line: a bar of steps, loss, tokens/s, world, restarts and the ETA."""
     st = record.status
     total = int(record.spec.get("train", {}).get("steps", 0)) or 1
     step = int(st.get("step", 0) or 0)
     width = 24
     filled = min(width, step * width // total)
     bar = "#" * filled + "." * (width - filled)
-    loss = st.get("loss")
+    return f"{record.name} [{bar}] step {step}/{total} " + _facts(record, eta)
+
+
+def _facts(record: JobRecord, eta: float | None) -> str:
+    st = record.status
+    loss, tokens = st.get("loss"), st.get("tokens_per_s")
     loss_text = f"{loss:.4f}" if isinstance(loss, int | float) else "-"
+    tokens_text = f"{tokens:,.0f}" if isinstance(tokens, int | float) else "-"
     waiting = f" ({record.reason})" if record.state == JobState.QUEUED else ""
+    eta_text = f" eta {_duration(eta)}" if eta is not None and not record.state.terminal else ""
     return (
-        f"{record.name} [{bar}] step {step}/{total} loss {loss_text} "
-        f"world {show(st.get('world'))} restarts {show(st.get('restarts', 0))} {record.state}{waiting}"
+        f"loss {loss_text} tokens/s {tokens_text} world {show(st.get('world'))} "
+        f"restarts {show(st.get('restarts', 0))} {record.state}{waiting}{eta_text}"
     )
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+class Progress:
+    """A job's progress: one live line (a tqdm bar: step/total, loss, tokens/s, world,
+    ETA) on a terminal; plain lines, one per change, anywhere else (a log, a pipe)."""
+
+    def __init__(self, out, *, clock=time.monotonic) -> None:
+        self._out = out
+        self._clock = clock
+        self._tty = hasattr(out, "isatty") and out.isatty()
+        self._bar = None
+        self._last = ""
+        self._first: tuple[float, int] | None = None
+
+    def eta(self, record: JobRecord) -> float | None:
+        """Seconds left at the step rate seen since the first step we saw."""
+        step = int(record.status.get("step", 0) or 0)
+        total = int(record.spec.get("train", {}).get("steps", 0) or 0)
+        now = self._clock()
+        if self._first is None or step < self._first[1]:
+            self._first = (now, step)
+            return None
+        t0, s0 = self._first
+        if step <= s0 or now <= t0:
+            return None
+        return (total - step) * (now - t0) / (step - s0)
+
+    def show(self, record: JobRecord) -> None:
+        eta = self.eta(record)
+        if not self._tty:
+            line = progress_line(record, eta)
+            if line != self._last:
+                self._out.write(line + "\n")
+                self._out.flush()
+                self._last = line
+            return
+        from tqdm import tqdm
+
+        total = int(record.spec.get("train", {}).get("steps", 0) or 0) or None
+        step = int(record.status.get("step", 0) or 0)
+        if self._bar is None:
+            self._bar = tqdm(total=total, desc=record.name, unit="step", file=self._out,
+                             dynamic_ncols=True, leave=True,
+                             bar_format="{desc} {bar:24} {n_fmt}/{total_fmt} {postfix}")  # fmt: skip
+        self._bar.n = step
+        self._bar.set_postfix_str(_facts(record, eta), refresh=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 def follow(
     registry: JobRegistry, name: str, *, out, interval: float = 0.5, timeout: float | None = None
 ) -> JobRecord:
     """Print progress until the job reaches a terminal state; returns its final record."""
-    tty = hasattr(out, "isatty") and out.isatty()
-    last = ""
     deadline = None if timeout is None else time.monotonic() + timeout
     hinted = False
-    while True:
-        record = registry.get(name)
-        if record is None:
-            raise UsageError(f"job {name!r} disappeared")
-        if not hinted and record.state == JobState.PENDING and not registry.node_count():
-            out.write(
-                f"{name}: waiting: no agent is registered (start one with `elasticd agent`)\n"
-            )
-            hinted = True
-        line = progress_line(record)
-        if line != last:
-            out.write(("\r" + line + "\x1b[K") if tty else line + "\n")
-            out.flush()
-            last = line
-        if record.state.terminal:
-            if tty:
-                out.write("\n")
-            if record.reason and record.state != JobState.SUCCEEDED:
-                out.write(f"{name}: {record.state}: {record.reason}\n")
-            return record
-        if deadline is not None and time.monotonic() > deadline:
-            raise UsageError(f"job {name!r} still {record.state} after {timeout:g} s")
-        time.sleep(interval)
+    progress = Progress(out)
+    try:
+        while True:
+            record = registry.get(name)
+            if record is None:
+                raise UsageError(f"job {name!r} disappeared")
+            if not hinted and record.state == JobState.PENDING and not registry.node_count():
+                out.write(
+                    f"{name}: waiting: no agent is registered (start one with `elasticd agent`)\n"
+                )
+                hinted = True
+            progress.show(record)
+            if record.state.terminal:
+                progress.close()
+                if record.reason and record.state != JobState.SUCCEEDED:
+                    out.write(f"{name}: {record.state}: {record.reason}\n")
+                return record
+            if deadline is not None and time.monotonic() > deadline:
+                raise UsageError(f"job {name!r} still {record.state} after {timeout:g} s")
+            time.sleep(interval)
+    finally:
+        progress.close()
 
 
 # -- status / list / cancel ---------------------------------------------------------------
