@@ -211,11 +211,24 @@ def test_the_schedule_command_prints_json_with_each_stages_compute_actions(capsy
     assert cli_main(["schedule", "--pp", "2", "--vpp", "2", "--microbatches", "2", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert (doc["pp"], doc["vpp"], doc["microbatches"]) == (2, 2, 2)
-    assert doc["stages"][0] == [
-        ["F", 0, 0], ["F", 0, 1], ["F", 1, 0], ["F", 1, 1],
-        ["B", 1, 0], ["B", 1, 1], ["B", 0, 0], ["B", 0, 1],
+    # Fields in the text's order: F<microbatch>.<chunk>.
+    assert [(a["op"], a["microbatch"], a["chunk"]) for a in doc["stages"][0]] == [
+        ("F", 0, 0), ("F", 1, 0), ("F", 0, 1), ("F", 1, 1),
+        ("B", 0, 1), ("B", 1, 1), ("B", 0, 0), ("B", 1, 0),
     ]  # fmt: skip
+    assert list(doc["stages"][0][0]) == ["op", "microbatch", "chunk"]
     assert len(doc["stages"][1]) == 8
+
+
+def test_the_schedule_text_has_a_legend(capsys):
+    assert cli_main(["schedule", "--pp", "2", "--vpp", "2", "--microbatches", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "legend: F<m>.<c>: forward of micro-batch m on model chunk c" in out
+    assert cli_main(["schedule", "--pp", "2", "--microbatches", "2"]) == 0
+    assert (
+        "legend: F<m>: forward of micro-batch m (one cell); B: its backward"
+        in capsys.readouterr().out
+    )
 
 
 def test_the_schedule_command_turns_bad_sizes_into_one_line_and_exit_2(capsys):

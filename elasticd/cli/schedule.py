@@ -21,7 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--kind", default="1f1b", help="1f1b (interleaved when vpp > 1) or gpipe (default 1f1b)"
     )
-    p.add_argument("--json", action="store_true", help="print each stage's compute actions")
+    p.add_argument("--json", action="store_true",
+                   help="print each stage's compute actions as {op, microbatch, chunk}, in the "
+                   "text's order")  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -33,15 +35,22 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.json:
             sizes = {"pp": args.pp, "vpp": args.vpp, "microbatches": args.microbatches}
+            # Fields in the order the timeline prints them: F<microbatch>.<chunk>.
             stages = [
-                [act.to_json() for act in compute_order(**sizes, stage=s, kind=args.kind)]
+                [{"op": act.op.value, "microbatch": act.microbatch, "chunk": act.chunk}
+                 for act in compute_order(**sizes, stage=s, kind=args.kind)]
                 for s in range(max(args.pp, 1))
-            ]
+            ]  # fmt: skip
             print(json.dumps({**sizes, "stages": stages}, separators=(",", ":")))
             return 0
         result = simulate(pp=args.pp, vpp=args.vpp, microbatches=args.microbatches, kind=args.kind)
     except ScheduleError as exc:
         raise UsageError(f"schedule: {exc}") from exc
     print(format_timeline(result))
+    if args.vpp > 1:
+        forward = "F<m>.<c>: forward of micro-batch m on model chunk c (one cell)"
+    else:
+        forward = "F<m>: forward of micro-batch m (one cell)"
+    print(f"legend: {forward}; B: its backward (two cells); dots: idle")
     print(summary(result))
     return 0
