@@ -157,6 +157,7 @@ def draw(run: Run):
     ax_world.step(steps, [r.get("world") for r in recs], where="post", color="#6a1b9a", lw=1.6)
     ax_world.set_ylabel("world (nodes)")
     ax_world.set_xlabel("step")
+    ax_world.xaxis.get_major_locator().set_params(integer=True)
     worlds = [r.get("world") for r in recs]
     if worlds and all(isinstance(w, int) for w in worlds):
         ax_world.set_ylim(0, max(worlds) + 1)

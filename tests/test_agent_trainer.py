@@ -98,6 +98,13 @@ def test_a_tp2_job_on_two_nodes_goes_on_from_the_resharded_checkpoint_on_the_las
     reference = reference_losses(tmp_path, job)
     for rec in records:
         assert rec["loss"] == pytest.approx(reference[rec["step"]], rel=1e-4), rec["step"]
+    # The trainer told the agent of its saves (the final one, committed after the last
+    # step, too) and of its load: the run's events have them for `elasticd report`.
+    from elasticd.report import load_run
+
+    report = load_run(job.out_dir)
+    assert {e["step"] for e in report.saves} >= {4, 10} and report.saves[-1]["bytes"] > 0
+    assert [e["step"] for e in report.loads] == [4]
 
 
 def test_a_preempted_node_makes_the_trainer_commit_an_emergency_checkpoint_and_lose_no_step(

@@ -224,6 +224,14 @@ def _train_round(ctx, *, job, layout, device) -> int:
                 on_resumed=lambda: channel.mark("ckpt_loaded"), restore=restore,
                 after_step=after_step,
             )  # fmt: skip
+            ck = trainer.checkpointing
+            if ck is not None and ck.saver.last is not None:
+                # The final save commits after the last step's heartbeat: tell the agent.
+                saved = ck.saver.last
+                channel.progress(
+                    step=trainer.state.step,
+                    checkpoint_save={"step": saved.step, "seconds": round(saved.total_s, 4)},
+                )
             if ctx.inprocess:
                 from trainer.recovery import finish_replication
 
