@@ -81,6 +81,10 @@ class TrainConfig:
     """Peak learning rate of AdamW."""
     warmup: int = 0
     """Linear warm-up steps."""
+    lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """After warm-up: keep lr (constant), or decay it to min_lr by the last step."""
+    min_lr: float = 0.0
+    """The learning rate a cosine or linear schedule ends at."""
     weight_decay: float = 0.0
     """AdamW decoupled weight decay."""
     grad_clip: float = 1.0
@@ -89,6 +93,9 @@ class TrainConfig:
     """Seed for initialisation and synthetic data."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter and compute dtype."""
+    tf32: bool = True
+    """float32 on CUDA: let matmuls use TF32 tensor cores (false: full fp32, bit-comparable
+    with a CPU run)."""
     bucket_mb: float = 25.0
     """Size of a data-parallel gradient bucket, in MiB."""
     aux_loss_coeff: float = 0.0
@@ -390,6 +397,7 @@ def _check(job: JobSpec, where: str) -> None:
     for path, value in (
         ("model.experts", m.experts),
         ("train.warmup", t.warmup),
+        ("train.min_lr", t.min_lr),
         ("train.weight_decay", t.weight_decay),
         ("train.grad_clip", t.grad_clip),
         ("train.aux_loss_coeff", t.aux_loss_coeff),
@@ -450,6 +458,12 @@ def _check(job: JobSpec, where: str) -> None:
         raise JobSpecError(
             f"{where}: parallel.cp: {p.cp}: the built-in trainer has no context parallelism "
             "(use cp: 1, or a command of your own)"
+        )
+    if t.min_lr > t.lr:
+        raise JobSpecError(f"{where}: train.min_lr: {t.min_lr} is more than train.lr ({t.lr})")
+    if t.min_lr and t.lr_schedule == "constant":
+        raise JobSpecError(
+            f"{where}: train.min_lr: only used when train.lr_schedule is cosine or linear"
         )
     if t.global_batch % t.micro_batch:
         raise JobSpecError(

@@ -21,6 +21,7 @@ import yaml
 from elasticd.worker import WorkerChannel, flag_device
 from trainer.launch import launch_local
 from trainer.parallel.expert import regroup_by_expert
+from trainer.perf import peak_flops
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 needs_two_gpus = pytest.mark.skipif(
@@ -40,7 +41,8 @@ JOB = {
     "model": {"layers": 2, "hidden": 32, "heads": 4, "ffn_hidden": 64, "vocab": 50,
               "seq_len": 16, "experts": 0, "top_k": 2, "dropout": 0.0},
     "train": {"steps": STEPS, "global_batch": 8, "micro_batch": 2, "lr": 3.0e-3, "warmup": 2,
-              "weight_decay": 0.1, "grad_clip": 1.0, "seed": 7, "bucket_mb": 0.002},
+              "weight_decay": 0.1, "grad_clip": 1.0, "seed": 7, "bucket_mb": 0.002,
+              "tf32": False},  # full fp32 on CUDA, comparable with the CPU
     "checkpoint": {"every": 3},
 }  # fmt: skip
 MOE = {"model.experts": 4, "model.top_k": 2, "train.aux_loss_coeff": 0.01}
@@ -162,6 +164,11 @@ def test_an_nccl_world_of_one_runs_the_whole_loop_and_trains_as_the_cpu_does(tmp
     ref = _run(tmp_path, "cpu", 1, {}, cuda=False)
     got = _run(tmp_path, "gpu", 1, {}, cuda=True)
     _assert_same_training(ref, got)
+    # It ran on the GPU: CUDA's allocator peak, and an MFU wherever the device's peak is known.
+    assert all(r["mem_gb"] > 0 for r in got)
+    if peak_flops(torch.device("cuda", 0), dtype=torch.float32, tf32=False) is not None:
+        assert all(r["mfu"] is not None and 0 < r["mfu"] < 1 for r in got)
+    assert all(r["mfu"] is None for r in ref)
 
 
 @pytest.mark.gpu

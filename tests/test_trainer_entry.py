@@ -18,7 +18,7 @@ from trainer.__main__ import main as trainer_main
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "examples" / "tiny.yaml"
 FIELDS = {"step", "loss", "grad_norm", "lr", "world", "dp", "tp", "pp", "vpp", "ep", "step_s",
-          "tokens_per_s", "round"}  # fmt: skip
+          "tokens_per_s", "mfu", "mem_gb", "round"}  # fmt: skip
 
 
 def test_a_run_appends_the_designed_metrics_and_prints_a_line_per_step(tmp_path: Path) -> None:
@@ -49,7 +49,8 @@ def test_a_run_appends_the_designed_metrics_and_prints_a_line_per_step(tmp_path:
         assert r["round"] == 5 and r["world"] == 1 and r["dp"] == 1 and r["tp"] == 1
         assert r["step_s"] > 0 and r["tokens_per_s"] > 0 and r["grad_norm"] > 0
     assert records[0] == {**records[3], "step_s": records[0]["step_s"],
-                          "tokens_per_s": records[0]["tokens_per_s"]}  # fmt: skip
+                          "tokens_per_s": records[0]["tokens_per_s"],
+                          "mem_gb": records[0]["mem_gb"]}  # fmt: skip
 
 
 @pytest.mark.parametrize(

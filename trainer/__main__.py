@@ -63,7 +63,8 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 
     env = os.environ if env is None else env
     try:
-        overrides = [*args.overrides, *(["checkpoint.resume=false"] if args.fresh else [])]
+        overrides = [*world_overrides(env), *args.overrides,
+                     *(["checkpoint.resume=false"] if args.fresh else [])]  # fmt: skip
         job = load_job(args.job, overrides).with_paths_resolved(os.getcwd())
         open_source(job.data, model_cfg=job.model, seed=job.train.seed)  # fail early
         # A warm worker (started by its agent before the round formed) waits here for it,
@@ -100,6 +101,28 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         # a changed model, or every step corrupted. One line names each step and why.
         print(f"trainer: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
+
+
+def world_overrides(env: Mapping[str, str]) -> list[str]:
+    """Under plain torchrun the world is the environment's: ``WORLD_SIZE`` ranks,
+    ``LOCAL_WORLD_SIZE`` of them per node. The job's ``nodes`` and ``nproc_per_node`` (the
+    shape elasticd gives a job) are set to match, before the user's ``--set``, so that
+    ``torchrun --nproc-per-node 2 -m trainer job.yaml --set parallel.tp=2`` is checked
+    against a world of 2. Under an agent (``ELASTICD_LAYOUT``) or in a warm worker (its
+    world comes later) the job's own shape stands."""
+    if "WORLD_SIZE" not in env or env.get("ELASTICD_LAYOUT") or env.get("ELASTICD_WARM_AFTER"):
+        return []
+    try:
+        world = int(env["WORLD_SIZE"])
+        local = int(env.get("LOCAL_WORLD_SIZE") or world)
+    except ValueError as exc:
+        raise ValueError(f"WORLD_SIZE / LOCAL_WORLD_SIZE: not a number: {exc}") from exc
+    if world < 1:
+        raise ValueError(f"WORLD_SIZE: {world} must be >= 1")
+    if local < 1 or world % local:
+        local = world  # an uneven world: checked as one node of all its ranks
+    nodes = world // local
+    return [f"nproc_per_node={local}", f"nodes.min={nodes}", f"nodes.max={nodes}"]
 
 
 def _read_layout(path: str, layout_cls):

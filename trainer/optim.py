@@ -40,11 +40,30 @@ def build_optimizer(
     )
 
 
-def lr_at(step: int, *, lr: float, warmup: int) -> float:
-    """Learning rate of 0-based step ``step``: linear warm-up to ``lr``, then constant."""
+def lr_at(
+    step: int,
+    *,
+    lr: float,
+    warmup: int,
+    schedule: str = "constant",
+    min_lr: float = 0.0,
+    steps: int = 0,
+) -> float:
+    """Learning rate of 0-based step ``step`` of ``steps``: a linear warm-up to ``lr`` over
+    ``warmup`` steps, then ``schedule``: ``constant`` stays at ``lr``; ``cosine`` and
+    ``linear`` decay from ``lr`` at the first step after warm-up to ``min_lr`` at the last
+    step (and stay there past it)."""
     if warmup > 0 and step < warmup:
         return lr * (step + 1) / warmup
-    return lr
+    if schedule == "constant":
+        return lr
+    if schedule not in ("cosine", "linear"):
+        raise ValueError(f"unknown lr schedule {schedule!r}")
+    span = steps - 1 - warmup
+    progress = 1.0 if span <= 0 else min(1.0, (step - warmup) / span)
+    if schedule == "cosine":
+        return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return lr - (lr - min_lr) * progress
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:

@@ -58,6 +58,7 @@ from trainer.optim import (
 from trainer.parallel.context import GroupSlot, ParallelContext
 from trainer.parallel.data import GradSync
 from trainer.parallel.pipeline import PipelineGroups
+from trainer.perf import apply_tf32, flops_per_token, mfu, peak_flops, peak_memory_gib
 
 # The tied word embedding: the first stage's embedding and the last stage's head copy.
 TIED_EMBEDDING = "embedding.word_embeddings.weight"
@@ -91,6 +92,11 @@ class StepResult:
     """Wall time of the step."""
     tokens_per_s: float
     """Global batch tokens over step_s."""
+    mfu: float | None
+    """Model FLOPs utilisation against the devices' peak (trainer/perf.py); None where the
+    peak is not known (CPU, unlisted GPUs)."""
+    mem_gb: float
+    """The largest peak memory of any active rank so far, in GiB (trainer/perf.py)."""
 
 
 def check_supported(job, layout: Layout) -> None:
@@ -139,6 +145,9 @@ class Trainer:
         reported to the agent)."""
         self.device = device or torch.device("cpu")
         m, t, p = job.model, job.train, layout.parallel
+        apply_tf32(device=self.device, dtype=DTYPES[t.dtype], tf32=t.tf32)
+        self._flops_per_step = flops_per_token(m) * t.global_batch * m.seq_len
+        self._peak_flops = peak_flops(self.device, dtype=DTYPES[t.dtype], tf32=t.tf32)
         self.source = open_source(job.data, model_cfg=m, seed=t.seed)
         self.batches = BatchPlan(
             global_batch=t.global_batch, micro_batch=t.micro_batch, dp=layout.dp, dp_rank=dp_rank
@@ -187,7 +196,9 @@ class Trainer:
         self._losses = []
         for sync in self.grad_syncs:
             sync.zero()
-        lr = lr_at(self.state.step, lr=self.job.train.lr, warmup=self.job.train.warmup)
+        t = self.job.train
+        lr = lr_at(self.state.step, lr=t.lr, warmup=t.warmup, schedule=t.lr_schedule,
+                   min_lr=t.min_lr, steps=t.steps)  # fmt: skip
         set_lr(self.optimizer, lr)
         self._batch = [
             (x.to(self.device), y.to(self.device))
@@ -257,6 +268,7 @@ class Trainer:
         if self.pipeline is not None:
             self.pipeline.sync_tied(self.params, name=self._tied_name)
         norm = global_grad_norm(self.params, groups=self.model_groups)
+        mem_gb = self._peak_memory_gb()
         # Every collective of the step comes before the optimizer step: a rank that applied
         # it has nothing left to wait for, so a fault leaves each rank wholly at step s or
         # s+1 (in-process recovery picks a step every region is held at).
@@ -272,8 +284,20 @@ class Trainer:
         self.state.consumed_samples += self.job.train.global_batch
         step_s = time.perf_counter() - started
         tokens = self.job.train.global_batch * self.job.model.seq_len
+        used = mfu(flops=self._flops_per_step, seconds=step_s, ranks=self.layout.active,
+                   peak=self._peak_flops)  # fmt: skip
         return StepResult(step=self.state.step, loss=float(loss), grad_norm=norm, lr=lr,
-                          step_s=step_s, tokens_per_s=tokens / step_s)  # fmt: skip
+                          step_s=step_s, tokens_per_s=tokens / step_s, mfu=used,
+                          mem_gb=mem_gb)  # fmt: skip
+
+    def _peak_memory_gb(self) -> float:
+        """The largest peak memory of any active rank so far (a MAX over the model groups,
+        which together span every active rank, as the gradient norm's sum does)."""
+        mem = torch.tensor([peak_memory_gib(self.device)], device=self.device)
+        for slot in self.model_groups:
+            if slot.active:
+                dist.all_reduce(mem, op=dist.ReduceOp.MAX, group=slot.group)
+        return float(mem)
 
     def train_step(self) -> StepResult:
         started = time.perf_counter()
@@ -394,7 +418,8 @@ class MetricsWriter:
         if self.echo is not None:
             self.echo(
                 f"step {r.step}/{self.total}  loss {r.loss:.4f}  grad_norm {r.grad_norm:.4f}  "
-                f"lr {r.lr:.2e}  {r.step_s * 1000:.0f} ms  {r.tokens_per_s:,.0f} tokens/s"
+                f"lr {r.lr:.2e}  {r.step_s * 1000:.0f} ms  {r.tokens_per_s:,.0f} tokens/s  "
+                f"{r.mem_gb:.2f} GiB" + ("" if r.mfu is None else f"  MFU {r.mfu:.1%}")
             )
 
 
