@@ -39,7 +39,7 @@ from checkpoint.errors import (
 from checkpoint.manifest import MANIFEST, Manifest, parse_step_dirname, st_code
 from checkpoint.planner import SavedChunk, plan_reads
 from checkpoint.shards import ShardInfo
-from checkpoint.stfile import crc32_hex, open_regular, read_header_fd, read_regular
+from checkpoint.stfile import chunk_checksum, open_regular, read_header_fd, read_regular
 
 log = logging.getLogger("checkpoint.load")
 
@@ -213,7 +213,7 @@ class Checkpoint:
         self.stats.bytes_read += len(view)
         if not len(view):
             return torch.empty(chunk.sizes, dtype=dtype)
-        if verify and crc32_hex(view) != crc32:
+        if verify and chunk_checksum(self.manifest.version)(view) != crc32:
             raise CorruptCheckpointError(
                 f"{f.path}: {chunk.key}: checksum mismatch (corrupted data)"
             )

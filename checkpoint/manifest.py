@@ -18,7 +18,11 @@ from checkpoint.errors import FormatError
 from checkpoint.planner import SavedChunk, coverage_problem
 
 FORMAT_NAME = "elasticd-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""The version this build writes. Version 2 checks each chunk with CRC-32C (``crc32c``)
+and records no whole-file sha256; version 1 (zlib's CRC-32 per chunk, ``crc32``, and a
+whole-file ``sha256``) still loads and verifies."""
+READ_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 LATEST = "latest"
 STEP_RE = re.compile(r"^step-(\d{9})$")
@@ -75,7 +79,8 @@ class TensorEntry:
     shape: tuple[int, ...]
     chunks: tuple[SavedChunk, ...]
     crc32: dict[str, str] = field(default_factory=dict)
-    """CRC-32 of each chunk's bytes, by safetensors key (checked by every load)."""
+    """Checksum of each chunk's bytes, by safetensors key (checked by every load): CRC-32C
+    in version 2, zlib's CRC-32 in version 1."""
 
     @property
     def nbytes(self) -> int:
@@ -90,6 +95,7 @@ class FileEntry:
     name: str
     bytes: int
     sha256: str
+    """Whole-file sha256 (version 1 only; "" in version 2)."""
     header_sha256: str
     rank: int
 
@@ -108,10 +114,17 @@ class Manifest:
     optimizer: dict[str, Any]
     extra: dict[str, Any]
     created_unix: float
+    version: int = FORMAT_VERSION
+    """The format version read (1 or 2); what the chunk checksums are says it."""
     commit: int = 0
     """The commit's number in its checkpoint directory (1 + the highest before it), so that
     commit order, not the step number, says which step is newest; 0 in manifests written
     before it was recorded."""
+
+    @property
+    def checksum_key(self) -> str:
+        """The shard field of the chunk checksum: ``crc32c`` (v2) or ``crc32`` (v1)."""
+        return "crc32" if self.version == 1 else "crc32c"
 
     @property
     def total_bytes(self) -> int:
@@ -120,7 +133,7 @@ class Manifest:
     def to_json(self) -> bytes:
         body = {
             "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
+            "version": self.version,
             "step": self.step,
             "consumed_samples": self.consumed_samples,
             "job": self.job,
@@ -130,7 +143,7 @@ class Manifest:
             "files": {
                 f.name: {
                     "bytes": f.bytes,
-                    "sha256": f.sha256,
+                    **({"sha256": f.sha256} if self.version == 1 else {}),
                     "header_sha256": f.header_sha256,
                     "rank": f.rank,
                 }
@@ -147,7 +160,7 @@ class Manifest:
                             "key": c.key,
                             "offsets": list(c.offsets),
                             "sizes": list(c.sizes),
-                            "crc32": t.crc32[c.key],
+                            self.checksum_key: t.crc32[c.key],
                         }
                         for c in t.chunks
                     ],
@@ -177,10 +190,10 @@ class Manifest:
             raise FormatError(f"{where}: not valid JSON ({exc})") from exc
         if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
             raise FormatError(f"{where}: not an {FORMAT_NAME} manifest")
-        if raw.get("version") != FORMAT_VERSION:
+        if raw.get("version") not in READ_VERSIONS or type(raw.get("version")) is not int:
             raise FormatError(
                 f"{where}: format version {raw.get('version')!r} is not supported "
-                f"(this build reads version {FORMAT_VERSION})"
+                f"(this build reads versions {', '.join(map(str, READ_VERSIONS))})"
             )
         expected = raw.pop("checksum", None)
         if expected != _self_checksum(raw):
@@ -231,6 +244,8 @@ def _dict(value: Any, what: str) -> dict[str, Any]:
 
 
 def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
+    version = raw["version"]
+    crc_key = "crc32" if version == 1 else "crc32c"
     files: dict[str, FileEntry] = {}
     for name, f in _dict(raw["files"], "files").items():
         if not FILE_NAME_RE.match(name) or ".." in name:
@@ -241,7 +256,7 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
         files[name] = FileEntry(
             name=name,
             bytes=_int(f["bytes"], f"files.{name}.bytes", lo=8),
-            sha256=_hex(f["sha256"], f"files.{name}.sha256", 64),
+            sha256=_hex(f["sha256"], f"files.{name}.sha256", 64) if version == 1 else "",
             header_sha256=_hex(f["header_sha256"], f"files.{name}.header_sha256", 64),
             rank=_int(f["rank"], f"files.{name}.rank"),
         )
@@ -274,7 +289,7 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
                 offsets=_ints(s["offsets"], f"tensor {name}: offsets", len(shape)),
                 sizes=_ints(s["sizes"], f"tensor {name}: sizes", len(shape)),
             )
-            crc[key] = _hex(s["crc32"], f"tensor {name}: crc32", 8)
+            crc[key] = _hex(s[crc_key], f"tensor {name}: {crc_key}", 8)
             held[file] += math.prod(chunk.sizes) * dtype.itemsize
             chunks.append(chunk)
         problem = coverage_problem(name, shape, [(c.offsets, c.sizes) for c in chunks])
@@ -309,6 +324,7 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
         optimizer=dict(_dict(raw.get("optimizer") or {}, "optimizer")),
         extra=dict(_dict(raw.get("extra") or {}, "extra")),
         created_unix=float(created),
+        version=version,
         commit=_int(raw.get("commit", 0), "commit"),
     )
 

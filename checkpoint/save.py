@@ -36,7 +36,7 @@ from checkpoint.manifest import MANIFEST, FileEntry, Manifest, TensorEntry
 from checkpoint.planner import relative
 from checkpoint.saveplan import FilePlan, LocalEntry, SavePlan, build_save_plan
 from checkpoint.shards import ShardInfo
-from checkpoint.stfile import fsync_dir, write_all, write_file
+from checkpoint.stfile import fsync_dir, tensor_bytes, write_all, write_file
 
 log = logging.getLogger("checkpoint.save")
 
@@ -85,6 +85,9 @@ class Saver:
         self.world = group_size(group)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer")
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash")
+        # Retention's deletes run here, after the commit, off the save's critical path.
+        self._janitor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-prune")
+        self._tidying: Future[None] | None = None
         self._inflight: Future[SaveResult] | None = None
         self._staging: torch.Tensor | None = None
         self._plan_cache: tuple[str, SavePlan] | None = None
@@ -110,6 +113,7 @@ class Saver:
         """Checkpoint ``step``. Model/optimizer tensors are (local tensor, ShardInfo) by
         global name; ``rank_state`` tensors belong to this rank only (RNG states)."""
         self.wait()  # the previous save must finish first; its failure surfaces here
+        self._wait_tidy()
         t0 = time.perf_counter()
         local = self._local_tensors(model, optimizer or {}, rank_state or {})
         start: dict[str, Any] = {}
@@ -131,7 +135,10 @@ class Saver:
         plan, token = self._plan(step, local, start)
         tmp = self._tmp(step, token)
         mine = plan.files.get(self.rank)
-        data = self._snapshot(mine, local)
+        direct = not self.options.async_ and not any(t.is_cuda for t, _, _ in local.values())
+        # A sync save on CPU writes straight from the tensors (nothing can change them
+        # before it returns); an async one snapshots into staging first.
+        data = self._direct_parts(mine, local) if direct else self._snapshot(mine, local)
         head = {
             "step": step,
             "consumed_samples": int(consumed_samples),
@@ -168,12 +175,22 @@ class Saver:
         return self.last
 
     def close(self) -> None:
-        """Wait for the save in flight, then stop the writer threads."""
+        """Wait for the save in flight and its retention, then stop the writer threads."""
         try:
             self.wait()
+            self._wait_tidy()
         finally:
             self._pool.shutdown(wait=True)
             self._hasher.shutdown(wait=True)
+            self._janitor.shutdown(wait=True)
+
+    def _wait_tidy(self) -> None:
+        fut, self._tidying = self._tidying, None
+        if fut is not None:
+            fut.result()  # tidy_warned never raises: its failures are warnings
+
+    def _defer(self, func) -> None:
+        self._tidying = self._janitor.submit(func)
 
     def abandon(self) -> None:
         """Stop without waiting (an error path: peers of an in-flight save may be gone).
@@ -181,6 +198,7 @@ class Saver:
         self._inflight = None
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._hasher.shutdown(wait=False, cancel_futures=True)
+        self._janitor.shutdown(wait=False, cancel_futures=True)
 
     # -- snapshot ---------------------------------------------------------------------------
 
@@ -227,6 +245,18 @@ class Saver:
         plan = build_save_plan(per_rank, chunk_min_bytes=self.options.chunk_min_bytes)
         self._plan_cache = (signature, plan)
         return plan, start["token"]
+
+    @staticmethod
+    def _direct_parts(mine: FilePlan | None, local):
+        """Each slot's bytes straight from its tensor (a copy only of a piece that is not
+        contiguous, made when the writer reaches it)."""
+
+        def part(i: int) -> memoryview:
+            c = mine.copies[i]
+            src, info, _ = local[c.name]
+            return tensor_bytes(src[relative(c.box, info.offsets)].detach())
+
+        return part
 
     def _snapshot(self, mine: FilePlan | None, local) -> torch.Tensor:
         """Copy this rank's share into the staging buffer, reused across saves."""
@@ -288,7 +318,6 @@ class Saver:
                 report["file"] = {
                     "name": mine.name,
                     "bytes": w.bytes,
-                    "sha256": w.sha256,
                     "header_sha256": w.header_sha256,
                     "chunks": w.chunk_crc32,
                 }
@@ -337,7 +366,7 @@ class Saver:
                 files[f["name"]] = FileEntry(
                     name=f["name"],
                     bytes=f["bytes"],
-                    sha256=f["sha256"],
+                    sha256="",
                     header_sha256=f["header_sha256"],
                     rank=rank,
                 )
@@ -386,4 +415,5 @@ class Saver:
             warn=log.warning,
             hook=self.options.hook,
             commit=manifest.commit,
+            defer=self._defer,
         )

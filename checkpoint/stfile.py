@@ -15,10 +15,11 @@ import os
 import stat
 import struct
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import crc32c
 import torch
 
 from checkpoint.errors import CorruptCheckpointError
@@ -39,9 +40,9 @@ class FileSlot:
 @dataclass(frozen=True, slots=True)
 class WrittenFile:
     bytes: int
-    sha256: str
     header_sha256: str
     chunk_crc32: dict[str, str]
+    """CRC-32C of each chunk, by key (format version 2)."""
 
 
 def header_bytes(slots: Sequence[FileSlot]) -> bytes:
@@ -59,44 +60,64 @@ def header_bytes(slots: Sequence[FileSlot]) -> bytes:
 
 
 def write_file(
-    path: str, slots: Sequence[FileSlot], data: torch.Tensor, *, hasher_pool: ThreadPoolExecutor
+    path: str,
+    slots: Sequence[FileSlot],
+    data: torch.Tensor | Callable[[int], memoryview],
+    *,
+    hasher_pool: ThreadPoolExecutor,
 ) -> WrittenFile:
-    """Write ``data`` (uint8, the data section) under a header for ``slots``; fsync the file.
+    """Write the data section under a header for ``slots``; fsync the file. ``data`` is the
+    whole data section (uint8, a staging buffer), or a function giving slot ``i``'s bytes.
 
-    The whole-file sha256 runs on ``hasher_pool`` while this thread writes and checksums
-    the chunks (crc32; both release the GIL), so the checksums overlap with the writes.
+    Each chunk's CRC-32C runs on ``hasher_pool`` while this thread writes it (both release
+    the GIL), so checksumming overlaps the writes; there is no whole-file hash to wait for.
     """
     header = header_bytes(slots)
-    view = memoryview(data.numpy()) if data.numel() else memoryview(b"")
-    whole = hashlib.sha256(header)
-    pending = []
-    chunk_crc: dict[str, str] = {}
+    if callable(data):
+        part_of = data
+    else:
+        view = memoryview(data.numpy()) if data.numel() else memoryview(b"")
+
+        def part_of(i: int) -> memoryview:
+            return view[slots[i].begin : slots[i].end]
+
+    pending = {}
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         write_all(fd, header)
-        for s in slots:
-            part = view[s.begin : s.end]
-            pending.append(hasher_pool.submit(whole.update, part))
-            chunk_crc[s.key] = crc32_hex(part)
+        for i, s in enumerate(slots):
+            part = part_of(i)
+            if len(part) != s.end - s.begin:
+                raise ValueError(f"{s.key}: {len(part)} bytes for a slot of {s.end - s.begin}")
+            pending[s.key] = hasher_pool.submit(crc32c_hex, part)
             write_all(fd, part)
-        for p in pending:
-            p.result()
+        chunk_crc = {k: p.result() for k, p in pending.items()}
         os.fsync(fd)
     finally:
-        for p in pending:
+        for p in pending.values():
             p.cancel()
         os.close(fd)
     return WrittenFile(
-        bytes=len(header) + len(view),
-        sha256=whole.hexdigest(),
+        bytes=len(header) + (slots[-1].end if slots else 0),
         header_sha256=hashlib.sha256(header).hexdigest(),
         chunk_crc32=chunk_crc,
     )
 
 
 def crc32_hex(buf: memoryview | bytes) -> str:
-    """The CRC-32 (zlib's polynomial) of ``buf`` as 8 hex digits."""
+    """The CRC-32 (zlib's polynomial) of ``buf`` as 8 hex digits (format version 1)."""
     return f"{zlib.crc32(buf) & 0xFFFFFFFF:08x}"
+
+
+def crc32c_hex(buf: memoryview | bytes) -> str:
+    """The CRC-32C (Castagnoli; hardware SSE4.2 / ARMv8 through the ``crc32c`` package) of
+    ``buf`` as 8 hex digits (format version 2)."""
+    return f"{crc32c.crc32c(buf) & 0xFFFFFFFF:08x}"
+
+
+def chunk_checksum(version: int):
+    """The chunk checksum function of a format version."""
+    return crc32_hex if version == 1 else crc32c_hex
 
 
 def write_all(fd: int, buf: memoryview | bytes) -> None:

@@ -73,6 +73,7 @@ def commit_step(
     warn: Callable[[str], None] | None = None,
     hook: Callable[[str], None] | None = None,
     commit: int | None = None,
+    defer: Callable[[Callable[[], None]], None] | None = None,
 ) -> None:
     """Commit the finished save in ``tmp`` (manifest written and fsynced) as ``step``:
     rename it to ``step-N`` (the commit point), switch `latest` to it, then apply retention.
@@ -95,7 +96,8 @@ def commit_step(
     An existing ``step-N`` (saved again after resuming from an older step) is first moved
     aside to ``step-N.<token>.replaced.tmp``; should the writer die before its own rename,
     :func:`recover_replaced` puts it back, so a replaced step is never lost. ``hook(point)``
-    is called at each named point (tests aim a SIGKILL at them)."""
+    is called at each named point (tests aim a SIGKILL at them). ``defer(func)``, if
+    given, runs the deletes (the step moved aside, retention) later, e.g. on a thread."""
     hook = hook or _nothing
     warn = warn or log or _nothing
     final = step_path(ckpt_dir, step)
@@ -124,7 +126,13 @@ def commit_step(
             shutil.rmtree(aside, ignore_errors=True)
         prune(ckpt_dir, keep=keep, log=log, hook=hook)
 
-    _warn_on_error(warn, f"checkpoint step {step} is committed, but retention", tidy)
+    def tidy_warned() -> None:
+        _warn_on_error(warn, f"checkpoint step {step} is committed, but retention", tidy)
+
+    if defer is not None:
+        defer(tidy_warned)  # the deletes are off the save's critical path
+    else:
+        tidy_warned()
 
 
 def _warn_on_error(warn: Callable[[str], None], what: str, func: Callable[[], None]) -> None:

@@ -3,8 +3,8 @@ reader or exhaust memory is refused in one line, before anything is opened or al
 
 The manifest's own sha256 is unkeyed, so every attack here re-seals the manifest exactly as
 docs/checkpoint-format.md says (sha256 of the canonical JSON of everything but
-``checksum``), and re-seals a rewritten tensor file's ``bytes``, ``sha256`` and
-``header_sha256`` too: what must stop each attack is the validation, not a checksum.
+``checksum``), and re-seals a rewritten tensor file's ``bytes`` and ``header_sha256``
+too: what must stop each attack is the validation, not a checksum.
 """
 
 from __future__ import annotations
@@ -93,9 +93,7 @@ def rewrite_header(ckpt: str, raw: dict, edit) -> None:
     new = head + blob[8 + n :]
     path.write_bytes(new)
     raw["files"][data_name(raw)].update(
-        bytes=len(new),
-        sha256=hashlib.sha256(new).hexdigest(),
-        header_sha256=hashlib.sha256(head).hexdigest(),
+        bytes=len(new), header_sha256=hashlib.sha256(head).hexdigest()
     )
 
 
@@ -250,11 +248,11 @@ def test_a_manifest_of_65536_chunks_is_checked_in_linear_time(ckpt):
     # A pairwise overlap check would make 2^31 comparisons; this is refused in a second.
     raw = manifest(ckpt)
     t = raw["tensors"]["w"]
-    crc = t["shards"][0]["crc32"]
+    crc = t["shards"][0]["crc32c"]
     n = 1 << 16
     t["shape"] = [n]
     t["shards"] = [
-        {"file": data_name(raw), "key": f"w@{i}", "offsets": [i], "sizes": [1], "crc32": crc}
+        {"file": data_name(raw), "key": f"w@{i}", "offsets": [i], "sizes": [1], "crc32c": crc}
         for i in range(n)
     ]
     t["shards"][-1]["offsets"] = [0]  # an overlap at 0 and a gap at the end

@@ -76,7 +76,7 @@ def test_a_flipped_byte_is_named_by_verify_and_at_load_and_resume_falls_back_wit
     bad = data_file(ckpt, 2)
     flip_byte(bad)
     problems = verify(open_step(ckpt, 2))
-    assert len(problems) == 1 and bad in problems[0] and "sha256" in problems[0]
+    assert len(problems) == 1 and bad in problems[0] and "checksum mismatch" in problems[0]
     assert verify(open_step(ckpt, 1)) == []
     model, optim = blank()
     with pytest.raises(CorruptCheckpointError, match="checksum mismatch") as err:
@@ -193,3 +193,54 @@ def test_async_saves_reuse_one_staging_buffer_and_a_step_saved_again_replaces_th
     model, optim = blank()
     assert load_latest(ckpt, model=model, optimizer=optim).manifest.extra == {"s": 2}
     assert not [n for n in os.listdir(ckpt) if n.endswith(".tmp")]
+
+
+def as_version_1(ckpt: str, step: int) -> None:
+    """Rewrite a step's manifest as format version 1 wrote it (the tensor files are the
+    same): zlib's CRC-32 per chunk under ``crc32``, each file's whole sha256, re-sealed."""
+    import hashlib
+    import struct
+    import zlib
+
+    mpath = Path(step_path(ckpt, step)) / "manifest.json"
+    raw = json.loads(mpath.read_text())
+    offsets = {}
+    for name, f in raw["files"].items():
+        blob = (Path(step_path(ckpt, step)) / name).read_bytes()
+        (n,) = struct.unpack("<Q", blob[:8])
+        for key, e in json.loads(blob[8 : 8 + n]).items():
+            if key != "__metadata__":
+                b, end = e["data_offsets"]
+                offsets[(name, key)] = blob[8 + n + b : 8 + n + end]
+        f["sha256"] = hashlib.sha256(blob).hexdigest()
+    for t in raw["tensors"].values():
+        for sh in t["shards"]:
+            del sh["crc32c"]
+            sh["crc32"] = f"{zlib.crc32(offsets[(sh['file'], sh['key'])]) & 0xFFFFFFFF:08x}"
+    raw["version"] = 1
+    raw.pop("checksum")
+    canon = json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
+    raw["checksum"] = hashlib.sha256(canon).hexdigest()
+    mpath.write_text(json.dumps(raw))
+
+
+def test_a_version_1_checkpoint_still_loads_verifies_and_names_corruption(tmp_path):
+    ckpt = str(tmp_path)
+    save_steps(ckpt, [1, 2])
+    for step in (1, 2):
+        as_version_1(ckpt, step)
+    assert open_step(ckpt, 2).manifest.version == 1
+    assert verify(open_step(ckpt, 2)) == []
+    model, optim = blank()
+    loaded = load_latest(ckpt, model=model, optimizer=optim)
+    assert (
+        loaded.step == 2
+        and torch.all(model["a"][0] == 2)
+        and torch.all(model["b"][0] == 2 + torch.arange(100))
+    )
+    flip_byte(data_file(ckpt, 2))
+    problems = verify(open_step(ckpt, 2))
+    assert len(problems) == 1 and "sha256 mismatch" in problems[0]
+    warnings: list[str] = []
+    assert load_latest(ckpt, model=model, optimizer=optim, warn=warnings.append).step == 1
+    assert "checksum mismatch" in warnings[0]
