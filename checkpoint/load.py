@@ -276,21 +276,28 @@ def load_latest(
     failures = []
     for i, step in enumerate(order):
         path = store.step_path(ckpt_dir, step)
-        ckpt, error = None, ""
+        ckpt, error, damaged = None, "", False
         try:
             ckpt = Checkpoint.open(path)
             ckpt.load_into(model, optimizer, verify=verify)
         except Exception as exc:
             error = str(exc) if isinstance(exc, (CheckpointError, OSError)) else repr(exc)
-        errors = [r for r in (all_gather_json(error, group) if distributed else [error]) if r]
+            # A model that does not fit the step (changed shapes or names) is not the
+            # step's fault: it is not recorded as unloadable.
+            damaged = not isinstance(exc, LayoutMismatchError)
+        gathered = all_gather_json([error, damaged], group) if distributed else [[error, damaged]]
+        errors = [e for e, _ in gathered if e]
         if not errors:
+            if leader:
+                store.clear_unloadable(ckpt_dir, step)
             return ckpt  # type: ignore[return-value]
         if isinstance(ckpt, Checkpoint):
             ckpt.close()
         failures.append(f"step {step}: {errors[0]}")
-        if leader:  # retention must never keep it in place of a step that loads
+        if leader and any(d for _, d in gathered):
+            # Retention must never keep it in place of a step that loads.
             try:
-                store.mark_unloadable(ckpt_dir, step, errors[0])
+                store.mark_unloadable(ckpt_dir, step, next(e for e, d in gathered if d))
             except OSError as exc:
                 warn(f"cannot record that step {step} failed to load: {exc}")
         if i + 1 < len(order):  # else the error below says it, once

@@ -53,6 +53,10 @@ class SaveOptions:
     """Job name recorded in the manifest."""
     chunk_min_bytes: int = 1 << 20
     """Smallest stored chunk; chunks are what a resharded load reads and verifies whole."""
+    chunk_max_pieces: int = 4
+    """Most chunks along each of a region's first two dimensions. Smaller, more chunks
+    make a reshard whose boundaries cut chunks read less beyond what it needs, but cost
+    per chunk on every save and load (docs/checkpoint-format.md, Speed)."""
     fence: Fence | None = None
     """The run and round this saver commits for; None: commits are not fenced."""
     hook: Callable[[str], None] | None = None
@@ -242,7 +246,11 @@ class Saver:
         if self._plan_cache is not None and self._plan_cache[0] == signature:
             return self._plan_cache[1], start["token"]
         per_rank = [[LocalEntry.from_json(e) for e in g["entries"]] for g in gathered]
-        plan = build_save_plan(per_rank, chunk_min_bytes=self.options.chunk_min_bytes)
+        plan = build_save_plan(
+            per_rank,
+            chunk_min_bytes=self.options.chunk_min_bytes,
+            chunk_max_pieces=self.options.chunk_max_pieces,
+        )
         self._plan_cache = (signature, plan)
         return plan, start["token"]
 

@@ -89,7 +89,9 @@ def chunk_key(name: str, offsets: Sequence[int]) -> str:
     return f"{name}@{'_'.join(str(o) for o in offsets)}"
 
 
-def build_save_plan(per_rank: Sequence[Sequence[LocalEntry]], *, chunk_min_bytes: int) -> SavePlan:
+def build_save_plan(
+    per_rank: Sequence[Sequence[LocalEntry]], *, chunk_min_bytes: int, chunk_max_pieces: int = 4
+) -> SavePlan:
     """Deduplicate replicas, balance the writers, and lay out each rank's file."""
     meta: dict[str, LocalEntry] = {}
     holders: dict[tuple[str, Box], list[int]] = {}
@@ -131,7 +133,10 @@ def build_save_plan(per_rank: Sequence[Sequence[LocalEntry]], *, chunk_min_bytes
         for name, box in regions:
             entry = meta[name]
             size = entry.dtype.itemsize
-            for piece in chunk_grid(box, itemsize=size, min_bytes=chunk_min_bytes):
+            grid = chunk_grid(
+                box, itemsize=size, min_bytes=chunk_min_bytes, max_pieces=chunk_max_pieces
+            )
+            for piece in grid:
                 key = chunk_key(name, piece[0])
                 slot = FileSlot(
                     key=key,

@@ -243,6 +243,18 @@ def mark_unloadable(ckpt_dir: str, step: int, error: str, *, commit: int | None 
     write_atomic(path, json.dumps(raw, sort_keys=True).encode())
 
 
+def clear_unloadable(ckpt_dir: str, step: int) -> None:
+    """Forget a failure of ``step`` once it has loaded after all (a passing glitch)."""
+    path = os.path.join(ckpt_dir, UNLOADABLE)
+    if not os.path.exists(path):
+        return
+    with contextlib.suppress(CheckpointError, ValueError, RecursionError, OSError):
+        raw = json.loads(read_regular(path, max_bytes=1 << 20))
+        if isinstance(raw, dict) and str(step) in raw:
+            del raw[str(step)]
+            write_atomic(path, json.dumps(raw, sort_keys=True).encode())
+
+
 def _failed(ckpt_dir: str, numbers: dict[int, int]) -> set[int]:
     return {s for s, n in read_unloadable(ckpt_dir).items() if numbers.get(s) == n}
 

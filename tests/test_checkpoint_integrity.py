@@ -244,3 +244,17 @@ def test_a_version_1_checkpoint_still_loads_verifies_and_names_corruption(tmp_pa
     warnings: list[str] = []
     assert load_latest(ckpt, model=model, optimizer=optim, warn=warnings.append).step == 1
     assert "checksum mismatch" in warnings[0]
+
+
+def test_a_model_that_does_not_fit_any_step_marks_none_of_them_unloadable(tmp_path):
+    from checkpoint.store import read_unloadable
+
+    ckpt = str(tmp_path)
+    save_steps(ckpt, [1, 2, 3], keep=3)
+    wrong = {"a": (torch.zeros(32, 32), ShardInfo.whole("a", (32, 32)))}
+    with pytest.raises(CorruptCheckpointError, match="no committed checkpoint loads"):
+        load_latest(ckpt, model=wrong, warn=lambda _m: None)
+    # The steps are sound; the model changed. Retention goes on keeping the newest.
+    assert read_unloadable(ckpt) == {}
+    save_steps(ckpt, [4], keep=2)
+    assert committed_steps(ckpt) == [3, 4]
