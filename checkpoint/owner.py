@@ -88,6 +88,25 @@ def claim(
     return Claim(ckpt_dir=ckpt_dir, job=job, run_id=run_id, fd=fd)
 
 
+def held_by(ckpt_dir: str) -> dict | None:
+    """Who holds the directory's lock right now (its record), or None when nobody does (or
+    the file system has no flock). Takes and drops the lock to find out."""
+    path = os.path.join(ckpt_dir, LOCK_FILE)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _holder(fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    return None
+
+
 def read_owner(ckpt_dir: str) -> dict | None:
     """The parsed ``owner.json``, or None when there is none. An unreadable one refuses."""
     path = os.path.join(ckpt_dir, OWNER_FILE)

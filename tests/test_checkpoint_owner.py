@@ -143,3 +143,17 @@ def test_a_rerun_resumes_saying_the_step_another_job_is_refused_and_fresh_starts
     assert fresh.returncode == 0 and "resumed from" not in fresh.stdout
     metrics = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
     assert json.loads(metrics[-1])["step"] == 1
+
+
+def test_ckpt_prune_refuses_a_directory_a_run_is_using_in_one_line(tmp_path, capsys):
+    from elasticd.cli import main
+
+    ckpt = str(tmp_path / "ckpt")
+    held = claim(ckpt, job="tiny", run_id="tiny-7")
+    try:
+        code = main(["ckpt", "prune", ckpt, "--keep", "1"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and "in use by run tiny-7 of job tiny" in err[0], err
+    finally:
+        held.release()
+    assert main(["ckpt", "prune", ckpt, "--keep", "1"]) == 0

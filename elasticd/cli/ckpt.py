@@ -65,7 +65,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     ex.set_defaults(func=_guard(run_export))
 
-    pr = cmds.add_parser("prune", help="keep only the newest N committed steps (never latest)")
+    pr = cmds.add_parser(
+        "prune",
+        help="keep the newest N loadable steps of the current lineage (never the newest commit)",
+    )
     pr.add_argument("dir", metavar="DIR")
     pr.add_argument("--keep", type=int, required=True, help="committed steps to keep")
     pr.set_defaults(func=_guard(run_prune))
@@ -243,9 +246,17 @@ def run_export(args: argparse.Namespace) -> int:
 
 def run_prune(args: argparse.Namespace) -> int:
     from checkpoint import prune
+    from checkpoint.owner import held_by
 
     if args.keep < 1:
         raise UsageError(f"ckpt prune: --keep must be at least 1, got {args.keep}")
+    holder = held_by(args.dir)
+    if holder is not None:  # its own retention is running there; do not race it
+        raise UsageError(
+            f"ckpt prune: {args.dir} is in use by run {holder.get('run_id') or '?'} of job "
+            f"{holder.get('job') or '?'} (pid {holder.get('pid', '?')} on "
+            f"{holder.get('host', '?')}); prune it when that run has ended"
+        )
     removed = prune(args.dir, keep=args.keep)
     print(
         f"removed {len(removed)} step(s)" + (f": {', '.join(map(str, removed))}" if removed else "")
