@@ -110,3 +110,25 @@ def test_the_slurm_script_parses_and_asks_slurm_for_what_an_elastic_run_needs():
         words = [w for w in words if w not in ("&", "2>/dev/null")]
         words = [w.replace("$job_file", "job.yaml").replace("$metrics_port", "9400") for w in words]
         build_parser().parse_args(words[: words.index("|")] if "|" in words else words)
+
+
+def test_docs_metrics_md_lists_every_series_the_agent_exports_with_its_type_and_labels():
+    table = {}
+    for line in (DEPLOY.parent / "docs" / "metrics.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[0].startswith("`elasticd_"):
+            table[cells[0].strip("`")] = (cells[1], cells[2])
+    exported = {}
+    for metric in AgentMetrics(CollectorRegistry()).registry.collect():
+        name = metric.name + ("_total" if metric.type == "counter" else "")
+        exported[name] = metric.type
+    assert set(table) == set(exported), set(table) ^ set(exported)
+    for name, kind in exported.items():
+        assert table[name][0] == kind, name
+    # Labels as documented: each documented label is one the series carries.
+    m = AgentMetrics(CollectorRegistry())
+    for attr, metric in vars(m).items():
+        if hasattr(metric, "_labelnames"):
+            name = metric._name + ("_total" if metric._type == "counter" else "")
+            documented = set(re.findall(r"`(\w+)`", table[name][1]))
+            assert documented == set(metric._labelnames), (attr, documented)
