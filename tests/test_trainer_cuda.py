@@ -180,3 +180,29 @@ def test_moe_with_ep2_over_nccl_trains_as_the_cpu_does(tmp_path):
     ref = _run(tmp_path, "cpu", 2, settings, cuda=False)
     got = _run(tmp_path, "gpu", 2, settings, cuda=True)
     _assert_same_training(ref, got)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_fused_adamw_on_cuda_takes_state_made_on_the_cpu_as_a_checkpoint_load_makes_it():
+    from torch import nn
+
+    from trainer.optim import build_optimizer
+
+    g = torch.Generator().manual_seed(0)
+    start, grad = torch.randn(8, 4, generator=g), torch.randn(8, 4, generator=g)
+    moments = (torch.randn(8, 4, generator=g) * 0.1, torch.rand(8, 4, generator=g) * 0.01)
+    results = []
+    for device in ("cuda", "cpu"):
+        p = nn.Parameter(start.to(device))
+        p.grad = grad.to(device)
+        opt = build_optimizer([p], lr=1e-2, weight_decay=0.1)
+        assert bool(opt.param_groups[0]["fused"]) == (device == "cuda")
+        state = opt.state[p]  # what trainer/checkpointing.py creates before loading into it
+        state["step"] = torch.tensor(3.0)
+        state["exp_avg"], state["exp_avg_sq"] = (m.to(device) for m in moments)
+        opt.step()
+        assert float(opt.state[p]["step"]) == 4.0
+        assert opt.state[p]["step"].device.type == device
+        results.append(p.detach().cpu())
+    torch.testing.assert_close(results[0], results[1])

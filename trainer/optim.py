@@ -22,21 +22,51 @@ BETAS = (0.9, 0.95)
 EPS = 1e-8
 
 
+class AdamW(torch.optim.AdamW):
+    """torch's AdamW, fused on CUDA (one kernel over every parameter) and foreach elsewhere
+    (a few kernels per parameter group rather than several per parameter).
+
+    How it computes is this process's choice, not the checkpoint's: ``step`` puts the
+    ``foreach``/``fused`` flags back on every group (a resume restores saved groups, saved
+    perhaps on another device). Fused needs each parameter's ``step`` count on the
+    parameter's device; state made outside the optimizer (a checkpoint load or a recovery
+    creates it on the CPU, as the for-loop AdamW does) is moved there first.
+    """
+
+    def __init__(self, groups: list[dict], *, lr: float, fused: bool) -> None:
+        self._impl = {"fused": fused or None, "foreach": None if fused else True}
+        super().__init__(groups, lr=lr, betas=BETAS, eps=EPS, **self._impl)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        fused = bool(self._impl["fused"])
+        for group in self.param_groups:
+            group.update(self._impl)
+            if not fused:
+                continue
+            for p in group["params"]:
+                state = self.state.get(p)
+                if state and state["step"].device != p.device:
+                    state["step"] = state["step"].to(p.device, torch.float32)
+        return super().step(closure)
+
+
 def build_optimizer(
     params: Sequence[nn.Parameter], *, lr: float, weight_decay: float
 ) -> torch.optim.AdamW:
     """AdamW with decay on matrices and embeddings only (not on biases or LayerNorms),
-    as GPT-2 recipes do. The parameter groups are ``[decay, no_decay]``."""
+    as GPT-2 recipes do. The parameter groups are ``[decay, no_decay]``. Fused when every
+    parameter is on CUDA, else foreach."""
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
-    return torch.optim.AdamW(
+    fused = bool(params) and all(p.device.type == "cuda" for p in params)
+    return AdamW(
         [
             {"params": decay, "weight_decay": weight_decay},
             {"params": no_decay, "weight_decay": 0.0},
         ],
         lr=lr,
-        betas=BETAS,
-        eps=EPS,
+        fused=fused,
     )
 
 
@@ -81,12 +111,20 @@ def grad_replicas(param: nn.Parameter, *, tp: int, dp_cp: int, etp: int, expert_
 
 def global_grad_norm(params: Sequence[nn.Parameter], *, groups: Sequence[GroupSlot]) -> float:
     """The 2-norm of the whole model's gradient; ``groups`` together span every active
-    rank (tp-dp-cp, and pp when there is pipelining)."""
+    rank (tp-dp-cp, and pp when there is pipelining).
+
+    Each gradient's norm comes from one ``_foreach_norm`` per replica count (fp32, without
+    copies; bf16 gradients are accumulated in fp32); only those per-tensor norms are
+    squared and summed in fp64."""
     device = params[0].device if params else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float64, device=device)
+    by_replicas: dict[int, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
-            total += p.grad.detach().double().pow(2).sum() / p.grad_replicas
+            by_replicas.setdefault(p.grad_replicas, []).append(p.grad.detach())
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for replicas, grads in by_replicas.items():
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        total += torch.stack(norms).double().square().sum() / replicas
     for slot in groups:
         if slot.active:
             dist.all_reduce(total, group=slot.group)
@@ -99,6 +137,6 @@ def clip_grads(params: Sequence[nn.Parameter], *, norm: float, max_norm: float) 
         return
     coef = max_norm / (norm + 1e-6)
     if coef < 1.0:
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, coef)

@@ -190,8 +190,8 @@ class _VocabParallelCrossEntropy(Function):
     def forward(ctx, logits, target, start: int, vocab: int, group):
         logits = logits.float()
         n = logits.shape[-1]
-        cols = torch.arange(start, start + n, device=logits.device)
-        if bool((cols >= vocab).any()):
+        if start + n > vocab:  # padding columns here (decided on the host: no device sync)
+            cols = torch.arange(start, start + n, device=logits.device)
             logits = logits.masked_fill(cols >= vocab, float("-inf"))
         # The max only shifts for stability; it is a constant, so no gradient flows through it.
         lmax = logits.max(dim=-1).values

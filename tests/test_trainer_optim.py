@@ -1,0 +1,94 @@
+"""The optimizer's hot path (issue 14, point 4): the global gradient norm from per-tensor
+foreach norms (no fp64 copies of the gradients), foreach clipping, and AdamW foreach on CPU
+(fused on CUDA), each against the plain computation it replaces."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from trainer.optim import AdamW, build_optimizer, clip_grads, global_grad_norm
+
+SHAPES = [(64, 32), (32,), (3, 32, 32), (50, 32), (1,), (256, 7)]
+REPLICAS = [1, 2, 4, 1, 2, 8]
+
+
+def _params(dtype: torch.dtype = torch.float32, seed: int = 0) -> list[nn.Parameter]:
+    g = torch.Generator().manual_seed(seed)
+    params = []
+    for i, (shape, replicas) in enumerate(zip(SHAPES, REPLICAS, strict=True)):
+        p = nn.Parameter(torch.randn(shape, generator=g).to(dtype))
+        # Gradients of very different scales, as a real model's are.
+        p.grad = (torch.randn(shape, generator=g) * 10.0 ** (i - 3)).to(dtype)
+        p.grad_replicas = replicas
+        params.append(p)
+    return params
+
+
+def _fp64_norm(params: list[nn.Parameter]) -> float:
+    """What the norm was before: every gradient copied to fp64, squared and summed."""
+    total = sum(p.grad.double().pow(2).sum().item() / p.grad_replicas for p in params)
+    return math.sqrt(total)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_foreach_norm_equals_the_fp64_norm_within_fp32_round_off(dtype):
+    for seed in range(5):
+        params = _params(dtype, seed)
+        got = global_grad_norm(params, groups=())
+        assert got == pytest.approx(_fp64_norm(params), rel=2e-7 * 8)  # a few fp32 ulps
+
+
+def test_a_parameter_without_a_gradient_is_left_out_of_the_norm():
+    params = _params()
+    params[2].grad = None
+    assert global_grad_norm(params, groups=()) == pytest.approx(
+        _fp64_norm([p for p in params if p.grad is not None]), rel=1e-6
+    )
+    assert global_grad_norm([], groups=()) == 0.0
+
+
+def test_clipping_scales_every_gradient_by_the_same_factor():
+    params = _params()
+    before = [p.grad.clone() for p in params]
+    norm = global_grad_norm(params, groups=())
+    clip_grads(params, norm=norm, max_norm=norm / 4)
+    for p, g in zip(params, before, strict=True):
+        torch.testing.assert_close(p.grad, g * ((norm / 4) / (norm + 1e-6)), rtol=0, atol=0)
+    assert global_grad_norm(params, groups=()) == pytest.approx(norm / 4, rel=1e-5)
+    small = [p.grad.clone() for p in params]
+    clip_grads(params, norm=norm / 4, max_norm=norm)  # under the bar: untouched
+    assert all(torch.equal(p.grad, g) for p, g in zip(params, small, strict=True))
+
+
+def test_adamw_is_foreach_on_cpu_and_steps_as_the_for_loop_adamw_does():
+    ours, ref = _params(seed=1), _params(seed=1)
+    opt = build_optimizer(ours, lr=1e-2, weight_decay=0.1)
+    assert isinstance(opt, AdamW)
+    assert all(g["foreach"] is True and not g["fused"] for g in opt.param_groups)
+    plain = torch.optim.AdamW(
+        [{"params": [p for p in ref if p.dim() >= 2], "weight_decay": 0.1},
+         {"params": [p for p in ref if p.dim() < 2], "weight_decay": 0.0}],
+        lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(9)
+    for _ in range(5):
+        for a, b in zip(ours, ref, strict=True):
+            b.grad = torch.randn(a.shape, generator=g)
+            a.grad = b.grad.clone()
+        opt.step()
+        plain.step()
+    for a, b in zip(ours, ref, strict=True):
+        torch.testing.assert_close(a, b)  # fp32 round-off (rtol 1.3e-6)
+
+
+def test_a_restored_groups_implementation_flags_give_way_to_this_processs():
+    params = _params()
+    opt = build_optimizer(params, lr=1e-3, weight_decay=0.0)
+    for group in opt.param_groups:  # as a checkpoint saved by a for-loop AdamW restores them
+        group["foreach"], group["fused"] = None, None
+    opt.step()
+    assert all(g["foreach"] is True and not g["fused"] for g in opt.param_groups)
