@@ -30,8 +30,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 ENV_PLAN = "ELASTICD_FAULT_PLAN"
@@ -44,6 +45,8 @@ SELF_KINDS = frozenset({"kill-worker", "hang-worker", "raise-error"})
 NODE_KINDS = frozenset({"kill-node", "term-node", "freeze-node"})
 ACK_WAIT = 120.0
 """Seconds a firing worker waits in its phase for the cluster to carry the fault out."""
+TERM_WAIT = 30.0
+"""Seconds a term-node's firing worker then waits for the SIGTERM its agent passes on."""
 
 
 class InjectedFault(Exception):
@@ -87,12 +90,14 @@ class WorkerFaults:
         self.node = env.get(ENV_NODE, "")
         self.round = env.get("ELASTICD_ROUND", "")
 
-    def at(self, phase: str | None, step: int) -> None:
+    def at(self, phase: str | None, step: int, preempted: Callable[[], bool] | None = None) -> None:
         """This rank is entering ``phase`` of step ``step`` (None: it reported the step
-        done). Fires any planned fault of this rank there; may not return."""
+        done). Fires any planned fault of this rank there; may not return.
+        ``preempted``: whether this worker's SIGTERM arrived (a term-node fault waits for
+        it, so the preemption lands in this phase, not a step later)."""
         for entry in self.entries:
             if entry["step"] == step and entry["phase"] == phase and self._mine(entry):
-                self._fire(entry)
+                self._fire(entry, preempted)
 
     def _mine(self, entry: Mapping[str, Any]) -> bool:
         kind = entry["kind"]
@@ -102,7 +107,7 @@ class WorkerFaults:
             return self.node == f"node-{entry['target']}"
         return self.rank == 0
 
-    def _fire(self, entry: Mapping[str, Any]) -> None:
+    def _fire(self, entry: Mapping[str, Any], preempted: Callable[[], bool] | None) -> None:
         name = os.path.join(self.dir, f"fired-{entry['id']}")
         try:
             fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -127,8 +132,17 @@ class WorkerFaults:
             raise InjectedFault(f"injected fault {entry['fault']} (rank {self.rank}, {where})")
         acked = os.path.join(self.dir, f"acked-{entry['id']}")
         deadline = time.monotonic() + ACK_WAIT
-        while not os.path.exists(acked) and time.monotonic() < deadline:
+        while not os.path.exists(acked):
+            if time.monotonic() > deadline:
+                print(f"elasticd: fault {entry['fault']}: the cluster did not carry it out "
+                      f"within {ACK_WAIT:g} s; going on", file=sys.stderr, flush=True)  # fmt: skip
+                return
             time.sleep(0.005)
+        if kind == "term-node" and preempted is not None:
+            # The agent passes SIGTERM on to its workers a moment later: wait for ours.
+            deadline = time.monotonic() + TERM_WAIT
+            while not preempted() and time.monotonic() < deadline:
+                time.sleep(0.005)
 
 
 class PlanSource:
@@ -143,6 +157,24 @@ class PlanSource:
         self.outside = outside
         self.seen: set[int] = set()
         self.ids: dict[int, int] = {}  # id(fault object) -> plan id
+
+    def unfired(self) -> list[tuple[Any, str]]:
+        """(fault, why) for each fault that never fired: no rank reached its step and
+        phase (the script never calls ``phase`` there, the step is not a save step, the
+        job ended first), or, for the cluster's own, the job ended before its step."""
+        out = []
+        for i, fault in enumerate(self.planned):
+            if i in self.seen or os.path.exists(os.path.join(self.dir, f"fired-{i}")):
+                continue
+            where = f"the {fault.phase} phase" if fault.phase else "the end"
+            if fault.kind in SELF_KINDS:
+                who = f"rank {fault.target} never reached"
+            elif fault.kind in NODE_KINDS:
+                who = f"no rank of node {fault.target} reached"
+            else:
+                who = "rank 0 never reached"
+            out.append((fault, f"{who} {where} of step {fault.step}"))
+        return out + self.outside.unfired()
 
     def due(self, view: Any) -> list[Any]:
         out = list(self.outside.due(view))

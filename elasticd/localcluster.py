@@ -519,6 +519,8 @@ class LocalCluster:
 
     def _inject(self, fault: Fault, record: dict[str, Any]) -> str:
         kind, target, lasts = fault.kind, fault.target, fault.duration or 0.0
+        if kind == "raise-error":
+            raise UsageError(f"{fault}: only the workers can raise (run_cluster's fault plan)")
         if kind in NODE_FAULTS:
             index = self._node(fault)
             if kind == "kill-node":
@@ -747,6 +749,10 @@ class AtSteps:
             out.append(self._pending.pop(0))
         return out
 
+    def unfired(self) -> list[tuple[Fault, str]]:
+        """(fault, why) for each fault that never fired."""
+        return [(f, f"the job ended before step {f.step} completed") for f in self._pending]
+
 
 def run_cluster(
     job: Any,
@@ -838,6 +844,14 @@ def run_cluster(
     final = record.to_dict() if record is not None else {"name": job.name, "state": "unknown"}
     if timed_out:
         final["timed_out"] = timeout
+    # A fault that never fired is said, never dropped: a fault test whose fault missed
+    # (no step S, no rank reaching the phase) must not pass as if it had survived it.
+    for fault, why in getattr(source, "unfired", lambda: [])():
+        out.write(f"fault never fired: {fault}: {why}\n")
+        with cluster.lock:
+            cluster.fault_log.append({"fault": str(fault), "kind": fault.kind, "t": None,
+                                      "detail": f"never fired: {why}", "end": None,
+                                      "skipped": True, "unfired": True})  # fmt: skip
     with cluster.lock:
         final["faults"] = [dict(f) for f in cluster.fault_log]
     records.extend(tail.new())

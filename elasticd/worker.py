@@ -140,7 +140,7 @@ class WorkerChannel:
 
             self._faults = WorkerFaults(self._env)
         if self._faults.entries:
-            self._faults.at(name, int(step))
+            self._faults.at(name, int(step), preempted=self._preempt.is_set)
 
     def record(self, *, step: int, loss: float | None = None, **metrics: float) -> None:
         """Report step ``step`` done, as :meth:`progress` does, and on global rank 0 append

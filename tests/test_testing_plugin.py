@@ -156,3 +156,16 @@ def test_the_plugin_loads_from_its_entry_point_without_importing_torch(pytester)
     res.stdout.fnmatch_lines(["elasticd_cluster*", "*factory of local clusters*"])
     res = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     res.assert_outcomes(passed=1)
+
+
+@pytest.mark.elasticd(timeout=200)
+def test_a_fault_that_never_fires_fails_the_run_rather_than_passing_unnoticed(elasticd_cluster):
+    from elasticd.testing import ElasticdAssertionError
+
+    job = elasticd_cluster.script_job(SCRIPT, steps=6, checkpoint={"every": 4})  # saves 4, 6
+    with pytest.raises(ElasticdAssertionError, match="never fired") as info:
+        elasticd_cluster.run(job, nodes=2, faults="kill-worker=1@step=5:phase=checkpoint-save")
+    assert "rank 1 never reached the checkpoint-save phase of step 5" in str(info.value)
+    result = info.value.result
+    assert result.outcome == "succeeded" and result.steps == list(range(1, 7))
+    assert "fault never fired: kill-worker=1@step=5:phase=checkpoint-save" in result.output

@@ -187,3 +187,61 @@ def test_a_job_is_a_dict_a_path_or_the_built_in_one_with_overrides(tmp_path):
     with pytest.raises(UsageError, match="there is no rank 5"):
         cluster.run(plain, nodes=2, faults=["raise-error=5@step=2"])
     assert cluster.runs == [] and not (tmp_path / "run-0" / "out" / "cluster").exists()
+
+
+def test_faults_that_never_fire_are_named_with_the_reason(tmp_path):
+    faults, _ = _plan(tmp_path, "kill-worker=1@step=5:phase=checkpoint-save",
+                      "kill-node=2@step=3:phase=forward", "add-node@step=4:phase=optimizer")  # fmt: skip
+    outside = AtSteps([parse_fault("kill-node=1@step=99")])
+    source = PlanSource(str(tmp_path / "faults"), faults, outside)
+    (tmp_path / "faults" / "fired" / "fired-2").write_text("{}")
+    assert [(str(f), why) for f, why in source.unfired()] == [
+        ("kill-worker=1@step=5:phase=checkpoint-save",
+         "rank 1 never reached the checkpoint-save phase of step 5"),
+        ("kill-node=2@step=3:phase=forward", "no rank of node 2 reached the forward phase of step 3"),
+        ("kill-node=1@step=99", "the job ended before step 99 completed"),
+    ]  # fmt: skip
+
+
+def test_a_term_node_fault_holds_its_phase_until_the_workers_own_sigterm(tmp_path):
+    import threading
+    import time
+
+    _, path = _plan(tmp_path, "term-node=0@step=2:phase=forward")
+    (tmp_path / "faults" / "fired" / "acked-0").write_text("{}")  # the cluster did its part
+    faults = WorkerFaults({"ELASTICD_FAULT_PLAN": path, "RANK": "3", "ELASTICD_NODE_ID": "node-0"})
+    flag = threading.Event()
+    threading.Timer(0.3, flag.set).start()  # the agent passes SIGTERM on a moment later
+    t0 = time.monotonic()
+    faults.at("forward", 2, preempted=flag.is_set)
+    assert flag.is_set() and time.monotonic() - t0 >= 0.25
+
+
+def test_the_cluster_cannot_raise_inside_a_worker(tmp_path):
+    cluster = LocalCluster(base_dir=str(tmp_path), nproc=1)
+    record = cluster.inject(parse_fault("raise-error=0@step=2"))
+    assert record["skipped"] and "only the workers can raise" in record["detail"]
+
+
+def test_rank_logs_come_in_round_order_and_leftovers_are_found_by_their_environment(tmp_path):
+    import subprocess
+    import sys
+
+    from elasticd.testing import ENV_TEST_BASE, leftover_processes, sweep
+
+    for r in (2, 10, 1):
+        d = tmp_path / "out" / "logs" / f"round-{r}"
+        d.mkdir(parents=True)
+        (d / "rank-1.log").write_text(f"round {r}\n")
+    r = result_from({"state": "succeeded", "metrics": []}, run_dir=str(tmp_path / "out"), output="")
+    assert r.rank_log(1) == "round 1\nround 2\nround 10\n"
+    base = tmp_path / "elasticd"
+    # A user's worker: nothing of the test's directory on its command line.
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            env={**os.environ, ENV_TEST_BASE: str(base)})  # fmt: skip
+    try:
+        assert leftover_processes(str(tmp_path)) == [proc.pid]
+        assert sweep(str(tmp_path), remove=True, settle=0.2) == [proc.pid]
+        assert proc.wait(timeout=10) == -9 and not tmp_path.exists()
+    finally:
+        proc.kill()

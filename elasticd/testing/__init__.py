@@ -30,6 +30,7 @@ import math
 import os
 import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -54,8 +55,18 @@ BUILTIN_JOB: dict[str, Any] = {
 :meth:`Cluster.builtin_job`. A global batch of 12 splits evenly over 1, 2, 3, 4 or 6 ranks."""
 
 
+ENV_TEST_BASE = "ELASTICD_TEST_BASE"
+"""Set on every agent (and so every worker) of a test's runs: the test's directory. The
+teardown finds what a run left running by it, whatever the process's command line."""
+
+
 class ElasticdAssertionError(AssertionError):
-    """A failed ``assert_*`` of a run: the message names what differs."""
+    """A failed ``assert_*`` of a run: the message names what differs. ``result``: the run
+    it is about, when there is one."""
+
+    def __init__(self, message: str, result: RunResult | None = None) -> None:
+        super().__init__(message)
+        self.result = result
 
 
 # -- the result ---------------------------------------------------------------------------------
@@ -102,6 +113,11 @@ class RunResult:
     """The job's final status record, with its ``history``."""
 
     @property
+    def unfired(self) -> list[dict[str, Any]]:
+        """The faults that never fired (``detail`` says why)."""
+        return [f for f in self.faults if f.get("unfired")]
+
+    @property
     def steps(self) -> list[int]:
         return [int(r["step"]) for r in self.records]
 
@@ -121,12 +137,17 @@ class RunResult:
         return dict(sorted(out.items()))
 
     def rank_log(self, rank: int) -> str:
-        """Everything global rank ``rank`` printed, over the run's rounds, in order."""
-        return "".join(
-            text
-            for path, text in self.logs().items()
-            if os.path.basename(path) == f"rank-{rank}.log"
-        )
+        """Everything global rank ``rank`` printed in the rounds that started it, in round
+        order. (Warm workers of in-process jobs log per node and local rank, under
+        ``warm/`` in :meth:`logs`: their rank can change from round to round.)"""
+
+        def round_of(path: str) -> int:
+            head = path.split(os.sep)[0]
+            return int(head.split("-")[1]) if head.startswith("round-") else -1
+
+        logs = self.logs()
+        mine = [p for p in logs if os.path.basename(p) == f"rank-{rank}.log"]
+        return "".join(logs[p] for p in sorted(mine, key=round_of))
 
     def describe(self) -> str:
         """A few lines for a failure message: outcome, worlds, faults, recoveries."""
@@ -338,6 +359,8 @@ class Cluster:
     runs: list[RunResult] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment for every agent (and so every worker) of this fixture's runs."""
+    _next: int = 0
+    """The next run's number (its directory ``run-<n>``)."""
 
     def builtin_job(self, **overrides: Any) -> dict[str, Any]:
         """The built-in trainer's job (a small GPT), with ``overrides``: sections
@@ -367,89 +390,119 @@ class Cluster:
         nodes: int = 1,
         nproc_per_node: int | None = None,
         restart: str | None = None,
-        faults: Iterable[str] = (),
+        faults: Iterable[str] | str = (),
         timeout: float | None = None,
         env: Mapping[str, str] | None = None,
         name: str | None = None,
+        allow_unfired: bool = False,
     ) -> RunResult:
         """Run ``job`` (a dict, a JobSpec or a path) on a fresh cluster of ``nodes`` agents
         with ``nproc_per_node`` workers each, under ``restart`` (inprocess or process;
         default the job's), firing ``faults`` (``elasticd run --fault`` specs, which may
         name a phase). Returns when the job ends or ``timeout`` passes; the cluster is gone
-        by then."""
+        by then. A fault that never fired (no rank reached its step and phase) raises
+        ElasticdAssertionError, unless ``allow_unfired``: a fault test whose fault missed
+        proves nothing."""
         from elasticd.jobspec import parse_job
         from elasticd.localcluster import check_plan, parse_fault, run_cluster
 
-        index = len(self.runs)
+        index = self._next
+        self._next += 1  # a run that raises keeps its directory: the next gets another
         run_dir = os.path.join(self.base, f"run-{index}")
         raw = _job_dict(job)
         raw["name"] = name or f"{raw.get('name') or 'test'}-{index}"
         raw["output_dir"] = os.path.join(run_dir, "out")
-        raw.setdefault("checkpoint", {})["dir"] = os.path.join(run_dir, "out", "ckpt")
+        raw["checkpoint"] = {**(raw.get("checkpoint") or {}),
+                             "dir": os.path.join(run_dir, "out", "ckpt")}  # fmt: skip
         if nproc_per_node is not None:
             raw["nproc_per_node"] = nproc_per_node
         if restart is not None:
             if restart not in ("inprocess", "process"):
                 raise UsageError(f"restart: {restart!r} must be inprocess or process")
-            raw.setdefault("restart", {})["mode"] = restart
-        spec = parse_job(raw, where=f"job {raw['name']}").with_paths_resolved(run_dir)
+            raw["restart"] = {**(raw.get("restart") or {}), "mode": restart}
+        # Relative paths of the job (data.path) are the caller's, as for `elasticd run`.
+        spec = parse_job(raw, where=f"job {raw['name']}").with_paths_resolved(os.getcwd())
+        if isinstance(faults, str):
+            faults = [faults]
         parsed = [parse_fault(f) for f in faults]
         check_plan(nodes_min=spec.nodes.min, nproc=spec.nproc_per_node, nodes=nodes,
                    faults=parsed, etcd_members=1, where=f"job {raw['name']}")  # fmt: skip
         os.makedirs(spec.out_dir, exist_ok=True)
         out = io.StringIO()
-        agents_env = {**os.environ, **self.env, **(env or {})}
+        agents_env = {**os.environ, **self.env, **(env or {}), ENV_TEST_BASE: self.base}
         agents_env.setdefault("OMP_NUM_THREADS", "1")
         final = run_cluster(spec, nodes=nodes, faults=parsed,
                             timeout=timeout or self.timeout, out=out, env=agents_env)  # fmt: skip
         result = result_from(final, run_dir=spec.out_dir, output=out.getvalue())
         self.runs.append(result)
+        if result.unfired and not allow_unfired:
+            lines = "\n".join(f"  {f['fault']}: {f['detail']}" for f in result.unfired)
+            raise ElasticdAssertionError(
+                f"{len(result.unfired)} fault(s) never fired (pass allow_unfired=True if that "
+                f"is what the test expects):\n{lines}\n{result.describe()}",
+                result,
+            )
         return result
 
     def reference(
         self, job: Any, *, nodes: int = 1, nproc_per_node: int | None = None, **kw: Any
     ) -> RunResult:
-        """The uninterrupted run of ``job`` on ``nodes`` agents, made once per session and
-        shared by every test that asks for the same job and shape (whatever its
-        ``restart.mode``: a run without faults never restarts). It must succeed."""
+        """The uninterrupted run of ``job`` on ``nodes`` agents, made once per session (per
+        xdist worker) and shared by every test that asks for the same job, shape and
+        environment (whatever its ``restart.mode``: a run without faults never restarts).
+        It must succeed; a failed one is not run again for the next test."""
+        from elasticd.jobspec import parse_job
+
         raw = _job_dict(job)
-        raw.pop("name", None)
-        raw.pop("output_dir", None)
         raw.pop("restart", None)
         kw.pop("restart", None)
-        if isinstance(raw.get("checkpoint"), dict):
-            raw["checkpoint"].pop("dir", None)
-        key = json.dumps([raw, nodes, nproc_per_node, sorted(kw.items())], sort_keys=True)
+        if nproc_per_node is not None:
+            raw["nproc_per_node"] = nproc_per_node
+        # The same job however it was given (a path, a dict with defaults left out).
+        canon = parse_job({**raw, "name": "reference"}, where="reference job").to_dict()
+        for name in ("name", "output_dir"):
+            canon.pop(name, None)
+        (canon.get("checkpoint") or {}).pop("dir", None)
+        env = {**self.env, **dict(kw.get("env") or {})}
+        key = json.dumps([canon, nodes, env, repr(sorted(kw.items()))], sort_keys=True)
         if key not in self.references:
-            where = Cluster(base=os.path.join(self.reference_base or self.base,
-                                              f"reference-{len(self.references)}"),
+            base = os.path.join(self.reference_base or self.base, "references")
+            os.makedirs(base, exist_ok=True)
+            where = Cluster(base=tempfile.mkdtemp(prefix="reference-", dir=base),
                             timeout=self.timeout, env=self.env)  # fmt: skip
-            result = where.run(raw, nodes=nodes, nproc_per_node=nproc_per_node, **kw)
-            if result.outcome != "succeeded":
-                raise ElasticdAssertionError(
-                    f"the reference run did not succeed\n{result.describe()}"
-                )
-            self.references[key] = result
-        return self.references[key]
+            self.references[key] = where.run(raw, nodes=nodes, **kw)
+        result = self.references[key]
+        if result.outcome != "succeeded":
+            raise ElasticdAssertionError(
+                f"the reference run did not succeed\n{result.describe()}", result
+            )
+        return result
 
 
 def leftover_processes(path: str) -> list[int]:
-    """Pids of live processes whose command line names ``path`` (agents, etcd, workers of
-    a run under it); the plugin's teardown kills them, its tests check there are none."""
+    """Pids of live processes of runs under ``path``: their command line names it (etcd,
+    agents) or their environment carries it as ENV_TEST_BASE (agents and every worker,
+    a user's script included). The plugin's teardown kills them; its tests check there
+    are none."""
     out = []
     needle = os.fsencode(os.path.abspath(path))
+    marker = os.fsencode(ENV_TEST_BASE) + b"=" + needle
     me = os.getpid()
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == me:
             continue
         try:
-            with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                cmdline = fh.read()
             with open(f"/proc/{entry}/stat", "rb") as fh:
                 state = fh.read().rsplit(b")", 1)[1].split()[0]
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                ours = needle in fh.read()
+            if not ours:
+                with open(f"/proc/{entry}/environ", "rb") as fh:
+                    ours = any(v == marker or v.startswith(marker + b"/")
+                               for v in fh.read().split(b"\0"))  # fmt: skip
         except OSError:
             continue
-        if needle in cmdline and state != b"Z":
+        if ours and state != b"Z":
             out.append(int(entry))
     return out
 

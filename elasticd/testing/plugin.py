@@ -50,7 +50,15 @@ def _timeout(item: pytest.Item) -> float:
     if marker is None:
         return DEFAULT_TIMEOUT
     value = marker.kwargs.get("timeout", marker.args[0] if marker.args else DEFAULT_TIMEOUT)
-    return float(value)
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise pytest.UsageError(
+            f"{item.nodeid}: @pytest.mark.elasticd(timeout={value!r}): seconds, a number > 0"
+        )
+    return seconds
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -74,12 +82,20 @@ def _failed(item: pytest.Item) -> bool:
 
 
 @pytest.fixture(scope="session")
-def elasticd_reference_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Where the session's reference runs live; deleted at the end of the session."""
+def elasticd_reference_dir(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """Where the session's reference runs live; deleted at the end of the session (kept
+    under --elasticd-keep when a test failed: a failed reference explains many)."""
     path = str(tmp_path_factory.mktemp("elasticd-references"))
     yield path
-    sweep(path, remove=True)
+    keep = request.config.getoption("elasticd_keep") and request.session.testsfailed > 0
+    sweep(path, remove=not keep)
     _REFERENCES.clear()
+    if keep:
+        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"elasticd: reference runs kept in {path}")
 
 
 @pytest.fixture
