@@ -764,11 +764,14 @@ def run_cluster(
     etcd_members: int = 1,
     poll: float = 0.02,
     env: Mapping[str, str] | None = None,
+    progress: Any = None,
 ) -> dict[str, Any]:
     """Start the cluster, submit ``job``, inject ``faults`` (a list, fired by step or by
     the workers at a phase, or an object with ``due(RunView) -> list[Fault]`` and
     optionally ``injected(fault, record)``), follow the job to its end. ``env``: the
-    agents' environment (default ours).
+    agents' environment (default ours). ``progress``: shows the job's progress as one live
+    line (``show(record)``, ``say(text)`` for the lines above it, ``close()``; the CLI's
+    on a terminal); without it, ``out`` gets a plain line per change.
 
     Returns the job's final record as a dict, with ``faults`` (each injected fault's record,
     both ends of the timed ones) and ``metrics`` (the records this run appended).
@@ -793,7 +796,12 @@ def run_cluster(
     cluster = LocalCluster(base_dir=base, nproc=job.nproc_per_node, etcd_members=etcd_members,
                            env=agents_env)  # fmt: skip
     record, timed_out, step, announced = None, False, 0, 0
-    with cluster:
+    final_out = out
+    if progress is not None:
+        out = _Say(progress)
+    with cluster, contextlib.ExitStack() as closing:
+        if progress is not None:
+            closing.callback(progress.close)
         cluster.start(nodes)
         what = "etcd" if etcd_members == 1 else f"etcd cluster ({etcd_members} members)"
         out.write(f"local cluster: {what} {cluster.endpoint}, {nodes} agents, logs in {base}\n")
@@ -823,7 +831,10 @@ def run_cluster(
                     out.write(f"fault {_verb(fired)}: {fault} (at step {step}){_detail(fired)}\n")
                 announced = _announce_ends(cluster, announced, out)
                 line = _progress(record, step) if etcd_up else f"  etcd unreachable: step {step}"
-                if line != last_line:
+                if progress is not None and etcd_up and record is not None:
+                    progress.show(record)
+                    last_line = line
+                elif line != last_line:
                     out.write(line + "\n")
                     out.flush()
                     last_line = line
@@ -840,7 +851,8 @@ def run_cluster(
                         record = registry.get(job.name)
                     break
                 time.sleep(poll)  # faults fire within a step or two of the one asked for
-    _announce_ends(cluster, announced, out)
+    _announce_ends(cluster, announced, final_out)
+    out = final_out
     final = record.to_dict() if record is not None else {"name": job.name, "state": "unknown"}
     if timed_out:
         final["timed_out"] = timeout
@@ -857,6 +869,19 @@ def run_cluster(
     records.extend(tail.new())
     final["metrics"] = records
     return final
+
+
+class _Say:
+    """``out`` for run_cluster's event lines while a live progress line is shown."""
+
+    def __init__(self, progress: Any) -> None:
+        self.progress = progress
+
+    def write(self, text: str) -> None:
+        self.progress.say(text)
+
+    def flush(self) -> None:
+        pass
 
 
 def _verb(fired: dict[str, Any]) -> str:

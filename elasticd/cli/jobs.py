@@ -152,6 +152,15 @@ def _duration(seconds: float) -> str:
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
+def _has_fd(out) -> bool:
+    try:
+        out.fileno()
+        os.get_terminal_size(out.fileno())
+    except (AttributeError, OSError, ValueError):
+        return False
+    return True
+
+
 class Progress:
     """A job's progress: one live line (a tqdm bar: step/total, loss, tokens/s, world,
     ETA) on a terminal; plain lines, one per change, anywhere else (a log, a pipe)."""
@@ -191,11 +200,25 @@ class Progress:
         total = int(record.spec.get("train", {}).get("steps", 0) or 0) or None
         step = int(record.status.get("step", 0) or 0)
         if self._bar is None:
+            # A terminal that reports no size (a bare pty) would get no bar at all.
+            size = os.get_terminal_size(self._out.fileno()).columns if _has_fd(self._out) else 0
+            width = {"dynamic_ncols": True} if size > 0 else {"ncols": 100, "nrows": 24}
             self._bar = tqdm(total=total, desc=record.name, unit="step", file=self._out,
-                             dynamic_ncols=True, leave=True,
-                             bar_format="{desc} {bar:24} {n_fmt}/{total_fmt} {postfix}")  # fmt: skip
+                             leave=True, **width,
+                             bar_format="{desc} {bar:24} {n_fmt}/{total_fmt}{postfix}")  # fmt: skip
         self._bar.n = step
         self._bar.set_postfix_str(_facts(record, eta), refresh=True)
+
+    def say(self, text: str) -> None:
+        """Print ``text`` (whole lines) above the live line, which stays last."""
+        if self._bar is None:
+            self._out.write(text)
+            self._out.flush()
+            return
+        self._bar.clear()
+        self._out.write(text)
+        self._out.flush()
+        self._bar.refresh()
 
     def close(self) -> None:
         if self._bar is not None:

@@ -11,6 +11,7 @@ import json
 import os
 import sys
 
+from elasticd.cli.jobs import Progress
 from elasticd.errors import UsageError
 from elasticd.localcluster import print_summary, run_cluster
 
@@ -77,8 +78,11 @@ def run(args: argparse.Namespace) -> int:
     prepare_output_dir(job.out_dir, fresh=args.fresh)
     as_json = getattr(args, "json", False)
     progress = sys.stderr if as_json else sys.stdout
+    # On a terminal one live line (step/total, loss, tokens/s, world, ETA) under the
+    # fault and recovery lines; elsewhere (a log, a pipe) a plain line per change.
+    live = Progress(progress) if progress.isatty() else None
     result = run_cluster(job, nodes=args.nodes, faults=faults, timeout=args.timeout,
-                         out=progress, etcd_members=args.etcd_members)  # fmt: skip
+                         out=progress, etcd_members=args.etcd_members, progress=live)  # fmt: skip
     if as_json:
         print(json.dumps(result, sort_keys=True, default=str))
     else:
