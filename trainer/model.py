@@ -70,6 +70,9 @@ class Attention(nn.Module):
         self.local_heads = cfg.heads // tp.size
         self.head_dim = h // cfg.heads
         self.dropout = cfg.dropout
+        # With tp > 1 each rank holds other heads: its attention dropout must draw its own
+        # mask (a fork of the shared stream per TP rank), not the other ranks' mask.
+        self.rng = ctx.rng if tp.active else None
         self.qkv = ColumnParallelLinear(
             f"{name}.qkv", h, h, slot=tp, seed=seed, std=0.02, parts=3, dtype=dtype
         )
@@ -81,9 +84,12 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         qkv = self.qkv(x).view(b, s, 3, self.local_heads, self.head_dim)
         q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
-        )
+        p = self.dropout if self.training else 0.0
+        if p > 0 and self.rng is not None:
+            with self.rng.sharded(x.device):
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
         return self.proj(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
 
 

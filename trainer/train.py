@@ -37,7 +37,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -58,6 +58,7 @@ from trainer.optim import (
 from trainer.parallel.context import GroupSlot, ParallelContext
 from trainer.parallel.data import GradSync
 from trainer.parallel.pipeline import PipelineGroups
+from trainer.parallel.rng import DropoutRNG
 from trainer.perf import apply_tf32, flops_per_token, mfu, peak_flops, peak_memory_gib
 
 # The tied word embedding: the first stage's embedding and the last stage's head copy.
@@ -155,6 +156,14 @@ class Trainer:
         self.layer_ranges = (
             [range(m.layers)] if self.pipeline is None else self.pipeline.layer_ranges(m.layers)
         )
+        self.rng = None
+        """Dropout's RNG tracker (with dropout > 0): reseeded every step from (seed, step,
+        dp rank, pp stage), so a resume in the same layout draws the same masks."""
+        if m.dropout > 0:
+            stage = self.pipeline.stage if self.pipeline is not None else 0
+            self.rng = DropoutRNG(seed=t.seed, dp_rank=dp_rank, pp_stage=stage,
+                                  tp_rank=ctx.tp.rank)  # fmt: skip
+            ctx = self.ctx = replace(ctx, rng=self.rng)
         self.chunks = build_chunks(
             m, self.layer_ranges, ctx=ctx, seed=t.seed, dtype=DTYPES[t.dtype],
         )  # fmt: skip
@@ -200,6 +209,8 @@ class Trainer:
         lr = lr_at(self.state.step, lr=t.lr, warmup=t.warmup, schedule=t.lr_schedule,
                    min_lr=t.min_lr, steps=t.steps)  # fmt: skip
         set_lr(self.optimizer, lr)
+        if self.rng is not None:
+            self.rng.begin_step(self.state.step)
         self._batch = [
             (x.to(self.device), y.to(self.device))
             for x, y in micro_batches(self.source, self.batches, self.state.consumed_samples)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     from trainer.parallel.groups import ProcessGroups
+    from trainer.parallel.rng import DropoutRNG
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -47,6 +48,9 @@ class ParallelContext:
     """Data (and context) parallelism of the dense parameters."""
     expert_dp: GroupSlot = GroupSlot()
     """Data parallelism of the expert parameters."""
+    rng: DropoutRNG | None = None
+    """Dropout's RNG tracker (trainer/parallel/rng.py); None: dropout draws from the
+    default generators (one process, or no dropout)."""
 
     @classmethod
     def single(cls) -> ParallelContext:
