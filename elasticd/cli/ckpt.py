@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     ):
         c = cmds.add_parser(name, help=text)
         c.add_argument("dir", metavar="DIR")
-        c.add_argument("--step", type=int, default=None, help="step (default: latest)")
+        c.add_argument("--step", type=int, default=None, help="step (default: the newest commit)")
         if name == "inspect":
             c.add_argument("--json", action="store_true", help="print one JSON object")
         c.set_defaults(func=_guard(func))
@@ -49,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     ex = cmds.add_parser("export", help="consolidated model weights as safetensors")
     ex.add_argument("dir", metavar="DIR")
     ex.add_argument("out", metavar="OUT", help="output directory")
-    ex.add_argument("--step", type=int, default=None, help="step (default: latest)")
+    ex.add_argument("--step", type=int, default=None, help="step (default: the newest commit)")
     ex.add_argument(
         "--format",
         choices=("raw", "hf"),
