@@ -102,7 +102,7 @@ def test_param_groups_come_back_and_a_changed_lr_or_betas_is_said_in_one_clause_
     json.dumps(saved)  # what the manifest holds
     opt = torch.optim.AdamW(
         [{"params": params[:1], "weight_decay": 0.1}, {"params": params[1:], "weight_decay": 0.0}],
-        lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
+        lr=1e-3, betas=(0.9, 0.95), eps=1e-8, foreach=True,
     )  # fmt: skip
     note = restore_param_groups(opt, saved, job_lr=1e-3, saved_lr=3e-3)
     assert note == (
@@ -112,6 +112,7 @@ def test_param_groups_come_back_and_a_changed_lr_or_betas_is_said_in_one_clause_
     )
     assert all(g["betas"] == (0.9, 0.99) and g["eps"] == 1e-6 for g in opt.param_groups)
     assert all(g["lr"] == 1e-3 for g in opt.param_groups)  # the schedule's, not restored
+    assert all(g["foreach"] is True for g in opt.param_groups)  # this process's choice
     assert restore_param_groups(opt, saved, job_lr=3e-3, saved_lr=3e-3) == ""
     assert "1 parameter groups saved, 2 now" in restore_param_groups(opt, saved[:1], job_lr=3e-3)
 

@@ -319,6 +319,8 @@ class Checkpointing:
 # Set by the job each step or at start, not state to bring back: lr follows the schedule
 # of train.lr; weight_decay is train.weight_decay (group 0) or 0 (group 1).
 _JOB_OWNED = ("lr", "initial_lr", "weight_decay")
+# How this process computes (trainer.optim.AdamW sets them for its device), not state.
+_PROCESS_OWNED = ("foreach", "fused", "capturable", "differentiable")
 
 
 def restore_param_groups(
@@ -334,7 +336,8 @@ def restore_param_groups(
     The job's own settings win over the checkpoint's: ``train.lr`` (compared with the
     ``train_lr`` the checkpoint was saved under) and ``train.weight_decay``. Everything
     else a group holds (AdamW's ``betas`` and ``eps``, its flags) comes back from the
-    checkpoint; a value that differs from this run's is named too."""
+    checkpoint; a value that differs from this run's is named too. How this process
+    computes (``foreach``, ``fused``, ...) is neither restored nor named."""
     if not isinstance(saved, list) or not saved:
         return ""
     notes = []
@@ -351,7 +354,7 @@ def restore_param_groups(
         if not isinstance(old, dict):
             continue
         for key, value in old.items():
-            if key == "params" or key not in group:
+            if key == "params" or key not in group or key in _PROCESS_OWNED:
                 continue
             now = group[key]
             if isinstance(now, tuple):
