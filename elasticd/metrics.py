@@ -123,6 +123,11 @@ class AgentMetrics:
             "elasticd_job_tokens_per_second", "Training throughput of the whole job.", [j],
             registry=r,
         )  # fmt: skip
+        self.mfu = Gauge(
+            "elasticd_job_mfu_ratio",
+            "Model FLOPs utilisation at the last step (0-1), where the trainer knows its "
+            "devices' peak.", [j], registry=r,
+        )  # fmt: skip
         self.checkpoint_step = Gauge(
             "elasticd_checkpoint_step", "Step of the latest committed checkpoint.", [j],
             registry=r,
@@ -189,7 +194,7 @@ class AgentMetrics:
 
     LEAD_GAUGES = (
         "world_size", "world_ranks", "step", "last_step_time", "loss", "tokens_per_second",
-        "checkpoint_step", "checkpoint_commit_time", "last_recovery_seconds",
+        "mfu", "checkpoint_step", "checkpoint_commit_time", "last_recovery_seconds",
         "last_recovery_time",
     )  # fmt: skip
     """The job gauges only node rank 0 of the current world exports."""

@@ -204,6 +204,7 @@ class WorkerChannel:
         checkpoint_step: int | None = None,
         step_s: float | None = None,
         checkpoint_save: dict[str, Any] | None = None,
+        mfu: float | None = None,
     ) -> None:
         """Report a completed optimizer step (1-based); this is the heartbeat. ``step_s``:
         the step's wall time; ``checkpoint_save``: the last committed save of this rank
@@ -220,6 +221,8 @@ class WorkerChannel:
             self._last["step_s"] = float(step_s)
         if checkpoint_save is not None:
             self._last["checkpoint_save"] = dict(checkpoint_save)
+        if mfu is not None:
+            self._last["mfu"] = float(mfu)
         self._write()
         self._at(None, step)  # a raise-error fault with no phase: "after step S"
 

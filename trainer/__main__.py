@@ -222,6 +222,7 @@ def _train_round(ctx, *, job, layout, device) -> int:
                 saved = ck.saver.last if ck is not None else None
                 channel.progress(
                     step=r.step, loss=r.loss, tokens_per_s=r.tokens_per_s, step_s=r.step_s,
+                    mfu=r.mfu,
                     checkpoint_save=None if saved is None
                     else {"step": saved.step, "seconds": round(saved.total_s, 4)},
                 )  # fmt: skip

@@ -205,6 +205,8 @@ class JobReporter:
             m.loss.labels(j).set(lead["loss"])
         if "tokens_per_s" in lead:
             m.tokens_per_second.labels(j).set(lead["tokens_per_s"])
+        if isinstance(lead.get("mfu"), int | float):
+            m.mfu.labels(j).set(lead["mfu"])
         saved = lead.get("checkpoint_save")
         if isinstance(saved, dict) and saved.get("step") != self._save_seen:
             self._save_seen = saved.get("step")
