@@ -92,3 +92,32 @@ def test_a_restored_groups_implementation_flags_give_way_to_this_processs():
         group["foreach"], group["fused"] = None, None
     opt.step()
     assert all(g["foreach"] is True and not g["fused"] for g in opt.param_groups)
+
+
+def test_gradients_accumulate_in_place_in_their_bucket_slots():
+    from elasticd.jobspec import ModelConfig
+    from trainer.model import build_chunks
+    from trainer.parallel.context import GroupSlot, ParallelContext
+    from trainer.parallel.data import GradSync
+
+    cfg = ModelConfig(layers=2, hidden=32, heads=4, ffn_hidden=64, vocab=50, seq_len=16)
+    (chunk,) = build_chunks(cfg, [range(2)], ctx=ParallelContext.single(), seed=2)
+    params = list(chunk.parameters())
+    sync = GradSync(params, dense=GroupSlot(), expert=GroupSlot(), divisor=1, bucket_bytes=8192)
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, cfg.vocab, (2, 17), generator=gen) for _ in range(3)]
+    sync.zero()
+    slots = {id(p): p.grad.data_ptr() for p in params}
+    params[3].grad = None  # dropped after zero(): brought back into its slot
+    for m, b in enumerate(batches):
+        sync.set_sync(m == len(batches) - 1)
+        chunk(b[:, :-1], b[:, 1:]).mean().backward()
+    assert all(p.grad.data_ptr() == slots[id(p)] for p in params)  # no copies were made
+    sync.finish()
+    got = [p.grad.clone() for p in params]
+    sync.close()
+    chunk.zero_grad(set_to_none=True)
+    for b in batches:
+        chunk(b[:, :-1], b[:, 1:]).mean().backward()
+    for p, g in zip(params, got, strict=True):
+        assert torch.equal(g, p.grad), p.shard_info.name  # autograd's own sums, bit for bit

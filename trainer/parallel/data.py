@@ -1,10 +1,12 @@
 """Data parallelism (seed ``003_*``): bucketed gradient all-reduce, overlapped with backward.
 
 Gradients are packed into flat **buckets** of about ``bucket_mb`` MiB, in reverse
-parameter order (roughly the order backward produces them). A post-accumulate-grad hook on
-every parameter adds its fresh gradient into its slot of a bucket; on the last micro-batch
-of a step, once every parameter of a bucket has reported, the bucket's all-reduce is
-launched asynchronously while backward carries on with earlier layers. :meth:`finish` waits
+parameter order (roughly the order backward produces them). Every parameter's ``grad`` is a
+view into its slot of a bucket (set by :meth:`GradSync.zero`), so autograd accumulates
+straight into the bucket: no copy per gradient and no second copy of the gradients in
+memory. A post-accumulate-grad hook on every parameter counts it in; on the last
+micro-batch of a step, once every parameter of a bucket has reported, the bucket's
+all-reduce is launched asynchronously while backward carries on with earlier layers. :meth:`finish` waits
 once, before the optimizer step, and divides by the data-parallel size.
 
 - With gradient accumulation the hooks still accumulate into the buckets on every
@@ -96,12 +98,12 @@ class GradSync:
         return buckets
 
     def zero(self) -> None:
-        """Start a step: empty every bucket and drop the gradients."""
+        """Start a step: empty every bucket and point every gradient at its bucket slot."""
         for bucket in self.buckets:
             bucket.buffer.zero_()
             bucket.ready, bucket.handle, bucket.launched = 0, None, False
             for p in bucket.params:
-                p.grad = None
+                p.grad = bucket.views[id(p)]
 
     def set_sync(self, sync: bool) -> None:
         """Whether the coming backward is the step's last (the one that communicates)."""
@@ -109,8 +111,12 @@ class GradSync:
 
     def _on_grad(self, param: nn.Parameter) -> None:
         bucket = self._bucket_of[id(param)]
-        bucket.views[id(param)].add_(param.grad)
-        param.grad = None
+        view = bucket.views[id(param)]
+        if param.grad.data_ptr() != view.data_ptr():
+            # Autograd accumulated elsewhere (the gradient was dropped or replaced since
+            # zero()): bring it into the bucket, and accumulate there from now on.
+            view.add_(param.grad)
+            param.grad = view
         if self._sync and self.overlap:
             bucket.ready += 1
             if bucket.ready == len(bucket.params):
