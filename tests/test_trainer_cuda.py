@@ -102,8 +102,6 @@ def test_preemption_is_agreed_over_the_default_nccl_group(tmp_path):
 @needs_cuda
 def test_moe_dispatch_on_cuda_tensors_matches_the_cpu():
     from elasticd.jobspec import ModelConfig
-    from trainer.model import build_chunks
-    from trainer.parallel.context import ParallelContext
 
     counts = torch.tensor([1, 2, 3, 0], device="cuda")
     assert regroup_by_expert(counts, local=2, ep=2).tolist() == [0, 3, 4, 5, 1, 2]
@@ -111,18 +109,29 @@ def test_moe_dispatch_on_cuda_tensors_matches_the_cpu():
                       experts=4, top_k=2)  # fmt: skip
     ids = torch.randint(0, 50, (2, 16), generator=torch.Generator().manual_seed(0))
     results = {}
-    for device in ("cpu", "cuda"):
-        (chunk,) = build_chunks(cfg, [range(2)], ctx=ParallelContext.single(), seed=3)
-        chunk.to(device)
-        chunk.set_aux_scale(0.01)
-        loss = chunk(ids.to(device), ids.roll(-1, 1).to(device)).mean()
-        loss.backward()
-        grads = {n: p.grad.cpu() for n, p in chunk.named_parameters()}
-        results[device] = (loss.item(), grads)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # full fp32, comparable with the CPU
+    try:
+        for device in ("cpu", "cuda"):
+            results[device] = _moe_loss_and_grads(cfg, ids, device)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
     (cpu_loss, cpu_grads), (gpu_loss, gpu_grads) = results["cpu"], results["cuda"]
     assert gpu_loss == pytest.approx(cpu_loss, rel=DEVICE_RTOL)
     for name, g in cpu_grads.items():
         torch.testing.assert_close(gpu_grads[name], g, rtol=DEVICE_RTOL, atol=1e-6)
+
+
+def _moe_loss_and_grads(cfg, ids: torch.Tensor, device: str):
+    from trainer.model import build_chunks
+    from trainer.parallel.context import ParallelContext
+
+    (chunk,) = build_chunks(cfg, [range(2)], ctx=ParallelContext.single(), seed=3)
+    chunk.to(device)
+    chunk.set_aux_scale(0.01)
+    loss = chunk(ids.to(device), ids.roll(-1, 1).to(device)).mean()
+    loss.backward()
+    return loss.item(), {n: p.grad.cpu() for n, p in chunk.named_parameters()}
 
 
 def _run(tmp: Path, name: str, world: int, settings: dict, *, cuda: bool) -> list[dict]:
