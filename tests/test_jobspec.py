@@ -28,6 +28,8 @@ def test_a_minimal_job_gets_the_documented_defaults(tmp_path):
 
 
 def test_the_design_card_example_parses_and_round_trips_through_json(tmp_path):
+    # The design card's `metrics: {port: ...}` is no longer a job setting: each agent serves
+    # every job's metrics on its own --metrics-port (docs/metrics.md); the rest is the card.
     job = load_job(
         write(
             tmp_path,
@@ -46,7 +48,6 @@ def test_the_design_card_example_parses_and_round_trips_through_json(tmp_path):
             checkpoint: {dir: null, every: 10, keep: 3, async: true}
             restart: {max_restarts: 10, mode: process}
             rendezvous: {ttl: 3, settle: 1, join_timeout: 300}
-            metrics: {port: 9400}
             """,
         )
     )
