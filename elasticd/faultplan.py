@@ -148,7 +148,7 @@ class WorkerFaults:
 class PlanSource:
     """The cluster's side, a fault source for ``run_cluster``: the step-keyed faults fire
     as before (``outside``); a worker-fired one is returned for injection once its
-    ``fired-<id>`` appears, and acknowledged once injected (:meth:`injected`); one the
+    ``fired-<id>`` appears, and acknowledged once injected (:meth:`fault_injected`); one the
     worker carried out itself is only entered into the cluster's fault log."""
 
     def __init__(self, directory: str, planned: list[Any], outside: Any) -> None:
@@ -201,7 +201,7 @@ class PlanSource:
             out.append(fault)
         return out
 
-    def injected(self, fault: Any, record: dict[str, Any]) -> None:
+    def fault_injected(self, fault: Any, record: dict[str, Any]) -> None:
         i = self.ids.pop(id(fault), None)
         if i is None:
             return

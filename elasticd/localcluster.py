@@ -768,7 +768,7 @@ def run_cluster(
 ) -> dict[str, Any]:
     """Start the cluster, submit ``job``, inject ``faults`` (a list, fired by step or by
     the workers at a phase, or an object with ``due(RunView) -> list[Fault]`` and
-    optionally ``injected(fault, record)``), follow the job to its end. ``env``: the
+    optionally ``fault_injected(fault, record)``), follow the job to its end. ``env``: the
     agents' environment (default ours). ``progress``: shows the job's progress as one live
     line (``show(record)``, ``say(text)`` for the lines above it, ``close()``; the CLI's
     on a terminal); without it, ``out`` gets a plain line per change.
@@ -826,8 +826,8 @@ def run_cluster(
                 for fault in source.due(view):
                     fired = cluster.inject(fault)
                     fired["step"] = step
-                    if hasattr(source, "injected"):
-                        source.injected(fault, fired)
+                    if hasattr(source, "fault_injected"):
+                        source.fault_injected(fault, fired)
                     out.write(f"fault {_verb(fired)}: {fault} (at step {step}){_detail(fired)}\n")
                 announced = _announce_ends(cluster, announced, out)
                 line = _progress(record, step) if etcd_up else f"  etcd unreachable: step {step}"

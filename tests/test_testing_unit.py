@@ -96,7 +96,7 @@ def test_the_cluster_side_injects_a_node_fault_when_a_worker_fires_it_and_acks_i
     assert [r["fault"] for r in cluster.fault_log] == ["kill-worker=0@step=2"]  # logged only
     assert "SIGKILLed itself at step 2" in cluster.fault_log[0]["detail"]
     assert not (fired_dir / "acked-0").exists()
-    source.injected(faults[0], {"detail": "node 1: agent and workers SIGKILLed"})
+    source.fault_injected(faults[0], {"detail": "node 1: agent and workers SIGKILLed"})
     assert (fired_dir / "acked-0").exists()  # the waiting worker goes on
     assert source.due(view) == []  # each once
 
