@@ -54,7 +54,8 @@ def test_ls_lists_committed_steps_with_sizes_and_marks_latest(tmp_path, capsys):
 def test_inspect_shows_tensors_shapes_layout_and_sizes(tmp_path, capsys):
     save_steps(str(tmp_path), [2, 4])
     code, out, _ = run(capsys, "inspect", str(tmp_path), "--step", "2")
-    assert code == 0 and "step 2" in out and '"tp": 1' in out
+    assert code == 0 and "step 2" in out and "layout at save: world 1" in out and " tp1" in out
+    assert max(len(line) for line in out.splitlines()) <= 120  # no JSON blobs on one line
     assert any(line.split()[-1] == "w" and "48x8" in line for line in out.splitlines())
     code, out, _ = run(capsys, "inspect", str(tmp_path), "--json")
     info = json.loads(out)
@@ -107,3 +108,28 @@ def test_user_errors_are_one_line_with_exit_2(tmp_path, capsys):
     ):
         code, _, err = run(capsys, *argv)
         assert code == 2 and len(err.strip().splitlines()) == 1, (argv, err)
+
+
+def test_ls_of_a_jobs_output_dir_points_to_its_ckpt_dir(tmp_path, capsys):
+    save_steps(str(tmp_path / "ckpt"), [2])
+    code, out, _ = run(capsys, "ls", str(tmp_path))
+    assert code == 0
+    assert out.strip() == (
+        f"{tmp_path}: no committed checkpoints (a job's output dir? its checkpoints: "
+        f"elasticd ckpt ls {tmp_path / 'ckpt'})"
+    )
+
+
+def test_inspect_shows_the_optimizer_one_line_per_parameter_group():
+    from elasticd.cli.ckpt import _optimizer_lines
+
+    lines = _optimizer_lines({"type": "AdamW", "param_groups": [
+        {"lr": 0.001, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, "foreach": True,
+         "params": list(range(40))},
+        {"lr": 0.001, "weight_decay": 0.0, "params": [40, 41]},
+    ]})  # fmt: skip
+    assert lines == [
+        "optimizer: AdamW",
+        "  group 0: lr 0.001  betas [0.9, 0.95]  eps 1e-08  weight_decay 0.1  (40 params)",
+        "  group 1: lr 0.001  weight_decay 0.0  (2 params)",
+    ]

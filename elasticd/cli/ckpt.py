@@ -152,7 +152,11 @@ def run_ls(args: argparse.Namespace) -> int:
         )
         return 0
     if not rows:
-        print(f"{args.dir}: no committed checkpoints")
+        inner = os.path.join(args.dir, "ckpt")
+        hint = ""
+        if committed_steps(inner):  # a job's output_dir: its checkpoints are in ckpt/
+            hint = f" (a job's output dir? its checkpoints: elasticd ckpt ls {inner})"
+        print(f"{args.dir}: no committed checkpoints{hint}")
         return 0
     print(f"{'STEP':>10}  {'SIZE':>12}  {'FILES':>5}  {'WORLD':>5}  {'SAMPLES':>10}")
     for r in rows:
@@ -164,6 +168,39 @@ def run_ls(args: argparse.Namespace) -> int:
             f"{r['step']:>10}  {_mb(r['bytes']):>12}  {r['files']:>5}  {r['world']:>5}  {r['consumed_samples']:>10}{mark}"
         )
     return 0
+
+
+def _layout_lines(layout: dict[str, Any] | None) -> list[str]:
+    """The layout at save as a few readable lines (``--json`` has it whole)."""
+    if not layout:
+        return ["layout at save: -"]
+    dims = " ".join(f"{k}{layout[k]}" for k in ("tp", "pp", "vpp", "cp", "dp", "ep", "etp")
+                    if layout.get(k) is not None)  # fmt: skip
+    spares = layout.get("spares") or []
+    out = [f"layout at save: world {layout.get('world', '-')}  active {layout.get('active', '-')}"
+           f"  spares {len(spares)}  {dims}  order {layout.get('order', '-')}"]  # fmt: skip
+    batch = [
+        f"{k} {layout[k]}" for k in ("global_batch", "micro_batch", "grad_accum") if k in layout
+    ]
+    if batch:
+        out.append("  batch: " + "  ".join(batch))
+    return out
+
+
+def _optimizer_lines(optimizer: dict[str, Any] | None) -> list[str]:
+    """The optimizer's type and one line per parameter group (``--json`` has it whole)."""
+    if not optimizer:
+        return []
+    out = [f"optimizer: {optimizer.get('type', '-')}"]
+    shown = ("lr", "betas", "eps", "weight_decay")
+    for i, group in enumerate(optimizer.get("param_groups") or []):
+        if not isinstance(group, dict):
+            continue
+        facts = "  ".join(f"{k} {group[k]}" for k in shown if k in group)
+        params = group.get("params")
+        count = f"  ({len(params)} params)" if isinstance(params, list) else ""
+        out.append(f"  group {i}: {facts}{count}")
+    return out
 
 
 def run_inspect(args: argparse.Namespace) -> int:
@@ -199,9 +236,10 @@ def run_inspect(args: argparse.Namespace) -> int:
         f"step {m.step}  consumed_samples {m.consumed_samples}  job {m.job or '-'}  world {m.world}"
     )
     print(f"size {_mb(m.total_bytes)} in {len(m.files)} files")
-    print(f"layout at save: {json.dumps(m.layout) if m.layout else '-'}")
-    if m.optimizer:
-        print(f"optimizer: {json.dumps(m.optimizer)}")
+    for line in _layout_lines(m.layout):
+        print(line)
+    for line in _optimizer_lines(m.optimizer):
+        print(line)
     print(f"{'KIND':<10} {'DTYPE':<9} {'SHAPE':<18} {'SHARDS':>6} {'SIZE':>10}  NAME")
     for n, t in sorted(m.tensors.items()):
         shape = "x".join(map(str, t.shape)) or "scalar"
