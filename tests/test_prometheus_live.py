@@ -171,8 +171,10 @@ def test_a_real_prometheus_scrapes_a_real_cluster_through_faults(tmp_path):
 
             # Every dashboard query returns data (the job's and the cluster's).
             wait_for(lambda: (value(port, f"sum(elasticd_job_step{j})") or 0) > 0, timeout=60)
+            # MFU exists only where the trainer knows the devices' peak (not on a CPU):
+            # its query must still be valid (query() raises on an error), not non-empty.
             empty = [(title, expr) for title, expr in dashboard_queries()
-                     if not query(port, expr)]  # fmt: skip
+                     if not query(port, expr) and not title.startswith("MFU")]  # fmt: skip
             assert empty == []
 
             # A second node is lost: one node left, below nodes.min (2).
