@@ -127,6 +127,10 @@ def test_a_real_prometheus_scrapes_a_real_cluster_through_faults(tmp_path):
             j = f'{{elasticd_job="{JOB}"}}'
             wait_for(lambda: (value(port, f"sum(elasticd_job_step{j})") or 0) >= 10, timeout=90)
             wait_for(lambda: value(port, "sum(elasticd_checkpoint_step)") is not None, timeout=30)
+            # Agents are scraped one by one, a second apart: wait until every agent's
+            # series are in, then nothing may hold.
+            wait_for(lambda: value(port, f"sum(elasticd_job_node_in_world{j})") == 3
+                     and value(port, "sum(elasticd_nodes_alive)") == 3, timeout=30)  # fmt: skip
             # Before any fault: no alert expression holds.
             assert {k: v for k, v in firing(port).items() if v} == {}
             # Job gauges: one series, from node rank 0; sum is the job's value.
@@ -140,6 +144,10 @@ def test_a_real_prometheus_scrapes_a_real_cluster_through_faults(tmp_path):
             wait_for(lambda: (value(port, f"sum(elasticd_recoveries_total{j})") or 0) >= 1,
                      timeout=90)  # fmt: skip
             wait_for(lambda: value(port, f"sum(elasticd_world_size{j})") == 2, timeout=30)
+            # The dead agent's last scrape lingers until Prometheus marks it stale.
+            wait_for(lambda: value(port, "sum(elasticd_nodes_alive)") == 2, timeout=60)
+            wait_for(lambda: value(port, f"sum(elasticd_checkpoint_load_seconds_count{j})") == 1,
+                     timeout=30)  # fmt: skip
             assert (
                 value(
                     port, f'sum(elasticd_restarts_total{{elasticd_job="{JOB}",reason="peer_lost"}})'
