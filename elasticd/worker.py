@@ -211,18 +211,10 @@ class WorkerChannel:
         (``step``, ``seconds`` from its start to its commit), for the agent's metrics."""
         keep = {k: self._last[k] for k in ("recovery",) if k in self._last}
         self._last = {"step": int(step), **keep}
-        if loss is not None:
-            self._last["loss"] = float(loss)
-        if tokens_per_s is not None:
-            self._last["tokens_per_s"] = float(tokens_per_s)
-        if checkpoint_step is not None:
-            self._last["checkpoint_step"] = int(checkpoint_step)
-        if step_s is not None:
-            self._last["step_s"] = float(step_s)
-        if checkpoint_save is not None:
-            self._last["checkpoint_save"] = dict(checkpoint_save)
-        if mfu is not None:
-            self._last["mfu"] = float(mfu)
+        given = {"loss": (loss, float), "tokens_per_s": (tokens_per_s, float),
+                 "checkpoint_step": (checkpoint_step, int), "step_s": (step_s, float),
+                 "checkpoint_save": (checkpoint_save, dict), "mfu": (mfu, float)}  # fmt: skip
+        self._last.update({k: kind(v) for k, (v, kind) in given.items() if v is not None})
         self._write()
         self._at(None, step)  # a raise-error fault with no phase: "after step S"
 

@@ -245,3 +245,28 @@ def test_rank_logs_come_in_round_order_and_leftovers_are_found_by_their_environm
         assert proc.wait(timeout=10) == -9 and not tmp_path.exists()
     finally:
         proc.kill()
+
+
+def test_a_hang_worker_fault_at_a_phase_stops_the_worker_itself(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    _, path = _plan(tmp_path, "hang-worker=2@step=3:phase=optimizer")
+    code = ("from elasticd.faultplan import WorkerFaults; import sys\n"
+            f"f = WorkerFaults({{'ELASTICD_FAULT_PLAN': {path!r}, 'RANK': '2'}})\n"
+            "f.at('forward', 3); f.at('optimizer', 3); print('went on', flush=True)")  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        state = ""
+        while time.monotonic() < deadline and state != "T":
+            with open(f"/proc/{proc.pid}/stat") as fh:
+                state = fh.read().rsplit(")", 1)[1].split()[0]
+            time.sleep(0.05)
+        assert state == "T", "the worker did not stop itself in its optimizer phase"
+        assert (tmp_path / "faults" / "fired" / "fired-0").exists()
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    assert proc.stdout.read() == ""  # it never went past the phase
