@@ -30,6 +30,13 @@ under torchrun of the smaller world). One run measures, side by side:
   The newcomer's worker starts warm and the node asks for its round once the worker's
   imports are done, the survivors training on meanwhile: ``detect`` is that wait, and
   the parts after it are the survivors' stall.
+- ``replace-standby``: in-process, 2 nodes × 1 worker (dp2); one *worker* (not its node)
+  is SIGKILLed once its node's standby worker (``restart.standby: 1``, the default) has
+  imported torch: the agent adopts the standby for the dead rank, which receives the
+  whole state from its peer. The time runs from the kill to the first step of the new
+  round, as for a node; the standby's own start was long before.
+- ``replace-cold``: the same with ``restart.standby: 0``: the replacement is started
+  after the kill (a warm worker whose imports overlap the rendezvous).
 
 For elasticd the parts come from the recovery record in the job's status history (what
 the agent of rank 0 recorded: abort, rendezvous, pg_init, state_transfer, first_step in
@@ -65,8 +72,10 @@ from elasticd.localcluster import descendants
 
 JOB = "bench"
 CASES = ("inproc-dp", "inproc-move", "inproc-ckpt", "inproc-replica", "process", "torchrun",
-         "newcomer")  # fmt: skip
+         "newcomer", "replace-standby", "replace-cold")  # fmt: skip
 KILL_CASES = CASES[:6]
+WORKER_CASES = {"replace-standby", "replace-cold"}
+"""Cases that kill one worker process, not its node."""
 REPLICA_CASES = {"inproc-replica"}
 """Cases run with ``checkpoint.memory_replicas: 1`` (``memory_every: 1``)."""
 
@@ -79,13 +88,16 @@ SETUPS: dict[str, tuple[int, int, dict, str, int]] = {
     "process": (3, 1, {}, "process", 1),
     "torchrun": (3, 1, {}, "process", 1),
     "newcomer": (2, 1, {}, "inprocess", -1),
+    "replace-standby": (2, 1, {}, "inprocess", 1),
+    "replace-cold": (2, 1, {}, "inprocess", 1),
 }
 PARTS = ("detect", "abort", "stop", "rendezvous", "spawn", "pg_init", "state_transfer",
          "ckpt_load", "first_step", "rest")  # fmt: skip
 
 
 def job_dict(out: str, steps: int, *, nodes: int, nproc: int, parallel: dict, mode: str,
-             spare_room: bool = False, ttl: float = 3.0, replicas: bool = False) -> dict:  # fmt: skip
+             spare_room: bool = False, ttl: float = 3.0, replicas: bool = False,
+             standby: int = 1) -> dict:  # fmt: skip
     raw = {
         "name": JOB,
         "output_dir": out,
@@ -102,6 +114,7 @@ def job_dict(out: str, steps: int, *, nodes: int, nproc: int, parallel: dict, mo
         raw["nodes"]["min"] = 2 // nproc
     if mode == "inprocess":
         raw["restart"]["scale_up"] = "immediate"  # the newcomer joins at once
+        raw["restart"]["standby"] = standby
     if replicas:
         raw["checkpoint"].update(memory_replicas=1, memory_every=1)
     return raw
@@ -178,9 +191,11 @@ def run_elasticd(base: str, case: str, *, steps: int, kill_step: int, limit: flo
         # A newcomer asks for its round once its warm worker has imported torch, while the
         # survivors train on: the job must outlast that (it is cancelled once measured).
         steps = max(steps, 100_000)
+    if case in WORKER_CASES:
+        steps = max(steps, 100_000)  # outlasts the standby's start; cancelled once measured
     job = parse_job(job_dict(out, steps, nodes=nodes, nproc=nproc, parallel=parallel, mode=mode,
-                             spare_room=case == "newcomer",
-                             replicas=case in REPLICA_CASES))  # fmt: skip
+                             spare_room=case == "newcomer", replicas=case in REPLICA_CASES,
+                             standby=0 if case == "replace-cold" else 1))  # fmt: skip
     metrics = os.path.join(out, "metrics.jsonl")
     world = nodes * nproc
     with LocalCluster(base_dir=os.path.join(base, "cluster"), nproc=nproc) as cluster:
@@ -199,6 +214,17 @@ def run_elasticd(base: str, case: str, *, steps: int, kill_step: int, limit: flo
                 started = time.time()
                 cluster.add_node()
                 hit = first_record(metrics, lambda r: r["world"] == world + 1, limit)
+            elif case in WORKER_CASES:
+                victim = next(i for i in range(nodes) if victim_rank in cluster.worker_pids(i))
+                if case == "replace-standby":
+                    ready = os.path.join(cluster.state_dir(victim), "jobs", "*", "warm",
+                                         "ready-*-standby-*")  # fmt: skip
+                    if not wait_until(lambda: glob.glob(ready), limit):
+                        return {"error": "the standby worker never became ready"}
+                old_round = max(r["round"] for r in read_records(metrics))
+                started = time.time()
+                os.kill(cluster.worker_pids(victim)[victim_rank], signal.SIGKILL)
+                hit = first_record(metrics, lambda r: r["round"] > old_round, limit)
             else:
                 victim = next((i for i in range(nodes) if victim_rank in cluster.worker_pids(i)),
                               None)  # fmt: skip
@@ -339,8 +365,9 @@ def summarize(results: dict[str, list[dict]]) -> list[dict]:
         rows.append(row)
     for row in rows:
         for base in ("torchrun", "process"):
-            # The newcomer's time measures a join, not a kill: no ratio.
-            if "median" in row and base in medians and row["case"] not in (base, "newcomer"):
+            # The newcomer's time measures a join, and a worker's kill is not a node's: no ratio.
+            if ("median" in row and base in medians and row["case"] != base
+                    and row["case"] != "newcomer" and row["case"] not in WORKER_CASES):  # fmt: skip
                 row[f"vs_{base}"] = medians[base] / row["median"]
     return rows
 
@@ -401,6 +428,10 @@ def main() -> int:
         print(f"{row['case']:<12} {row['median']:>7.2f} {rng:>13} {row['source']:<10} "
               f"{lost:<6} {tr:>10} {pr:>9}  {parts_text(row['parts'])}"
               + (f"  ({row['ok']}/{row['runs']} ok)" if row["ok"] < row["runs"] else ""))  # fmt: skip
+    med = {row["case"]: row.get("median") for row in rows}
+    if med.get("replace-standby") and med.get("replace-cold"):
+        print(f"\nkilled worker replaced: standby {med['replace-standby']:.2f} s vs cold start "
+              f"{med['replace-cold']:.2f} s = {med['replace-cold'] / med['replace-standby']:.1f}x")  # fmt: skip
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump({"args": vars(args), "runs": results, "summary": rows}, fh, indent=1)

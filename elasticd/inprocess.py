@@ -75,6 +75,10 @@ through the control file (:func:`first_round_env`)."""
 ENV_WARM_READY = "ELASTICD_WARM_READY"
 """A warm worker creates this file once its imports are done (the agent of a node that is
 joining waits for it before it asks the world to re-form)."""
+STANDBY_LOCAL_RANK = -1
+"""The ``LOCAL_RANK`` of a *standby*: a warm worker the agent keeps ready for no rank in
+particular (``restart.standby``). A round that adopts it names its environment by the
+process, ``pid-<pid>`` in the control file's ``env``, and gives it its local rank there."""
 POLL = 0.01
 """Seconds between looks at the control file."""
 MAX_FAILED_RECOVERIES = 3
@@ -365,15 +369,23 @@ class _Control:
             self._shut |= set(_socket_fds().values())
 
     def next_round(self, after: int) -> dict[str, str]:
-        """Block until the agent starts a round after ``after``; its env for this rank."""
+        """Block until the agent starts a round after ``after`` that names this process
+        (by its local rank, or a standby by its pid); its env for this rank. A standby
+        takes the local rank the round gives it."""
         parent = os.getppid()
+        mine = f"pid-{os.getpid()}"
         with self.cond:
             while True:
                 rec = self.record
                 if rec.get("state") == "run" and int(rec.get("round", 0)) > after:
-                    env = (rec.get("env") or {}).get(str(self.local_rank))
+                    envs = rec.get("env") or {}
+                    env = envs.get(mine)
+                    if not env and self.local_rank >= 0:  # a standby goes by its pid alone
+                        env = envs.get(str(self.local_rank))
                     if env:
-                        return {str(k): str(v) for k, v in env.items()}
+                        handed = {str(k): str(v) for k, v in env.items()}
+                        self.local_rank = int(handed.get("LOCAL_RANK", self.local_rank))
+                        return handed
                 if os.getppid() != parent:
                     raise SystemExit(EXIT_RECOVERY_FAILED)  # the agent is gone
                 self.cond.wait(0.5)
@@ -623,6 +635,7 @@ __all__ = [
     "ENV_HEARTBEAT",
     "ENV_WARM",
     "ENV_WARM_READY",
+    "STANDBY_LOCAL_RANK",
     "Context",
     "RoundAborted",
     "first_round_env",

@@ -148,6 +148,11 @@ class RestartConfig:
     """Seconds workers get to save an emergency checkpoint when the node is preempted."""
     scale_up: Literal["immediate", "checkpoint"] = "checkpoint"
     """When a waiting node joins: re-form at once, or after the next committed checkpoint."""
+    standby: int = 1
+    """restart.mode inprocess, built-in trainer: warm worker processes each node keeps
+    ready (torch imported, no rank, no device memory) while a round trains; a worker that
+    dies is replaced by one at the next round instead of by a cold start. 0 turns them
+    off; at most ``nproc_per_node``. Ignored otherwise."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -405,6 +410,7 @@ def _check(job: JobSpec, where: str) -> None:
         ("checkpoint.memory_replicas", job.checkpoint.memory_replicas),
         ("restart.max_restarts", job.restart.max_restarts),
         ("restart.grace_period", job.restart.grace_period),
+        ("restart.standby", job.restart.standby),
         ("rendezvous.settle", job.rendezvous.settle),
         ("rendezvous.reform_grace", job.rendezvous.reform_grace),
     ):
@@ -415,6 +421,11 @@ def _check(job: JobSpec, where: str) -> None:
         raise JobSpecError(
             f"{where}: checkpoint.memory_replicas: {job.checkpoint.memory_replicas} needs "
             "restart.mode: inprocess (a process restart loses every process's memory)"
+        )
+    if job.restart.standby > job.nproc_per_node:
+        raise JobSpecError(
+            f"{where}: restart.standby: {job.restart.standby} is more than nproc_per_node "
+            f"({job.nproc_per_node})"
         )
     if job.checkpoint.memory_replicas > 3:
         raise JobSpecError(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -65,7 +66,7 @@ def story(job) -> str:
     for path in sorted(glob.glob(os.path.join(job.out_dir, "cluster", "agent-*.log"))):
         with open(path, encoding="utf-8", errors="replace") as fh:
             keep = [ln.rstrip()[:300] for ln in fh
-                    if any(w in ln for w in ("round ended", "workers started", "recovered",
+                    if any(w in ln for w in ("round ended", "workers started", "recovered", "standby",
                                              "falling back", "level=error"))]  # fmt: skip
         lines += [f"== {os.path.basename(path)}", *keep]
     for path in sorted(glob.glob(os.path.join(job.out_dir, "logs", "**", "*.log"), recursive=True)):
@@ -132,6 +133,21 @@ def test_a_killed_worker_is_replaced_and_its_peers_go_on_in_process(tmp_path):
     pids = round_pids(job)
     first, second = (pids[r] for r in sorted(pids))
     assert len(first & second) == 1 and len(second) == 2  # rank 0's process went on
+    # The replacement is the standby its node started while the first round trained
+    # (restart.standby, default 1), not a process started after the kill.
+    (replacement,) = second - first
+    assert replacement in standby_pids(job), story(job)
+
+
+def standby_pids(job) -> set[int]:
+    """Every standby worker's pid, from the agents' "standby workers started" lines."""
+    out: set[int] = set()
+    for path in glob.glob(os.path.join(job.out_dir, "cluster", "agent-*.log")):
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if "standby workers started" in line:
+                    out.update(int(p) for p in re.findall(r"\d+", line.split("pids=", 1)[1]))
+    return out
 
 
 @pytest.mark.parametrize(

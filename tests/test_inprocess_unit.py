@@ -4,6 +4,7 @@ and (on a CUDA machine) the NCCL abort path."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -127,6 +128,77 @@ def test_a_warm_worker_waits_for_a_round_newer_than_the_control_files_and_takes_
     assert ei.ENV_WARM not in got and os.environ["RANK"] == "5"
     # An ordinary worker's env passes through untouched.
     assert ei.first_round_env({"RANK": "2"}) == {"RANK": "2"}
+
+
+def test_a_standby_waits_under_no_rank_and_takes_the_rank_a_round_names_by_its_pid(tmp_path):
+    """A standby (LOCAL_RANK -1) ignores rounds that do not name it, even ones handing
+    out every local rank; the round that adopts it names it ``pid-<pid>``, and from then
+    on it is that local rank (the next round finds it under its number)."""
+    control = str(tmp_path / "control.json")
+    write_control(control, round_=1, state="run", envs={"0": {"RANK": "0"}})
+    c = _Control(control, -1, {})
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(c.next_round(1)), daemon=True)
+    t.start()
+    write_control(control, round_=2, state="run",
+                  envs={"0": {"RANK": "0", "LOCAL_RANK": "0"}, "-1": {"RANK": "8"}})  # fmt: skip
+    time.sleep(0.3)
+    assert not got and c.local_rank == -1
+    write_control(control, round_=3, state="run",
+                  envs={"0": {"RANK": "0", "LOCAL_RANK": "0"},
+                        "1": {"RANK": "3", "LOCAL_RANK": "1"},
+                        f"pid-{os.getpid()}": {"RANK": "3", "LOCAL_RANK": "1"}})  # fmt: skip
+    t.join(10)
+    assert got == [{"RANK": "3", "LOCAL_RANK": "1"}] and c.local_rank == 1
+    write_control(control, round_=4, state="run", envs={"1": {"RANK": "1", "LOCAL_RANK": "1"}})
+    assert c.next_round(3) == {"RANK": "1", "LOCAL_RANK": "1"}
+
+
+def test_a_round_adopts_live_standbys_ready_ones_first_and_names_them_by_pid(tmp_path):
+    """``WorkerGroup.adopt`` hands live standbys (those done importing first) to the dead
+    local ranks, as many as there are; the control file's env then names each adopted one
+    by its pid as well as by its new local rank."""
+    from elasticd.agent.launch import hand_over_envs
+    from elasticd.agent.workers import Worker, WorkerGroup
+
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+             for _ in range(3)]  # fmt: skip
+    try:
+        procs[0].kill()
+        procs[0].wait()
+        (tmp_path / "ready-b").write_text("1")
+        standby = WorkerGroup(workers=[
+            Worker(local_rank=-1, rank=-1, proc=p, log_path="", heartbeat_path="",
+                   error_path="", started=0.0, warm=True, standby=True,
+                   env_ready=str(tmp_path / f"ready-{n}"))
+            for p, n in zip(procs, "dab", strict=True)
+        ])  # fmt: skip
+        taken = standby.adopt([2, 5])
+        # The dead one is left behind; the ready one (b) takes the first dead rank.
+        assert [(w.local_rank, w.proc.pid) for w in taken.workers] == [
+            (2, procs[2].pid), (5, procs[1].pid)]  # fmt: skip
+        assert [w.proc.pid for w in standby.workers] == [procs[0].pid]
+        assert standby.alive() == 0 and not standby.adopt([0]).workers
+        envs = [{"RANK": str(r), "LOCAL_RANK": str(r)} for r in range(6)]
+        handed = hand_over_envs(envs, taken)
+        assert handed[f"pid-{procs[2].pid}"] == envs[2] == handed["2"]
+        assert handed[f"pid-{procs[1].pid}"] == envs[5]
+        assert len(handed) == 8
+        assert hand_over_envs(envs, None) == {str(r): e for r, e in enumerate(envs)}
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_restart_standby_is_checked():
+    from elasticd.jobspec import JobSpecError, parse_job
+
+    assert parse_job({"name": "s"}).restart.standby == 1
+    assert parse_job({"name": "s", "restart": {"standby": 0}}).restart.standby == 0
+    for bad, why in ((-1, ">= 0"), (2, "more than nproc_per_node (1)")):
+        with pytest.raises(JobSpecError, match=rf"restart.standby: {bad} .*{re.escape(why)}"):
+            parse_job({"name": "s", "restart": {"standby": bad}})
 
 
 def test_warm_workers_only_for_in_process_jobs_of_the_built_in_trainer(tmp_path):

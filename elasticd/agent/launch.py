@@ -10,6 +10,7 @@ pids for tools (``elasticd run``'s fault injection).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import sys
@@ -20,7 +21,13 @@ from typing import Any
 
 from elasticd.agent.policy import WorkerEnvInputs, scrub_env, worker_argv, worker_envs
 from elasticd.agent.workers import WorkerGroup
-from elasticd.inprocess import ENV_CONTROL, ENV_MODE, ENV_WARM, ENV_WARM_READY
+from elasticd.inprocess import (
+    ENV_CONTROL,
+    ENV_MODE,
+    ENV_WARM,
+    ENV_WARM_READY,
+    STANDBY_LOCAL_RANK,
+)
 from elasticd.jobspec import JobSpec
 from elasticd.layout import Layout, plan
 
@@ -160,7 +167,7 @@ def launch(
     def hand_over() -> None:
         if job.restart.mode == "inprocess":
             write_control(control, round_=world.round, state="run",
-                          envs={str(i): e for i, e in enumerate(envs)})  # fmt: skip
+                          envs=hand_over_envs(envs, keep))  # fmt: skip
 
     workers = WorkerGroup.carry(
         keep,
@@ -207,7 +214,52 @@ def warm_workers(
     that takes it (the job's first, a newcomer's, a killed worker's replacement) does not
     wait for a Python start and ``import torch``. None when the job cannot use them: a
     ``command`` of its own may read its rank at import time, before it could wait."""
-    if job.restart.mode != "inprocess" or job.command or not local_ranks:
+    if not local_ranks:
+        return None
+    names = {i: f"local-{i}" for i in local_ranks}
+    return _spawn_warm(job=job, run_id=run_id, node=node, names=names, env=env, clock=clock,
+                       devices=devices)  # fmt: skip
+
+
+_standbys = itertools.count()
+
+
+def standby_workers(
+    *,
+    job: JobSpec,
+    run_id: str,
+    node: NodeInfo,
+    count: int,
+    env: Mapping[str, str],
+    clock: Callable[[], float],
+    devices: list[str] | None = None,
+) -> WorkerGroup | None:
+    """Start ``count`` standby workers (``restart.standby``): warm workers for no rank in
+    particular, kept ready while a round trains so that when one of this node's workers
+    dies (killed, crashed, hung) its replacement has imported torch already. A round
+    adopts one (:meth:`WorkerGroup.adopt`) and names its environment by its pid
+    (:func:`hand_over_envs`). None for jobs that cannot use warm workers."""
+    if count <= 0:
+        return None
+    names = {-1 - k: f"standby-{next(_standbys)}" for k in range(count)}
+    return _spawn_warm(job=job, run_id=run_id, node=node, names=names, env=env, clock=clock,
+                       devices=devices, standby=True)  # fmt: skip
+
+
+def _spawn_warm(
+    *,
+    job: JobSpec,
+    run_id: str,
+    node: NodeInfo,
+    names: Mapping[int, str],
+    env: Mapping[str, str],
+    clock: Callable[[], float],
+    devices: list[str] | None,
+    standby: bool = False,
+) -> WorkerGroup | None:
+    """Warm workers keyed by local rank (negative for standbys), named ``names[i]`` in
+    their log and ready files."""
+    if job.restart.mode != "inprocess" or job.command:
         return None
     control = control_path(node.state_dir, run_id)
     warm_dir = os.path.join(node.state_dir, "jobs", run_id, "warm")
@@ -221,16 +273,30 @@ def warm_workers(
     after = str(control_round(control))
     own = {ENV_MODE: "inprocess", ENV_CONTROL: control, ENV_WARM: after}
     envs = {}
-    for i in local_ranks:
-        ready = os.path.join(warm_dir, f"ready-{node.node_id}-{i}")
+    for i, name in names.items():
+        ready = os.path.join(warm_dir, f"ready-{node.node_id}-{name}")
         with contextlib.suppress(FileNotFoundError):
             os.unlink(ready)
-        envs[i] = {**base, "LOCAL_RANK": str(i), **own, ENV_WARM_READY: ready}
+        local = str(STANDBY_LOCAL_RANK if standby else i)
+        envs[i] = {**base, "LOCAL_RANK": local, **own, ENV_WARM_READY: ready}
     return WorkerGroup.spawn_warm(
-        argv=worker_argv(job.command, job_path, node.python), envs=envs,
+        argv=worker_argv(job.command, job_path, node.python), envs=envs, names=names,
         log_dir=os.path.join(job.out_dir, "logs", "warm", node.node_id), cwd=os.getcwd(),
-        clock=clock,
+        clock=clock, standby=standby,
     )  # fmt: skip
+
+
+def hand_over_envs(
+    envs: list[dict[str, str]], keep: WorkerGroup | None
+) -> dict[str, dict[str, str]]:
+    """The control file's ``env`` of a round: each local rank's environment under its
+    number, and an adopted standby's also under ``pid-<pid>`` (it waits under local rank
+    -1 and learns its rank from this)."""
+    out: dict[str, dict[str, str]] = {str(i): e for i, e in enumerate(envs)}
+    for w in keep.workers if keep is not None else []:
+        if w.standby and 0 <= w.local_rank < len(envs) and w.proc.poll() is None:
+            out[f"pid-{w.proc.pid}"] = envs[w.local_rank]
+    return out
 
 
 def warm_ready(group: WorkerGroup) -> bool:

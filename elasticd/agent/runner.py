@@ -108,10 +108,12 @@ class JobRunner:
         self._last_step_written: Any = None
         self._closed_run = False
         self._kept: Any = None
+        """restart.mode inprocess: the live workers carried into the next round."""
+        self._standby: Any = None
+        """restart.standby: warm workers kept ready for no rank while a round trains."""
         self._outside = True
         """Not in the job's world: before our first round, and after leaving one for our
         own trouble (a newcomer to a running job waits for its warm workers)."""
-        """restart.mode inprocess: the live workers carried into the next round."""
         self._evidence = False
         """Whether we re-form because we saw the fault ourselves (rendezvous evidence)."""
         self._last_step_seen: int | None = None
@@ -259,22 +261,61 @@ class JobRunner:
         missing = self._kept.missing(nproc) if self._kept is not None else list(range(nproc))
         if not missing:
             return
-        try:
-            warm = warm_workers(job=self.job, run_id=self.record.run_id, node=self._node,
-                                local_ranks=missing, env=os.environ, clock=self._clock,
-                                devices=self.devices)  # fmt: skip
-        except OSError as exc:  # the round starts them the usual way
-            log.warning("warm workers not started", **kv(job=self.name, error=str(exc)))
-            return
-        if warm is None:
-            return
         newcomer = self._kept is None and self._outside
+        if self._standby is not None:
+            adopted = self._standby.adopt(missing)
+            if adopted.workers:
+                log.info("standby workers adopted",
+                         **kv(job=self.name, local_ranks=[w.local_rank for w in adopted.workers],
+                              pids=[w.proc.pid for w in adopted.workers]))  # fmt: skip
+                self._keep(adopted)
+                missing = missing[len(adopted.workers) :]
+        warm = None
+        if missing:
+            try:
+                warm = warm_workers(job=self.job, run_id=self.record.run_id, node=self._node,
+                                    local_ranks=missing, env=os.environ, clock=self._clock,
+                                    devices=self.devices)  # fmt: skip
+            except OSError as exc:  # the round starts them the usual way
+                log.warning("warm workers not started", **kv(job=self.name, error=str(exc)))
+            if warm is not None:
+                self._keep(warm)
+        if newcomer and self._kept is not None and self._job_running():
+            self._await_warm(self._kept)
+
+    def _keep(self, group: Any) -> None:
+        """Add ``group``'s workers to those the next round takes."""
         if self._kept is None:
-            self._kept = warm
+            self._kept = group
         else:
-            self._kept.merge(warm)
-        if newcomer and self._job_running():
-            self._await_warm(warm)
+            self._kept.merge(group)
+
+    def _ensure_standby(self) -> None:
+        """A round trains: start this node's standby workers (``restart.standby``) that are
+        not alive, now that the recovery no longer competes with their imports."""
+        from elasticd.agent.launch import standby_workers
+
+        want = self.job.restart.standby
+        have = self._standby.alive() if self._standby is not None else 0
+        if have >= want:
+            return
+        try:
+            fresh = standby_workers(job=self.job, run_id=self.record.run_id, node=self._node,
+                                    count=want - have, env=os.environ, clock=self._clock,
+                                    devices=self.devices)  # fmt: skip
+        except OSError as exc:  # a replacement then starts cold, as without standbys
+            log.warning("standby worker not started", **kv(job=self.name, error=str(exc)))
+            return
+        if fresh is None:
+            return
+        log.info(
+            "standby workers started", **kv(job=self.name, pids=[w.proc.pid for w in fresh.workers])
+        )
+        if self._standby is None:
+            self._standby = fresh
+        else:
+            self._standby.workers = [w for w in self._standby.workers if w.proc.poll() is None]
+            self._standby.workers += fresh.workers
 
     def _job_running(self) -> bool:
         """Whether the job has trained already (a world of it formed). At its start every
@@ -307,6 +348,9 @@ class JobRunner:
     def _finish(self, handler: Any) -> None:
         """Leave the rendezvous; close the run when the job is over for everyone."""
         self._drop_kept()
+        standby, self._standby = self._standby, None
+        if standby is not None:
+            standby.kill()
         # The job is over (not only for us): node rank 0 keeps its final values.
         over = self.outcome in (Outcome.SUCCEEDED, Outcome.FINISHED, Outcome.CANCELLED)
         try:
@@ -474,6 +518,7 @@ class JobRunner:
         ckpt_at_waiting: int | None = None
         ckpt_now: int | None = None
         next_ckpt_look = 0.0
+        standby_at = 0.0
         while True:
             now = self._clock()
             for change in self._take_changes(rnd.number):
@@ -514,6 +559,9 @@ class JobRunner:
             self._observe_progress(rnd, now, force=False, due=now >= next_status, beats=beats)
             if now >= next_status:
                 next_status = now + STATUS_EVERY
+            if rnd.first_step_seen and now >= standby_at:  # not while a recovery needs the CPU
+                standby_at = now + STATUS_EVERY
+                self._ensure_standby()
             outcome = decide(obs)
             if outcome is not None:
                 return outcome, self._detail(outcome, rnd, obs, stalest)

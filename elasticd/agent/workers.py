@@ -73,6 +73,9 @@ class Worker:
     (rank, heartbeat and error paths are set when a round takes it)."""
     env_ready: str = ""
     """A warm worker's ready file (it exists once the worker's imports are done)."""
+    standby: bool = False
+    """A warm worker kept for no rank in particular (``restart.standby``) until a round
+    adopts it for a local rank whose process died; the control file then names it by pid."""
 
     @property
     def returncode(self) -> int | None:
@@ -235,25 +238,49 @@ class WorkerGroup:
         argv: Sequence[str],
         envs: Mapping[int, Mapping[str, str]],
         log_dir: str,
+        names: Mapping[int, str] | None = None,
         cwd: str | None = None,
         clock: Callable[[], float] = time.time,
+        standby: bool = False,
     ) -> WorkerGroup:
         """Start a warm worker for each local rank in ``envs``: it imports what it needs,
-        then waits for a round through the control file (``ELASTICD_WARM_AFTER``)."""
+        then waits for a round through the control file (``ELASTICD_WARM_AFTER``). Its log
+        is ``<log_dir>/<names[i]>.log`` (default ``local-<i>``)."""
         os.makedirs(log_dir, exist_ok=True)
         group = cls()
         try:
             for local_rank, env in sorted(envs.items()):
-                log_path = os.path.join(log_dir, f"local-{local_rank}.log")
+                name = (names or {}).get(local_rank, f"local-{local_rank}")
+                log_path = os.path.join(log_dir, f"{name}.log")
                 proc = _start(argv, env, cwd, log_path)
                 worker = Worker(local_rank=local_rank, rank=-1, proc=proc, log_path=log_path,
                                 heartbeat_path="", error_path="", started=clock(), warm=True,
-                                env_ready=env.get("ELASTICD_WARM_READY", ""))  # fmt: skip
+                                env_ready=env.get("ELASTICD_WARM_READY", ""),
+                                standby=standby)  # fmt: skip
                 group.workers.append(worker)
         except OSError:
             group.kill()
             raise
         return group
+
+    def adopt(self, local_ranks: Sequence[int]) -> WorkerGroup:
+        """Standbys of this group taken for ``local_ranks``, in order, as many as are
+        alive (the ready ones first); they leave this group. The rest of ``local_ranks``
+        get none."""
+        ready = sorted((w for w in self.workers if w.proc.poll() is None),
+                       key=lambda w: not (w.env_ready and os.path.exists(w.env_ready)))  # fmt: skip
+        taken = WorkerGroup()
+        for local_rank, w in zip(local_ranks, ready, strict=False):
+            w.local_rank = local_rank
+            taken.workers.append(w)
+        ids = {id(w) for w in taken.workers}
+        self.workers = [w for w in self.workers if id(w) not in ids]
+        taken.workers.sort(key=lambda w: w.local_rank)
+        return taken
+
+    def alive(self) -> int:
+        """How many of this group's processes are running."""
+        return sum(1 for w in self.workers if w.proc.poll() is None)
 
     def missing(self, nproc: int) -> list[int]:
         """Local ranks below ``nproc`` with no live process in this group."""
