@@ -189,3 +189,52 @@ def test_a_steady_world_has_no_changes_and_an_excluded_joiner_counts_as_waiting(
                          still_joined=True, closed=False) == []  # fmt: skip
     assert world_changes(world=w, members={"a", "b"}, me="a", live={"a", "b", "x"},
                          next_round=(), still_joined=True, closed=False) == [Change("waiting", ("x",))]  # fmt: skip
+
+
+def test_a_member_whose_join_is_not_seen_yet_is_not_lost_until_the_join_feed_catches_up():
+    """The world (state feed) and the joins (join feed) come through separate watches: a
+    world closed from joins this mirror has not seen yet must not read as those members
+    lost (that ended healthy worlds at once under load, a second re-form per fault). A
+    join seen deleted is lost at once; a join feed that has caught up with the world's
+    revision is believed as it stands."""
+    from elasticd.etcd.client import KeyValue
+    from elasticd.etcd.watch import Event
+    from elasticd.rendezvous.mirror import Mirror
+
+    s = RendezvousSettings(run_id="job", min_nodes=1, max_nodes=3)
+    members = tuple(Member(node=n, addr="127.0.0.1", port=1) for n in "abc")
+
+    def kv(key: str, value: str, rev: int) -> KeyValue:
+        return KeyValue(key=key, value=value.encode(), create_revision=rev, mod_revision=rev,
+                        lease=0)  # fmt: skip
+
+    def join(node: str, rev: int) -> Event:
+        return Event("put", kv(s.join_key(2, node), member_json(members["abc".index(node)]), rev))
+
+    def gone(node: str, rev: int) -> Event:
+        return Event("delete", kv(s.join_key(2, node), "", rev))
+
+    world_doc = World(run_id="job", round=2, members=members).to_json()
+    m = Mirror(s)
+    jg, sg = m.load("join", [], 1), m.load("state", [], 1)
+    with m.cond:
+        assert m.apply("join", jg, [join("a", 5)])
+        assert m.apply("state", sg, [Event("put", kv(s.world_key(), world_doc, 10))])
+        world = m.world
+        assert world is not None and world.revision == 10
+        assert m.absent(world) == set()  # b's and c's joins are merely not seen yet
+        assert m.apply("join", jg, [join("b", 6), join("c", 7), gone("c", 8)])
+        assert m.absent(world) == {"c"}  # seen deleted: gone, whatever the feed's revision
+        assert m.apply("join", jg, [gone("b", 11)])
+        assert m.absent(world) == {"b", "c"}
+    # Caught up: what the join feed shows is believed, deleted or never seen.
+    m2 = Mirror(s)
+    m2.load("state", [kv(s.world_key(), world_doc, 10)], 10)
+    jg2 = m2.load("join", [], 12)
+    with m2.cond:
+        assert m2.apply("join", jg2, [join("a", 13)])
+        assert m2.absent(m2.world) == {"b", "c"}
+    changes = world_changes(world=world, members=set(world.nodes), me="a",
+                            live={"a"} | (set(world.nodes) - {"c"}), next_round=(),
+                            still_joined=True, closed=False)  # fmt: skip
+    assert changes == [Change("lost", ("c",))]

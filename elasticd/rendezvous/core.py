@@ -134,11 +134,14 @@ class EtcdRendezvous:
         m, world = self._mirror, self._current
         if not m.members_live and not m.closed:
             return self._last_changes
+        live: set[str] = set()
+        if world is not None:  # live joins, and members whose join we may not see yet
+            live = set(m.joined_nodes(world.round)) | (set(world.nodes) - m.absent(world))
         self._last_changes = world_changes(
             world=world,
             members=self._current_nodes,
             me=self.node_id,
-            live=m.joined_nodes(world.round) if world else (),
+            live=live,
             next_round=m.joined_nodes(world.round + 1) if world else (),
             still_joined=world is not None and self._joined_round == world.round,
             closed=m.closed,

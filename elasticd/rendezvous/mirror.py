@@ -57,6 +57,10 @@ class Mirror:
         """``round -> when we saw its first evidence join`` (local clock)."""
         self.join_mod: dict[int, int] = {}
         self.rounds: dict[int, dict[str, tuple[int, bytes]]] = {}
+        self.gone: dict[int, set[str]] = {}
+        """``round -> nodes whose join of it this mirror saw deleted``: a member missing
+        from ``rounds`` is known gone only if it is here, or once the join feed has caught
+        up with the world (the feeds are separate watches; see :meth:`absent`)."""
         self.wake_when: Callable[[], bool] | None = None
         self._clock = clock
 
@@ -71,6 +75,7 @@ class Mirror:
             if feed == "join":
                 self.members_live = False
                 self.rounds.clear()
+                self.gone.clear()
                 self.join_mod.clear()
                 self.join_seen.clear()
                 self.evidence_seen.clear()
@@ -126,6 +131,7 @@ class Mirror:
             members.pop(parsed[1], None)
             if not members:
                 self.rounds.pop(parsed[0], None)
+            self.gone.setdefault(parsed[0], set()).add(parsed[1])
 
     def _set(self, item: KeyValue) -> None:
         s = self.settings
@@ -136,6 +142,7 @@ class Mirror:
             # O(1) per wake-up rather than a scan and N JSON parses.
             # The record is parsed only when a round is closed from it (``joins``).
             self.rounds.setdefault(parsed[0], {})[parsed[1]] = (item.create_revision, item.value)
+            self.gone.get(parsed[0], set()).discard(parsed[1])
             self.join_mod[parsed[0]] = max(self.join_mod.get(parsed[0], 0), item.mod_revision)
             # When *we* saw the latest join: the settle timer is local, so clocks of
             # different nodes never need to agree.
@@ -151,6 +158,9 @@ class Mirror:
                 self.world_error = None
             except RendezvousState as exc:
                 self.world, self.world_error = None, exc
+            if self.world is not None:  # older rounds are never judged again
+                for r in [r for r in self.gone if r < self.world.round]:
+                    del self.gone[r]
 
     # -- derived facts (call with cond held) ------------------------------------------------
 
@@ -175,6 +185,18 @@ class Mirror:
     def joined_nodes(self, round_: int) -> KeysView[str]:
         """The nodes with a live join in ``round_`` (a live view: do not keep it)."""
         return self.rounds.get(round_, {}).keys()
+
+    def absent(self, world: World) -> set[str]:
+        """Members of ``world`` known to have no live join of its round: their join was
+        seen deleted, or the join feed has caught up with the world's revision and shows
+        none. The world comes from the state feed, a separate watch, and may arrive before
+        the joins it was closed from: a member whose join is merely not seen yet is not
+        absent (reporting it lost would end a healthy world at once)."""
+        live = self.rounds.get(world.round, {})
+        missing = {n for n in world.nodes if n not in live}
+        if self.revision["join"] >= world.revision:
+            return missing
+        return missing & self.gone.get(world.round, set())
 
     def last_join_mod(self, round_: int) -> int:
         """The highest mod_revision of any join of ``round_`` seen (the close fence)."""
