@@ -110,10 +110,24 @@ def main() -> None:
     ap.add_argument("--global-batch", type=int, default=8)
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--bucket-mb", type=float, default=1.0)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: one GPU, GPT-2 small against a plain PyTorch loop "
+                         "(bench/trainer_gpu.py); the --gpu-* options apply")  # fmt: skip
+    ap.add_argument("--gpu-steps", type=int, default=20)
+    ap.add_argument("--gpu-warmup", type=int, default=5)
+    ap.add_argument("--gpu-micro-batch", type=int, default=8)
+    ap.add_argument("--gpu-global-batch", type=int, default=32)
+    ap.add_argument("--gpu-seq-len", type=int, default=1024)
+    ap.add_argument("--gpu-layers", type=int, default=0, help="0: GPT-2 small's 12")
+    ap.add_argument("--gpu-fp32", action="store_true", help="also the trainer in fp32+TF32")
     args = ap.parse_args()
     if args.worker:
         worker(json.loads(args.worker))
         return
+    if args.device == "cuda":
+        from trainer_gpu import main_cuda
+
+        raise SystemExit(main_cuda(args))
     tokens = args.global_batch * args.seq_len
     print(f"model: layers {args.layers}, hidden {args.hidden}, vocab {args.vocab}, seq "
           f"{args.seq_len}; {tokens} tokens per step; {os.cpu_count()} CPU cores; gloo")  # fmt: skip
