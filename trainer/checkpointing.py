@@ -1,10 +1,13 @@
 """The trainer's side of the checkpoint store: what a resume needs, by global name.
 
-- Parameters: every ``param.shard_info`` (global name, shape and region; vocabulary
-  padding rows excluded), saved as model tensors.
-- AdamW: ``exp_avg/<name>`` and ``exp_avg_sq/<name>`` sharded exactly like the parameter,
-  and ``step/<name>`` (AdamW's per-parameter step count, a 0-d tensor), so all of it
-  reshards the same way.
+- Parameters: the fp32 **main** parameters (``Trainer.named_main``: the model's own in an
+  fp32 run; the optimizer's fp32 copies in a bf16 run, so a bf16 run resumes exactly; this
+  rank's rows with ``parallel.zero: 1``), each under its global name and box (vocabulary
+  padding rows excluded), saved as model tensors. After loading, the model is rebuilt
+  from them (``Trainer.main_to_model``).
+- AdamW: ``exp_avg/<name>`` and ``exp_avg_sq/<name>`` sharded exactly like the main
+  parameter, and ``step/<name>`` (AdamW's per-parameter step count, a 0-d tensor), so all
+  of it reshards the same way, across any dp and across ``parallel.zero`` 0 and 1.
 - Position: ``step`` and ``consumed_samples`` (the global data position).
 - RNG: each rank's generator states as rank tensors. They cannot map to another layout, so
   on resume they are restored only when the layout is unchanged; otherwise each rank
@@ -201,6 +204,7 @@ class Checkpointing:
                 from trainer.hf import init_from_hf
 
                 init_from_hf(self.trainer, init.removeprefix("hf:"))
+                self.trainer.main.from_model()
                 if self.rank == 0:
                     print(f"initialised from Hugging Face GPT-2 at {init[3:]}", flush=True)
             return False
@@ -210,6 +214,7 @@ class Checkpointing:
             optimizer=self._optimizer(create=True),
             group=self.group,
         )
+        self.trainer.main_to_model()
         state = self.trainer.state
         state.step = ckpt.manifest.step
         state.consumed_samples = ckpt.manifest.consumed_samples
@@ -388,9 +393,10 @@ def _jsonable(value: Any) -> bool:
 
 
 def model_tensors(trainer) -> dict[str, tuple[torch.Tensor, ShardInfo]]:
-    """A trainer's parameters by global name, as checkpoints (and in-process recovery)
-    name them."""
-    return {name: (p.detach(), p.shard_info) for name, p in trainer.named_parameters()}
+    """A trainer's fp32 main parameters by global name, as checkpoints (and in-process
+    recovery) name them: the model's parameters in an fp32 run, the optimizer's fp32
+    copies (or this rank's rows of them) otherwise."""
+    return {name: (t.detach(), info) for name, t, info in trainer.named_main()}
 
 
 def optimizer_tensors(trainer, *, create: bool) -> dict[str, tuple[torch.Tensor, ShardInfo]]:
@@ -398,16 +404,15 @@ def optimizer_tensors(trainer, *, create: bool) -> dict[str, tuple[torch.Tensor,
     step would (zeros) where it does not exist yet."""
     opt = trainer.optimizer
     out = {}
-    for name, p in trainer.named_parameters():
-        state = opt.state[p]
+    for name, t, info in trainer.named_main():
+        state = opt.state[t]
         if create and not state:
             # What AdamW's first step would create; the load then overwrites it.
             state["step"] = torch.tensor(0.0)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg"] = torch.zeros_like(t, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(t, memory_format=torch.preserve_format)
         if not state:
             continue
-        info = p.shard_info
         out[f"exp_avg/{name}"] = (state["exp_avg"], info)
         out[f"exp_avg_sq/{name}"] = (state["exp_avg_sq"], info)
         out[f"step/{name}"] = (state["step"], ShardInfo.whole(f"step/{name}", ()))

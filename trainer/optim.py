@@ -1,4 +1,17 @@
-"""AdamW on local shards, the learning-rate schedule, and clipping by the true global norm.
+"""AdamW on fp32 main parameters, the learning-rate schedule, and clipping by the true
+global norm.
+
+**Main parameters** (:class:`MainParams`, Megatron's mixed precision): the optimizer never
+steps the model's parameters themselves unless they are fp32 and whole. With
+``train.dtype: bfloat16`` the model computes in bf16 and the optimizer holds an fp32 copy
+of every parameter (its *main* parameter), whose gradient is the fp32 bucket slot the
+bf16 gradients were accumulated and reduced in (:mod:`trainer.parallel.data`); the norm,
+clipping and AdamW (fp32 moments) act on those, and the main parameters are copied back,
+rounded, into the bf16 model after each step. With ``parallel.zero: 1`` each data-parallel
+rank holds only its rows of every main parameter (dim 0, cut as FSDP2 cuts) with their
+AdamW state, so each is a box of the global tensor; the model's parameters are
+all-gathered from those rows after the step. Checkpoints and in-process recovery name the
+main parameters, so a bf16 run saves and resumes in fp32.
 
 The global gradient norm counts every distinct shard of the global model exactly once.
 Each parameter carries ``grad_replicas``: how many active ranks hold an identical copy of
@@ -11,12 +24,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from checkpoint.shards import ShardInfo
 from trainer.parallel.context import GroupSlot
+from trainer.parallel.data import GradSync
 
 BETAS = (0.9, 0.95)
 EPS = 1e-8
@@ -109,18 +125,26 @@ def grad_replicas(param: nn.Parameter, *, tp: int, dp_cp: int, etp: int, expert_
     return dp_cp * (1 if param.tp_split else tp)
 
 
-def global_grad_norm(params: Sequence[nn.Parameter], *, groups: Sequence[GroupSlot]) -> float:
+def global_grad_norm(
+    params: Sequence[torch.Tensor],
+    *,
+    groups: Sequence[GroupSlot],
+    replicas: Sequence[int] | None = None,
+) -> float:
     """The 2-norm of the whole model's gradient; ``groups`` together span every active
-    rank (tp-dp-cp, and pp when there is pipelining).
+    rank (tp-dp-cp, and pp when there is pipelining). ``replicas``: each tensor's replica
+    count (default: ``p.grad_replicas``, the model parameter's).
 
     Each gradient's norm comes from one ``_foreach_norm`` per replica count (fp32, without
     copies; bf16 gradients are accumulated in fp32); only those per-tensor norms are
     squared and summed in fp64."""
     device = params[0].device if params else torch.device("cpu")
     by_replicas: dict[int, list[torch.Tensor]] = {}
-    for p in params:
+    if replicas is None:
+        replicas = [p.grad_replicas for p in params]
+    for p, count in zip(params, replicas, strict=True):
         if p.grad is not None:
-            by_replicas.setdefault(p.grad_replicas, []).append(p.grad.detach())
+            by_replicas.setdefault(count, []).append(p.grad.detach())
     total = torch.zeros((), dtype=torch.float64, device=device)
     for replicas, grads in by_replicas.items():
         norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
@@ -131,7 +155,7 @@ def global_grad_norm(params: Sequence[nn.Parameter], *, groups: Sequence[GroupSl
     return math.sqrt(float(total))
 
 
-def clip_grads(params: Sequence[nn.Parameter], *, norm: float, max_norm: float) -> None:
+def clip_grads(params: Sequence[torch.Tensor], *, norm: float, max_norm: float) -> None:
     """Scale every gradient so the global norm is at most ``max_norm`` (0 turns it off)."""
     if max_norm <= 0 or not math.isfinite(norm):
         return
@@ -140,3 +164,113 @@ def clip_grads(params: Sequence[nn.Parameter], *, norm: float, max_norm: float) 
         grads = [p.grad for p in params if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, coef)
+
+
+@dataclass(frozen=True, slots=True)
+class Main:
+    """One model parameter's main parameter (or this rank's rows of it)."""
+
+    param: nn.Parameter
+    """The model's parameter (the dtype the model computes in, whole)."""
+    tensor: nn.Parameter
+    """The optimizer's fp32 values: ``param`` itself when fp32 and not sharded, else a copy
+    of rows ``rows`` of it."""
+    rows: tuple[int, int]
+    """The rows of ``param`` that ``tensor`` holds."""
+    info: ShardInfo | None
+    """The box of the global tensor ``tensor`` holds (padding rows excluded); None when it
+    holds no global element (an empty shard, or vocabulary padding only)."""
+    replicas: int
+    """Active ranks holding the same main gradient (for the global norm)."""
+
+
+class MainParams:
+    """Every model parameter's fp32 main parameter, gradients bound to the reduced fp32
+    buckets of its :class:`~trainer.parallel.data.GradSync` (see the module docstring)."""
+
+    def __init__(self, chunks: Sequence[tuple[GradSync, Sequence[nn.Parameter]]]) -> None:
+        """``chunks``: each chunk's GradSync with the parameters it reduces."""
+        self.entries: list[Main] = []
+        self._sync_of: dict[int, GradSync] = {}
+        with torch.no_grad():
+            for sync, params in chunks:
+                for p in params:
+                    self._sync_of[id(p)] = sync
+                    self.entries.append(self._make(sync, p))
+        self.sharded = any(sync.shard for sync, _ in chunks)
+
+    @staticmethod
+    def _make(sync: GradSync, p: nn.Parameter) -> Main:
+        start, stop = sync.rows(p)
+        whole = (start, stop) == (0, p.shape[0])
+        if whole and p.dtype == torch.float32 and not sync.shard:
+            tensor = p
+        else:
+            tensor = nn.Parameter(p.detach()[start:stop].to(torch.float32, copy=True))
+        return Main(param=p, tensor=tensor, rows=(start, stop), info=_rows_box(p.shard_info, start, stop),
+                    replicas=p.grad_replicas // sync.shards(p))  # fmt: skip
+
+    @property
+    def tensors(self) -> list[nn.Parameter]:
+        """What the optimizer steps: every main parameter that holds something."""
+        return [m.tensor for m in self.entries if m.tensor.numel()]
+
+    def named(self):
+        """``(global name, main tensor, ShardInfo)`` for every main parameter that holds a
+        part of the global tensor (what checkpoints and recovery save and restore)."""
+        for m in self.entries:
+            if m.info is not None:
+                yield m.info.name, m.tensor, m.info
+
+    def bind_grads(self) -> None:
+        """After the reductions: every main parameter's ``grad`` is its reduced fp32
+        gradient (a view into the buckets, or into this rank's reduce-scatter output)."""
+        for m in self.entries:
+            m.tensor.grad = self._sync_of[id(m.param)].main_grad(m.param)
+
+    def grad_of(self, param: nn.Parameter) -> torch.Tensor:
+        """The main gradient bound to model parameter ``param``."""
+        return self._sync_of[id(param)].main_grad(param)
+
+    def grad_norm(self, *, groups: Sequence[GroupSlot]) -> float:
+        """The global norm of the main gradients (each distinct region counted once)."""
+        live = [m for m in self.entries if m.tensor.numel()]
+        return global_grad_norm([m.tensor for m in live], groups=groups,
+                                replicas=[m.replicas for m in live])  # fmt: skip
+
+    def clip(self, *, norm: float, max_norm: float) -> None:
+        clip_grads(self.tensors, norm=norm, max_norm=max_norm)
+
+    @torch.no_grad()
+    def to_model(self) -> None:
+        """Copy the main parameters into the model (cast to its dtype; all-gathered from
+        every rank's rows when sharded). Collective when sharded."""
+        gathers: dict[GradSync, dict[int, torch.Tensor]] = {}
+        for m in self.entries:
+            sync = self._sync_of[id(m.param)]
+            if sync.shard:
+                gathers.setdefault(sync, {})[id(m.param)] = m.tensor
+            elif m.tensor is not m.param:
+                m.param.copy_(m.tensor)
+        for sync, shards in gathers.items():
+            sync.gather(shards)
+
+    @torch.no_grad()
+    def from_model(self) -> None:
+        """Copy the model's parameters into the main ones (after something wrote the
+        model directly, e.g. ``model.init_from``)."""
+        for m in self.entries:
+            if m.tensor is not m.param:
+                m.tensor.copy_(m.param[m.rows[0] : m.rows[1]])
+
+
+def _rows_box(info: ShardInfo, start: int, stop: int) -> ShardInfo | None:
+    """The global box of rows ``[start, stop)`` of a local tensor described by ``info``
+    (only its first ``info.sizes[0]`` rows are global; the rest is padding)."""
+    if (start, stop) == (0, info.sizes[0]) or not info.global_shape:
+        return info
+    rows = max(0, min(stop, info.sizes[0]) - start)
+    if rows == 0:
+        return None
+    offsets = (info.offsets[0] + start, *info.offsets[1:])
+    return ShardInfo(info.name, info.global_shape, offsets, (rows, *info.sizes[1:]))

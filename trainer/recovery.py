@@ -38,7 +38,10 @@ log = logging.getLogger("trainer.recovery")
 
 
 def holdings(trainer: Any, *, create: bool) -> dict[str, tuple[torch.Tensor, Any]]:
-    """A trainer's parameters and AdamW tensors by global name (as checkpoints name them)."""
+    """A trainer's fp32 main parameters and AdamW tensors by global name (as checkpoints
+    name them). Not the bf16 model: it is rebuilt from the main parameters. With
+    ``parallel.zero: 1`` each rank holds only its rows of these, so a dead data-parallel
+    rank's rows have no live holder and recovery falls to the replicas or the checkpoint."""
     from trainer.checkpointing import model_tensors, optimizer_tensors
 
     return {**model_tensors(trainer), **optimizer_tensors(trainer, create=create)}
@@ -93,6 +96,7 @@ def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any, job: Any) -> str
         source = "replica" if result.sources.get("from_extra") else "peers"
         trainer.state.step = result.step
         trainer.state.consumed_samples = result.consumed_samples
+        trainer.main_to_model()  # the fp32 main parameters came; the model follows
         torch.manual_seed(
             reseed_value(trainer.job.train.seed, result.step, trainer.batches.dp_rank)
         )

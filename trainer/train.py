@@ -43,21 +43,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from checkpoint.shards import ShardInfo
 from elasticd.layout import Layout
 from trainer.data import BatchPlan, micro_batches, open_source
 from trainer.errors import TrainerConfigError
 from trainer.model import build_chunks
-from trainer.optim import (
-    build_optimizer,
-    clip_grads,
-    global_grad_norm,
-    grad_replicas,
-    lr_at,
-    set_lr,
-)
+from trainer.optim import MainParams, build_optimizer, grad_replicas, lr_at, set_lr
 from trainer.parallel.context import GroupSlot, ParallelContext
 from trainer.parallel.data import GradSync
-from trainer.parallel.pipeline import PipelineGroups
+from trainer.parallel.pipeline import PipelineGroups, sync_tied_grads
 from trainer.parallel.rng import DropoutRNG
 from trainer.perf import apply_tf32, flops_per_token, mfu, peak_flops, peak_memory_gib
 
@@ -181,12 +175,19 @@ class Trainer:
             self.pipeline.mark_tied_replicas(self.params, name=self._tied_name)
             self.model_groups = (*model_groups, self.pipeline.slot)
         bucket_bytes = max(1, int(t.bucket_mb * (1 << 20)))
+        # Gradients accumulate and reduce in fp32 whatever the model computes in.
         self.grad_syncs = [
             GradSync(list(c.parameters()), dense=ctx.dp_cp, expert=ctx.expert_dp,
-                     divisor=layout.dp * p.cp, bucket_bytes=bucket_bytes, overlap=overlap_grads)
+                     divisor=layout.dp * p.cp, bucket_bytes=bucket_bytes, overlap=overlap_grads,
+                     grad_dtype=torch.float32)
             for c in self.chunks
         ]  # fmt: skip
-        self.optimizer = build_optimizer(self.params, lr=t.lr, weight_decay=t.weight_decay)
+        self.main = MainParams(
+            [(s, list(c.parameters())) for s, c in zip(self.grad_syncs, self.chunks, strict=True)]
+        )
+        """The optimizer's fp32 main parameters (trainer/optim.py): the model's own in an
+        fp32 run without ``parallel.zero``."""
+        self.optimizer = build_optimizer(self.main.tensors, lr=t.lr, weight_decay=t.weight_decay)
         self.state = TrainState()
         self._batch: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._losses: list[torch.Tensor] = []
@@ -194,9 +195,20 @@ class Trainer:
     # -- identity, for checkpoints -------------------------------------------------------
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """``(global name, local shard)`` for every parameter this rank holds."""
+        """``(global name, local shard)`` for every model parameter this rank holds."""
         for q in self.params:
             yield q.shard_info.name, q
+
+    def named_main(self) -> Iterator[tuple[str, nn.Parameter, ShardInfo]]:
+        """``(global name, main tensor, its box)`` for every fp32 main parameter (or rows of
+        one, with ``parallel.zero``) this rank holds: what checkpoints save and in-process
+        recovery hands over. After writing into them, call :meth:`main_to_model`."""
+        yield from self.main.named()
+
+    def main_to_model(self) -> None:
+        """Copy the main parameters into the model (after a load or a recovery wrote
+        them; collective over the data-parallel groups with ``parallel.zero``)."""
+        self.main.to_model()
 
     # -- one step, in pieces -----------------------------------------------------------------
 
@@ -276,23 +288,27 @@ class Trainer:
         advance the state."""
         for sync in self.grad_syncs:
             sync.finish()
+        self.main.bind_grads()
         if self.pipeline is not None:
-            self.pipeline.sync_tied(self.params, name=self._tied_name)
-        norm = global_grad_norm(self.params, groups=self.model_groups)
+            tied = self.pipeline.tied_params(self.params, name=self._tied_name)
+            sync_tied_grads([self.main.grad_of(q) for q in tied], group=self.pipeline.embedding)
+        norm = self.main.grad_norm(groups=self.model_groups)
         mem_gb = self._peak_memory_gb()
         # Every collective of the step comes before the optimizer step: a rank that applied
-        # it has nothing left to wait for, so a fault leaves each rank wholly at step s or
-        # s+1 (in-process recovery picks a step every region is held at).
+        # it has nothing left to wait for, so a fault leaves each rank's main parameters
+        # wholly at step s or s+1 (in-process recovery picks a step every region is held
+        # at, and rebuilds the model from the main parameters).
         loss = self.local_loss()
         if self.ctx.dp_cp.active:
             dist.all_reduce(loss, group=self.ctx.dp_cp.group)
             loss /= self.ctx.dp_cp.size
         if self.pipeline is not None:
             loss = self.pipeline.share_loss(loss)
-        clip_grads(self.params, norm=norm, max_norm=self.job.train.grad_clip)
+        self.main.clip(norm=norm, max_norm=self.job.train.grad_clip)
         self.optimizer.step()
         self.state.step += 1
         self.state.consumed_samples += self.job.train.global_batch
+        self.main.to_model()  # the step is counted first: recovery reads the main params
         step_s = time.perf_counter() - started
         tokens = self.job.train.global_batch * self.job.model.seq_len
         used = mfu(flops=self._flops_per_step, seconds=step_s, ranks=self.layout.active,

@@ -1,13 +1,29 @@
-"""Data parallelism (seed ``003_*``): bucketed gradient all-reduce, overlapped with backward.
+"""Data parallelism (seed ``003_*``): bucketed gradient reduction, overlapped with backward.
 
-Gradients are packed into flat **buckets** of about ``bucket_mb`` MiB, in reverse
-parameter order (roughly the order backward produces them). Every parameter's ``grad`` is a
-view into its slot of a bucket (set by :meth:`GradSync.zero`), so autograd accumulates
-straight into the bucket: no copy per gradient and no second copy of the gradients in
-memory. A post-accumulate-grad hook on every parameter counts it in; on the last
-micro-batch of a step, once every parameter of a bucket has reported, the bucket's
-all-reduce is launched asynchronously while backward carries on with earlier layers. :meth:`finish` waits
-once, before the optimizer step, and divides by the data-parallel size.
+Gradients are packed into flat fp32 **buckets** of about ``bucket_mb`` MiB, in reverse
+parameter order (roughly the order backward produces them). A post-accumulate-grad hook
+on every parameter counts it in; on the last micro-batch of a step, once every parameter
+of a bucket has reported, the bucket's reduction is launched asynchronously while backward
+carries on with earlier layers. :meth:`finish` waits once, before the optimizer step, and
+divides by the data-parallel size. The reduced gradients are the optimizer's **main
+gradients** (:meth:`GradSync.main_grad`; :class:`trainer.optim.MainParams` binds them).
+
+How a gradient reaches its bucket depends on the parameter's dtype and on ``shard``:
+
+- **fp32 parameters, no sharding**: every ``param.grad`` is a view into its slot of a bucket
+  (set by :meth:`GradSync.zero`), so autograd accumulates straight into the bucket: no copy
+  per gradient and no second copy of the gradients in memory.
+- **bf16 parameters** (mixed precision): autograd's gradient has the parameter's dtype, so
+  it cannot live in an fp32 bucket. The hook adds each micro-batch's bf16 gradient into the
+  fp32 slot and drops it (``param.grad = None``), as Megatron's ``main_grad`` hook does:
+  gradients are *accumulated* across micro-batches and *reduced* in fp32, and only one
+  micro-batch's bf16 gradient is alive at a time.
+- **Sharded** (``parallel.zero: 1``): each bucket is laid out rank-major, like FSDP2's
+  reduce-scatter input: the part of group rank r holds, for each of the bucket's parameters,
+  the rows :func:`dim0_rows` gives rank r (padded to the same count on every rank). The hook
+  adds the gradient's rows into their places (one strided add, so gradients are not views
+  here: the copy FSDP2 makes too), and the bucket is **reduce-scattered**: each rank
+  receives the sum of its own rows only, into a buffer 1/dp of the bucket's size.
 
 - With gradient accumulation the hooks still accumulate into the buckets on every
   micro-batch, but communicate only on the last one (:meth:`GradSync.set_sync`).
@@ -19,7 +35,7 @@ once, before the optimizer step, and divides by the data-parallel size.
   loss on each data-parallel rank is the mean over that rank's share of the global batch.
 
 ``overlap=False`` gives the naive baseline for the benchmark: one blocking all-reduce per
-parameter after backward.
+parameter after backward (one blocking reduce-scatter per bucket when sharded).
 """
 
 from __future__ import annotations
@@ -33,12 +49,33 @@ from torch import nn
 from trainer.parallel.context import GroupSlot
 
 
+def dim0_rows(rows: int, parts: int, index: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of a tensor with ``rows`` rows that part ``index`` of
+    ``parts`` holds, cut as ``torch.chunk`` (and FSDP2) cut: ``ceil(rows / parts)`` rows
+    each, so the last parts may be short or empty."""
+    per = -(-rows // parts)
+    start = min(rows, index * per)
+    return start, min(rows, start + per)
+
+
+@dataclass(slots=True)
+class _Slot:
+    """Where one parameter's gradient lives in a sharded (rank-major) bucket."""
+
+    offset: int  # start in every rank's part
+    per: int  # rows per rank (the padded count)
+    row: int  # elements per row
+
+
 @dataclass(slots=True)
 class _Bucket:
     params: list[nn.Parameter]
     buffer: torch.Tensor
     slot: GroupSlot
     views: dict[int, torch.Tensor] = field(default_factory=dict)
+    shards: dict[int, _Slot] = field(default_factory=dict)
+    part: int = 0  # elements of one rank's part (sharded buckets)
+    recv: torch.Tensor | None = None  # this rank's reduced part (sharded buckets)
     ready: int = 0
     handle: object | None = None
     launched: bool = False
@@ -56,8 +93,14 @@ class GradSync:
         divisor: int,
         bucket_bytes: int,
         overlap: bool = True,
+        grad_dtype: torch.dtype | None = None,
+        shard: bool = False,
     ) -> None:
-        self.divisor, self.overlap = divisor, overlap
+        """``grad_dtype``: the buckets' dtype (default: the parameters'; the trainer
+        passes fp32). ``shard``: reduce-scatter rank-major buckets (ZeRO-1) instead of
+        all-reducing them."""
+        self.divisor, self.overlap, self.shard = divisor, overlap, shard
+        self.grad_dtype = grad_dtype
         self._sync = True
         self._lists: list[list[_Bucket]] = []
         self._bucket_of: dict[int, _Bucket] = {}
@@ -73,37 +116,98 @@ class GradSync:
     def buckets(self) -> list[_Bucket]:
         return [b for buckets in self._lists for b in buckets]
 
+    def _dtype(self, p: nn.Parameter) -> torch.dtype:
+        return self.grad_dtype or p.dtype
+
     def _make_buckets(
         self, params: list[nn.Parameter], slot: GroupSlot, bucket_bytes: int
     ) -> list[_Bucket]:
         groups: list[list[nn.Parameter]] = []
         size = 0
         for p in params:
-            if not groups or (size and size + p.numel() * p.element_size() > bucket_bytes):
+            nbytes = p.numel() * self._dtype(p).itemsize
+            if not groups or (size and size + nbytes > bucket_bytes):
                 groups.append([])
                 size = 0
             groups[-1].append(p)
-            size += p.numel() * p.element_size()
+            size += nbytes
         buckets = []
         for members in groups:
-            numel = sum(p.numel() for p in members)
-            buf = torch.zeros(numel, dtype=members[0].dtype, device=members[0].device)
-            bucket = _Bucket(params=members, buffer=buf, slot=slot)
-            offset = 0
-            for p in members:
-                bucket.views[id(p)] = buf[offset : offset + p.numel()].view_as(p)
-                self._bucket_of[id(p)] = bucket
-                offset += p.numel()
-            buckets.append(bucket)
+            make = self._make_sharded if self.shard else self._make_flat
+            buckets.append(make(members, slot))
         return buckets
 
+    def _make_flat(self, members: list[nn.Parameter], slot: GroupSlot) -> _Bucket:
+        numel = sum(p.numel() for p in members)
+        p0 = members[0]
+        buf = torch.zeros(numel, dtype=self._dtype(p0), device=p0.device)
+        bucket = _Bucket(params=members, buffer=buf, slot=slot)
+        offset = 0
+        for p in members:
+            bucket.views[id(p)] = buf[offset : offset + p.numel()].view_as(p)
+            self._bucket_of[id(p)] = bucket
+            offset += p.numel()
+        return bucket
+
+    def _make_sharded(self, members: list[nn.Parameter], slot: GroupSlot) -> _Bucket:
+        part = 0
+        shards = {}
+        for p in members:
+            rows = p.shape[0]
+            per = -(-rows // slot.size)
+            shards[id(p)] = _Slot(offset=part, per=per, row=p.numel() // rows)
+            part += per * (p.numel() // rows)
+        p0 = members[0]
+        # Padding rows are never written, so they stay zero and add nothing.
+        buf = torch.zeros(slot.size * part, dtype=self._dtype(p0), device=p0.device)
+        recv = torch.zeros(part, dtype=buf.dtype, device=buf.device) if slot.active else buf
+        bucket = _Bucket(params=members, buffer=buf, slot=slot, shards=shards, part=part,
+                         recv=recv)  # fmt: skip
+        for p in members:
+            self._bucket_of[id(p)] = bucket
+        return bucket
+
+    # -- where the reduced gradients are -------------------------------------------------
+
+    def rows(self, param: nn.Parameter) -> tuple[int, int]:
+        """The rows of ``param`` whose reduced gradient this rank holds (all of them
+        unless sharded)."""
+        bucket = self._bucket_of[id(param)]
+        if not self.shard:
+            return 0, param.shape[0]
+        return dim0_rows(param.shape[0], bucket.slot.size, bucket.slot.rank)
+
+    def shards(self, param: nn.Parameter) -> int:
+        """Into how many parts ``param``'s reduced gradient is cut (1 unless sharded)."""
+        return self._bucket_of[id(param)].slot.size if self.shard else 1
+
+    def main_grad(self, param: nn.Parameter) -> torch.Tensor:
+        """``param``'s reduced gradient (after :meth:`finish`), in the buckets' dtype: the
+        whole of it, or this rank's rows when sharded."""
+        bucket = self._bucket_of[id(param)]
+        if not self.shard:
+            return bucket.views[id(param)]
+        s = bucket.shards[id(param)]
+        start, stop = self.rows(param)
+        return bucket.recv[s.offset : s.offset + (stop - start) * s.row].view(
+            stop - start, *param.shape[1:]
+        )
+
+    # -- one step --------------------------------------------------------------------------
+
     def zero(self) -> None:
-        """Start a step: empty every bucket and point every gradient at its bucket slot."""
+        """Start a step: empty every bucket and point every gradient that can live in its
+        bucket at its slot (the others start as None)."""
         for bucket in self.buckets:
             bucket.buffer.zero_()
             bucket.ready, bucket.handle, bucket.launched = 0, None, False
             for p in bucket.params:
-                p.grad = bucket.views[id(p)]
+                p.grad = self._view_for(bucket, p)
+
+    def _view_for(self, bucket: _Bucket, p: nn.Parameter) -> torch.Tensor | None:
+        if self.shard or bucket.buffer.dtype != p.dtype:
+            return None
+        return bucket.views[id(p)]
 
     def set_sync(self, sync: bool) -> None:
         """Whether the coming backward is the step's last (the one that communicates)."""
@@ -111,16 +215,35 @@ class GradSync:
 
     def _on_grad(self, param: nn.Parameter) -> None:
         bucket = self._bucket_of[id(param)]
-        view = bucket.views[id(param)]
-        if param.grad.data_ptr() != view.data_ptr():
-            # Autograd accumulated elsewhere (the gradient was dropped or replaced since
-            # zero()): bring it into the bucket, and accumulate there from now on.
-            view.add_(param.grad)
-            param.grad = view
+        if self.shard:
+            self._add_rows(bucket, param)
+            param.grad = None
+        else:
+            view = bucket.views[id(param)]
+            if param.grad.data_ptr() != view.data_ptr():
+                # A gradient of another dtype (bf16), or one dropped or replaced since
+                # zero(): add it into the slot (fp32), and accumulate there from now on.
+                view.add_(param.grad)
+                param.grad = self._view_for(bucket, param)
         if self._sync and self.overlap:
             bucket.ready += 1
             if bucket.ready == len(bucket.params):
                 self._launch_ready()
+
+    @staticmethod
+    def _add_rows(bucket: _Bucket, param: nn.Parameter) -> None:
+        """Add ``param.grad`` into the rank-major bucket: rank r's rows to rank r's part."""
+        s = bucket.shards[id(param)]
+        size = bucket.slot.size
+        grid = bucket.buffer.view(size, bucket.part)[:, s.offset : s.offset + s.per * s.row]
+        grad = param.grad.reshape(-1)
+        rows = param.shape[0]
+        full = rows // s.per
+        if full:
+            grid[:full].add_(grad[: full * s.per * s.row].view(full, s.per * s.row))
+        rest = (rows - full * s.per) * s.row
+        if rest:
+            grid[full, :rest].add_(grad[full * s.per * s.row :])
 
     def _launch_ready(self) -> None:
         for buckets in self._lists:
@@ -133,12 +256,20 @@ class GradSync:
 
     def _launch(self, bucket: _Bucket) -> None:
         bucket.launched = True
-        if bucket.slot.active:
-            bucket.handle = dist.all_reduce(bucket.buffer, group=bucket.slot.group, async_op=True)
+        if not bucket.slot.active:
+            return
+        group = bucket.slot.group
+        if self.shard:
+            bucket.handle = dist.reduce_scatter_tensor(
+                bucket.recv, bucket.buffer, group=group, async_op=True
+            )
+        else:
+            bucket.handle = dist.all_reduce(bucket.buffer, group=group, async_op=True)
 
     def finish(self) -> None:
-        """Wait for (or, without overlap, run) the reductions; leave averaged ``p.grad``."""
-        if self.overlap:
+        """Wait for (or, without overlap, run) the reductions; leave averaged main
+        gradients (and ``p.grad`` where it is a view into its bucket)."""
+        if self.overlap or self.shard:
             for buckets in self._lists:
                 for bucket in buckets:
                     if not bucket.launched:  # a parameter that took no part in backward
@@ -147,13 +278,50 @@ class GradSync:
             if bucket.handle is not None:
                 bucket.handle.wait()
                 bucket.handle = None
-            elif not self.overlap and bucket.slot.active:
+            elif not self.overlap and bucket.slot.active and not self.shard:
                 for p in bucket.params:
                     dist.all_reduce(bucket.views[id(p)], group=bucket.slot.group)
             if self.divisor != 1:
-                bucket.buffer.div_(self.divisor)
+                (bucket.recv if self.shard else bucket.buffer).div_(self.divisor)
             for p in bucket.params:
-                p.grad = bucket.views[id(p)]
+                p.grad = self._view_for(bucket, p)
+
+    def gather(self, shards: dict[int, torch.Tensor]) -> None:
+        """After the optimizer step (sharded): all-gather every parameter from the ranks'
+        updated rows. ``shards`` maps ``id(param)`` to this rank's rows of it (any dtype;
+        cast to the parameter's); a parameter with no rows here may be left out."""
+        work = []
+        for bucket in self.buckets:
+            p0 = bucket.params[0]
+            size = bucket.slot.size
+            send = torch.zeros(bucket.part, dtype=p0.dtype, device=p0.device)
+            for p in bucket.params:
+                mine = shards.get(id(p))
+                if mine is not None and mine.numel():
+                    s = bucket.shards[id(p)]
+                    send[s.offset : s.offset + mine.numel()].copy_(mine.reshape(-1))
+            if not bucket.slot.active:
+                work.append((bucket, send, None))
+                continue
+            out = torch.empty(size * bucket.part, dtype=p0.dtype, device=p0.device)
+            handle = dist.all_gather_into_tensor(out, send, group=bucket.slot.group,
+                                                 async_op=True)  # fmt: skip
+            work.append((bucket, out, handle))
+        with torch.no_grad():
+            for bucket, out, handle in work:
+                if handle is not None:
+                    handle.wait()
+                grid = out.view(bucket.slot.size, bucket.part)
+                for p in bucket.params:
+                    s = bucket.shards[id(p)]
+                    cols = grid[:, s.offset : s.offset + s.per * s.row]
+                    flat = p.view(-1)
+                    full = p.shape[0] // s.per
+                    if full:
+                        flat[: full * s.per * s.row].view(full, -1).copy_(cols[:full])
+                    rest = p.numel() - full * s.per * s.row
+                    if rest:
+                        flat[full * s.per * s.row :].copy_(cols[full, :rest])
 
     def close(self) -> None:
         """Remove the hooks (the parameters stay usable without data parallelism)."""

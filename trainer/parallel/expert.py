@@ -208,7 +208,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         xf = x.reshape(-1, shape[-1])
-        logits = F.linear(xf, self.router.weight)
+        # The router runs in fp32 (as Megatron's moe_router_dtype fp32): in bf16, close
+        # logits tie or swap and the expert choice flips.
+        logits = F.linear(xf.float(), self.router.weight.float())
         top_logits, top_idx = logits.topk(self.top_k, dim=-1)
         weights = F.softmax(top_logits, dim=-1, dtype=torch.float32).to(x.dtype)
         # The aux loss sees every token of the micro-batch, before any split over tp.
