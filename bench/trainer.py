@@ -97,6 +97,84 @@ def launch(cfg: dict, world: int) -> list[dict]:
     return sorted(results, key=lambda r: r["rank"])
 
 
+def _heap_bytes() -> int:
+    """Bytes malloc holds for live allocations (glibc's mallinfo2: the main arena's in-use
+    chunks plus mmapped ones), which is where torch's CPU tensors live."""
+    import ctypes
+
+    names = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in names.split()]
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+def activation_worker(cfg: dict) -> None:
+    """One micro-batch's forward after a warm-up step: the heap it leaves live for backward
+    (activations and the graph; parameters, gradients and AdamW state already exist)."""
+    import gc
+
+    import torch.distributed as dist
+
+    from elasticd.jobspec import parse_job
+    from elasticd.layout import plan
+    from trainer.parallel.context import ParallelContext, slot_of
+    from trainer.parallel.groups import ProcessGroups
+    from trainer.train import Trainer
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    job = parse_job(cfg["job"])
+    layout = plan(world, job)
+    groups = ProcessGroups.build(layout, rank=rank)
+    trainer = Trainer(job=job, layout=layout, ctx=ParallelContext.from_groups(groups),
+                      dp_rank=groups.index("dp"), model_groups=(slot_of(groups, "tp-dp-cp"),))  # fmt: skip
+    trainer.train_step()
+    trainer.begin_step()
+    gc.collect()
+    before = _heap_bytes()
+    loss = trainer.chunk_forward(0, 0, None)
+    held = _heap_bytes() - before
+    loss.backward()
+    print("BENCH " + json.dumps({"rank": rank, "act_bytes": held}), flush=True)
+    trainer.close()
+    dist.destroy_process_group()
+
+
+def activation_memory(args: argparse.Namespace) -> None:
+    """Activation memory per rank: sequence parallelism off and on at tp = 2, and
+    activation recomputation none / selective / full in one process, without dropout and
+    with it (dropout makes CPU attention keep its s×s probabilities, which selective
+    recomputation drops) (issue 14)."""
+    seq = args.seq_len
+    print(f"\n== activation memory per rank, one micro-batch of {args.micro_batch}x{seq} "
+          "tokens (heap held from forward to backward)")  # fmt: skip
+    cases = [  # (name, world, parallel, recompute, dropout); ratios against the group's first
+        ("tp2, sp off", 2, {"tp": 2}, "none", 0.0),
+        ("tp2, sp on", 2, {"tp": 2, "sp": True}, "none", 0.0),
+        ("recompute none", 1, {}, "none", 0.0),
+        ("recompute selective", 1, {}, "selective", 0.0),
+        ("recompute full", 1, {}, "full", 0.0),
+        ("dropout 0.1, recompute none", 1, {}, "none", 0.1),
+        ("dropout 0.1, selective", 1, {}, "selective", 0.1),
+        ("dropout 0.1, full", 1, {}, "full", 0.1),
+    ]
+    base: dict[tuple, float] = {}
+    for name, world, parallel, recompute, dropout in cases:
+        job = job_dict(args, world=world, tp=parallel.get("tp", 1))
+        job["parallel"] = parallel
+        job["model"]["dropout"] = dropout
+        job["train"].update(recompute=recompute, global_batch=args.micro_batch, steps=2)
+        rs = launch({"job": job, "activations": True}, world)
+        mib = max(r["act_bytes"] for r in rs) / 2**20
+        ref = base.setdefault((world, dropout), mib)
+        print(f"{name:>28}: {mib:8.1f} MiB/rank  {mib / ref:5.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -122,7 +200,8 @@ def main() -> None:
     ap.add_argument("--gpu-fp32", action="store_true", help="also the trainer in fp32+TF32")
     args = ap.parse_args()
     if args.worker:
-        worker(json.loads(args.worker))
+        cfg = json.loads(args.worker)
+        (activation_worker if cfg.get("activations") else worker)(cfg)
         return
     if args.device == "cuda":
         from trainer_gpu import main_cuda
@@ -161,6 +240,7 @@ def main() -> None:
     a, b = rows["naive"][1], rows["bucketed"][1]
     if abs(a - b) > 1e-5 * abs(a):
         raise SystemExit(f"bucketed and naive runs disagree: final loss {b} vs {a}")
+    activation_memory(args)
 
 
 if __name__ == "__main__":

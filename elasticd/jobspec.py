@@ -100,6 +100,9 @@ class TrainConfig:
     """Size of a data-parallel gradient bucket, in MiB."""
     aux_loss_coeff: float = 0.0
     """Weight of the MoE load-balancing loss; 0 turns it off."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recomputation in backward: none, the attention core (selective), or
+    whole transformer blocks (full)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -465,6 +468,13 @@ def _check(job: JobSpec, where: str) -> None:
         raise JobSpecError(f"{where}: parallel.ep: {p.ep} needs model.experts > 0")
     elif p.etp is not None and p.etp != p.tp:
         raise JobSpecError(f"{where}: parallel.etp: {p.etp} needs model.experts > 0")
+    if p.sp and p.tp == 1:
+        raise JobSpecError(f"{where}: parallel.sp: true needs parallel.tp > 1")
+    if p.sp and m.seq_len % p.tp:
+        raise JobSpecError(
+            f"{where}: parallel.sp: model.seq_len ({m.seq_len}) is not a multiple of "
+            f"parallel.tp ({p.tp})"
+        )
     if job.command is None and p.cp > 1:
         raise JobSpecError(
             f"{where}: parallel.cp: {p.cp}: the built-in trainer has no context parallelism "

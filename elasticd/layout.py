@@ -135,6 +135,9 @@ class ParallelConfig:
     """Tensor-parallel size inside experts; None means the same as tp."""
     order: str = DEFAULT_ORDER
     """Axis order of the rank grid, fastest-varying first."""
+    sp: bool = False
+    """Sequence parallelism (needs tp > 1): activations outside the tensor-parallel regions
+    are split along the sequence over the tp group. It changes no rank group."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "vpp", "cp", "ep"):

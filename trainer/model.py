@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from checkpoint.shards import ShardInfo
 from trainer.init import ones_param, sharded_param
@@ -40,11 +41,40 @@ from trainer.parallel.tensor import (
     RowParallelLinear,
     VocabParallelEmbedding,
     copy_to,
+    gather_seq,
+    gather_seq_linear,
+    seq_part,
     vocab_parallel_cross_entropy,
     vocab_param,
 )
 
 LN_EPS = 1e-5
+
+RECOMPUTE = ("none", "selective", "full")
+
+
+class Dropout(nn.Module):
+    """Dropout on an activation outside the tensor-parallel regions.
+
+    Replicated over tp (no sequence parallelism), every TP rank drops the same elements from
+    the shared stream. With sequence parallelism each rank holds another part of the
+    sequence, so it draws its own mask from a fork of the stream per TP rank (as attention
+    does for its head shards), as Megatron forks its RNG tracker around dropout under
+    sequence parallelism.
+    """
+
+    def __init__(self, p: float, *, ctx: ParallelContext) -> None:
+        super().__init__()
+        self.p = p
+        self.rng = ctx.rng if ctx.sp else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        if self.rng is None:
+            return F.dropout(x, self.p, training=True)
+        with self.rng.sharded(x.device):
+            return F.dropout(x, self.p, training=True)
 
 
 class LayerNorm(nn.Module):
@@ -60,10 +90,23 @@ class LayerNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal self-attention; this rank computes heads/tp of the heads."""
+    """Causal self-attention; this rank computes heads/tp of the heads.
+
+    ``recompute``: the attention core (scores, softmax, dropout, the weighted sum) keeps
+    nothing for backward but q, k and v, and runs again in backward (Megatron's selective
+    recomputation); the RNG state is replayed, so dropout draws the same mask.
+    """
 
     def __init__(
-        self, name: str, cfg, *, ctx: ParallelContext, seed: int, out_std: float, dtype: torch.dtype
+        self,
+        name: str,
+        cfg,
+        *,
+        ctx: ParallelContext,
+        seed: int,
+        out_std: float,
+        dtype: torch.dtype,
+        recompute: bool = False,
     ) -> None:
         super().__init__()
         h, tp = cfg.hidden, ctx.tp
@@ -73,23 +116,30 @@ class Attention(nn.Module):
         # With tp > 1 each rank holds other heads: its attention dropout must draw its own
         # mask (a fork of the shared stream per TP rank), not the other ranks' mask.
         self.rng = ctx.rng if tp.active else None
+        self.recompute = recompute
         self.qkv = ColumnParallelLinear(
-            f"{name}.qkv", h, h, slot=tp, seed=seed, std=0.02, parts=3, dtype=dtype
+            f"{name}.qkv", h, h, slot=tp, seed=seed, std=0.02, parts=3, sp=ctx.sp, dtype=dtype
         )
         self.proj = RowParallelLinear(
-            f"{name}.proj", h, h, slot=tp, seed=seed, std=out_std, dtype=dtype
+            f"{name}.proj", h, h, slot=tp, seed=seed, std=out_std, sp=ctx.sp, dtype=dtype
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        qkv = self.qkv(x).view(b, s, 3, self.local_heads, self.head_dim)
-        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         p = self.dropout if self.training else 0.0
         if p > 0 and self.rng is not None:
-            with self.rng.sharded(x.device):
-                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+            with self.rng.sharded(q.device):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)  # the whole sequence, also under sequence parallelism
+        b, s = qkv.shape[:2]
+        qkv = qkv.view(b, s, 3, self.local_heads, self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(2))
+        if self.recompute and torch.is_grad_enabled():
+            y = checkpoint(self.core, q, k, v, use_reentrant=False)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+            y = self.core(q, k, v)
         return self.proj(y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
 
 
@@ -100,7 +150,7 @@ class MLP(nn.Module):
         self, name: str, cfg, *, ctx: ParallelContext, seed: int, out_std: float, dtype: torch.dtype
     ) -> None:
         super().__init__()
-        common = dict(slot=ctx.tp, seed=seed, dtype=dtype)
+        common = dict(slot=ctx.tp, seed=seed, sp=ctx.sp, dtype=dtype)
         self.fc1 = ColumnParallelLinear(
             f"{name}.fc1", cfg.hidden, cfg.ffn_hidden, std=0.02, **common
         )
@@ -113,17 +163,27 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """One pre-LayerNorm transformer block."""
+    """One pre-LayerNorm transformer block. Under sequence parallelism its input and
+    output are this rank's part of the sequence; LayerNorms, dropout and residuals run on
+    it, and the attention and the MLP gather the whole sequence inside."""
 
     def __init__(
-        self, name: str, cfg, *, ctx: ParallelContext, seed: int, dtype: torch.dtype
+        self,
+        name: str,
+        cfg,
+        *,
+        ctx: ParallelContext,
+        seed: int,
+        dtype: torch.dtype,
+        recompute: str = "none",
     ) -> None:
         super().__init__()
         # GPT-2 scales the init of the projections into the residual by 1/sqrt(2·layers).
         out_std = 0.02 / math.sqrt(2 * cfg.layers)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout, ctx=ctx)
         self.ln1 = LayerNorm(f"{name}.ln1", cfg.hidden, dtype=dtype)
-        self.attn = Attention(f"{name}.attn", cfg, ctx=ctx, seed=seed, out_std=out_std, dtype=dtype)
+        self.attn = Attention(f"{name}.attn", cfg, ctx=ctx, seed=seed, out_std=out_std,
+                              dtype=dtype, recompute=recompute == "selective")  # fmt: skip
         self.ln2 = LayerNorm(f"{name}.ln2", cfg.hidden, dtype=dtype)
         if cfg.experts:
             self.mlp = MoE(
@@ -157,7 +217,9 @@ class Embedding(nn.Module):
             slot=ctx.tp,
             seed=seed,
             dtype=dtype,
+            sp=ctx.sp,
         )
+        self.sp_slot = ctx.tp if ctx.sp else None
         self.position_embeddings = nn.Module()
         # GPT-2 initialises its position table with std 0.01.
         self.position_embeddings.weight = sharded_param(
@@ -167,10 +229,14 @@ class Embedding(nn.Module):
             std=0.01,
             dtype=dtype,
         )
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout, ctx=ctx)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token ids ``(b, s)`` -> hidden states ``(b, s, h)``, or this rank's part of the
+        sequence ``(b, s/tp, h)`` under sequence parallelism."""
         pos = self.position_embeddings.weight[: ids.shape[1]]
+        if self.sp_slot is not None:
+            pos = pos[seq_part(ids.shape[1], self.sp_slot)]
         return self.dropout(self.word_embeddings(ids) + pos)
 
 
@@ -186,7 +252,7 @@ class OutputLayer(nn.Module):
         self, cfg, *, ctx: ParallelContext, seed: int, dtype: torch.dtype, tied: nn.Parameter | None
     ) -> None:
         super().__init__()
-        self.slot, self.vocab = ctx.tp, cfg.vocab
+        self.slot, self.vocab, self.sp = ctx.tp, cfg.vocab, ctx.sp
         self.tied = tied is not None
         if tied is None:
             name = (
@@ -203,9 +269,16 @@ class OutputLayer(nn.Module):
     def head_weight(self) -> nn.Parameter:
         return self._tied[0] if self.tied else self.weight
 
+    def _enter(self, x: torch.Tensor) -> torch.Tensor:
+        # The head is column-parallel over the vocabulary: the whole sequence goes in.
+        return gather_seq(x, self.slot) if self.sp else copy_to(x, self.slot)
+
     def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         w = self.head_weight
-        logits = F.linear(copy_to(x, self.slot), w)
+        if self.sp:
+            logits = gather_seq_linear(x, w, None, self.slot)
+        else:
+            logits = F.linear(copy_to(x, self.slot), w)
         start = self.slot.rank * w.shape[0]
         return vocab_parallel_cross_entropy(
             logits, targets, start=start, vocab=self.vocab, slot=self.slot
@@ -213,7 +286,7 @@ class OutputLayer(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's logits columns (padding included) for inference and export checks."""
-        return F.linear(copy_to(x, self.slot), self.head_weight)
+        return F.linear(self._enter(x), self.head_weight)
 
 
 class Decoder(nn.Module):
@@ -229,11 +302,14 @@ class Decoder(nn.Module):
         ctx: ParallelContext,
         seed: int,
         dtype: torch.dtype,
+        recompute: str = "none",
     ) -> None:
         super().__init__()
         self.layers = nn.ModuleDict(
             {
-                str(i): Block(f"decoder.layers.{i}", cfg, ctx=ctx, seed=seed, dtype=dtype)
+                str(i): Block(
+                    f"decoder.layers.{i}", cfg, ctx=ctx, seed=seed, dtype=dtype, recompute=recompute
+                )
                 for i in layers
             }
         )
@@ -245,7 +321,8 @@ class ModelChunk(nn.Module):
 
     ``forward(inputs, targets)``: ``inputs`` are token ids (first chunk) or the hidden
     states from the previous chunk; the result is the hidden states, or, for the last
-    chunk, the per-token loss ``(batch, seq)``. MoE load-balancing losses are
+    chunk, the per-token loss ``(batch, seq)``. Under sequence parallelism the hidden
+    states between chunks are this rank's part of the sequence. MoE load-balancing losses are
     back-propagated through the MoE outputs themselves (see :mod:`trainer.parallel.expert`);
     :meth:`set_aux_scale` switches them on and :meth:`aux_losses` reads the last values.
     """
@@ -260,11 +337,19 @@ class ModelChunk(nn.Module):
         ctx: ParallelContext,
         seed: int,
         dtype: torch.dtype = torch.float32,
+        recompute: str = "none",
     ) -> None:
         super().__init__()
+        if recompute not in RECOMPUTE:
+            raise ValueError(f"recompute {recompute!r} is not one of {', '.join(RECOMPUTE)}")
         self.layer_ids, self.first, self.last = tuple(layers), first, last
+        # Full recomputation keeps only each block's input for backward and runs the
+        # block again there (torch.utils.checkpoint, non-reentrant: it replays the CPU and
+        # device RNG states, so dropout draws the same masks).
+        self.recompute_blocks = recompute == "full"
         self.embedding = Embedding(cfg, ctx=ctx, seed=seed, dtype=dtype) if first else None
-        self.decoder = Decoder(cfg, layers, last=last, ctx=ctx, seed=seed, dtype=dtype)
+        self.decoder = Decoder(cfg, layers, last=last, ctx=ctx, seed=seed, dtype=dtype,
+                               recompute=recompute)  # fmt: skip
         self.output_layer = None
         if last:
             tied = self.embedding.word_embeddings.weight if (first and cfg.tie_embeddings) else None
@@ -285,8 +370,9 @@ class ModelChunk(nn.Module):
 
     def forward(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         x = self.embedding(inputs) if self.first else inputs
+        recompute = self.recompute_blocks and torch.is_grad_enabled()
         for block in self.decoder.layers.values():
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         if not self.last:
             return x
         x = self.decoder.final_norm(x)
@@ -303,12 +389,13 @@ def build_chunks(
     seed: int,
     aux_loss: bool = False,
     dtype: torch.dtype = torch.float32,
+    recompute: str = "none",
 ) -> list[ModelChunk]:
     """The chunks this rank holds, one per range of global layer indexes.
 
     With pipeline parallelism a rank holds one range per virtual stage; the chunk holding
     layer 0 gets the embedding and the one holding the last layer the head. ``cfg`` is the
-    job's ``model`` section.
+    job's ``model`` section; ``recompute`` is ``train.recompute`` (none, selective, full).
     """
     chunks = []
     for layers in layer_ranges:
@@ -325,6 +412,7 @@ def build_chunks(
                 ctx=ctx,
                 seed=seed,
                 dtype=dtype,
+                recompute=recompute,
             )
         )
     return chunks

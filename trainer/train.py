@@ -53,6 +53,7 @@ from trainer.parallel.context import GroupSlot, ParallelContext
 from trainer.parallel.data import GradSync
 from trainer.parallel.pipeline import PipelineGroups, sync_tied_grads
 from trainer.parallel.rng import DropoutRNG
+from trainer.parallel.tensor import sequence_parallel_params, sync_sequence_parallel_grads
 from trainer.perf import apply_tf32, flops_per_token, mfu, peak_flops, peak_memory_gib
 
 # The tied word embedding: the first stage's embedding and the last stage's head copy.
@@ -158,8 +159,11 @@ class Trainer:
             self.rng = DropoutRNG(seed=t.seed, dp_rank=dp_rank, pp_stage=stage,
                                   tp_rank=ctx.tp.rank)  # fmt: skip
             ctx = self.ctx = replace(ctx, rng=self.rng)
+        if job.parallel.sp:
+            ctx = self.ctx = replace(ctx, sp=True)
         self.chunks = build_chunks(
             m, self.layer_ranges, ctx=ctx, seed=t.seed, dtype=DTYPES[t.dtype],
+            recompute=t.recompute,
         )  # fmt: skip
         accum = self.batches.grad_accum
         for chunk in self.chunks:
@@ -167,6 +171,7 @@ class Trainer:
             chunk.train()
             chunk.set_aux_scale(t.aux_loss_coeff / accum)
         self.params = [q for c in self.chunks for q in c.parameters()]
+        self._sp_params = sequence_parallel_params(self.params) if ctx.sp else []
         sizes = dict(tp=p.tp, dp_cp=layout.dp * p.cp, etp=p.expert_tp, expert_dp=layout.expert_dp)
         for q in self.params:
             q.grad_replicas = grad_replicas(q, **sizes)
@@ -247,10 +252,10 @@ class Trainer:
     def forward_backward(self) -> None:
         """All micro-batches of the step (pp = 1), or this stage's part of the pipeline."""
         if self.pipeline is not None:
-            m, t = self.job.model, self.job.train
+            m, t, p = self.job.model, self.job.train, self.layout.parallel
             self.pipeline.run(
                 microbatches=len(self._batch),
-                shape=(t.micro_batch, m.seq_len, m.hidden),
+                shape=(t.micro_batch, m.seq_len // (p.tp if self.ctx.sp else 1), m.hidden),
                 dtype=DTYPES[t.dtype],
                 device=self.device,
                 forward=self.chunk_forward,
@@ -289,6 +294,7 @@ class Trainer:
         for sync in self.grad_syncs:
             sync.finish()
         self.main.bind_grads()
+        sync_sequence_parallel_grads([self.main.grad_of(q) for q in self._sp_params], self.ctx.tp)
         if self.pipeline is not None:
             tied = self.pipeline.tied_params(self.params, name=self._tied_name)
             sync_tied_grads([self.main.grad_of(q) for q in tied], group=self.pipeline.embedding)

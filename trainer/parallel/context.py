@@ -48,6 +48,9 @@ class ParallelContext:
     """Data (and context) parallelism of the dense parameters."""
     expert_dp: GroupSlot = GroupSlot()
     """Data parallelism of the expert parameters."""
+    sp: bool = False
+    """Sequence parallelism (tp > 1 only): outside the tensor-parallel regions activations
+    are this rank's part of the sequence (trainer/parallel/tensor.py)."""
     rng: DropoutRNG | None = None
     """Dropout's RNG tracker (trainer/parallel/rng.py); None: dropout draws from the
     default generators (one process, or no dropout)."""

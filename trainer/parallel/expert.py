@@ -25,6 +25,16 @@ Expert tensor parallelism: etp may be 1 or equal to tp.
   all-gathered afterwards (all-gather forward, take own chunk backward). Each token is then
   computed exactly once.
 
+Sequence parallelism: the layer's input is this rank's part of the sequence, and the router
+(and its top-k) runs on it. The load-balancing loss still sees every token of the
+micro-batch: the expert counts and the summed probabilities are summed over tp (the
+probabilities through g, so each rank's tokens get their own gradient, and the router's
+partial gradients are summed over tp with the other sequence-parallel ones). With etp = 1
+each rank's part is already a disjoint chunk of the tokens, so nothing is split or gathered.
+With etp = tp the ranks' parts are all-gathered into the MoE (with their weights and
+choices; backward: own chunk), every tp rank computes the experts' shards on all of them,
+and each keeps its own part of the output (backward: all-gather).
+
 Expert gradients are reduced over expert-dp, not dp (see trainer/parallel/data.py).
 """
 
@@ -40,7 +50,7 @@ from torch.autograd import Function
 
 from trainer.init import sharded_param
 from trainer.parallel.context import GroupSlot, ParallelContext
-from trainer.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+from trainer.parallel.tensor import ColumnParallelLinear, RowParallelLinear, reduce_from
 
 
 class _AllToAll(Function):
@@ -181,8 +191,11 @@ class MoE(nn.Module):
         self.aux_scale = 0.0
         self.last_aux: torch.Tensor | None = None
         self.ctx = ctx
-        # Tokens are split over tp inside the layer only when the experts are not tp-split.
-        self.split_tokens = ctx.tp.active and not ctx.etp.active
+        # Tokens are split over tp inside the layer only when the experts are not tp-split;
+        # under sequence parallelism they arrive split, and tp-split experts gather them.
+        self.sp = ctx.sp and ctx.tp.active
+        self.split_tokens = ctx.tp.active and not ctx.etp.active and not self.sp
+        self.gather_tokens = self.sp and ctx.etp.active
         self.local = experts // ctx.ep.size
         first = ctx.ep.rank * self.local
         # The router is small and replicated everywhere (GPT-2 has none; it has no bias).
@@ -215,16 +228,24 @@ class MoE(nn.Module):
         weights = F.softmax(top_logits, dim=-1, dtype=torch.float32).to(x.dtype)
         # The aux loss sees every token of the micro-batch, before any split over tp.
         aux = self._aux_loss(logits, top_idx) if self.aux_scale > 0 else None
+        tp = self.ctx.tp
         if self.split_tokens:
-            tp = self.ctx.tp
             n = xf.shape[0]
             start, stop, size = _chunk_bounds(n, tp)
             xf = _TakeChunk.apply(xf, tp.group, tp.rank, tp.size)
             weights = _TakeChunk.apply(weights, tp.group, tp.rank, tp.size)
             top_idx = top_idx[start:stop]
+        elif self.gather_tokens:
+            size = xf.shape[0]  # every rank's part of the sequence is the same size
+            n, start = size * tp.size, size * tp.rank
+            xf = _GatherChunks.apply(xf, tp.group, n, size, start, start + size)
+            weights = _GatherChunks.apply(weights, tp.group, n, size, start, start + size)
+            top_idx = _gather_rows(top_idx, tp.group, n, size)
         out = self._dispatch_compute_combine(xf, weights, top_idx)
         if self.split_tokens:
             out = _GatherChunks.apply(out, tp.group, n, size, start, stop)
+        elif self.gather_tokens:
+            out = _TakeChunk.apply(out, tp.group, tp.rank, tp.size)
         out = out.reshape(shape)
         if aux is not None:
             self.last_aux = aux.detach()
@@ -265,5 +286,13 @@ class MoE(nn.Module):
         """Switch-style load balance: E · Σ_e (share of assignments to e) · (mean prob of e)."""
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)
         share = torch.bincount(top_idx.reshape(-1), minlength=self.num_experts).float()
-        share = share / top_idx.numel()
-        return self.num_experts * (share * probs.mean(0)).sum()
+        if not self.sp:
+            share = share / top_idx.numel()
+            return self.num_experts * (share * probs.mean(0)).sum()
+        # This rank routed its part of the sequence only: sum the counts and probabilities
+        # over tp (every part has the same number of tokens).
+        tp = self.ctx.tp
+        dist.all_reduce(share, group=tp.group)
+        share = share / (top_idx.numel() * tp.size)
+        mean = reduce_from(probs.sum(0), tp) / (probs.shape[0] * tp.size)
+        return self.num_experts * (share * mean).sum()

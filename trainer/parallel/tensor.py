@@ -12,6 +12,21 @@ row-parallel linear after it splits the input features, so an MLP or attention b
 one all-reduce forward and one backward. The vocabulary is split the same way: an embedding
 whose rows are partitioned, and a cross-entropy that all-reduces the per-token max and
 sum-exp (b·s numbers) instead of gathering the logits (b·s·v numbers).
+
+**Sequence parallelism** (``parallel.sp``, Megatron's ``sequence_parallel``): between the
+tensor-parallel regions (LayerNorm, dropout, residuals, the MoE router) each rank keeps
+only its part of the sequence, ``(b, s/tp, h)``, instead of the whole replicated
+activation. The conjugates become an all-gather along the sequence where a replicated input
+entered a column-parallel layer (backward: reduce-scatter), and a reduce-scatter along the
+sequence where a row-parallel layer's partial sums met (backward: all-gather). The bytes on
+the wire equal the all-reduce's (an all-reduce is a reduce-scatter plus an all-gather), and
+activations outside the regions shrink by tp. Parameters replicated over tp that act on the
+sequence shard (LayerNorms, row-parallel biases, positions, the router) then hold partial
+gradients: :func:`sync_sequence_parallel_grads` sums them over tp once per step.
+
+Activations are ``(b, s, h)``, batch first, so a sequence shard is a slice of dim 1: the
+collectives run on a ``(tp·b, s/tp, h)`` staging tensor, which costs one copy per collective
+unless b = 1 (then the reordering is a view).
 """
 
 from __future__ import annotations
@@ -54,6 +69,113 @@ class _ReduceFrom(Function):
         return grad, None
 
 
+def _gather_seq(x: torch.Tensor, group: dist.ProcessGroup, world: int) -> torch.Tensor:
+    """``(b, n, ...)`` on every rank -> ``(b, world·n, ...)``, rank r's part at ``[r·n, (r+1)·n)``."""
+    b, n = x.shape[:2]
+    out = x.new_empty((world * b, n, *x.shape[2:]))
+    dist.all_gather_single(out, x.contiguous(), group=group)
+    return out.view(world, b, n, *x.shape[2:]).movedim(0, 1).reshape(b, world * n, *x.shape[2:])
+
+
+def _scatter_seq(x: torch.Tensor, group: dist.ProcessGroup, world: int) -> torch.Tensor:
+    """``(b, s, ...)`` partial sums -> this rank's ``(b, s/world, ...)`` part of their sum."""
+    b, s = x.shape[:2]
+    n = s // world
+    parts = x.reshape(b, world, n, *x.shape[2:]).movedim(1, 0).reshape(world * b, n, *x.shape[2:])
+    out = x.new_empty((b, n, *x.shape[2:]))
+    dist.reduce_scatter_single(out, parts.contiguous(), group=group)
+    return out
+
+
+class _GatherSeq(Function):
+    """All-gather along the sequence forward; reduce-scatter of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, world: int) -> torch.Tensor:
+        ctx.group, ctx.world = group, world
+        return _gather_seq(x, group, world)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _scatter_seq(grad, ctx.group, ctx.world), None, None
+
+
+class _ScatterSeq(Function):
+    """Reduce-scatter along the sequence forward; all-gather of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, world: int) -> torch.Tensor:
+        ctx.group, ctx.world = group, world
+        return _scatter_seq(x, group, world)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather_seq(grad, ctx.group, ctx.world), None, None
+
+
+class _GatherSeqLinear(Function):
+    """``gather_seq(x) Wᵀ + b`` that keeps only this rank's part of ``x`` for backward and
+    all-gathers it again there (Megatron's sequence-parallel linear): the whole-sequence
+    input of every column-parallel layer is never held between forward and backward."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group: dist.ProcessGroup, world: int):
+        ctx.group, ctx.world, ctx.has_bias = group, world, bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(_gather_seq(x, group, world), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        whole = _gather_seq(x, ctx.group, ctx.world)
+        grad_in = _scatter_seq(grad.matmul(weight), ctx.group, ctx.world)
+        g2 = grad.reshape(-1, grad.shape[-1])
+        grad_w = g2.t().matmul(whole.reshape(-1, whole.shape[-1]))
+        return grad_in, grad_w, g2.sum(0) if ctx.has_bias else None, None, None
+
+
+def gather_seq_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, slot: GroupSlot
+) -> torch.Tensor:
+    """A column-parallel linear on this rank's part of the sequence (sequence parallelism)."""
+    return _GatherSeqLinear.apply(x, weight, bias, slot.group, slot.size)
+
+
+def gather_seq(x: torch.Tensor, slot: GroupSlot) -> torch.Tensor:
+    """Sequence parallelism's f: the whole sequence from every rank's part."""
+    return _GatherSeq.apply(x, slot.group, slot.size) if slot.active else x
+
+
+def scatter_seq(x: torch.Tensor, slot: GroupSlot) -> torch.Tensor:
+    """Sequence parallelism's g: sum the ranks' partial results, keep this rank's part."""
+    return _ScatterSeq.apply(x, slot.group, slot.size) if slot.active else x
+
+
+def seq_part(length: int, slot: GroupSlot) -> slice:
+    """This rank's positions of a sequence of ``length`` under sequence parallelism."""
+    n = length // slot.size
+    return slice(slot.rank * n, (slot.rank + 1) * n)
+
+
+def sequence_parallel_params(params) -> list[nn.Parameter]:
+    """The parameters whose gradients are partial under sequence parallelism: everything
+    replicated over tp outside the experts (experts see whole rows, or reduce over
+    expert-dp)."""
+    return [p for p in params if not p.tp_split and not p.expert]
+
+
+def sync_sequence_parallel_grads(grads: list[torch.Tensor], slot: GroupSlot) -> None:
+    """Sum the partial gradients of :func:`sequence_parallel_params` over tp, as one
+    flat all-reduce (Megatron's all-reduce of the layernorm grads). Once summed they are
+    identical on every tp rank, so the gradient norm's replica count (tp·dp) holds."""
+    if not slot.active or not grads:
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=slot.group)
+    for g, summed in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+        g.copy_(summed)
+
+
 def copy_to(x: torch.Tensor, slot: GroupSlot) -> torch.Tensor:
     """f: identity forward, all-reduce of the gradient backward."""
     return _CopyTo.apply(x, slot.group) if slot.active else x
@@ -83,9 +205,11 @@ class ColumnParallelLinear(nn.Module):
         std: float,
         parts: int = 1,
         expert: bool = False,
+        sp: bool = False,
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
+        self.sp = sp and slot.active
         lead = (parts,) if parts > 1 else ()
         dim = len(lead)
         common = dict(index=slot.rank, parts=slot.size, expert=expert, dtype=dtype, seed=seed)
@@ -99,8 +223,10 @@ class ColumnParallelLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to(x, self.slot)
-        return F.linear(x, self.weight.reshape(-1, self.in_features), self.bias.reshape(-1))
+        w, b = self.weight.reshape(-1, self.in_features), self.bias.reshape(-1)
+        if self.sp:
+            return gather_seq_linear(x, w, b, self.slot)
+        return F.linear(copy_to(x, self.slot), w, b)
 
 
 class RowParallelLinear(nn.Module):
@@ -116,10 +242,11 @@ class RowParallelLinear(nn.Module):
         seed: int,
         std: float,
         expert: bool = False,
+        sp: bool = False,
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
-        self.slot = slot
+        self.slot, self.sp = slot, sp and slot.active
         self.weight = sharded_param(
             f"{name}.weight",
             (out_features, in_features),
@@ -131,13 +258,15 @@ class RowParallelLinear(nn.Module):
             expert=expert,
             dtype=dtype,
         )
-        # The bias is added once, after the reduction, so it is replicated.
+        # The bias is added once, after the reduction, so it is replicated (and, with
+        # sequence parallelism, added to this rank's part of the sequence only).
         self.bias = sharded_param(
             f"{name}.bias", (out_features,), seed=seed, std=None, expert=expert, dtype=dtype
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return reduce_from(F.linear(x, self.weight), self.slot) + self.bias
+        y = F.linear(x, self.weight)
+        return (scatter_seq(y, self.slot) if self.sp else reduce_from(y, self.slot)) + self.bias
 
 
 def padded_vocab(vocab: int, tp: int) -> int:
@@ -168,10 +297,18 @@ class VocabParallelEmbedding(nn.Module):
     rows give zeros, and g sums the ranks' partial results."""
 
     def __init__(
-        self, name: str, vocab: int, hidden: int, *, slot: GroupSlot, seed: int, dtype: torch.dtype
+        self,
+        name: str,
+        vocab: int,
+        hidden: int,
+        *,
+        slot: GroupSlot,
+        seed: int,
+        dtype: torch.dtype,
+        sp: bool = False,
     ) -> None:
         super().__init__()
-        self.slot = slot
+        self.slot, self.sp = slot, sp and slot.active
         self.weight = vocab_param(name, vocab, hidden, slot=slot, seed=seed, dtype=dtype)
         self.start = slot.rank * self.weight.shape[0]
 
@@ -182,7 +319,7 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.start) | (ids >= self.start + rows)
         local = (ids - self.start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from(out, self.slot)
+        return scatter_seq(out, self.slot) if self.sp else reduce_from(out, self.slot)
 
 
 class _VocabParallelCrossEntropy(Function):
