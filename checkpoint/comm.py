@@ -41,6 +41,28 @@ def all_gather_json(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
     ]
 
 
+def all_gather_json_small(
+    obj: Any, group: dist.ProcessGroup | None, *, cap: int = 2040
+) -> list[Any]:
+    """:func:`all_gather_json` in one collective when every rank's message fits ``cap``
+    bytes (a fixed-size buffer carrying its length); else, on every rank alike (they all
+    see the lengths), the two-collective way."""
+    if group_size(group) == 1:
+        return [json.loads(json.dumps(obj))]
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    n = group_size(group)
+    buf = torch.zeros(8 + cap, dtype=torch.uint8)
+    buf[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    if data and len(data) <= cap:
+        buf[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    bufs = [torch.zeros(8 + cap, dtype=torch.uint8) for _ in range(n)]
+    dist.all_gather(bufs, buf, group=group)
+    lengths = [int(b[:8].view(torch.int64).item()) for b in bufs]
+    if max(lengths) > cap:
+        return all_gather_json(obj, group)
+    return [json.loads(bytes(b[8 : 8 + ln].numpy())) for b, ln in zip(bufs, lengths, strict=True)]
+
+
 def broadcast_json(obj: Any, group: dist.ProcessGroup | None) -> Any:
     """Group rank 0's ``obj`` on every rank (``obj`` is ignored elsewhere)."""
     if group_size(group) == 1:

@@ -1,13 +1,13 @@
 """Loading with reshard: each local tensor of the new layout reads only what overlaps it.
 
 The pure planner (:func:`checkpoint.planner.plan_reads`) says which saved chunks feed which
-part of a local tensor; this shell reads them and copies. With ``verify`` (the default)
-every chunk read is checked against its CRC-32, so a chunk only partly needed is read
-whole (chunks are small grid cells, so aligned reshards read nothing extra): whole chunks
-are viewed in place from a memory map of the safetensors file (header offsets checked
-against the manifest), checked, and copied once into the local tensor. Without
-``verify``, a partly needed chunk is sliced in the same mapping, so only the pages of the
-overlap are read.
+part of a local tensor; this shell reads them and copies. Chunks are viewed in place from
+a memory map of the safetensors file (header offsets checked against the manifest). With
+``verify`` (the default) every verify block read is checked against its CRC-32C: a block
+is a run of whole rows of a chunk (format version 3; the whole chunk in versions 1 and
+2), so a load that needs some rows of a chunk reads and checks only the blocks holding
+them, then copies its part once into the local tensor. Without ``verify``, only the pages
+of the overlap are read.
 
 Nothing in a checkpoint is trusted before it is checked: the manifest is parsed and
 checked whole (:meth:`Manifest.from_json`), and each tensor file is opened only as a
@@ -36,8 +36,14 @@ from checkpoint.errors import (
     LayoutMismatchError,
     NoCheckpointError,
 )
-from checkpoint.manifest import MANIFEST, Manifest, parse_step_dirname, st_code
-from checkpoint.planner import SavedChunk, plan_reads
+from checkpoint.manifest import MANIFEST, Manifest, TensorEntry, parse_step_dirname, st_code
+from checkpoint.planner import (
+    ReadOp,
+    SavedChunk,
+    blocks_for_rows,
+    plan_reads,
+    row_bytes,
+)
 from checkpoint.shards import ShardInfo
 from checkpoint.stfile import chunk_checksum, open_regular, read_header_fd, read_regular
 
@@ -77,6 +83,8 @@ class Checkpoint:
         self.manifest = manifest
         self.stats = LoadStats()
         self._handles: dict[str, _OpenFile] = {}
+        self._checked: set[tuple[str, str, int]] = set()
+        """(file, key, block) of the verify blocks checked so far (each is read once)."""
 
     @classmethod
     def open(cls, path: str) -> Checkpoint:
@@ -119,12 +127,11 @@ class Checkpoint:
     ) -> LoadStats:
         """Fill each local tensor's region (``ShardInfo``) from the checkpoint, in place."""
         t0 = time.perf_counter()
-        partial: dict[tuple[str, str], torch.Tensor] = {}
         wanted = [(name, t, info) for name, (t, info) in model.items()]
         wanted += [(f"optimizer/{name}", t, info) for name, (t, info) in (optimizer or {}).items()]
         for name, dest, info in wanted:
             region = dest[tuple(slice(0, s) for s in info.sizes)]
-            self._fill(name, region, (info.offsets, info.sizes), info.global_shape, verify, partial)
+            self._fill(name, region, (info.offsets, info.sizes), info.global_shape, verify)
         self.stats.seconds += time.perf_counter() - t0
         return self.stats
 
@@ -133,7 +140,7 @@ class Checkpoint:
         entry = self._entry(name)
         out = torch.empty(entry.shape, dtype=entry.dtype)
         box = ((0,) * len(entry.shape), entry.shape)
-        self._fill(name, out, box, entry.shape, verify, {})
+        self._fill(name, out, box, entry.shape, verify)
         return out
 
     def rank_state(self, rank: int) -> dict[str, torch.Tensor]:
@@ -159,7 +166,7 @@ class Checkpoint:
             raise LayoutMismatchError(f"{self.path}: has no tensor {name!r}")
         return entry
 
-    def _fill(self, name, region, box, global_shape, verify, partial) -> None:
+    def _fill(self, name, region, box, global_shape, verify) -> None:
         entry = self._entry(name)
         if tuple(global_shape) != entry.shape:
             raise LayoutMismatchError(
@@ -168,16 +175,10 @@ class Checkpoint:
             )
         self.stats.bytes_needed += region.numel() * entry.dtype.itemsize
         for op in plan_reads(name, box, entry.chunks, global_shape=entry.shape):
-            if op.whole_chunk or verify:
-                cache_key = (op.chunk.file, op.chunk.key)
-                chunk = partial.get(cache_key)
-                if chunk is None:
-                    chunk = self._read_chunk(
-                        op.chunk, entry.crc32[op.chunk.key], verify, entry.dtype
-                    )
-                    if not op.whole_chunk:
-                        partial[cache_key] = chunk
-                region[op.dst].copy_(chunk[op.src])
+            if verify:
+                region[op.dst].copy_(self._read_checked(entry, op))
+            elif op.whole_chunk:
+                region[op.dst].copy_(self._read_chunk(op.chunk, entry.dtype))
             else:
                 region[op.dst].copy_(self._read_slice(op.chunk, op.src, entry.dtype))
 
@@ -205,18 +206,37 @@ class Checkpoint:
         self._handles[file] = h
         return h
 
-    def _read_chunk(
-        self, chunk: SavedChunk, crc32: str, verify: bool, dtype: torch.dtype
-    ) -> torch.Tensor:
-        """A whole chunk, viewed in place from the file's mapping (no copy), checked."""
+    def _read_checked(self, entry: TensorEntry, op: ReadOp) -> torch.Tensor:
+        """``op``'s part of its chunk, viewed in place from the file's mapping (no copy),
+        after every verify block holding its rows matched its checksum (each block is read
+        and checked once per checkpoint opened)."""
+        chunk, dtype = op.chunk, entry.dtype
         f, view = self._chunk_view(chunk, dtype)
+        if not len(view):
+            return torch.empty(chunk.sizes, dtype=dtype)[op.src]
+        per = entry.rows_per_block(chunk)
+        row = row_bytes(chunk.sizes, dtype.itemsize)
+        rows = op.src[0] if chunk.sizes else slice(0, 1)
+        crcs = entry.block_crcs(chunk)
+        check = chunk_checksum(self.manifest.version)
+        for b in blocks_for_rows(rows, per):
+            if (chunk.file, chunk.key, b) in self._checked:
+                continue
+            part = view[b * per * row : (b + 1) * per * row]
+            self.stats.bytes_read += len(part)
+            if check(part) != crcs[b]:
+                raise CorruptCheckpointError(
+                    f"{f.path}: {chunk.key}: checksum mismatch (corrupted data)"
+                )
+            self._checked.add((chunk.file, chunk.key, b))
+        return torch.frombuffer(view, dtype=dtype).view(chunk.sizes)[op.src]
+
+    def _read_chunk(self, chunk: SavedChunk, dtype: torch.dtype) -> torch.Tensor:
+        """A whole chunk, viewed in place from the file's mapping (no copy), unchecked."""
+        _, view = self._chunk_view(chunk, dtype)
         self.stats.bytes_read += len(view)
         if not len(view):
             return torch.empty(chunk.sizes, dtype=dtype)
-        if verify and chunk_checksum(self.manifest.version)(view) != crc32:
-            raise CorruptCheckpointError(
-                f"{f.path}: {chunk.key}: checksum mismatch (corrupted data)"
-            )
         return torch.frombuffer(view, dtype=dtype).view(chunk.sizes)
 
     def _chunk_view(self, chunk: SavedChunk, dtype: torch.dtype) -> tuple[_OpenFile, memoryview]:
@@ -257,6 +277,7 @@ def load_latest(
     warn: Callable[[str], None] = log.warning,
 ) -> Checkpoint:
     """Load the newest loadable committed checkpoint into the given tensors.
+
 
     Tries the steps in :func:`checkpoint.store.load_order` (newest commit of the current
     lineage first; `latest` is only a hint). A step that fails is recorded as unloadable

@@ -15,14 +15,16 @@ from typing import Any
 import torch
 
 from checkpoint.errors import FormatError
-from checkpoint.planner import SavedChunk, coverage_problem
+from checkpoint.planner import SavedChunk, block_count, chunk_rows, coverage_problem
 
 FORMAT_NAME = "elasticd-checkpoint"
-FORMAT_VERSION = 2
-"""The version this build writes. Version 2 checks each chunk with CRC-32C (``crc32c``)
-and records no whole-file sha256; version 1 (zlib's CRC-32 per chunk, ``crc32``, and a
-whole-file ``sha256``) still loads and verifies."""
-READ_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+"""The version this build writes. Version 3 checks each chunk with a CRC-32C per block
+of whole rows (``block_rows``, ``crc32c`` one 8-digit checksum per block), so a load that
+needs part of a chunk reads and checks only its blocks. Version 2 (one CRC-32C per chunk)
+and version 1 (zlib's CRC-32 per chunk, ``crc32``, and a whole-file ``sha256``) still load
+and verify."""
+READ_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 LATEST = "latest"
 STEP_RE = re.compile(r"^step-(\d{9})$")
@@ -79,8 +81,21 @@ class TensorEntry:
     shape: tuple[int, ...]
     chunks: tuple[SavedChunk, ...]
     crc32: dict[str, str] = field(default_factory=dict)
-    """Checksum of each chunk's bytes, by safetensors key (checked by every load): CRC-32C
-    in version 2, zlib's CRC-32 in version 1."""
+    """Checksums of each chunk's bytes, by safetensors key (checked by every load): in
+    version 3 the CRC-32C of each block of ``block_rows[key]`` rows, 8 hex digits each,
+    concatenated; in version 2 one CRC-32C of the whole chunk, in version 1 zlib's CRC-32."""
+    block_rows: dict[str, int] = field(default_factory=dict)
+    """Rows per verify block of each chunk, by key (version 3; older versions check each
+    chunk whole: :meth:`rows_per_block` says so)."""
+
+    def rows_per_block(self, chunk: SavedChunk) -> int:
+        """Rows per verify block of ``chunk`` (all its rows in versions 1 and 2)."""
+        return self.block_rows.get(chunk.key) or max(1, chunk_rows(chunk.sizes))
+
+    def block_crcs(self, chunk: SavedChunk) -> list[str]:
+        """The checksum of each verify block of ``chunk``, in order."""
+        text = self.crc32[chunk.key]
+        return [text[i : i + 8] for i in range(0, len(text), 8)]
 
     @property
     def nbytes(self) -> int:
@@ -160,6 +175,7 @@ class Manifest:
                             "key": c.key,
                             "offsets": list(c.offsets),
                             "sizes": list(c.sizes),
+                            **({"block_rows": t.block_rows[c.key]} if self.version >= 3 else {}),
                             self.checksum_key: t.crc32[c.key],
                         }
                         for c in t.chunks
@@ -225,7 +241,8 @@ def _int(value: Any, what: str, *, lo: int = 0) -> int:
 
 def _hex(value: Any, what: str, digits: int) -> str:
     if not isinstance(value, str) or len(value) != digits or not _HEX.match(value):
-        raise _Bad(f"{what}: {value!r} is not {digits} hex digits")
+        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+        raise _Bad(f"{what}: {shown} is not {digits} hex digits")
     return value
 
 
@@ -274,7 +291,7 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
         shape = _ints(t["shape"], f"tensor {name}: shape")
         if not isinstance(t["shards"], list):
             raise _Bad(f"tensor {name}: shards is not a list")
-        chunks, crc = [], {}
+        chunks, crc, rows = [], {}, {}
         for s in t["shards"]:
             s = _dict(s, f"tensor {name}: shard")
             file, key = s["file"], s["key"]
@@ -289,14 +306,25 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
                 offsets=_ints(s["offsets"], f"tensor {name}: offsets", len(shape)),
                 sizes=_ints(s["sizes"], f"tensor {name}: sizes", len(shape)),
             )
-            crc[key] = _hex(s[crc_key], f"tensor {name}: {crc_key}", 8)
+            if version >= 3:
+                rows[key] = _int(s["block_rows"], f"tensor {name}: block_rows", lo=1)
+                # Its length (8 digits per block) is checked below, with the bytes.
+                crc[key] = s[crc_key]
+            else:
+                crc[key] = _hex(s[crc_key], f"tensor {name}: {crc_key}", 8)
             held[file] += math.prod(chunk.sizes) * dtype.itemsize
             chunks.append(chunk)
         problem = coverage_problem(name, shape, [(c.offsets, c.sizes) for c in chunks])
         if problem:
             raise _Bad(f"tensor {problem}")
         tensors[name] = TensorEntry(
-            name=name, kind=kind, dtype=dtype, shape=shape, chunks=tuple(chunks), crc32=crc
+            name=name,
+            kind=kind,
+            dtype=dtype,
+            shape=shape,
+            chunks=tuple(chunks),
+            crc32=crc,
+            block_rows=rows,
         )
     for name, n in held.items():
         if n > files[name].bytes:
@@ -304,6 +332,10 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
                 f"{name}: its shards need {n} bytes, more than the {files[name].bytes} "
                 "bytes the manifest gives the file"
             )
+    for name, t in tensors.items():
+        for c in t.chunks if version >= 3 else ():
+            n = block_count(c.sizes, t.block_rows[c.key])
+            _hex(t.crc32[c.key], f"tensor {name}: {crc_key} of {c.key}", 8 * n)
     layout = raw.get("layout")
     if layout is not None:
         _dict(layout, "layout")

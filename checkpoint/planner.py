@@ -204,6 +204,60 @@ def chunk_grid(box: Box, *, itemsize: int, min_bytes: int, max_pieces: int = 4) 
     return grid
 
 
+def strip_grid(box: Box, *, itemsize: int, min_bytes: int, max_pieces: int = 16) -> list[Box]:
+    """Split a region into strips along its second dimension (format version 3), each of
+    at least ``min_bytes`` and at most ``max_pieces`` of them; a region of fewer than two
+    dimensions is one piece.
+
+    A strip is stored contiguously, so a load that needs some of a region's columns
+    reads only the strips holding them; a load that needs some of its rows reads only
+    the verify blocks (:func:`block_rows`, runs of whole rows inside a strip) holding them.
+    """
+    offsets, sizes = box
+    if len(sizes) < 2:
+        return [box]
+    column = numel(sizes) // sizes[1] * itemsize if sizes[1] else 0
+    pieces = 1
+    # The narrowest strip of an even split has sizes[1] // pieces columns.
+    while (
+        pieces * 2 <= min(max_pieces, sizes[1]) and sizes[1] // (pieces * 2) * column >= min_bytes
+    ):
+        pieces *= 2
+    return [
+        ((offsets[0], offsets[1] + start, *offsets[2:]), (sizes[0], size, *sizes[2:]))
+        for start, size in _split(sizes[1], pieces)
+    ]
+
+
+def chunk_rows(sizes: Sequence[int]) -> int:
+    """Rows of a stored chunk: its first dimension (a 0-d chunk is one row)."""
+    return sizes[0] if sizes else 1
+
+
+def row_bytes(sizes: Sequence[int], itemsize: int) -> int:
+    """Bytes of one row of a chunk (one element of a 0-d or 1-d chunk)."""
+    return math.prod(sizes[1:]) * itemsize
+
+
+def block_rows(sizes: Sequence[int], *, itemsize: int, block_bytes: int) -> int:
+    """Rows per verify block of a chunk (format version 3): as many whole rows as fit in
+    ``block_bytes``, at least one. A block is a contiguous run of rows, so a load that
+    needs a range of rows reads and checks only the blocks holding it."""
+    return max(1, block_bytes // max(1, row_bytes(sizes, itemsize)))
+
+
+def block_count(sizes: Sequence[int], rows_per_block: int) -> int:
+    """Verify blocks of a chunk (an empty chunk has one, of no bytes)."""
+    return max(1, -(-chunk_rows(sizes) // rows_per_block))
+
+
+def blocks_for_rows(rows: slice, rows_per_block: int) -> range:
+    """The blocks holding rows ``[rows.start, rows.stop)`` of a chunk."""
+    if rows.stop <= rows.start:
+        return range(0)
+    return range(rows.start // rows_per_block, -(-rows.stop // rows_per_block))
+
+
 def assign_writers(
     regions: Mapping[str, tuple[int, Sequence[int]]], *, ranks: Sequence[int]
 ) -> dict[str, int]:

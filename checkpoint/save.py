@@ -15,6 +15,8 @@ job's current one raises :class:`FencedError` on every rank and commits nothing.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import secrets
@@ -29,7 +31,13 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import store
-from checkpoint.comm import all_gather_json, broadcast_json, group_rank, group_size
+from checkpoint.comm import (
+    all_gather_json,
+    all_gather_json_small,
+    broadcast_json,
+    group_rank,
+    group_size,
+)
 from checkpoint.errors import CheckpointError, FencedError, SaveFailedError
 from checkpoint.fence import Fence, check_fence
 from checkpoint.manifest import MANIFEST, FileEntry, Manifest, TensorEntry
@@ -51,12 +59,16 @@ class SaveOptions:
     """Committed checkpoints to keep (`latest` is never deleted)."""
     job: str = ""
     """Job name recorded in the manifest."""
-    chunk_min_bytes: int = 1 << 20
-    """Smallest stored chunk; chunks are what a resharded load reads and verifies whole."""
-    chunk_max_pieces: int = 4
-    """Most chunks along each of a region's first two dimensions. Smaller, more chunks
-    make a reshard whose boundaries cut chunks read less beyond what it needs, but cost
-    per chunk on every save and load (docs/checkpoint-format.md, Speed)."""
+    chunk_min_bytes: int = 128 << 10
+    """Smallest stored chunk (a strip of a region along its second dimension); a load that
+    needs some of a region's columns reads the strips holding them."""
+    chunk_max_pieces: int = 16
+    """Most strips per written region. More, narrower strips make a reshard that cuts
+    columns read less beyond what it needs, but cost per chunk on every save and load
+    (docs/checkpoint-format.md, Speed)."""
+    block_bytes: int = 16 << 10
+    """About how many bytes (whole rows) each CRC-32C of a chunk covers: the unit a
+    verified load reads and checks, so a reshard that cuts rows reads about what it needs."""
     fence: Fence | None = None
     """The run and round this saver commits for; None: commits are not fenced."""
     hook: Callable[[str], None] | None = None
@@ -88,7 +100,9 @@ class Saver:
         self.rank = group_rank(group)
         self.world = group_size(group)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-writer")
-        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash")
+        # Block checksums, and in a sync save the copy of the next strip that is not
+        # contiguous, overlap the writer's writes.
+        self._hasher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-hash")
         # Retention's deletes run here, after the commit, off the save's critical path.
         self._janitor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-prune")
         self._tidying: Future[None] | None = None
@@ -117,7 +131,6 @@ class Saver:
         """Checkpoint ``step``. Model/optimizer tensors are (local tensor, ShardInfo) by
         global name; ``rank_state`` tensors belong to this rank only (RNG states)."""
         self.wait()  # the previous save must finish first; its failure surfaces here
-        self._wait_tidy()
         t0 = time.perf_counter()
         local = self._local_tensors(model, optimizer or {}, rank_state or {})
         start: dict[str, Any] = {}
@@ -130,11 +143,16 @@ class Saver:
             except FencedError as exc:
                 start["fenced"] = self._fenced_json(exc)
             else:
-                store.remove_leftovers(self.ckpt_dir)
                 # A name of this save's own, so a save from another world (a stale one, or
                 # the newer one) never writes into or deletes this save's directory.
                 start["token"] = secrets.token_hex(4)
-                os.makedirs(self._tmp(step, start["token"]))
+                tmp = self._tmp(step, start["token"])
+                os.makedirs(tmp)
+                # The previous save's retention and the leftovers' deletes run on the
+                # janitor thread, while this save snapshots and writes; the commit waits
+                # for them (rank 0, _write_and_commit).
+                own = os.path.basename(tmp)
+                self._defer(lambda: self._clean(step, own))
         # A collective: it also orders rank 0's mkdir before every rank's write.
         plan, token = self._plan(step, local, start)
         tmp = self._tmp(step, token)
@@ -194,7 +212,16 @@ class Saver:
             fut.result()  # tidy_warned never raises: its failures are warnings
 
     def _defer(self, func) -> None:
-        self._tidying = self._janitor.submit(func)
+        self._tidying = self._janitor.submit(func)  # FIFO: it runs after the earlier ones
+
+    def _clean(self, step: int, own: str) -> None:
+        """Delete the store's leftovers but this save's own directory, the fence checked
+        right before (a stale writer must not even clean up)."""
+        try:
+            self._check_fence(f"checkpoint step {step}: leftovers not deleted")
+            store.remove_leftovers(self.ckpt_dir, spare=own)
+        except Exception as exc:  # the commit's own fence check refuses a stale save
+            log.warning("checkpoint step %d: deleting leftovers failed: %s", step, exc)
 
     def abandon(self) -> None:
         """Stop without waiting (an error path: peers of an in-flight save may be gone).
@@ -233,8 +260,12 @@ class Saver:
             )
             for name, (t, info, kind) in local.items()
         ]
-        gathered = all_gather_json(
-            {"step": step, "entries": [e.to_json() for e in entries], "start": start}, self.group
+        mine = [e.to_json() for e in entries]
+        digest = hashlib.sha256(json.dumps(mine).encode()).hexdigest()
+        # One small collective when every rank holds what it held at the last save (the
+        # plan is then the cached one); the entries themselves travel only otherwise.
+        gathered = all_gather_json_small(
+            {"step": step, "digest": digest, "start": start}, self.group
         )
         start = gathered[0]["start"]
         if "fenced" in start:
@@ -242,14 +273,16 @@ class Saver:
         steps = {g["step"] for g in gathered}
         if steps != {step}:
             raise CheckpointError(f"ranks are saving different steps: {sorted(steps)}")
-        signature = repr([g["entries"] for g in gathered])
+        signature = repr([g["digest"] for g in gathered])
         if self._plan_cache is not None and self._plan_cache[0] == signature:
             return self._plan_cache[1], start["token"]
-        per_rank = [[LocalEntry.from_json(e) for e in g["entries"]] for g in gathered]
+        gathered = all_gather_json(mine, self.group)
+        per_rank = [[LocalEntry.from_json(e) for e in g] for g in gathered]
         plan = build_save_plan(
             per_rank,
             chunk_min_bytes=self.options.chunk_min_bytes,
             chunk_max_pieces=self.options.chunk_max_pieces,
+            block_bytes=self.options.block_bytes,
         )
         self._plan_cache = (signature, plan)
         return plan, start["token"]
@@ -266,21 +299,31 @@ class Saver:
 
         return part
 
-    def _snapshot(self, mine: FilePlan | None, local) -> torch.Tensor:
-        """Copy this rank's share into the staging buffer, reused across saves."""
+    def _snapshot(self, mine: FilePlan | None, local):
+        """Copy this rank's share into the staging buffer, reused across saves: each region
+        whole, as it lies in its tensor (one contiguous copy, device to pinned memory on a
+        GPU), so the caller waits for nothing else. The strips of a region that are not
+        contiguous there are gathered later, on the writer's side (:func:`write_file`)."""
         need = mine.data_bytes if mine else 0
         on_gpu = any(t.is_cuda for t, _, _ in local.values())
         if self._staging is None or self._staging.numel() < need:
             self._staging = torch.empty(need, dtype=torch.uint8, pin_memory=on_gpu)
             self.staging_allocations += 1
         data = self._staging[:need]
-        for c in mine.copies if mine else ():
-            src, info, _ = local[c.name]
-            view = data[c.slot.begin : c.slot.end].view(c.slot.dtype).view(c.slot.shape)
-            view.copy_(src[relative(c.box, info.offsets)].detach(), non_blocking=on_gpu)
+        held = []
+        for r in mine.regions if mine else ():
+            src, info, _ = local[r.name]
+            view = data[r.begin : r.end].view(r.dtype).view(r.box[1])
+            view.copy_(src[relative(r.box, info.offsets)].detach(), non_blocking=on_gpu)
+            held.append(view)
         if on_gpu:
             torch.cuda.synchronize()
-        return data
+
+        def part(i: int) -> memoryview:
+            c = mine.copies[i]
+            return tensor_bytes(held[c.region][relative(c.box, mine.regions[c.region].box[0])])
+
+        return part
 
     # -- write and commit (writer thread for async saves) --------------------------------
 
@@ -339,6 +382,7 @@ class Saver:
         if self.rank == 0:
             if not status["error"]:
                 try:
+                    self._wait_tidy()  # retention and leftovers, before the commit number
                     self._commit(plan, reports, head)
                     status = {"committed": True, "error": ""}
                 except FencedError as exc:
@@ -368,6 +412,9 @@ class Saver:
     def _commit(self, plan: SavePlan, reports: list[dict[str, Any]], head: dict[str, Any]) -> None:
         step = head["step"]
         files, chunk_crc = {}, {}
+        rows = {
+            (f.name, slot.key): slot.block_rows for f in plan.files.values() for slot in f.slots
+        }
         for rank, r in enumerate(reports):
             if "file" in r:
                 f = r["file"]
@@ -387,6 +434,7 @@ class Saver:
                 shape=t.shape,
                 chunks=t.chunks,
                 crc32={c.key: chunk_crc[(c.file, c.key)] for c in t.chunks},
+                block_rows={c.key: rows[(c.file, c.key)] for c in t.chunks},
             )
             for t in plan.tensors.values()
         }

@@ -13,7 +13,15 @@ import torch
 
 from checkpoint.errors import CheckpointError
 from checkpoint.manifest import dtype_name, dtype_of
-from checkpoint.planner import Box, SavedChunk, assign_writers, chunk_grid, coverage_problem, numel
+from checkpoint.planner import (
+    Box,
+    SavedChunk,
+    assign_writers,
+    block_rows,
+    coverage_problem,
+    numel,
+    strip_grid,
+)
 from checkpoint.stfile import FileSlot
 
 
@@ -45,12 +53,26 @@ class LocalEntry:
 
 
 @dataclass(frozen=True, slots=True)
+class Region:
+    """A region of the local tensor ``name`` this rank writes, and where an async save's
+    snapshot keeps it: bytes ``[begin, end)`` of the staging buffer, contiguous."""
+
+    name: str
+    box: Box
+    dtype: torch.dtype
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
 class Copy:
-    """Copy the local tensor ``name``'s ``src`` region into the file slot ``slot``."""
+    """Copy the local tensor ``name``'s ``box`` (a strip of ``regions[region]``) into the
+    file slot ``slot``."""
 
     name: str
     box: Box
     slot: FileSlot
+    region: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +81,7 @@ class FilePlan:
     rank: int
     slots: tuple[FileSlot, ...]
     copies: tuple[Copy, ...]
+    regions: tuple[Region, ...] = ()
 
     @property
     def data_bytes(self) -> int:
@@ -90,9 +113,15 @@ def chunk_key(name: str, offsets: Sequence[int]) -> str:
 
 
 def build_save_plan(
-    per_rank: Sequence[Sequence[LocalEntry]], *, chunk_min_bytes: int, chunk_max_pieces: int = 4
+    per_rank: Sequence[Sequence[LocalEntry]],
+    *,
+    chunk_min_bytes: int,
+    chunk_max_pieces: int = 16,
+    block_bytes: int = 16 << 10,
 ) -> SavePlan:
-    """Deduplicate replicas, balance the writers, and lay out each rank's file."""
+    """Deduplicate replicas, balance the writers, and lay out each rank's file: each
+    written region cut into strips along its second dimension (:func:`strip_grid`), each
+    strip checked by a CRC-32C per block of whole rows of about ``block_bytes``."""
     meta: dict[str, LocalEntry] = {}
     holders: dict[tuple[str, Box], list[int]] = {}
     for rank, entries in enumerate(per_rank):
@@ -129,11 +158,16 @@ def build_save_plan(
         fname = file_name(rank)
         # Widest dtypes first keeps every tensor aligned to its itemsize in the file.
         regions = sorted(mine[rank], key=lambda k: (-meta[k[0]].dtype.itemsize, k[0], k[1]))
-        slots, copies, at = [], [], 0
+        slots, copies, spans, at = [], [], [], 0
         for name, box in regions:
             entry = meta[name]
             size = entry.dtype.itemsize
-            grid = chunk_grid(
+            spans.append(
+                Region(
+                    name=name, box=box, dtype=entry.dtype, begin=at, end=at + numel(box[1]) * size
+                )
+            )
+            grid = strip_grid(
                 box, itemsize=size, min_bytes=chunk_min_bytes, max_pieces=chunk_max_pieces
             )
             for piece in grid:
@@ -144,14 +178,21 @@ def build_save_plan(
                     shape=piece[1],
                     begin=at,
                     end=at + numel(piece[1]) * size,
+                    block_rows=block_rows(piece[1], itemsize=size, block_bytes=block_bytes),
                 )
                 at = slot.end
                 slots.append(slot)
-                copies.append(Copy(name=name, box=piece, slot=slot))
+                copies.append(Copy(name=name, box=piece, slot=slot, region=len(spans) - 1))
                 chunks[name].append(
                     SavedChunk(file=fname, key=key, offsets=piece[0], sizes=piece[1])
                 )
-        files[rank] = FilePlan(name=fname, rank=rank, slots=tuple(slots), copies=tuple(copies))
+        files[rank] = FilePlan(
+            name=fname,
+            rank=rank,
+            slots=tuple(slots),
+            copies=tuple(copies),
+            regions=tuple(spans),
+        )
     tensors = {
         name: TensorPlan(
             name=name, kind=e.kind, dtype=e.dtype, shape=e.shape, chunks=tuple(chunks[name])

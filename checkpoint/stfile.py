@@ -35,6 +35,15 @@ class FileSlot:
     shape: tuple[int, ...]
     begin: int
     end: int
+    block_rows: int = 0
+    """Rows per verify block (format version 3); 0: one checksum for the whole slot."""
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes per verify block (0: the whole slot is one block)."""
+        if not self.block_rows:
+            return 0
+        return self.block_rows * math.prod(self.shape[1:]) * self.dtype.itemsize
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +51,8 @@ class WrittenFile:
     bytes: int
     header_sha256: str
     chunk_crc32: dict[str, str]
-    """CRC-32C of each chunk, by key (format version 2)."""
+    """The CRC-32C of each verify block of each chunk, 8 hex digits each, concatenated,
+    by key (format version 3)."""
 
 
 def header_bytes(slots: Sequence[FileSlot]) -> bytes:
@@ -67,10 +77,12 @@ def write_file(
     hasher_pool: ThreadPoolExecutor,
 ) -> WrittenFile:
     """Write the data section under a header for ``slots``; fsync the file. ``data`` is the
-    whole data section (uint8, a staging buffer), or a function giving slot ``i``'s bytes.
+    whole data section (uint8, a staging buffer), or a function giving slot ``i``'s bytes
+    (which may copy a piece that is not contiguous).
 
-    Each chunk's CRC-32C runs on ``hasher_pool`` while this thread writes it (both release
-    the GIL), so checksumming overlaps the writes; there is no whole-file hash to wait for.
+    Each chunk's block CRC-32Cs run on ``hasher_pool`` while this thread writes it, and
+    with a function the next slot's bytes are made there too (all of it releases the GIL),
+    so checksums and copies overlap the writes; there is no whole-file hash to wait for.
     """
     header = header_bytes(slots)
     if callable(data):
@@ -82,20 +94,29 @@ def write_file(
             return view[slots[i].begin : slots[i].end]
 
     pending = {}
+    ahead = None
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         write_all(fd, header)
+        if slots and callable(data):
+            ahead = hasher_pool.submit(part_of, 0)
         for i, s in enumerate(slots):
-            part = part_of(i)
+            if ahead is not None:
+                part = ahead.result()
+                ahead = hasher_pool.submit(part_of, i + 1) if i + 1 < len(slots) else None
+            else:
+                part = part_of(i)
             if len(part) != s.end - s.begin:
                 raise ValueError(f"{s.key}: {len(part)} bytes for a slot of {s.end - s.begin}")
-            pending[s.key] = hasher_pool.submit(crc32c_hex, part)
+            pending[s.key] = hasher_pool.submit(block_crc32c, part, s.block_bytes)
             write_all(fd, part)
         chunk_crc = {k: p.result() for k, p in pending.items()}
         os.fsync(fd)
     finally:
         for p in pending.values():
             p.cancel()
+        if ahead is not None:
+            ahead.cancel()
         os.close(fd)
     return WrittenFile(
         bytes=len(header) + (slots[-1].end if slots else 0),
@@ -113,6 +134,19 @@ def crc32c_hex(buf: memoryview | bytes) -> str:
     """The CRC-32C (Castagnoli; hardware SSE4.2 / ARMv8 through the ``crc32c`` package) of
     ``buf`` as 8 hex digits (format version 2)."""
     return f"{crc32c.crc32c(buf) & 0xFFFFFFFF:08x}"
+
+
+def block_crc32c(buf: memoryview | bytes, block_bytes: int) -> str:
+    """The CRC-32C of each ``block_bytes`` of ``buf`` (the last one may be shorter), 8 hex
+    digits each, concatenated; ``block_bytes`` 0 (or an empty ``buf``): one for all of it."""
+    view = memoryview(buf)
+    if not block_bytes or len(view) <= block_bytes:
+        return crc32c_hex(view)
+    crc = crc32c.crc32c
+    return "".join(
+        f"{crc(view[i : i + block_bytes]) & 0xFFFFFFFF:08x}"
+        for i in range(0, len(view), block_bytes)
+    )
 
 
 def chunk_checksum(version: int):

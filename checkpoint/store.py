@@ -344,12 +344,13 @@ def leftovers(ckpt_dir: str) -> list[str]:
     return sorted(os.path.join(ckpt_dir, n) for n in names if _LEFTOVER_RE.match(n))
 
 
-def remove_leftovers(ckpt_dir: str) -> list[str]:
+def remove_leftovers(ckpt_dir: str, *, spare: str = "") -> list[str]:
     """Put back any step moved aside by a writer that died (:func:`recover_replaced`),
-    then delete the store's unfinished saves; call only when no save of this job is in
-    flight in this directory (the owner's lock and the fence see to that)."""
+    then delete the store's unfinished saves, except the entry named ``spare`` (the
+    caller's own save in progress); call only when no other save of this job is in flight
+    in this directory (the owner's lock and the fence see to that)."""
     recover_replaced(ckpt_dir)
-    removed = leftovers(ckpt_dir)
+    removed = [p for p in leftovers(ckpt_dir) if not spare or os.path.basename(p) != spare]
     for path in removed:
         if os.path.isdir(path):
             shutil.rmtree(path, ignore_errors=True)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import mmap
 import os
 from collections.abc import Callable
@@ -14,24 +13,32 @@ from safetensors.torch import save_file
 from checkpoint.errors import CheckpointError, CorruptCheckpointError
 from checkpoint.load import Checkpoint
 from checkpoint.manifest import st_code
-from checkpoint.stfile import crc32c_hex, file_sha256, open_regular, read_header, read_header_fd
+from checkpoint.planner import row_bytes
+from checkpoint.stfile import (
+    block_crc32c,
+    file_sha256,
+    open_regular,
+    read_header,
+    read_header_fd,
+)
 
 
 def verify(ckpt: Checkpoint) -> list[str]:
     """Every problem found, checking every byte of every file.
 
-    Version 2: each file is a regular file of its recorded size; its header matches its
-    sha256, and its entries are exactly the manifest's chunks of that file and tile its
-    data section; every chunk matches its CRC-32C. So every byte is checked by one
-    checksum or the other. Version 1: the whole-file sha256 of each file, and its header.
+    Versions 2 and 3: each file is a regular file of its recorded size; its header matches
+    its sha256, and its entries are exactly the manifest's chunks of that file and tile its
+    data section; every chunk matches its CRC-32C (version 3: every block of it). So every
+    byte is checked by one checksum or the other. Version 1: the whole-file sha256 of each file, and its header.
     Then, for both, every chunk's header entry against the manifest."""
     problems: list[str] = []
     headers: dict[str, dict] = {}
     by_file: dict[str, dict[str, tuple[int, str]]] = {}
     for entry in ckpt.manifest.tensors.values():
         for c in entry.chunks:
-            nbytes = math.prod(c.sizes) * entry.dtype.itemsize
-            by_file.setdefault(c.file, {})[c.key] = (nbytes, entry.crc32[c.key])
+            # Bytes per verify block (the whole chunk before version 3).
+            block = entry.rows_per_block(c) * row_bytes(c.sizes, entry.dtype.itemsize)
+            by_file.setdefault(c.file, {})[c.key] = (block, entry.crc32[c.key])
     for name, meta in sorted(ckpt.manifest.files.items()):
         path = os.path.join(ckpt.path, name)
         try:
@@ -84,10 +91,10 @@ def _verify_v2_file(
         with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mm:
             view = memoryview(mm)
             try:
-                for key, (_, crc) in sorted(chunks.items()):
+                for key, (block, crc) in sorted(chunks.items()):
                     begin, end = entries[key]["data_offsets"]
                     part = view[len(header) + begin : len(header) + end]
-                    if crc32c_hex(part) != crc:
+                    if block_crc32c(part, block) != crc:
                         problems.append(f"{path}: {key}: checksum mismatch (corrupted data)")
                     part.release()
             finally:

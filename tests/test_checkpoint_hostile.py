@@ -252,7 +252,14 @@ def test_a_manifest_of_65536_chunks_is_checked_in_linear_time(ckpt):
     n = 1 << 16
     t["shape"] = [n]
     t["shards"] = [
-        {"file": data_name(raw), "key": f"w@{i}", "offsets": [i], "sizes": [1], "crc32c": crc}
+        {
+            "file": data_name(raw),
+            "key": f"w@{i}",
+            "offsets": [i],
+            "sizes": [1],
+            "block_rows": 1,
+            "crc32c": crc[:8],
+        }
         for i in range(n)
     ]
     t["shards"][-1]["offsets"] = [0]  # an overlap at 0 and a gap at the end

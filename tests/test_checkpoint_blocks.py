@@ -1,0 +1,196 @@
+"""Format version 3: regions stored as strips, each checked per block of whole rows, so a
+verified resharded load reads and checks only what it needs; version 2 still loads."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+import crc32c
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from checkpoint import (
+    Checkpoint,
+    CorruptCheckpointError,
+    FormatError,
+    SaveOptions,
+    Saver,
+    ShardInfo,
+    load_latest,
+    open_step,
+    verify,
+)
+from checkpoint.planner import block_rows, blocks_for_rows, coverage_problem, strip_grid
+from checkpoint.store import step_path
+
+ROWS, COLS = 256, 64
+FULL = torch.arange(ROWS * COLS, dtype=torch.float32).view(ROWS, COLS)
+# 16 strips of 4 columns (4 KiB each), rows of 16 bytes, blocks of 64 rows (1 KiB).
+OPTIONS = dict(chunk_min_bytes=4096, chunk_max_pieces=16, block_bytes=1024)
+
+
+def save(ckpt: str) -> None:
+    saver = Saver(ckpt, group=None, options=SaveOptions(async_=False, **OPTIONS))
+    saver.save(
+        step=1, consumed_samples=1, model={"w": (FULL.clone(), ShardInfo.whole("w", (ROWS, COLS)))}
+    )
+    saver.close()
+
+
+def part(dim: int, index: int, parts: int) -> tuple[torch.Tensor, ShardInfo]:
+    info = ShardInfo.split("w", (ROWS, COLS), dim, index, parts)
+    return torch.full(info.sizes, float("nan")), info
+
+
+def header_bytes(path: Path) -> int:
+    with open(path, "rb") as f:
+        return 8 + struct.unpack("<Q", f.read(8))[0]
+
+
+def data_path(ckpt: str) -> Path:
+    return Path(step_path(ckpt, 1)) / "rank-00000.safetensors"
+
+
+def test_the_writer_records_strips_and_a_crc_per_block(tmp_path):
+    ckpt = str(tmp_path)
+    save(ckpt)
+    manifest = open_step(ckpt).manifest
+    assert manifest.version == 3
+    entry = manifest.tensors["w"]
+    assert [c.sizes for c in entry.chunks] == [(ROWS, 4)] * 16
+    assert all(entry.block_rows[c.key] == 64 for c in entry.chunks)
+    first = entry.chunks[0]
+    strip = FULL[:, :4].contiguous()
+    expected = [
+        f"{crc32c.crc32c(strip[r : r + 64].numpy().tobytes()):08x}" for r in (0, 64, 128, 192)
+    ]
+    assert entry.block_crcs(first) == expected
+    assert verify(open_step(ckpt)) == []
+
+
+@pytest.mark.parametrize(("dim", "parts"), [(0, 4), (0, 2), (1, 8), (1, 16)])
+def test_a_verified_resharded_load_reads_only_the_blocks_it_needs(tmp_path, dim, parts):
+    ckpt = str(tmp_path)
+    save(ckpt)
+    head = header_bytes(data_path(ckpt))
+    for index in range(parts):
+        local, info = part(dim, index, parts)
+        with Checkpoint.open(step_path(ckpt, 1)) as ck:
+            stats = ck.load_into({"w": (local, info)})
+        region = tuple(slice(o, o + s) for o, s in zip(info.offsets, info.sizes, strict=True))
+        assert torch.equal(local, FULL[region])
+        # The cuts fall on block and strip boundaries: exactly the needed bytes are read.
+        assert stats.bytes_read - head == stats.bytes_needed == local.numel() * 4
+
+
+def test_a_cut_inside_a_block_reads_the_whole_block_and_no_more(tmp_path):
+    ckpt = str(tmp_path)
+    save(ckpt)
+    info = ShardInfo("w", (ROWS, COLS), (10, 0), (100, COLS))  # rows 10..109: blocks 0, 1
+    local = torch.empty(info.sizes)
+    with Checkpoint.open(step_path(ckpt, 1)) as ck:
+        stats = ck.load_into({"w": (local, info)})
+    assert torch.equal(local, FULL[10:110])
+    assert stats.bytes_read - header_bytes(data_path(ckpt)) == 128 * COLS * 4
+
+
+def test_corruption_fails_a_load_that_reads_its_block_and_no_other(tmp_path):
+    ckpt = str(tmp_path)
+    save(ckpt)
+    path = data_path(ckpt)
+    head = header_bytes(path)
+    with open(path, "rb") as f:
+        f.seek(8)
+        entries = json.loads(f.read(head - 8))
+    begin = entries["w@0_0"]["data_offsets"][0]
+    blob = bytearray(path.read_bytes())
+    blob[head + begin + 200 * 16] ^= 0x40  # row 200 of the first strip: block 3
+    path.write_bytes(bytes(blob))
+    local, info = part(0, 0, 4)  # rows 0..63: block 0 only
+    with Checkpoint.open(step_path(ckpt, 1)) as ck:
+        ck.load_into({"w": (local, info)})
+    assert torch.equal(local, FULL[:64])
+    local, info = part(0, 3, 4)  # rows 192..255: the damaged block
+    with pytest.raises(CorruptCheckpointError, match=r"w@0_0: checksum mismatch"):
+        load_latest(ckpt, model={"w": (local, info)}, warn=lambda _m: None)
+    problems = verify(open_step(ckpt))
+    assert len(problems) == 1 and "w@0_0: checksum mismatch" in problems[0]
+
+
+def as_version_2(ckpt: str) -> None:
+    """Rewrite the manifest as format version 2 wrote it: one CRC-32C per chunk, no
+    ``block_rows`` (the tensor files are the same), re-sealed."""
+    mpath = Path(step_path(ckpt, 1)) / "manifest.json"
+    raw = json.loads(mpath.read_text())
+    blob = data_path(ckpt).read_bytes()
+    (n,) = struct.unpack("<Q", blob[:8])
+    entries = json.loads(blob[8 : 8 + n])
+    for t in raw["tensors"].values():
+        for sh in t["shards"]:
+            b, e = entries[sh["key"]]["data_offsets"]
+            sh["crc32c"] = f"{crc32c.crc32c(blob[8 + n + b : 8 + n + e]):08x}"
+            del sh["block_rows"]
+    raw["version"] = 2
+    raw.pop("checksum")
+    canon = json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
+    raw["checksum"] = hashlib.sha256(canon).hexdigest()
+    mpath.write_text(json.dumps(raw))
+
+
+def test_a_version_2_checkpoint_still_loads_resharded_and_verifies(tmp_path):
+    ckpt = str(tmp_path)
+    save(ckpt)
+    as_version_2(ckpt)
+    assert open_step(ckpt).manifest.version == 2
+    assert verify(open_step(ckpt)) == []
+    local, info = part(0, 1, 4)
+    with Checkpoint.open(step_path(ckpt, 1)) as ck:
+        stats = ck.load_into({"w": (local, info)})
+    assert torch.equal(local, FULL[64:128])
+    # Version 2 checks each chunk whole: a quarter of its rows costs every strip whole.
+    assert stats.bytes_read - header_bytes(data_path(ckpt)) == FULL.numel() * 4
+    blob = bytearray(data_path(ckpt).read_bytes())
+    blob[-1] ^= 1
+    data_path(ckpt).write_bytes(bytes(blob))
+    assert any("checksum mismatch" in p for p in verify(open_step(ckpt)))
+
+
+def test_a_crc_string_of_the_wrong_length_is_refused(tmp_path):
+    ckpt = str(tmp_path)
+    save(ckpt)
+    mpath = Path(step_path(ckpt, 1)) / "manifest.json"
+    raw = json.loads(mpath.read_text())
+    raw["tensors"]["w"]["shards"][0]["block_rows"] = 32  # 8 blocks, 4 checksums
+    raw.pop("checksum")
+    canon = json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
+    raw["checksum"] = hashlib.sha256(canon).hexdigest()
+    mpath.write_text(json.dumps(raw))
+    with pytest.raises(FormatError, match="is not 64 hex digits"):
+        open_step(ckpt)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    shape=st.lists(st.integers(0, 40), min_size=0, max_size=3).map(tuple),
+    itemsize=st.sampled_from([1, 2, 4]),
+    min_bytes=st.integers(1, 400),
+    max_pieces=st.sampled_from([1, 4, 16]),
+)
+def test_strips_tile_their_region_and_blocks_cover_the_rows(shape, itemsize, min_bytes, max_pieces):
+    box = ((0,) * len(shape), shape)
+    strips = strip_grid(box, itemsize=itemsize, min_bytes=min_bytes, max_pieces=max_pieces)
+    assert coverage_problem("t", shape, strips) is None
+    assert len(strips) <= max_pieces
+    if len(strips) > 1:
+        assert min(torch.Size(s).numel() * itemsize for _, s in strips) >= min_bytes
+        assert all(s[0] == shape[0] and s[2:] == shape[2:] for _, s in strips)
+    for _, sizes in strips:
+        per = block_rows(sizes, itemsize=itemsize, block_bytes=min_bytes)
+        rows = sizes[0] if sizes else 1
+        got = blocks_for_rows(slice(0, rows), per)
+        assert rows == 0 or (got.start == 0 and (got.stop - 1) * per < rows <= got.stop * per)
