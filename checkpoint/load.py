@@ -17,6 +17,7 @@ regular file of the manifest's size, its header checked against that size.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import math
 import mmap
@@ -29,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import store
-from checkpoint.comm import all_gather_json, broadcast_json, group_rank
+from checkpoint.comm import all_gather_json, broadcast_json, group_rank, group_size
 from checkpoint.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -40,6 +41,7 @@ from checkpoint.manifest import MANIFEST, Manifest, TensorEntry, parse_step_dirn
 from checkpoint.planner import (
     ReadOp,
     SavedChunk,
+    assign_writers,
     blocks_for_rows,
     plan_reads,
     row_bytes,
@@ -61,7 +63,9 @@ class LoadStats:
     bytes_read: int = 0
     """Bytes read from tensor files (headers included)."""
     bytes_needed: int = 0
-    """Bytes of the regions asked for."""
+    """Bytes of the regions read from the checkpoint (not those received from a peer)."""
+    bytes_received: int = 0
+    """Bytes received from other ranks instead of read (``load_latest(broadcast=True)``)."""
     seconds: float = 0.0
 
 
@@ -275,9 +279,14 @@ def load_latest(
     group: dist.ProcessGroup | None = None,
     verify: bool = True,
     warn: Callable[[str], None] = log.warning,
+    broadcast: bool = False,
 ) -> Checkpoint:
     """Load the newest loadable committed checkpoint into the given tensors.
 
+    With ``broadcast``, a region that several ranks of ``group`` ask for alike (the same
+    tensor, offsets and sizes: DP replicas) is read from disk by one of them only (the
+    readers balanced by bytes) and sent to the others over ``group`` once every rank has
+    loaded its share (:func:`share_plan`); every rank must pass the same ``broadcast``.
 
     Tries the steps in :func:`checkpoint.store.load_order` (newest commit of the current
     lineage first; `latest` is only a hint). A step that fails is recorded as unloadable
@@ -294,13 +303,22 @@ def load_latest(
         order = broadcast_json(order, group)
     if not order:
         raise NoCheckpointError(f"{ckpt_dir}: no committed checkpoint")
+    sends: list[Transfer] = []
+    recvs: list[Transfer] = []
+    read_model, read_optimizer = model, optimizer
+    if broadcast and distributed and group_size(group) > 1:
+        sends, recvs, skip = share_plan(model, optimizer or {}, group)
+        read_model = {n: v for n, v in model.items() if n not in skip}
+        read_optimizer = {
+            n: v for n, v in (optimizer or {}).items() if f"optimizer/{n}" not in skip
+        }
     failures = []
     for i, step in enumerate(order):
         path = store.step_path(ckpt_dir, step)
         ckpt, error, damaged = None, "", False
         try:
             ckpt = Checkpoint.open(path)
-            ckpt.load_into(model, optimizer, verify=verify)
+            ckpt.load_into(read_model, read_optimizer, verify=verify)
         except Exception as exc:
             error = str(exc) if isinstance(exc, (CheckpointError, OSError)) else repr(exc)
             # A model that does not fit the step (changed shapes or names) is not the
@@ -311,6 +329,10 @@ def load_latest(
         if not errors:
             if leader:
                 store.clear_unloadable(ckpt_dir, step)
+            if sends or recvs:
+                t0 = time.perf_counter()
+                ckpt.stats.bytes_received += exchange(model, optimizer or {}, sends, recvs, group)
+                ckpt.stats.seconds += time.perf_counter() - t0
             return ckpt  # type: ignore[return-value]
         if isinstance(ckpt, Checkpoint):
             ckpt.close()
@@ -339,3 +361,133 @@ def open_step(ckpt_dir: str, step: int | None = None) -> Checkpoint:
             raise NoCheckpointError(f"{ckpt_dir}: no committed checkpoint")
         step = order[0]
     return Checkpoint.open(store.step_path(ckpt_dir, step))
+
+
+# -- read once, send to the replicas --------------------------------------------------------------
+
+MESSAGE_BYTES = 64 << 20
+"""Most bytes packed into one message between two ranks (a larger region goes alone)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """Regions (by full name: ``optimizer/`` prefixed for optimizer tensors) that ``peer``
+    (a group rank) sends to this rank, or this rank sends to ``peer``: one message."""
+
+    peer: int
+    names: tuple[str, ...]
+
+
+def _regions(model: Mapping[str, Sharded], optimizer: Mapping[str, Sharded]):
+    out = {name: (t, info) for name, (t, info) in model.items()}
+    out.update({f"optimizer/{name}": v for name, v in optimizer.items()})
+    return out
+
+
+def share_plan(
+    model: Mapping[str, Sharded], optimizer: Mapping[str, Sharded], group
+) -> tuple[list[Transfer], list[Transfer], set[str]]:
+    """Which regions this rank reads and sends, receives, and skips reading (a collective:
+    every rank's wanted regions are gathered, and every rank computes the same plan).
+
+    Ranks that ask for the same region (name, offsets, sizes, dtype) are its holders; one
+    of them reads it, chosen as a save picks writers (largest regions first, each to the
+    holder with the fewest bytes so far), and sends it to the others. Returns (sends,
+    receives, names this rank does not read)."""
+    regions = _regions(model, optimizer)
+    mine = [
+        [name, list(info.offsets), list(info.sizes), str(t.dtype), info.numel * t.element_size()]
+        for name, (t, info) in sorted(regions.items())
+    ]
+    gathered = all_gather_json(mine, group)
+    holders: dict[str, tuple[int, list[int]]] = {}
+    for rank, entries in enumerate(gathered):
+        for name, offsets, sizes, dtype, nbytes in entries:
+            key = json.dumps([name, offsets, sizes, dtype])
+            holders.setdefault(key, (nbytes, []))[1].append(rank)
+    shared = {k: v for k, v in holders.items() if len(v[1]) > 1}
+    readers = assign_writers(shared, ranks=range(len(gathered)))
+    me = group_rank(group)
+    out: dict[tuple[int, int], list[tuple[str, int]]] = {}
+    for key, (nbytes, ranks) in sorted(shared.items()):
+        name = json.loads(key)[0]
+        for rank in ranks:
+            if rank != readers[key]:
+                out.setdefault((readers[key], rank), []).append((name, nbytes))
+    sends, recvs, skip = [], [], set()
+    for (src, dst), names in sorted(out.items()):
+        if me not in (src, dst):
+            continue
+        batch: list[str] = []
+        size = 0
+        messages = []
+        for name, nbytes in names:
+            if batch and size + nbytes > MESSAGE_BYTES:
+                messages.append(tuple(batch))
+                batch, size = [], 0
+            batch.append(name)
+            size += nbytes
+        if batch:
+            messages.append(tuple(batch))
+        if me == src:
+            sends += [Transfer(peer=dst, names=m) for m in messages]
+        else:
+            recvs += [Transfer(peer=src, names=m) for m in messages]
+            skip.update(name for name, _ in names)
+    return sends, recvs, skip
+
+
+def exchange(
+    model: Mapping[str, Sharded],
+    optimizer: Mapping[str, Sharded],
+    sends: list[Transfer],
+    recvs: list[Transfer],
+    group,
+) -> int:
+    """Carry out :func:`share_plan`'s transfers (point to point over ``group``, all posted
+    at once, so no order between pairs can deadlock); returns the bytes received."""
+    regions = _regions(model, optimizer)
+
+    def views(names):
+        out = []
+        for name in names:
+            t, info = regions[name]
+            out.append(t[tuple(slice(0, s) for s in info.sizes)])
+        return out
+
+    def packed(vs) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A message buffer and, in it, a view shaped like each region (8-byte aligned)."""
+        spans, at = [], 0
+        for v in vs:
+            spans.append(at)
+            at += -(-v.numel() * v.element_size() // 8) * 8
+        buf = torch.empty(at, dtype=torch.uint8)
+        return buf, [
+            buf[a : a + v.numel() * v.element_size()].view(v.dtype).view(v.shape)
+            for a, v in zip(spans, vs, strict=True)
+        ]
+
+    def peer(rank: int) -> int:
+        return dist.get_global_rank(group, rank) if group is not None else rank
+
+    pending = []
+    for tr in sends:
+        vs = views(tr.names)
+        buf, slots = packed(vs)
+        for slot, v in zip(slots, vs, strict=True):
+            slot.copy_(v)
+        pending.append((dist.isend(buf, dst=peer(tr.peer), group=group), buf))
+    incoming = []
+    for tr in recvs:
+        vs = views(tr.names)
+        buf, slots = packed(vs)
+        incoming.append((dist.irecv(buf, src=peer(tr.peer), group=group), vs, slots))
+    received = 0
+    for work, vs, slots in incoming:
+        work.wait()
+        for slot, v in zip(slots, vs, strict=True):
+            v.copy_(slot)
+            received += v.numel() * v.element_size()
+    for work, _ in pending:
+        work.wait()
+    return received

@@ -125,6 +125,10 @@ class CheckpointConfig:
     """Write in the background after a snapshot to CPU (YAML key `async`)."""
     resume: bool = True
     """Resume from the latest committed checkpoint when there is one."""
+    load_broadcast: bool = False
+    """On resume, a region of a tensor that several ranks hold (DP replicas) is read from
+    disk by one of them and sent to the others over the checkpoint's gloo group, so the
+    checkpoint is read about once instead of once per replica (docs/checkpoint-format.md)."""
     memory_replicas: int = 0
     """restart.mode inprocess: how many ranks on other nodes keep, in their host memory, a
     copy of each rank's parameters and optimizer state (0 or 1 in practice; each copy costs

@@ -49,6 +49,9 @@ CASES = {
     ),
     "tp2-to-tp1-sync": ("dense", (2, {"parallel.tp": 2}), (1, {}), False),
     "dp2-to-dp4-async": ("dense", (2, {}), (4, {}), True),
+    "dp2-read-once-broadcast-sync": (
+        "dense", (2, {}), (2, {"checkpoint.load_broadcast": True}), False,
+    ),
     "pp2-to-pp1-async": ("deep", (2, {"parallel.pp": 2}), (1, {}), True),
     "tp1-to-tp2xep2-moe-async": ("moe", (1, {}), (4, {"parallel.tp": 2, "parallel.ep": 2}), True),
 }  # fmt: skip

@@ -213,6 +213,7 @@ class Checkpointing:
             model=self._model(),
             optimizer=self._optimizer(create=True),
             group=self.group,
+            broadcast=self.job.checkpoint.load_broadcast,
         )
         self.trainer.main_to_model()
         state = self.trainer.state
@@ -242,10 +243,14 @@ class Checkpointing:
                     f"; train.steps is {self.job.train.steps}, so nothing is left to train "
                     "(--fresh starts over)"
                 )
+            received = ""
+            if ckpt.stats.bytes_received:
+                received = f", received {ckpt.stats.bytes_received / 1e6:.1f} MB from replicas"
             print(
                 f"resumed from {ckpt.path} at step {state.step} "
                 f"(consumed_samples {state.consumed_samples}; {how}; "
-                f"read {ckpt.stats.bytes_read / 1e6:.1f} MB in {ckpt.stats.seconds:.2f} s){done}",
+                f"read {ckpt.stats.bytes_read / 1e6:.1f} MB{received} in "
+                f"{ckpt.stats.seconds:.2f} s){done}",
                 flush=True,
             )
             if changed:
