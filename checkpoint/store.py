@@ -399,3 +399,49 @@ def prune(
 def _unlink(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+
+
+def start_over(ckpt_dir: str, *, job: str) -> list[int]:
+    """Delete a job's checkpoints so that its next run starts from step 0 (``elasticd
+    submit --fresh``): the committed steps, the store's leftovers, `latest`,
+    ``unloadable.json`` and probe files; nothing else (the owner record, the lock file,
+    the fence and any file of the user's stay). Returns the committed steps deleted.
+
+    Refused (:class:`OwnershipError`, nothing deleted) when the directory belongs to
+    another job (``owner.json``, or the newest manifest where there is none) or a run
+    holds its lock (it is training there)."""
+    from checkpoint.errors import OwnershipError
+    from checkpoint.owner import OWNER_FILE, held_by, read_owner
+
+    if not os.path.isdir(ckpt_dir):
+        return []
+    owner = read_owner(ckpt_dir)
+    theirs = owner["job"] if owner is not None else newest_job(ckpt_dir)
+    if theirs is not None and theirs != job:
+        where = OWNER_FILE if owner is not None else "its newest manifest"
+        raise OwnershipError(
+            f"checkpoint directory {ckpt_dir} belongs to job {theirs!r} ({where}), "
+            f"not {job!r}: nothing deleted"
+        )
+    holder = held_by(ckpt_dir)
+    if holder is not None:
+        raise OwnershipError(
+            f"checkpoint directory {ckpt_dir} is in use by run {holder.get('run_id') or '?'} "
+            f"(pid {holder.get('pid', '?')} on {holder.get('host', '?')}): nothing deleted"
+        )
+    steps = committed_steps(ckpt_dir)
+    names = [n for n in os.listdir(ckpt_dir) if parse_step_dirname(n) is not None]
+    for name in names:
+        # Renamed first, so that a crash mid-delete leaves a leftover, never a half step.
+        os.replace(os.path.join(ckpt_dir, name), os.path.join(ckpt_dir, f"{name}.deleting.tmp"))
+    fsync_dir(ckpt_dir)
+    for path in leftovers(ckpt_dir):  # a step moved aside to be replaced, too: not put back
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            _unlink(path)
+    for name in os.listdir(ckpt_dir):
+        if name in (LATEST, UNLOADABLE) or name.startswith(PROBE_PREFIX):
+            _unlink(os.path.join(ckpt_dir, name))
+    fsync_dir(ckpt_dir)
+    return steps

@@ -69,6 +69,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a job setting (YAML value), e.g. train.steps=50")  # fmt: skip
     p.add_argument("--replace", action="store_true", help="overwrite a finished job of that name")
+    p.add_argument("--fresh", action="store_true",
+                   help="start over from step 0: delete the job's checkpoints (only what the "
+                   "checkpoint store wrote in its checkpoint dir) and overwrite a finished "
+                   "job of that name (else the job resumes from its newest checkpoint)")  # fmt: skip
     p.add_argument("--follow", action="store_true", help="show progress until the job ends")
     add_etcd_options(p)
     p.set_defaults(func=run_submit)
@@ -114,12 +118,59 @@ def run_submit(args: argparse.Namespace) -> int:
     job = load_job(args.job, args.overrides).with_paths_resolved(os.getcwd())
     client, registry = open_registry(args)
     with client:
-        record = registry.submit(job, replace=args.replace)
+        if args.fresh:
+            start_over(registry, job)
+        record = registry.submit(job, replace=args.replace or args.fresh)
         print(f"job {record.name} submitted ({record.state}); output in {job.out_dir}")
+        if not args.fresh:
+            say_resume(job)
         if not args.follow:
             return 0
         final = follow(registry, record.name, out=sys.stdout)
     return 0 if final.state == JobState.SUCCEEDED else 1
+
+
+def start_over(registry: JobRegistry, job) -> None:
+    """``submit --fresh``: refuse a job of that name that is still active, then delete the
+    job's checkpoints (the store's own files only; refused, deleting nothing, when the
+    directory is another job's or a run holds it), saying what was deleted in one line."""
+    old = registry.get(job.name)
+    if old is not None and not old.state.terminal:
+        raise UsageError(
+            f"--fresh: job {job.name!r} is {old.state}; cancel it before starting it over"
+        )
+    from checkpoint import CheckpointError
+    from checkpoint.store import start_over as delete_checkpoints
+
+    try:
+        steps = delete_checkpoints(job.ckpt_dir, job=job.name)
+    except (CheckpointError, OSError) as exc:
+        raise UsageError(f"--fresh: {exc}") from None
+    if steps:
+        print(
+            f"--fresh: deleted {len(steps)} checkpoint(s) (steps {', '.join(map(str, steps))}) from {job.ckpt_dir}"
+        )
+    else:
+        print(f"--fresh: no checkpoint in {job.ckpt_dir}; the job starts from step 0")
+
+
+def say_resume(job) -> None:
+    """One line when the job will resume from a checkpoint (its newest commit, as the
+    trainer loads it), naming the step; nothing when there is none."""
+    try:
+        names = os.listdir(job.ckpt_dir)
+    except OSError:
+        return
+    if not any(n.startswith("step-") and "." not in n for n in names):
+        return  # nothing committed: no need to import the store (and torch)
+    from checkpoint.store import load_order, step_path
+
+    order = load_order(job.ckpt_dir)
+    if order:
+        print(
+            f"job {job.name} resumes from {step_path(job.ckpt_dir, order[0])} at step "
+            f"{order[0]} (--fresh starts over)"
+        )
 
 
 def progress_line(record: JobRecord, eta: float | None = None) -> str:
