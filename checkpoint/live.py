@@ -23,13 +23,17 @@ One call, collective over the group:
    itself first (a local copy), then the holder that covers most of what is left, ties to
    the fewest bytes assigned so far, then the lower rank. Every needed element is filled
    exactly once.
-4. **Transfer.** For each (source, destination) pair, one flat uint8 buffer with the pieces
-   packed in plan order (16-byte aligned), cut into chunks of about ``CHUNK_BYTES``, each
-   followed by its CRC-32C in a 16-byte slot. Every chunk is its own
-   ``isend``/``irecv``; all receives are posted first, then each sender packs, checksums and
-   sends chunk by chunk (the transfer of one chunk overlaps packing the next), then local
-   copies run, then each receiver verifies and unpacks chunk by chunk. CUDA tensors are
-   staged through CPU (gloo carries CPU tensors): packed on the device, one copy per chunk.
+4. **Transfer.** For each (source, destination) pair the pieces, in plan order, are cut
+   into chunks of about ``CHUNK_BYTES``; each chunk is one ``isend``/``irecv`` followed by
+   its CRC-32C, a message of its own. A chunk of one piece that is a contiguous region of
+   its CPU tensor goes straight from the source tensor and lands straight in the
+   destination tensor (no copy on either side); other chunks are packed (16-byte aligned)
+   through a small ring of staging slots on the sender and unpacked from one buffer per
+   source on the receiver. All receives are posted first; each sender then sends chunk by
+   chunk, round-robin over its destinations, checksumming a chunk while it is on its way;
+   local copies run meanwhile; each receiver verifies (and unpacks) chunk by chunk as they
+   arrive. CUDA tensors are staged through CPU (gloo carries CPU tensors): packed on the
+   device, one copy per chunk.
 5. **Agree.** One all-reduce of an ok flag: a CRC mismatch on any rank makes every rank
    return None. A peer that dies during the transfer makes the wait raise (the caller
    handles it, as for any collective).
@@ -41,6 +45,7 @@ another source. Padding (the local tensor outside ``ShardInfo.sizes``) is never 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import time
@@ -66,18 +71,21 @@ two, so pass ``{**model, **optimizer}``). The key, not ``ShardInfo.name``, names
 tensor: AdamW's moments carry their parameter's ShardInfo under ``exp_avg/<name>``."""
 
 ALIGN = 16
-"""Byte alignment of every piece in a buffer (any dtype can be viewed in place), and the
-size of the CRC slot after each chunk."""
+"""Byte alignment of every piece in a packing buffer (any dtype can be viewed in place)."""
 CHUNK_BYTES = 4 << 20
 """Target bytes of data per chunk (one message, one CRC). Pieces larger than this are cut
 along their outermost dimensions."""
+ALONE_BYTES = 256 << 10
+"""Pieces of at least this many bytes travel alone in their chunks (straight from and into
+the tensors where those are contiguous CPU regions); smaller ones are packed together."""
 SEND_SLOTS = 4
 """Staging slots of one chunk each through which a rank sends (all destinations)."""
 DESCRIPTION_VERSION = 1
 
 _received_hook: Callable[[int, int, torch.Tensor], None] | None = None
 """Test hook: called as ``hook(src, dst, chunk_bytes)`` on the receiver with each received
-chunk (data and CRC slot), before it is verified; a test flips a byte here."""
+chunk's bytes (where they landed: the destination tensor, or the packing buffer), before
+they are verified; a test flips a byte here."""
 
 
 @dataclass(frozen=True)
@@ -154,7 +162,11 @@ class RecoveryPlan:
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
-    """One message of a pair's buffer: ``length`` data bytes at ``start``, then the CRC slot."""
+    """One message of a pair's transfer: its pieces, laid out at ``start`` in the pair's
+    packing buffer (``length`` bytes, pieces 16-byte aligned). A chunk of one piece goes on
+    the wire as that piece's bytes alone (``wire`` bytes), straight from the source tensor
+    and into the destination tensor where each is a contiguous CPU region; a chunk of
+    several is packed."""
 
     start: int
     length: int
@@ -162,12 +174,13 @@ class Chunk:
     """(piece, byte offset of its data in the pair buffer), in plan order."""
 
     @property
-    def crc_at(self) -> int:
+    def end(self) -> int:
         return self.start + self.length
 
     @property
-    def end(self) -> int:
-        return self.crc_at + ALIGN
+    def wire(self) -> int:
+        """Bytes of its message (and of its CRC): the piece alone, or the packed chunk."""
+        return self.items[0][0].nbytes if len(self.items) == 1 else self.length
 
 
 def _aligned(n: int) -> int:
@@ -208,23 +221,37 @@ def split_box(box: Box, *, itemsize: int, max_bytes: int) -> list[Box]:
     return out
 
 
-def pair_chunks(pieces: Sequence[Piece], *, chunk_bytes: int = CHUNK_BYTES) -> list[Chunk]:
-    """The layout of one (source, destination) buffer: pieces in order (cut to fit),
-    grouped into chunks of at most ``chunk_bytes`` data each (a single element larger than
-    that gets a chunk of its own)."""
+def pair_chunks(
+    pieces: Sequence[Piece], *, chunk_bytes: int = CHUNK_BYTES, alone_bytes: int = ALONE_BYTES
+) -> list[Chunk]:
+    """The messages of one (source, destination) pair: pieces in order (cut to fit). A
+    piece of at least ``alone_bytes`` goes alone, in chunks of at most ``chunk_bytes`` (a
+    chunk of one piece can go tensor to tensor without a copy); smaller ones are grouped
+    into chunks of at most ``chunk_bytes`` data each. (A single element larger than that
+    gets a chunk of its own.)"""
     chunks: list[Chunk] = []
     start, length, items = 0, 0, []
+
+    def close() -> None:
+        nonlocal start, length, items
+        if items:
+            chunks.append(Chunk(start, length, tuple(items)))
+            start, length, items = start + length, 0, []
+
     for p in pieces:
+        alone = p.nbytes >= alone_bytes
+        if alone:
+            close()
         for offs, sizes in split_box(p.box, itemsize=p.itemsize, max_bytes=chunk_bytes):
             sub = dataclasses.replace(p, offsets=offs, sizes=sizes)
             size = _aligned(sub.nbytes)
-            if items and length + size > chunk_bytes:
-                chunks.append(Chunk(start, length, tuple(items)))
-                start, length, items = start + length + ALIGN, 0, []
+            if items and (alone or length + size > chunk_bytes):
+                close()
             items.append((sub, start + length))
             length += size
-    if items:
-        chunks.append(Chunk(start, length, tuple(items)))
+        if alone:
+            close()
+    close()
     return chunks
 
 
@@ -297,6 +324,7 @@ def _sets(d: Mapping[str, Any]) -> list[tuple[int, Mapping[str, Any]]]:
     return out
 
 
+@functools.lru_cache(maxsize=64)
 def _itemsize(dtype: str) -> int:
     dt = getattr(torch, dtype, None)
     if not isinstance(dt, torch.dtype):
@@ -431,14 +459,29 @@ def _stage_device(chunk: Chunk, tensors: Holding) -> torch.device:
     return tensors[key][0].device
 
 
+def _direct(chunk: Chunk, tensors: Holding) -> torch.Tensor | None:
+    """The bytes of a one-piece chunk in place in ``tensors`` (a uint8 view of a contiguous
+    CPU region), or None when it must be packed or unpacked."""
+    if len(chunk.items) != 1:
+        return None
+    piece = chunk.items[0][0]
+    t, info = tensors[piece.key]
+    if t.device.type != "cpu":
+        return None
+    region = t[relative(piece.box, info.offsets)]
+    if not region.is_contiguous():
+        return None
+    return region.reshape(-1).view(torch.uint8)
+
+
 def _pack(chunk: Chunk, sets: Sequence[Holding], out: torch.Tensor) -> None:
     """Copy the chunk's pieces from their holdings (``sets[piece.src_set]``) into ``out``
-    (the chunk's data, CPU)."""
+    (the chunk's packed data, CPU)."""
     first = chunk.items[0][0]
     dev = sets[first.src_set][first.key][0].device
     if any(sets[p.src_set][p.key][0].device != dev for p, _ in chunk.items):
         dev = torch.device("cpu")  # mixed holdings (a host replica beside GPU tensors)
-    stage = out if dev.type == "cpu" else torch.empty(chunk.length, dtype=torch.uint8, device=dev)
+    stage = out if dev.type == "cpu" else torch.empty(out.numel(), dtype=torch.uint8, device=dev)
     for piece, at in chunk.items:
         t, info = sets[piece.src_set][piece.key]
         lo = at - chunk.start
@@ -449,7 +492,7 @@ def _pack(chunk: Chunk, sets: Sequence[Holding], out: torch.Tensor) -> None:
 
 
 def _unpack(chunk: Chunk, data: torch.Tensor, tensors: Holding) -> None:
-    """Copy the chunk's pieces from ``data`` (the chunk's data, CPU) into ``tensors``."""
+    """Copy the chunk's pieces from ``data`` (its message, CPU) into ``tensors``."""
     dev = _stage_device(chunk, tensors)
     stage = data if dev.type == "cpu" else data.to(dev, non_blocking=data.is_pinned())
     for piece, at in chunk.items:
@@ -517,44 +560,62 @@ def recover_from_peers(
     pinned = torch.cuda.is_available() and any(
         t.is_cuda for h in (*sets, need) for t, _ in h.values()
     )
-    # Post every receive first: one buffer per source, one message per chunk.
+    # Post every receive first, one message per chunk: a one-piece chunk whose region is
+    # contiguous in its CPU destination lands there directly (no buffer, no unpack);
+    # the others land in one buffer per source. Each chunk's CRC is a message of its own.
     incoming = []
+    direct_in = 0
     for src, pieces in recvs.items():
         if not pieces:
             continue
         chunks = pair_chunks(pieces)
-        buf = _new_buffer(chunks[-1].end, pinned)
-        for i, c in enumerate(chunks):
-            msg = buf[c.start : c.end]
-            work = _irecv(msg, src, i, group)
-            incoming.append((src, c, msg, work))
+        places = [_direct(c, need) for c in chunks]
+        buf = _new_buffer(sum(c.length for c, d in zip(chunks, places, strict=True)
+                              if d is None), pinned)  # fmt: skip
+        at = 0
+        table = torch.empty(len(chunks), dtype=torch.int64)
+        for i, (c, place) in enumerate(zip(chunks, places, strict=True)):
+            direct = place is not None
+            if place is None:
+                place, at = buf[at : at + c.wire], at + c.length
+            direct_in += direct
+            work = _irecv(place, src, i, group)
+            check = _irecv(table[i : i + 1], src, len(chunks) + i, group)
+            incoming.append((src, c, place, work, check, (table, i), direct))
     mark("post")
     sent_to: dict[int, int] = {}
-    # Round-robin over destinations, chunk by chunk, so every receiver starts early. The
-    # pair's buffer goes out chunk by chunk through a small ring of staging slots: no
-    # state-sized allocation (page faults cost as much as the copy) and the slots stay warm.
+    # Round-robin over destinations, chunk by chunk, so every receiver starts early. A
+    # one-piece chunk contiguous in its CPU source goes out as a view of it; the others
+    # are packed through a small ring of staging slots (no state-sized allocation: page
+    # faults cost as much as the copy, and the slots stay warm).
     layouts = {d: pair_chunks(p) for d, p in sends.items() if p}
-    slot_bytes = max((c.end - c.start for ch in layouts.values() for c in ch), default=0)
-    ring = _new_buffer(SEND_SLOTS * slot_bytes, pinned) if layouts else None
+    outgoing = {d: [_direct(c, sets[c.items[0][0].src_set]) for c in ch]
+                for d, ch in layouts.items()}  # fmt: skip
+    slot_bytes = max((c.length for d, ch in layouts.items()
+                      for c, v in zip(ch, outgoing[d], strict=True) if v is None), default=0)  # fmt: skip
+    ring = _new_buffer(SEND_SLOTS * slot_bytes, pinned) if slot_bytes else None
     in_slot: list = [None] * SEND_SLOTS
-    sent = 0
+    in_flight = []
+    crcs_out = {d: torch.empty(len(ch), dtype=torch.int64) for d, ch in layouts.items()}
+    packed = 0
     for i in range(max((len(ch) for ch in layouts.values()), default=0)):
         for dst, chunks in layouts.items():
             if i >= len(chunks):
                 continue
-            c = chunks[i]
-            k = sent % SEND_SLOTS
-            if in_slot[k] is not None:
-                in_slot[k].wait()  # a gloo send's wait must not be repeated
-            msg = ring[k * slot_bytes : k * slot_bytes + c.end - c.start]
-            data = msg[: c.length]
-            _pack(c, sets, data)
-            msg[c.length :].zero_()
-            msg[c.length : c.length + 4] = torch.frombuffer(
-                bytearray(_crc(data).to_bytes(4, "little")), dtype=torch.uint8
-            )
-            in_slot[k] = _isend(msg, dst, i, group)
-            sent += 1
+            c, msg = chunks[i], outgoing[dst][i]
+            if msg is None:
+                k = packed % SEND_SLOTS
+                if in_slot[k] is not None:
+                    in_slot[k].wait()  # a gloo send's wait must not be repeated
+                msg = ring[k * slot_bytes : k * slot_bytes + c.wire]
+                _pack(c, sets, ring[k * slot_bytes : k * slot_bytes + c.length])
+                in_slot[k] = _isend(msg, dst, i, group)
+                packed += 1
+            else:
+                in_flight.append(_isend(msg, dst, i, group))
+            # Checksummed while the chunk is on its way (it is not written meanwhile).
+            crcs_out[dst][i] = _crc(msg)
+            in_flight.append(_isend(crcs_out[dst][i : i + 1], dst, len(chunks) + i, group))
             sent_to[dst] = sent_to.get(dst, 0) + sum(p.nbytes for p, _ in c.items)
     mark("send")
     bytes_local = 0
@@ -568,20 +629,20 @@ def recover_from_peers(
     ok = True
     bad: list[str] = []
     received_from: dict[int, int] = {}
-    for src, c, msg, work in incoming:
+    for src, c, data, work, check, (table, i), direct in incoming:
         work.wait()
+        check.wait()
         if _received_hook is not None:
-            _received_hook(src, me, msg)
-        data = msg[: c.length]
-        want = int.from_bytes(msg[c.length : c.length + 4].numpy().tobytes(), "little")
-        if _crc(data) != want:
+            _received_hook(src, me, data)
+        if _crc(data) != int(table[i]):
             ok = False
             bad.append(f"chunk at byte {c.start} from rank {src}")
             continue
-        _unpack(c, data, need)
+        if not direct:
+            _unpack(c, data, need)
         received_from[src] = received_from.get(src, 0) + sum(p.nbytes for p, _ in c.items)
     mark("receive")
-    for work in in_slot:
+    for work in (*in_slot, *in_flight):
         if work is not None:
             work.wait()
     if bad:
@@ -610,6 +671,7 @@ def recover_from_peers(
             "pieces": len(plan.pieces),
             "from_extra": any(p.src_set > 0 for p in plan.pieces),
             "chunks_in": len(incoming),
+            "chunks_in_direct": direct_in,
             "plan_seconds": planned - started,
             "phases": marks,
         },

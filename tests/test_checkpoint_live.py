@@ -86,7 +86,7 @@ def test_split_box_tiles_in_pieces_that_fit() -> None:
             assert numel(sizes) * itemsize <= max(limit, itemsize)
 
 
-def test_pair_chunks_lay_out_aligned_pieces_in_order_with_a_crc_slot_each() -> None:
+def test_pair_chunks_lay_out_aligned_pieces_in_order() -> None:
     pieces = [
         Piece("a", 0, 1, (0, 0), (100, 30), 4),  # 12000 bytes: cut to fit 4096
         Piece("b", 0, 1, (), (), 2),  # a 0-d bfloat16
@@ -97,16 +97,36 @@ def test_pair_chunks_lay_out_aligned_pieces_in_order_with_a_crc_slot_each() -> N
     pos = 0
     seen: dict[str, list] = {}
     for c in chunks:
-        assert c.start == pos and c.length <= 4096 and c.end == c.crc_at + ALIGN
+        assert c.start == pos and c.length <= 4096 and c.end == c.start + c.length
+        assert c.wire == (c.items[0][0].nbytes if len(c.items) == 1 else c.length)
         pos = c.end
         at = c.start
         for piece, offset in c.items:
             assert offset == at and offset % ALIGN == 0
             at += -(-piece.nbytes // ALIGN) * ALIGN
             seen.setdefault(piece.key, []).append(piece.box)
-        assert at == c.crc_at
+        assert at == c.end
     assert coverage_problem("a", (100, 30), seen["a"]) is None
     assert seen["b"] == [((), ())] and seen["c"] == [((5,), (3,))]
+
+
+def test_a_large_piece_travels_alone_and_small_ones_are_packed_around_it() -> None:
+    """Pieces of at least ``alone_bytes`` get chunks of their own (cut to ``chunk_bytes``),
+    so that sender and receiver, each from the plan alone, agree on which messages are
+    one piece's bytes (sent and received in place where the tensors allow)."""
+    pieces = [
+        Piece("s1", 0, 1, (0,), (10,), 4),  # 40 bytes
+        Piece("big", 0, 1, (0, 0), (100, 30), 4),  # 12000 bytes: alone, cut to 4096
+        Piece("s2", 0, 1, (0,), (5,), 4),
+        Piece("s3", 0, 1, (0,), (6,), 4),
+    ]
+    chunks = pair_chunks(pieces, chunk_bytes=4096, alone_bytes=1000)
+    keys = [[p.key for p, _ in c.items] for c in chunks]
+    assert keys[0] == ["s1"] and keys[-1] == ["s2", "s3"]
+    assert all(k == ["big"] for k in keys[1:-1]) and len(keys) == 2 + 3
+    assert [c.wire for c in chunks[1:-1]] == [c.items[0][0].nbytes for c in chunks[1:-1]]
+    assert sum(c.wire for c in chunks[1:-1]) == 12000
+    assert chunks[-1].wire == chunks[-1].length == 32 + 32  # 20 and 24 bytes, 16-aligned
 
 
 def _desc(step, have: dict, need: dict, consumed=None, dtype="float32"):
