@@ -7,6 +7,7 @@ accept CPU tensors (gloo); with NCCL training, pass a gloo group for the checkpo
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,12 +44,14 @@ def all_gather_json(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
 
 def all_gather_json_small(
     obj: Any, group: dist.ProcessGroup | None, *, cap: int = 2040
-) -> list[Any]:
+) -> Callable[[], list[Any]]:
     """:func:`all_gather_json` in one collective when every rank's message fits ``cap``
     bytes (a fixed-size buffer carrying its length); else, on every rank alike (they all
-    see the lengths), the two-collective way."""
+    see the lengths), the two-collective way. The collective is started here and runs in
+    the background; the returned function waits for it and gives every rank's ``obj``."""
     if group_size(group) == 1:
-        return [json.loads(json.dumps(obj))]
+        copy = json.loads(json.dumps(obj))
+        return lambda: [copy]
     data = json.dumps(obj, separators=(",", ":")).encode()
     n = group_size(group)
     buf = torch.zeros(8 + cap, dtype=torch.uint8)
@@ -56,11 +59,18 @@ def all_gather_json_small(
     if data and len(data) <= cap:
         buf[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     bufs = [torch.zeros(8 + cap, dtype=torch.uint8) for _ in range(n)]
-    dist.all_gather(bufs, buf, group=group)
-    lengths = [int(b[:8].view(torch.int64).item()) for b in bufs]
-    if max(lengths) > cap:
-        return all_gather_json(obj, group)
-    return [json.loads(bytes(b[8 : 8 + ln].numpy())) for b, ln in zip(bufs, lengths, strict=True)]
+    work = dist.all_gather(bufs, buf, group=group, async_op=True)
+
+    def finish() -> list[Any]:
+        work.wait()
+        lengths = [int(b[:8].view(torch.int64).item()) for b in bufs]
+        if max(lengths) > cap:
+            return all_gather_json(obj, group)
+        return [
+            json.loads(bytes(b[8 : 8 + ln].numpy())) for b, ln in zip(bufs, lengths, strict=True)
+        ]
+
+    return finish
 
 
 def broadcast_json(obj: Any, group: dist.ProcessGroup | None) -> Any:

@@ -108,7 +108,8 @@ class Saver:
         self._tidying: Future[None] | None = None
         self._inflight: Future[SaveResult] | None = None
         self._staging: torch.Tensor | None = None
-        self._plan_cache: tuple[str, SavePlan] | None = None
+        self._plan_cache: tuple[str, SavePlan, str] | None = None
+        """(every rank's entry digests, the plan, this rank's digest) of the last save."""
         self.last: SaveResult | None = None
         self.staging_allocations = 0
         """How many times the staging buffer was (re)allocated; stays 1 for a fixed layout."""
@@ -153,14 +154,17 @@ class Saver:
                 # for them (rank 0, _write_and_commit).
                 own = os.path.basename(tmp)
                 self._defer(lambda: self._clean(step, own))
-        # A collective: it also orders rank 0's mkdir before every rank's write.
-        plan, token = self._plan(step, local, start)
-        tmp = self._tmp(step, token)
-        mine = plan.files.get(self.rank)
         direct = not self.options.async_ and not any(t.is_cuda for t, _, _ in local.values())
         # A sync save on CPU writes straight from the tensors (nothing can change them
-        # before it returns); an async one snapshots into staging first.
-        data = self._direct_parts(mine, local) if direct else self._snapshot(mine, local)
+        # before it returns); an async one snapshots into staging first, while the plan's
+        # collective is in flight when the plan is likely the last one.
+        early = None if direct else (lambda p: self._snapshot(p.files.get(self.rank), local))
+        # A collective: it also orders rank 0's mkdir before every rank's write.
+        plan, token, data = self._plan(step, local, start, early)
+        tmp = self._tmp(step, token)
+        mine = plan.files.get(self.rank)
+        if data is None:
+            data = self._direct_parts(mine, local) if direct else self._snapshot(mine, local)
         head = {
             "step": step,
             "consumed_samples": int(consumed_samples),
@@ -246,9 +250,15 @@ class Saver:
             out[full] = (t, ShardInfo.whole(full, tuple(t.shape)), "rank")
         return out
 
-    def _plan(self, step: int, local, start: dict[str, Any]) -> tuple[SavePlan, str]:
-        """The save plan and this save's token (from rank 0's ``start``, which carries the
-        fence's refusal instead when rank 0 was fenced: then every rank raises it)."""
+    def _plan(self, step: int, local, start: dict[str, Any], early=None):
+        """The save plan, this save's token (from rank 0's ``start``, which carries the
+        fence's refusal instead when rank 0 was fenced: then every rank raises it), and
+        ``early(plan)``'s result or None.
+
+        When this rank holds what it held at the last save, ``early`` (the snapshot) runs
+        with the last plan while the collective is in flight; it is kept only if every
+        rank's entries are unchanged too (the plan is then the same). Nothing can change
+        the tensors before save() returns, so a snapshot redone after is the same."""
         entries = [
             LocalEntry(
                 name=name,
@@ -264,9 +274,13 @@ class Saver:
         digest = hashlib.sha256(json.dumps(mine).encode()).hexdigest()
         # One small collective when every rank holds what it held at the last save (the
         # plan is then the cached one); the entries themselves travel only otherwise.
-        gathered = all_gather_json_small(
-            {"step": step, "digest": digest, "start": start}, self.group
-        )
+        finish = all_gather_json_small({"step": step, "digest": digest, "start": start}, self.group)
+        done = None
+        try:
+            if early is not None and self._plan_cache and self._plan_cache[2] == digest:
+                done = early(self._plan_cache[1])
+        finally:
+            gathered = finish()  # every rank takes part, whatever happened here
         start = gathered[0]["start"]
         if "fenced" in start:
             raise self._fenced_from_json(start["fenced"])
@@ -275,7 +289,7 @@ class Saver:
             raise CheckpointError(f"ranks are saving different steps: {sorted(steps)}")
         signature = repr([g["digest"] for g in gathered])
         if self._plan_cache is not None and self._plan_cache[0] == signature:
-            return self._plan_cache[1], start["token"]
+            return self._plan_cache[1], start["token"], done
         gathered = all_gather_json(mine, self.group)
         per_rank = [[LocalEntry.from_json(e) for e in g] for g in gathered]
         plan = build_save_plan(
@@ -284,8 +298,8 @@ class Saver:
             chunk_max_pieces=self.options.chunk_max_pieces,
             block_bytes=self.options.block_bytes,
         )
-        self._plan_cache = (signature, plan)
-        return plan, start["token"]
+        self._plan_cache = (signature, plan, digest)
+        return plan, start["token"], None
 
     @staticmethod
     def _direct_parts(mine: FilePlan | None, local):
