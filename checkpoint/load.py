@@ -47,7 +47,13 @@ from checkpoint.planner import (
     row_bytes,
 )
 from checkpoint.shards import ShardInfo
-from checkpoint.stfile import chunk_checksum, open_regular, read_header_fd, read_regular
+from checkpoint.stfile import (
+    block_crc32c,
+    chunk_checksum,
+    open_regular,
+    read_header_fd,
+    read_regular,
+)
 
 log = logging.getLogger("checkpoint.load")
 
@@ -87,8 +93,8 @@ class Checkpoint:
         self.manifest = manifest
         self.stats = LoadStats()
         self._handles: dict[str, _OpenFile] = {}
-        self._checked: set[tuple[str, str, int]] = set()
-        """(file, key, block) of the verify blocks checked so far (each is read once)."""
+        self._checked: dict[tuple[str, str], set[int]] = {}
+        """The verify blocks of each chunk (file, key) checked so far (each is read once)."""
 
     @classmethod
     def open(cls, path: str) -> Checkpoint:
@@ -218,21 +224,25 @@ class Checkpoint:
         f, view = self._chunk_view(chunk, dtype)
         if not len(view):
             return torch.empty(chunk.sizes, dtype=dtype)[op.src]
-        per = entry.rows_per_block(chunk)
-        row = row_bytes(chunk.sizes, dtype.itemsize)
-        rows = op.src[0] if chunk.sizes else slice(0, 1)
-        crcs = entry.block_crcs(chunk)
-        check = chunk_checksum(self.manifest.version)
-        for b in blocks_for_rows(rows, per):
-            if (chunk.file, chunk.key, b) in self._checked:
-                continue
-            part = view[b * per * row : (b + 1) * per * row]
+        block = entry.rows_per_block(chunk) * row_bytes(chunk.sizes, dtype.itemsize)
+        wanted = blocks_for_rows(
+            op.src[0] if chunk.sizes else slice(0, 1), entry.rows_per_block(chunk)
+        )
+        done = self._checked.setdefault((chunk.file, chunk.key), set())
+        todo = [b for b in wanted if b not in done]
+        # Runs of consecutive blocks, each checked in one call.
+        for first, last in _runs(todo):
+            part = view[first * block : (last + 1) * block]
             self.stats.bytes_read += len(part)
-            if check(part) != crcs[b]:
+            if self.manifest.version >= 3:
+                ok = block_crc32c(part, block) == entry.crc32[chunk.key][8 * first : 8 * (last + 1)]
+            else:  # one block: the whole chunk
+                ok = chunk_checksum(self.manifest.version)(part) == entry.crc32[chunk.key]
+            if not ok:
                 raise CorruptCheckpointError(
                     f"{f.path}: {chunk.key}: checksum mismatch (corrupted data)"
                 )
-            self._checked.add((chunk.file, chunk.key, b))
+            done.update(range(first, last + 1))
         return torch.frombuffer(view, dtype=dtype).view(chunk.sizes)[op.src]
 
     def _read_chunk(self, chunk: SavedChunk, dtype: torch.dtype) -> torch.Tensor:
@@ -269,6 +279,17 @@ class Checkpoint:
         t = torch.frombuffer(view, dtype=dtype).view(chunk.sizes)[src]
         self.stats.bytes_read += t.numel() * dtype.itemsize
         return t
+
+
+def _runs(blocks: list[int]) -> list[tuple[int, int]]:
+    """Runs of consecutive numbers in an ascending list, as (first, last)."""
+    out: list[tuple[int, int]] = []
+    for b in blocks:
+        if out and out[-1][1] == b - 1:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((b, b))
+    return out
 
 
 def load_latest(
