@@ -97,7 +97,7 @@ PARTS = ("detect", "abort", "stop", "rendezvous", "spawn", "pg_init", "state_tra
 
 def job_dict(out: str, steps: int, *, nodes: int, nproc: int, parallel: dict, mode: str,
              spare_room: bool = False, ttl: float = 3.0, replicas: bool = False,
-             standby: int = 1) -> dict:  # fmt: skip
+             standby: int = 1, reform_grace: float | None = None) -> dict:  # fmt: skip
     raw = {
         "name": JOB,
         "output_dir": out,
@@ -115,6 +115,8 @@ def job_dict(out: str, steps: int, *, nodes: int, nproc: int, parallel: dict, mo
     if mode == "inprocess":
         raw["restart"]["scale_up"] = "immediate"  # the newcomer joins at once
         raw["restart"]["standby"] = standby
+        if reform_grace is not None:
+            raw["rendezvous"]["reform_grace"] = reform_grace
     if replicas:
         raw["checkpoint"].update(memory_replicas=1, memory_every=1)
     return raw
@@ -179,7 +181,8 @@ def _transfer_line(out: str) -> str | None:
     return best[1] if best else None
 
 
-def run_elasticd(base: str, case: str, *, steps: int, kill_step: int, limit: float) -> dict:
+def run_elasticd(base: str, case: str, *, steps: int, kill_step: int, limit: float,
+                 reform_grace: float | None = None) -> dict:  # fmt: skip
     from elasticd.etcd import connect
     from elasticd.jobs import JobRegistry
     from elasticd.jobspec import parse_job
@@ -195,7 +198,8 @@ def run_elasticd(base: str, case: str, *, steps: int, kill_step: int, limit: flo
         steps = max(steps, 100_000)  # outlasts the standby's start; cancelled once measured
     job = parse_job(job_dict(out, steps, nodes=nodes, nproc=nproc, parallel=parallel, mode=mode,
                              spare_room=case == "newcomer", replicas=case in REPLICA_CASES,
-                             standby=0 if case == "replace-cold" else 1))  # fmt: skip
+                             standby=0 if case == "replace-cold" else 1,
+                             reform_grace=reform_grace))  # fmt: skip
     metrics = os.path.join(out, "metrics.jsonl")
     world = nodes * nproc
     with LocalCluster(base_dir=os.path.join(base, "cluster"), nproc=nproc) as cluster:
@@ -366,8 +370,9 @@ def summarize(results: dict[str, list[dict]]) -> list[dict]:
     for row in rows:
         for base in ("torchrun", "process"):
             # The newcomer's time measures a join, and a worker's kill is not a node's: no ratio.
-            if ("median" in row and base in medians and row["case"] != base
-                    and row["case"] != "newcomer" and row["case"] not in WORKER_CASES):  # fmt: skip
+            kind = row["case"].split("@")[0]
+            if ("median" in row and base in medians and kind != base
+                    and kind != "newcomer" and kind not in WORKER_CASES):  # fmt: skip
                 row[f"vs_{base}"] = medians[base] / row["median"]
     return rows
 
@@ -382,10 +387,20 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--cases", default=",".join(CASES), help=f"any of {','.join(CASES)}")
     p.add_argument("--json", help="also write every run and the summary here")
+    p.add_argument("--reform-grace", default="",
+                   help="comma-separated rendezvous.reform_grace values: each in-process "
+                        "case runs once per value, as CASE@VALUE (default: the job's default)")  # fmt: skip
     args = p.parse_args()
-    cases = [c for c in args.cases.split(",") if c]
-    if bad := [c for c in cases if c not in CASES]:
+    names = [c for c in args.cases.split(",") if c]
+    if bad := [c for c in names if c not in CASES]:
         p.error(f"unknown case(s) {bad}; known: {','.join(CASES)}")
+    graces = [float(g) for g in args.reform_grace.split(",") if g]
+    variants: dict[str, tuple[str, float | None]] = {}
+    for c in names:
+        inproc = SETUPS[c][3] == "inprocess" and c != "torchrun"
+        for g in graces if graces and inproc else [None]:
+            variants[c if g is None else f"{c}@{g:g}"] = (c, g)
+    cases = list(variants)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     print(f"recovery: SIGKILL of a node at step {args.kill_step} -> first step of the re-formed "
           "world, seconds (newcomer: its agent started -> first step of the larger world)")  # fmt: skip
@@ -395,10 +410,11 @@ def main() -> int:
         for case in cases:
             kw = {"steps": args.steps, "kill_step": args.kill_step, "limit": args.limit}
             with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
-                if case == "torchrun":
+                base, grace = variants[case]
+                if base == "torchrun":
                     res = run_torchrun(os.path.join(tmp, "t"), **kw)
                 else:
-                    res = run_elasticd(os.path.join(tmp, "e"), case, **kw)
+                    res = run_elasticd(os.path.join(tmp, "e"), base, reform_grace=grace, **kw)
             res["load"] = os.getloadavg()[0]
             results[case].append(res)
             if "error" in res:
