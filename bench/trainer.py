@@ -175,6 +175,57 @@ def activation_memory(args: argparse.Namespace) -> None:
         print(f"{name:>28}: {mib:8.1f} MiB/rank  {mib / ref:5.2f}x")
 
 
+def optimizer_worker(cfg: dict) -> None:
+    """One step with ``parallel.zero`` as asked, then the bytes this rank holds for the
+    optimizer (AdamW state and main parameters that are copies) and for the gradients."""
+    import torch.distributed as dist
+
+    from elasticd.jobspec import parse_job
+    from elasticd.layout import plan
+    from trainer.parallel.context import ParallelContext, slot_of
+    from trainer.parallel.groups import ProcessGroups
+    from trainer.train import Trainer
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    job = parse_job(cfg["job"])
+    layout = plan(world, job)
+    groups = ProcessGroups.build(layout, rank=rank)
+    trainer = Trainer(job=job, layout=layout, ctx=ParallelContext.from_groups(groups),
+                      dp_rank=groups.index("dp"), model_groups=(slot_of(groups, "tp-dp-cp"),))  # fmt: skip
+    r = trainer.train_step()
+    print("BENCH " + json.dumps({
+        "rank": rank, "opt_bytes": trainer.main.optimizer_bytes(trainer.optimizer),
+        "grad_bytes": sum(s.nbytes for s in trainer.grad_syncs), "loss": r.loss,
+        "params": sum(q.numel() for q in trainer.params),
+    }), flush=True)  # fmt: skip
+    trainer.close()
+    dist.destroy_process_group()
+
+
+def optimizer_memory(args: argparse.Namespace) -> None:
+    """Optimizer memory per rank, ``parallel.zero`` 0 against 1 at dp = 1, 2, 4, in fp32 and
+    bf16 (issue 14): AdamW's moments and the fp32 main parameters that are copies (bf16; in
+    fp32 they are the model's own storage), and the gradient buffers. ZeRO-1 shards the
+    former over dp, not the gradients (ZeRO-2 would)."""
+    print("\n== optimizer memory per rank (largest rank), parallel.zero 0 vs 1")
+    print(f"{'dtype':>9} {'dp':>3} {'zero':>5} {'optimizer MiB':>14} {'vs zero0 dp1':>13} "
+          f"{'grad buffers MiB':>17} {'final loss':>11}")  # fmt: skip
+    for dtype in ("float32", "bfloat16"):
+        base = None
+        for dp in (1, 2, 4):
+            for zero in (0, 1):
+                job = job_dict(args, world=dp, tp=1)
+                job["parallel"] = {"zero": zero}
+                job["train"].update(dtype=dtype, steps=1)
+                rs = launch({"job": job, "optimizer": True}, dp)
+                opt = max(r["opt_bytes"] for r in rs) / 2**20
+                grads = max(r["grad_bytes"] for r in rs) / 2**20
+                base = base or opt
+                print(f"{dtype:>9} {dp:>3} {zero:>5} {opt:>14.2f} {opt / base:>12.2f}x "
+                      f"{grads:>17.2f} {rs[0]['loss']:>11.6f}")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -198,15 +249,23 @@ def main() -> None:
     ap.add_argument("--gpu-seq-len", type=int, default=1024)
     ap.add_argument("--gpu-layers", type=int, default=0, help="0: GPT-2 small's 12")
     ap.add_argument("--gpu-fp32", action="store_true", help="also the trainer in fp32+TF32")
+    ap.add_argument("--optimizer-only", action="store_true",
+                    help="only the optimizer memory per rank (parallel.zero 0 vs 1)")  # fmt: skip
     args = ap.parse_args()
     if args.worker:
         cfg = json.loads(args.worker)
+        if cfg.get("optimizer"):
+            optimizer_worker(cfg)
+            return
         (activation_worker if cfg.get("activations") else worker)(cfg)
         return
     if args.device == "cuda":
         from trainer_gpu import main_cuda
 
         raise SystemExit(main_cuda(args))
+    if args.optimizer_only:
+        optimizer_memory(args)
+        return
     tokens = args.global_batch * args.seq_len
     print(f"model: layers {args.layers}, hidden {args.hidden}, vocab {args.vocab}, seq "
           f"{args.seq_len}; {tokens} tokens per step; {os.cpu_count()} CPU cores; gloo")  # fmt: skip
@@ -241,6 +300,7 @@ def main() -> None:
     if abs(a - b) > 1e-5 * abs(a):
         raise SystemExit(f"bucketed and naive runs disagree: final loss {b} vs {a}")
     activation_memory(args)
+    optimizer_memory(args)
 
 
 if __name__ == "__main__":

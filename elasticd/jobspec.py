@@ -482,6 +482,8 @@ def _check(job: JobSpec, where: str) -> None:
             f"{where}: parallel.sp: model.seq_len ({m.seq_len}) is not a multiple of "
             f"parallel.tp ({p.tp})"
         )
+    if p.zero not in (0, 1):
+        raise JobSpecError(f"{where}: parallel.zero: {p.zero} must be 0 or 1")
     if job.command is None and p.cp > 1:
         raise JobSpecError(
             f"{where}: parallel.cp: {p.cp}: the built-in trainer has no context parallelism "

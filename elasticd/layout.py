@@ -138,6 +138,9 @@ class ParallelConfig:
     sp: bool = False
     """Sequence parallelism (needs tp > 1): activations outside the tensor-parallel regions
     are split along the sequence over the tp group. It changes no rank group."""
+    zero: int = 0
+    """Distributed optimizer: 1 shards the fp32 main parameters and AdamW state over data
+    parallelism (ZeRO-1); 0 replicates them. It changes no rank group."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "vpp", "cp", "ep"):

@@ -173,8 +173,8 @@ class Main:
     param: nn.Parameter
     """The model's parameter (the dtype the model computes in, whole)."""
     tensor: nn.Parameter
-    """The optimizer's fp32 values: ``param`` itself when fp32 and not sharded, else a copy
-    of rows ``rows`` of it."""
+    """The optimizer's fp32 values: ``param`` itself when fp32 and not sharded, a view of
+    rows ``rows`` of it when fp32 and sharded, else an fp32 copy of those rows."""
     rows: tuple[int, int]
     """The rows of ``param`` that ``tensor`` holds."""
     info: ShardInfo | None
@@ -197,14 +197,16 @@ class MainParams:
                 for p in params:
                     self._sync_of[id(p)] = sync
                     self.entries.append(self._make(sync, p))
-        self.sharded = any(sync.shard for sync, _ in chunks)
 
     @staticmethod
     def _make(sync: GradSync, p: nn.Parameter) -> Main:
         start, stop = sync.rows(p)
-        whole = (start, stop) == (0, p.shape[0])
-        if whole and p.dtype == torch.float32 and not sync.shard:
+        if p.dtype == torch.float32 and not sync.shard:
             tensor = p
+        elif p.dtype == torch.float32:
+            # Rows of dim 0 are contiguous: the main shard is a view of the model's own
+            # storage, so AdamW updates those rows in place and fp32 costs no second copy.
+            tensor = nn.Parameter(p.detach()[start:stop])
         else:
             tensor = nn.Parameter(p.detach()[start:stop].to(torch.float32, copy=True))
         return Main(param=p, tensor=tensor, rows=(start, stop), info=_rows_box(p.shard_info, start, stop),
@@ -250,7 +252,7 @@ class MainParams:
             sync = self._sync_of[id(m.param)]
             if sync.shard:
                 gathers.setdefault(sync, {})[id(m.param)] = m.tensor
-            elif m.tensor is not m.param:
+            elif not _shares(m):
                 m.param.copy_(m.tensor)
         for sync, shards in gathers.items():
             sync.gather(shards)
@@ -260,8 +262,25 @@ class MainParams:
         """Copy the model's parameters into the main ones (after something wrote the
         model directly, e.g. ``model.init_from``)."""
         for m in self.entries:
-            if m.tensor is not m.param:
+            if not _shares(m):
                 m.tensor.copy_(m.param[m.rows[0] : m.rows[1]])
+
+    def optimizer_bytes(self, optimizer: torch.optim.Optimizer) -> int:
+        """Bytes this rank holds for the optimizer: AdamW's state, and the main parameters
+        that are copies rather than the model's own storage."""
+        total = 0
+        for m in self.entries:
+            if not _shares(m):
+                total += m.tensor.numel() * m.tensor.element_size()
+            for value in optimizer.state.get(m.tensor, {}).values():
+                if isinstance(value, torch.Tensor) and value.dim():
+                    total += value.numel() * value.element_size()
+        return total
+
+
+def _shares(m: Main) -> bool:
+    """Whether a main parameter is (a view of) its model parameter's storage."""
+    return m.tensor.untyped_storage().data_ptr() == m.param.untyped_storage().data_ptr()
 
 
 def _rows_box(info: ShardInfo, start: int, stop: int) -> ShardInfo | None:

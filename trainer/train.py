@@ -180,11 +180,12 @@ class Trainer:
             self.pipeline.mark_tied_replicas(self.params, name=self._tied_name)
             self.model_groups = (*model_groups, self.pipeline.slot)
         bucket_bytes = max(1, int(t.bucket_mb * (1 << 20)))
+        zero = job.parallel.zero == 1
         # Gradients accumulate and reduce in fp32 whatever the model computes in.
         self.grad_syncs = [
             GradSync(list(c.parameters()), dense=ctx.dp_cp, expert=ctx.expert_dp,
                      divisor=layout.dp * p.cp, bucket_bytes=bucket_bytes, overlap=overlap_grads,
-                     grad_dtype=torch.float32)
+                     grad_dtype=torch.float32, shard=zero)
             for c in self.chunks
         ]  # fmt: skip
         self.main = MainParams(
@@ -300,10 +301,10 @@ class Trainer:
             sync_tied_grads([self.main.grad_of(q) for q in tied], group=self.pipeline.embedding)
         norm = self.main.grad_norm(groups=self.model_groups)
         mem_gb = self._peak_memory_gb()
-        # Every collective of the step comes before the optimizer step: a rank that applied
-        # it has nothing left to wait for, so a fault leaves each rank's main parameters
-        # wholly at step s or s+1 (in-process recovery picks a step every region is held
-        # at, and rebuilds the model from the main parameters).
+        # Every collective of the step but the ZeRO-1 all-gather comes before the optimizer
+        # step: a rank that applied it has nothing left to wait for, so a fault leaves each
+        # rank's main parameters wholly at step s or s+1 (in-process recovery picks a step
+        # every region is held at, and rebuilds the model from the main parameters).
         loss = self.local_loss()
         if self.ctx.dp_cp.active:
             dist.all_reduce(loss, group=self.ctx.dp_cp.group)

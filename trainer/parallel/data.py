@@ -35,7 +35,7 @@ How a gradient reaches its bucket depends on the parameter's dtype and on ``shar
   loss on each data-parallel rank is the mean over that rank's share of the global batch.
 
 ``overlap=False`` gives the naive baseline for the benchmark: one blocking all-reduce per
-parameter after backward (one blocking reduce-scatter per bucket when sharded).
+parameter after backward (sharded: every bucket's reduce-scatter, after backward).
 """
 
 from __future__ import annotations
@@ -47,6 +47,10 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.parallel.context import GroupSlot
+
+# torch 2.13 renamed the flat collectives (the old names warn); older torch has only those.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def dim0_rows(rows: int, parts: int, index: int) -> tuple[int, int]:
@@ -169,6 +173,16 @@ class GradSync:
 
     # -- where the reduced gradients are -------------------------------------------------
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of gradient storage this rank holds (buckets and reduce-scatter outputs)."""
+        total = 0
+        for b in self.buckets:
+            total += b.buffer.numel() * b.buffer.element_size()
+            if b.recv is not None and b.recv is not b.buffer:
+                total += b.recv.numel() * b.recv.element_size()
+        return total
+
     def rows(self, param: nn.Parameter) -> tuple[int, int]:
         """The rows of ``param`` whose reduced gradient this rank holds (all of them
         unless sharded)."""
@@ -260,9 +274,7 @@ class GradSync:
             return
         group = bucket.slot.group
         if self.shard:
-            bucket.handle = dist.reduce_scatter_tensor(
-                bucket.recv, bucket.buffer, group=group, async_op=True
-            )
+            bucket.handle = _reduce_scatter(bucket.recv, bucket.buffer, group=group, async_op=True)
         else:
             bucket.handle = dist.all_reduce(bucket.buffer, group=group, async_op=True)
 
@@ -304,8 +316,7 @@ class GradSync:
                 work.append((bucket, send, None))
                 continue
             out = torch.empty(size * bucket.part, dtype=p0.dtype, device=p0.device)
-            handle = dist.all_gather_into_tensor(out, send, group=bucket.slot.group,
-                                                 async_op=True)  # fmt: skip
+            handle = _all_gather(out, send, group=bucket.slot.group, async_op=True)
             work.append((bucket, out, handle))
         with torch.no_grad():
             for bucket, out, handle in work:
