@@ -3,7 +3,10 @@ of 3 agents over a 3-member etcd, through random faults of every kind, its losse
 against one-process runs of the same job.
 
 The short soak (each of the nine kinds once; 4 to 7 minutes through pytest on 2 cores, the
-references included) is in the default suite; the 20-minute one (30 faults) is `slow`. Both check what the soak is for:
+references included) and the 20-minute one (30 faults) are `slow`: each kind of fault has
+its own test in the default suite (tests/test_localcluster_faults.py,
+tests/test_agent_reliability.py, tests/test_inprocess.py), and `make test` stays near its
+15-minute budget. Both check what the soak is for:
 the job succeeds, every fault is recovered from, no committed checkpoint is lost or fails
 `elasticd ckpt verify`, every record's loss equals, within 1e-4, a one-process run resumed
 from the checkpoint its round resumed from, and every step computed twice agrees with its
@@ -114,6 +117,7 @@ def assert_soak_held(report: dict, *, faults: int) -> None:
         assert uninterrupted["mismatch_count"] == 0, uninterrupted["mismatches"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(2400)
 def test_a_short_chaos_soak_keeps_every_checkpoint_and_the_one_process_losses(tmp_path):
     report = soak(tmp_path, seed=1, minutes=3)
