@@ -170,10 +170,9 @@ def _split(extent: int, parts: int) -> list[tuple[int, int]]:
 
 
 def chunk_grid(box: Box, *, itemsize: int, min_bytes: int, max_pieces: int = 4) -> list[Box]:
-    """Split a region into a grid over its first two dimensions, each piece >= ``min_bytes``.
-
-    Loads verify each piece's checksum, so a piece is the unit a resharded load reads
-    whole. A grid (not strips) keeps that exact for later splits along either dimension.
+    """Split a region into a grid over its first two dimensions, each piece >= ``min_bytes``:
+    the chunks format version 2 wrote (each checked whole). Version 3 writes
+    :func:`strip_grid`; this stays for arithmetic on older checkpoints' layouts.
     """
     offsets, sizes = box
     pieces = [1] * len(sizes)
@@ -204,7 +203,7 @@ def chunk_grid(box: Box, *, itemsize: int, min_bytes: int, max_pieces: int = 4) 
     return grid
 
 
-def strip_grid(box: Box, *, itemsize: int, min_bytes: int, max_pieces: int = 16) -> list[Box]:
+def strip_grid(box: Box, *, itemsize: int, min_bytes: int, max_pieces: int = 8) -> list[Box]:
     """Split a region into strips along its second dimension (format version 3), each of
     at least ``min_bytes`` and at most ``max_pieces`` of them; a region of fewer than two
     dimensions is one piece.

@@ -62,9 +62,10 @@ class SaveOptions:
     chunk_min_bytes: int = 128 << 10
     """Smallest stored chunk (a strip of a region along its second dimension); a load that
     needs some of a region's columns reads the strips holding them."""
-    chunk_max_pieces: int = 16
+    chunk_max_pieces: int = 8
     """Most strips per written region. More, narrower strips make a reshard that cuts
-    columns read less beyond what it needs, but cost per chunk on every save and load
+    columns read less beyond what it needs, but make every copy between a strip and a
+    tensor (the save's gather, the load's scatter) one of shorter rows, which is slower
     (docs/checkpoint-format.md, Speed)."""
     block_bytes: int = 16 << 10
     """About how many bytes (whole rows) each CRC-32C of a chunk covers: the unit a

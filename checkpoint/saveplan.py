@@ -116,7 +116,7 @@ def build_save_plan(
     per_rank: Sequence[Sequence[LocalEntry]],
     *,
     chunk_min_bytes: int,
-    chunk_max_pieces: int = 16,
+    chunk_max_pieces: int = 8,
     block_bytes: int = 16 << 10,
 ) -> SavePlan:
     """Deduplicate replicas, balance the writers, and lay out each rank's file: each
