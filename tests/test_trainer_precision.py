@@ -118,7 +118,8 @@ def test_bf16_gradients_are_accumulated_over_micro_batches_in_fp32(tmp_path):
 
 
 class _Linears(TorchFunctionMode):
-    """Records the dtypes of every ``F.linear`` call (observed, not patched)."""
+    """Records the dtypes of every ``F.linear``, ``bmm`` and ``baddbmm`` call (observed, not
+    patched)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -127,6 +128,8 @@ class _Linears(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func is torch.nn.functional.linear:
             self.seen.append((args[0].dtype, args[1].dtype))
+        elif func in (torch.bmm, torch.baddbmm):  # experts run batched (parallel/expert.py)
+            self.seen.append((args[-2].dtype, args[-1].dtype))
         return func(*args, **(kwargs or {}))
 
 

@@ -1,10 +1,21 @@
 """Layout-independent initialisation: every parameter from its global name and the seed.
 
-A parameter's values are a pure function of ``(seed, global name, global shape, rule)``.
-Each rank generates the whole global tensor with a generator seeded from a stable hash of
-the seed and the name, then cuts its shard; so every layout (any tp, ep, pp) starts from
-exactly the same global model (DESIGN.md, invariant 2). Generating the whole tensor costs
-memory for a moment, once, at start-up.
+A parameter's values are a pure function of ``(seed, global name, global shape, rule)``:
+the global tensor is the one ``torch.randn`` draws from a CPU generator seeded with a
+stable hash of the seed and the name (:func:`global_normal`), and a rank's shard is its
+region of it; so every layout (any tp, ep, pp) starts from exactly the same global model
+(DESIGN.md, invariant 2).
+
+**Per shard, in bounded memory** (:func:`normal_region`). No rank builds a whole
+parameter. CPU ``randn`` turns consecutive uniform draws into normals in independent blocks
+of 16 (Box-Muller within each block; a length that is not a multiple of 16 redraws its
+last 16), so drawing the stream in pieces whose lengths are multiples of 16, with the
+remainder in the last piece, gives the same floats as one call. Pieces before the shard's
+first element are skipped with ``uniform_``, which consumes the generator exactly as
+``randn``'s own uniforms do and costs less; drawing stops after its last element. Memory is
+the shard plus one piece (about 4 MiB); time still grows with the shard's position in the
+tensor, since the generator (mt19937) cannot jump ahead. ``tests/test_trainer_hotpath.py``
+checks it against the whole tensor, bit for bit, for pieces, tails and every split.
 
 Every parameter also carries its place in the global model:
 
@@ -17,6 +28,7 @@ Every parameter also carries its place in the global model:
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
 from torch import nn
@@ -35,6 +47,55 @@ def global_normal(seed: int, name: str, shape: tuple[int, ...], std: float) -> t
     """The whole global tensor ``name`` drawn from N(0, std²), identical on every rank."""
     gen = torch.Generator().manual_seed(name_seed(seed, name))
     return torch.randn(shape, generator=gen, dtype=torch.float32) * std
+
+
+PIECE = 1 << 20
+"""Elements drawn at a time by :func:`normal_region` (4 MiB of fp32)."""
+
+
+def normal_region(
+    seed: int,
+    name: str,
+    shape: tuple[int, ...],
+    std: float,
+    *,
+    dim: int = 0,
+    start: int = 0,
+    size: int | None = None,
+    piece: int = PIECE,
+) -> torch.Tensor:
+    """``global_normal(seed, name, shape, std).narrow(dim, start, size)``, bit for bit,
+    without the global tensor: see the module docstring."""
+    shape = tuple(shape)
+    if not shape:
+        return global_normal(seed, name, shape, std)
+    size = shape[dim] - start if size is None else size
+    outer, rows_per, inner = math.prod(shape[:dim]), shape[dim], math.prod(shape[dim + 1 :])
+    local_shape = (*shape[:dim], size, *shape[dim + 1 :])
+    local = torch.empty(local_shape, dtype=torch.float32)
+    total = math.prod(shape)
+    if local.numel() == 0:
+        return local
+    gen = torch.Generator().manual_seed(name_seed(seed, name))
+    unit = math.lcm(inner, 16)  # whole rows of ``inner`` and whole blocks of 16
+    step = max(1, piece // unit) * unit
+    first = start * inner  # the first element wanted (outer index 0)
+    end = ((outer - 1) * rows_per + start + size) * inner  # one past the last one
+    rows_out = local.view(-1, inner)
+    pos = 0
+    while pos < end:
+        final = total - pos < step + 16  # the rest in one draw, so its tail is randn's
+        n = total - pos if final else step
+        if pos + n <= first:
+            torch.empty(n).uniform_(generator=gen)  # skipped: the same draws, no normals
+        else:
+            drawn = torch.randn(n, generator=gen).view(-1, inner)
+            row = torch.arange(pos // inner, (pos + n) // inner)
+            o, r = row // rows_per, row % rows_per
+            keep = (r >= start) & (r < start + size)
+            rows_out[(o * size + r - start)[keep]] = drawn[keep]
+        pos += n
+    return local.mul_(std)
 
 
 def global_init(seed: int, name: str, shape: tuple[int, ...], std: float | None) -> torch.Tensor:
@@ -66,14 +127,19 @@ def sharded_param(
     expert: bool = False,
     dtype: torch.dtype = torch.float32,
 ) -> nn.Parameter:
-    """Part ``index`` of ``parts`` of global tensor ``name`` along ``dim`` (None: whole)."""
-    full = global_init(seed, name, tuple(global_shape), std)
+    """Part ``index`` of ``parts`` of global tensor ``name`` along ``dim`` (None: whole),
+    generated per shard (:func:`normal_region`)."""
+    shape = tuple(global_shape)
     if dim is None or parts == 1:
-        info = ShardInfo.whole(name, tuple(global_shape))
-        local = full
+        info = ShardInfo.whole(name, shape)
     else:
-        info = ShardInfo.split(name, tuple(global_shape), dim, index, parts)
-        local = full.narrow(dim, info.offsets[dim], info.sizes[dim])
+        info = ShardInfo.split(name, shape, dim, index, parts)
+    if std is None:
+        local = torch.zeros(info.sizes, dtype=torch.float32)
+    else:
+        d = 0 if dim is None or parts == 1 else dim
+        local = normal_region(seed, name, shape, std, dim=d, start=info.offsets[d] if shape else 0,
+                              size=info.sizes[d] if shape else None)  # fmt: skip
     param = nn.Parameter(local.to(dtype).contiguous())
     return annotate(param, info, tp_split=dim is not None and parts > 1, expert=expert)
 

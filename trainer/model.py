@@ -280,8 +280,9 @@ class OutputLayer(nn.Module):
         else:
             logits = F.linear(copy_to(x, self.slot), w)
         start = self.slot.rank * w.shape[0]
+        # The logits are this call's own: the loss may overwrite them rather than copy.
         return vocab_parallel_cross_entropy(
-            logits, targets, start=start, vocab=self.vocab, slot=self.slot
+            logits, targets, start=start, vocab=self.vocab, slot=self.slot, inplace=True
         )
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,10 @@ Per MoE layer and micro-batch:
 3. exchange the counts (an all-to-all of E integers), then the token rows themselves with
    variable split sizes, so each rank receives the rows for its own experts;
 4. run each local expert on its rows (every expert runs, with zero rows if need be, so all
-   parameters take part in backward and the gradient buckets always fill);
+   parameters take part in backward and the gradient buckets always fill): as one batched
+   matmul per linear over a ``(local experts, most rows, hidden)`` grid, zero-padded, when
+   that padding is bounded (``batch_slack``: at most 2× the rows), else one matmul per
+   expert; with etp > 1 the tp conjugates run once for all local experts, not once each;
 5. send the outputs back the same way, undo the sort, and sum the k weighted outputs.
 
 Expert tensor parallelism: etp may be 1 or equal to tp.
@@ -50,7 +53,16 @@ from torch.autograd import Function
 
 from trainer.init import sharded_param
 from trainer.parallel.context import GroupSlot, ParallelContext
-from trainer.parallel.tensor import ColumnParallelLinear, RowParallelLinear, reduce_from
+from trainer.parallel.tensor import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    copy_to,
+    reduce_from,
+)
+
+BATCH_SLACK = 2.0
+"""Run the local experts as batched matmuls when the padded grid has at most this many
+times the real rows (balanced routing pads little; one hot expert would pad a lot)."""
 
 
 class _AllToAll(Function):
@@ -190,6 +202,7 @@ class MoE(nn.Module):
         self.num_experts, self.top_k = experts, top_k
         self.aux_scale = 0.0
         self.last_aux: torch.Tensor | None = None
+        self.batch_slack = BATCH_SLACK
         self.ctx = ctx
         # Tokens are split over tp inside the layer only when the experts are not tp-split;
         # under sequence parallelism they arrive split, and tp-split experts gather them.
@@ -267,20 +280,50 @@ class MoE(nn.Module):
             rows = _AllToAll.apply(rows, recv, send, ep.group)
             regroup = regroup_by_expert(recv_counts, local=self.local, ep=ep.size)
             rows = rows[regroup]
-            per_expert = recv_counts.view(ep.size, self.local).sum(0).tolist()
+            local_counts = recv_counts.view(ep.size, self.local).sum(0)
         else:
-            per_expert = counts.tolist()
-        outs = [
-            expert(chunk)
-            for expert, chunk in zip(self.experts.values(), rows.split(per_expert), strict=True)
-        ]
-        out_rows = torch.cat(outs) if outs else rows
+            local_counts = counts
+        out_rows = self.run_experts(rows, local_counts, local_counts.tolist())
         if ep.active:
             out_rows = out_rows[torch.argsort(regroup)]
             out_rows = _AllToAll.apply(out_rows, send, recv, ep.group)
         w = weights.reshape(-1)[order].unsqueeze(-1)
         out = xf.new_zeros(n_tokens, xf.shape[-1])
         return out.index_add(0, token_of, out_rows * w)
+
+    def run_experts(
+        self, rows: torch.Tensor, counts: torch.Tensor, per_expert: list[int]
+    ) -> torch.Tensor:
+        """Every local expert on its run of ``rows`` (sorted by local expert; ``counts`` on
+        the rows' device, ``per_expert`` the same on the host)."""
+        experts = list(self.experts.values())
+        n, most = rows.shape[0], max(per_expert, default=0)
+        if len(experts) > 1 and n and len(experts) * most <= self.batch_slack * n:
+            return self._batched(experts, rows, counts, most)
+        outs = [e(chunk) for e, chunk in zip(experts, rows.split(per_expert), strict=True)]
+        return torch.cat(outs) if outs else rows
+
+    def _batched(
+        self, experts: list[Expert], rows: torch.Tensor, counts: torch.Tensor, most: int
+    ) -> torch.Tensor:
+        """The experts' MLPs as batched matmuls over a zero-padded ``(E, most, h)`` grid.
+        Padding rows are computed and dropped (no gradient reaches them); indexes are built
+        on the rows' device from device counts, so nothing waits on the host."""
+        e, (n, h) = len(experts), rows.shape
+        etp = self.ctx.etp
+        dev = rows.device
+        expert_of = torch.repeat_interleave(torch.arange(e, device=dev), counts, output_size=n)
+        first = torch.cumsum(counts, 0) - counts
+        slot = expert_of * most + torch.arange(n, device=dev) - first[expert_of]
+        x = copy_to(rows, etp)  # once for every expert's column-parallel fc1
+        grid = x.new_zeros(e * most, h).index_copy(0, slot, x).view(e, most, h)
+        w1 = torch.stack([m.fc1.weight.reshape(-1, h) for m in experts])  # (E, ffn/etp, h)
+        b1 = torch.stack([m.fc1.bias.reshape(-1) for m in experts])
+        y = F.gelu(torch.baddbmm(b1.unsqueeze(1), grid, w1.transpose(1, 2)), approximate="tanh")
+        w2 = torch.stack([m.fc2.weight for m in experts])  # (E, h, ffn/etp)
+        z = torch.bmm(y, w2.transpose(1, 2)).view(e * most, h)[slot]
+        z = reduce_from(z, etp)  # once for every expert's row-parallel fc2
+        return z + torch.stack([m.fc2.bias for m in experts])[expert_of]
 
     def _aux_loss(self, logits: torch.Tensor, top_idx: torch.Tensor) -> torch.Tensor:
         """Switch-style load balance: E · Σ_e (share of assignments to e) · (mean prob of e)."""

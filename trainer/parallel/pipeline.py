@@ -1,12 +1,26 @@
 """The pipeline executor: runs one stage's schedule (:mod:`schedule`) with real tensors.
 
-Each maximal run of transfers in the action list is posted as one ``batch_isend_irecv``
-and waited for as a whole, the way Megatron's ``communicate()`` does; the simulator in the
-tests proves the schedules cannot deadlock under exactly those semantics, and that each
-pair of stages sends and receives the same tensors in the same order (so untagged FIFO
-matching, as NCCL and gloo do it, pairs them correctly). Receive buffers are allocated
-from a shape known in advance: every activation and gradient crossing a stage boundary
-is the hidden state of one micro-batch.
+Each maximal run of transfers in the action list is posted as one ``batch_isend_irecv``,
+the way Megatron's ``communicate()`` does, at the point the schedule puts it; the simulator
+in the tests proves the schedules cannot deadlock when every batch is waited for as a
+whole right after it is posted, and that each pair of stages sends and receives the same
+tensors in the same order (so untagged FIFO matching, as NCCL and gloo do it, pairs them
+correctly). Receive buffers are allocated from a shape known in advance: every activation
+and gradient crossing a stage boundary is the hidden state of one micro-batch.
+
+**Waits are deferred** to where they matter: a received tensor's batch is waited for just
+before the compute that reads it, and a batch's sends are waited for when the next batch
+is posted (or at the end of the step), so computes run while sends drain. Batches are
+posted in the same order and at the same points, and every wait comes no earlier than in
+the wait-at-once model the simulator checks, so its deadlock proof still holds (a rank
+only ever waits for less, later). On NCCL a wait only orders the compute stream after the
+transfer, so the host never blocks on one.
+
+**Sent activations are freed once sent** (Megatron's ``deallocate_output_tensor``): after
+a chunk's output is posted, the stashed output keeps only its autograd graph (its data is
+swapped for an empty tensor), and the transfer's own reference is the last one, dropped when
+the send is waited for. Its backward then runs through the autograd engine directly, since
+the output's shape no longer matches its gradient's.
 
 Memory: a micro-batch's stashed input and output are dropped at its backward, so a stage
 holds at most what the schedule keeps in flight (pp − s micro-batches for 1F1B; the tests
@@ -84,6 +98,26 @@ class Wire:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # and device
 
 
+@dataclass(slots=True, eq=False)
+class _Posted:
+    """One posted batch of transfers: its works and the tensors they read or write.
+
+    Each work is waited for once (a gloo receive waited for twice blocks for good)."""
+
+    works: list[dist.Work | None]
+    sending: list[torch.Tensor]  # kept alive until the sends are waited for
+
+    def wait_one(self, index: int) -> None:
+        work, self.works[index] = self.works[index], None
+        if work is not None:
+            work.wait()
+
+    def wait(self) -> None:
+        for i in range(len(self.works)):
+            self.wait_one(i)
+        self.sending = []
+
+
 @dataclass(slots=True, kw_only=True)
 class StepResult:
     """What one pipelined step produced on this rank."""
@@ -110,18 +144,35 @@ def run_step(
     backwards_left = [plan.microbatches] * plan.vpp
     stash: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
     to_send: dict[tuple[Op, int, int], torch.Tensor] = {}
-    received: dict[tuple[Op, int, int], torch.Tensor] = {}
+    received: dict[tuple[Op, int, int], tuple[torch.Tensor, _Posted, int | None]] = {}
+    posted: list[_Posted] = []
     losses: dict[int, torch.Tensor] = {}
     peak = 0
+
+    def take(key: tuple[Op, int, int]) -> torch.Tensor:
+        buf, batch, index = received.pop(key)
+        # Just before its first use: its own transfer where the backend gives one work per
+        # transfer (gloo), else the whole batch (NCCL coalesces a batch into one work).
+        if index is not None:
+            batch.wait_one(index)
+        else:
+            batch.wait()
+        return buf
+
     for item in comm_batches(plan.actions()):
         if isinstance(item, list):
-            _exchange(item, wire=wire, to_send=to_send, received=received)
+            for batch in posted:  # the sends of earlier batches have drained meanwhile
+                batch.wait()
+            posted = [_exchange(item, wire=wire, to_send=to_send, received=received)]
+            for act in item:
+                if act.op is Op.SEND_ACT:
+                    _free_sent(stash[(act.chunk, act.microbatch)][1])
             continue
         key = (item.chunk, item.microbatch)
         if item.op is Op.FORWARD:
             inp = None
             if not plan.is_first_virtual(item.chunk):
-                inp = received.pop((Op.RECV_ACT, *key)).requires_grad_()
+                inp = take((Op.RECV_ACT, *key)).requires_grad_()
             out = forward(item.chunk, item.microbatch, inp)
             if plan.is_last_virtual(item.chunk):
                 if out.dim() != 0:
@@ -141,8 +192,7 @@ def run_step(
         if plan.is_last_virtual(item.chunk):
             torch.autograd.backward(out)
         else:
-            grad = received.pop((Op.RECV_GRAD, *key))
-            torch.autograd.backward(out, grad_tensors=grad)
+            _backward(out, take((Op.RECV_GRAD, *key)))
         del out
         if inp is not None:
             if inp.grad is None:
@@ -150,9 +200,29 @@ def run_step(
             to_send[(Op.SEND_GRAD, *key)] = inp.grad
         if last and after_chunk_backward is not None:
             after_chunk_backward(item.chunk)
+    for batch in posted:
+        batch.wait()
     if stash or to_send or received:
         raise PipelineError("pipeline step ended with tensors left over (schedule bug)")
     return StepResult(losses=[losses[i] for i in sorted(losses)], peak_stashed=peak)
+
+
+def _backward(out: torch.Tensor, grad: torch.Tensor) -> None:
+    """``out.backward(grad)`` for an output whose data may have been freed once sent: the
+    engine checks the gradient against the shape the graph recorded, not against ``out``."""
+    if out.shape == grad.shape:
+        torch.autograd.backward(out, grad_tensors=grad)
+        return
+    torch.autograd.Variable._execution_engine.run_backward(
+        (out,), (grad,), False, False, (), True, True
+    )  # tensors, grads, keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad
+
+
+def _free_sent(out: torch.Tensor) -> None:
+    """Keep only the graph of a chunk output that has been posted (the send holds the
+    data). A view shares its base's storage, so only a base is freed."""
+    if out._base is None and out.requires_grad:
+        out.data = torch.empty((0,), dtype=out.dtype, device=out.device)
 
 
 def _exchange(
@@ -160,21 +230,27 @@ def _exchange(
     *,
     wire: Wire,
     to_send: dict[tuple[Op, int, int], torch.Tensor],
-    received: dict[tuple[Op, int, int], torch.Tensor],
-) -> None:
-    """Post one batch of sends and receives together, then wait for all of it."""
-    ops = []
+    received: dict[tuple[Op, int, int], tuple[torch.Tensor, _Posted, int | None]],
+) -> _Posted:
+    """Post one batch of sends and receives together; the caller waits for it later."""
+    ops, sending, recvs = [], [], []  # recvs: (key, buffer, index of its op)
     for act in batch:
         peer = wire.ranks[act.peer]
         key = (act.op, act.chunk, act.microbatch)
         if act.op in (Op.SEND_ACT, Op.SEND_GRAD):
-            ops.append(dist.P2POp(dist.isend, to_send.pop(key).contiguous(), peer, wire.group))
+            t = to_send.pop(key).contiguous()
+            sending.append(t)
+            ops.append(dist.P2POp(dist.isend, t, peer, wire.group))
         else:
             buf = torch.empty(wire.shape, dtype=wire.dtype, device=wire.device)
-            received[key] = buf
+            recvs.append((key, buf, len(ops)))
             ops.append(dist.P2POp(dist.irecv, buf, peer, wire.group))
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
+    works = list(dist.batch_isend_irecv(ops))
+    out = _Posted(works=works, sending=sending)
+    per_op = len(works) == len(ops)
+    for key, buf, i in recvs:
+        received[key] = (buf, out, i if per_op else None)
+    return out
 
 
 def _check_shape(t: torch.Tensor, wire: Wire, *, what: str) -> None:

@@ -40,7 +40,7 @@ from torch import nn
 from torch.autograd import Function
 
 from checkpoint.shards import ShardInfo
-from trainer.init import annotate, global_init, sharded_param
+from trainer.init import annotate, normal_region, sharded_param
 from trainer.parallel.context import GroupSlot
 
 
@@ -285,9 +285,9 @@ def vocab_param(
     per = padded_vocab(vocab, slot.size) // slot.size
     start = slot.rank * per
     real = max(0, min(start + per, vocab) - start)
-    full = global_init(seed, name, (vocab, hidden), 0.02)
     local = torch.zeros(per, hidden, dtype=torch.float32)
-    local[:real] = full[start : start + real]
+    if real:
+        local[:real] = normal_region(seed, name, (vocab, hidden), 0.02, start=start, size=real)
     info = ShardInfo(name, (vocab, hidden), (min(start, vocab), 0), (real, hidden))
     return annotate(nn.Parameter(local.to(dtype)), info, tp_split=slot.active)
 
@@ -323,46 +323,68 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class _VocabParallelCrossEntropy(Function):
+    """The loss from this rank's logits columns, holding at most one fp32 copy of them.
+
+    One fp32 working tensor (the fp32 cast of bf16 logits; a clone of fp32 ones, or, with
+    ``inplace``, the fp32 input itself, which the head's output may give up since nothing
+    else keeps it) is shifted, exponentiated and normalised in place into the softmax that
+    backward needs, and backward turns that softmax into the gradient in place (so it runs
+    once; a second backward through the same graph is refused). No step waits on the host:
+    the padding columns are known from shapes.
+    """
+
     @staticmethod
-    def forward(ctx, logits, target, start: int, vocab: int, group):
-        logits = logits.float()
-        n = logits.shape[-1]
+    def forward(ctx, logits, target, start: int, vocab: int, group, inplace: bool):
+        work = logits.float()
+        if work.data_ptr() == logits.data_ptr() and not inplace:
+            work = work.clone()
+        n = work.shape[-1]
         if start + n > vocab:  # padding columns here (decided on the host: no device sync)
-            cols = torch.arange(start, start + n, device=logits.device)
-            logits = logits.masked_fill(cols >= vocab, float("-inf"))
+            work[..., max(0, vocab - start) :] = float("-inf")
         # The max only shifts for stability; it is a constant, so no gradient flows through it.
-        lmax = logits.max(dim=-1).values
+        lmax = work.amax(dim=-1)
         if group is not None:
             dist.all_reduce(lmax, op=dist.ReduceOp.MAX, group=group)
-        shifted = logits - lmax.unsqueeze(-1)
+        work.sub_(lmax.unsqueeze(-1))
         mine = (target >= start) & (target < start + n)
         local_t = (target - start).clamp(0, n - 1)
-        picked = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1)
+        picked = work.gather(-1, local_t.unsqueeze(-1)).squeeze(-1)
         picked = torch.where(mine, picked, torch.zeros_like(picked))
-        exp = shifted.exp()
-        sumexp = exp.sum(dim=-1)
+        sumexp = work.exp_().sum(dim=-1)
         if group is not None:
             both = torch.stack([picked, sumexp])
             dist.all_reduce(both, group=group)
             picked, sumexp = both[0], both[1]
-        ctx.save_for_backward(exp.div_(sumexp.unsqueeze(-1)), mine, local_t)
+        ctx.save_for_backward(work.div_(sumexp.unsqueeze(-1)), mine, local_t)
+        ctx.consumed = False
         return sumexp.log() - picked
 
     @staticmethod
     def backward(ctx, grad):
-        softmax, mine, local_t = ctx.saved_tensors
-        g = softmax.clone()
+        if ctx.consumed:
+            raise RuntimeError("vocab-parallel cross-entropy: its softmax was consumed by an "
+                               "earlier backward (retain_graph is not supported)")  # fmt: skip
+        ctx.consumed = True
+        g, mine, local_t = ctx.saved_tensors
         g.scatter_add_(-1, local_t.unsqueeze(-1), -mine.to(g.dtype).unsqueeze(-1))
-        return g * grad.unsqueeze(-1), None, None, None, None
+        return g.mul_(grad.unsqueeze(-1)), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, target: torch.Tensor, *, start: int, vocab: int, slot: GroupSlot
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    start: int,
+    vocab: int,
+    slot: GroupSlot,
+    inplace: bool = False,
 ) -> torch.Tensor:
     """Per-token loss from this rank's logits columns ``[start, start + n)``.
 
     Columns at or beyond the true ``vocab`` are padding and are masked to -inf.
+    ``inplace``: fp32 ``logits`` are overwritten (with the softmax) instead of copied; only
+    for a tensor nothing else reads afterwards, such as the head's fresh output.
     """
     return _VocabParallelCrossEntropy.apply(
-        logits, target, start, vocab, slot.group if slot.active else None
+        logits, target, start, vocab, slot.group if slot.active else None, inplace
     )
