@@ -251,6 +251,8 @@ def main() -> None:
     ap.add_argument("--gpu-fp32", action="store_true", help="also the trainer in fp32+TF32")
     ap.add_argument("--optimizer-only", action="store_true",
                     help="only the optimizer memory per rank (parallel.zero 0 vs 1)")  # fmt: skip
+    ap.add_argument("--activations-only", action="store_true",
+                    help="only the activation memory per rank (sp, recompute)")  # fmt: skip
     args = ap.parse_args()
     if args.worker:
         cfg = json.loads(args.worker)
@@ -265,6 +267,9 @@ def main() -> None:
         raise SystemExit(main_cuda(args))
     if args.optimizer_only:
         optimizer_memory(args)
+        return
+    if args.activations_only:
+        activation_memory(args)
         return
     tokens = args.global_batch * args.seq_len
     print(f"model: layers {args.layers}, hidden {args.hidden}, vocab {args.vocab}, seq "
