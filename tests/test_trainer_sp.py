@@ -27,8 +27,11 @@ LAYOUTS = {
     # Full recomputation runs each block's all-gathers and reduce-scatters again in backward.
     "tp2_sp_recompute_full": (2, "dense", {**SP, "train.recompute": "full"}),
     "tp2_dp2_sp": (4, "dense", SP),
+    # The tp sum of the partial gradients runs on each rank's ZeRO-1 rows of them.
+    "tp2_dp2_sp_zero1": (4, "dense", {**SP, "parallel.zero": 1}),
 }
-SLOW = {"tp2_dp2_sp"}  # four ranks on two cores; tp2_sp and pp2_tp2_sp cover the same paths
+# Four ranks on two cores; tp2_sp and pp2_tp2_sp cover the same paths.
+SLOW = {"tp2_dp2_sp", "tp2_dp2_sp_zero1"}
 
 
 @pytest.mark.parametrize(
