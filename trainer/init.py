@@ -98,13 +98,6 @@ def normal_region(
     return local.mul_(std)
 
 
-def global_init(seed: int, name: str, shape: tuple[int, ...], std: float | None) -> torch.Tensor:
-    """The global tensor for an init rule: normal with ``std``, zeros (None) for biases."""
-    if std is None:
-        return torch.zeros(shape, dtype=torch.float32)
-    return global_normal(seed, name, shape, std)
-
-
 def annotate(
     param: nn.Parameter, info: ShardInfo, *, tp_split: bool, expert: bool = False
 ) -> nn.Parameter:
