@@ -77,8 +77,8 @@ ENV_WARM_READY = "ELASTICD_WARM_READY"
 joining waits for it before it asks the world to re-form)."""
 STANDBY_LOCAL_RANK = -1
 """The ``LOCAL_RANK`` of a *standby*: a warm worker the agent keeps ready for no rank in
-particular (``restart.standby``). A round that adopts it names its environment by the
-process, ``pid-<pid>`` in the control file's ``env``, and gives it its local rank there."""
+particular (``restart.standby``). A round that adopts it names it in the control file's
+``pids`` (pid -> local rank, every kept process, every round), and it takes that rank."""
 POLL = 0.01
 """Seconds between looks at the control file."""
 MAX_FAILED_RECOVERIES = 3
@@ -370,18 +370,20 @@ class _Control:
 
     def next_round(self, after: int) -> dict[str, str]:
         """Block until the agent starts a round after ``after`` that names this process
-        (by its local rank, or a standby by its pid); its env for this rank. A standby
-        takes the local rank the round gives it."""
+        (by its pid in the record's ``pids``, else by its local rank; a standby goes by its
+        pid alone); its env for this rank. A standby takes the local rank the round gives
+        it."""
         parent = os.getppid()
-        mine = f"pid-{os.getpid()}"
+        mine = str(os.getpid())
         with self.cond:
             while True:
                 rec = self.record
                 if rec.get("state") == "run" and int(rec.get("round", 0)) > after:
                     envs = rec.get("env") or {}
-                    env = envs.get(mine)
-                    if not env and self.local_rank >= 0:  # a standby goes by its pid alone
-                        env = envs.get(str(self.local_rank))
+                    key = (rec.get("pids") or {}).get(mine)
+                    if key is None and self.local_rank >= 0:  # a standby goes by its pid alone
+                        key = str(self.local_rank)
+                    env = envs.get(key) if key is not None else None
                     if env:
                         handed = {str(k): str(v) for k, v in env.items()}
                         self.local_rank = int(handed.get("LOCAL_RANK", self.local_rank))

@@ -132,8 +132,9 @@ def test_a_warm_worker_waits_for_a_round_newer_than_the_control_files_and_takes_
 
 def test_a_standby_waits_under_no_rank_and_takes_the_rank_a_round_names_by_its_pid(tmp_path):
     """A standby (LOCAL_RANK -1) ignores rounds that do not name it, even ones handing
-    out every local rank; the round that adopts it names it ``pid-<pid>``, and from then
-    on it is that local rank (the next round finds it under its number)."""
+    out every local rank; a round that names its pid in ``pids`` gives it that local rank
+    (also a later round than the one that adopted it: it may have been importing then),
+    and from then on it is that local rank."""
     control = str(tmp_path / "control.json")
     write_control(control, round_=1, state="run", envs={"0": {"RANK": "0"}})
     c = _Control(control, -1, {})
@@ -141,24 +142,25 @@ def test_a_standby_waits_under_no_rank_and_takes_the_rank_a_round_names_by_its_p
     t = threading.Thread(target=lambda: got.append(c.next_round(1)), daemon=True)
     t.start()
     write_control(control, round_=2, state="run",
-                  envs={"0": {"RANK": "0", "LOCAL_RANK": "0"}, "-1": {"RANK": "8"}})  # fmt: skip
+                  envs={"0": {"RANK": "0", "LOCAL_RANK": "0"}, "-1": {"RANK": "8"}},
+                  pids={"1": "0"})  # fmt: skip
     time.sleep(0.3)
     assert not got and c.local_rank == -1
     write_control(control, round_=3, state="run",
-                  envs={"0": {"RANK": "0", "LOCAL_RANK": "0"},
-                        "1": {"RANK": "3", "LOCAL_RANK": "1"},
-                        f"pid-{os.getpid()}": {"RANK": "3", "LOCAL_RANK": "1"}})  # fmt: skip
+                  envs={"0": {"RANK": "0", "LOCAL_RANK": "0"}, "1": {"RANK": "3", "LOCAL_RANK": "1"}},
+                  pids={str(os.getpid()): "1", "1": "0"})  # fmt: skip
     t.join(10)
     assert got == [{"RANK": "3", "LOCAL_RANK": "1"}] and c.local_rank == 1
     write_control(control, round_=4, state="run", envs={"1": {"RANK": "1", "LOCAL_RANK": "1"}})
     assert c.next_round(3) == {"RANK": "1", "LOCAL_RANK": "1"}
 
 
-def test_a_round_adopts_live_standbys_ready_ones_first_and_names_them_by_pid(tmp_path):
+def test_a_round_adopts_live_standbys_ready_ones_first_and_names_every_kept_pid(tmp_path):
     """``WorkerGroup.adopt`` hands live standbys (those done importing first) to the dead
-    local ranks, as many as there are; the control file's env then names each adopted one
-    by its pid as well as by its new local rank."""
-    from elasticd.agent.launch import hand_over_envs
+    local ranks, as many as there are; the control file's ``pids`` then names every live
+    kept worker's local rank, in every round (``carry`` rebuilds the workers, and a
+    standby that missed the round that adopted it must find its rank in the next)."""
+    from elasticd.agent.launch import kept_pids
     from elasticd.agent.workers import Worker, WorkerGroup
 
     procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
@@ -179,12 +181,16 @@ def test_a_round_adopts_live_standbys_ready_ones_first_and_names_them_by_pid(tmp
             (2, procs[2].pid), (5, procs[1].pid)]  # fmt: skip
         assert [w.proc.pid for w in standby.workers] == [procs[0].pid]
         assert standby.alive() == 0 and not standby.adopt([0]).workers
-        envs = [{"RANK": str(r), "LOCAL_RANK": str(r)} for r in range(6)]
-        handed = hand_over_envs(envs, taken)
-        assert handed[f"pid-{procs[2].pid}"] == envs[2] == handed["2"]
-        assert handed[f"pid-{procs[1].pid}"] == envs[5]
-        assert len(handed) == 8
-        assert hand_over_envs(envs, None) == {str(r): e for r, e in enumerate(envs)}
+        assert kept_pids(taken, 6) == {str(procs[2].pid): "2", str(procs[1].pid): "5"}
+        assert kept_pids(taken, 4) == {str(procs[2].pid): "2"}  # rank 5 is no rank of 4
+        # The next round's workers, rebuilt as WorkerGroup.carry does (no standby flag):
+        # still named.
+        again = WorkerGroup(workers=[
+            Worker(local_rank=w.local_rank, rank=w.local_rank, proc=w.proc, log_path="",
+                   heartbeat_path="", error_path="", started=0.0) for w in taken.workers
+        ])  # fmt: skip
+        assert kept_pids(again, 6) == kept_pids(taken, 6)
+        assert kept_pids(None, 6) == {}
     finally:
         for p in procs:
             p.kill()

@@ -167,7 +167,8 @@ def launch(
     def hand_over() -> None:
         if job.restart.mode == "inprocess":
             write_control(control, round_=world.round, state="run",
-                          envs=hand_over_envs(envs, keep))  # fmt: skip
+                          envs={str(i): e for i, e in enumerate(envs)},
+                          pids=kept_pids(keep, len(envs)))  # fmt: skip
 
     workers = WorkerGroup.carry(
         keep,
@@ -237,8 +238,8 @@ def standby_workers(
     """Start ``count`` standby workers (``restart.standby``): warm workers for no rank in
     particular, kept ready while a round trains so that when one of this node's workers
     dies (killed, crashed, hung) its replacement has imported torch already. A round
-    adopts one (:meth:`WorkerGroup.adopt`) and names its environment by its pid
-    (:func:`hand_over_envs`). None for jobs that cannot use warm workers."""
+    adopts one (:meth:`WorkerGroup.adopt`) and names it by its pid in the control file
+    (:func:`kept_pids`). None for jobs that cannot use warm workers."""
     if count <= 0:
         return None
     names = {-1 - k: f"standby-{next(_standbys)}" for k in range(count)}
@@ -286,17 +287,16 @@ def _spawn_warm(
     )  # fmt: skip
 
 
-def hand_over_envs(
-    envs: list[dict[str, str]], keep: WorkerGroup | None
-) -> dict[str, dict[str, str]]:
-    """The control file's ``env`` of a round: each local rank's environment under its
-    number, and an adopted standby's also under ``pid-<pid>`` (it waits under local rank
-    -1 and learns its rank from this)."""
-    out: dict[str, dict[str, str]] = {str(i): e for i, e in enumerate(envs)}
-    for w in keep.workers if keep is not None else []:
-        if w.standby and 0 <= w.local_rank < len(envs) and w.proc.poll() is None:
-            out[f"pid-{w.proc.pid}"] = envs[w.local_rank]
-    return out
+def kept_pids(keep: WorkerGroup | None, nproc: int) -> dict[str, str]:
+    """The control file's ``pids`` of a round: pid -> local rank of every live worker the
+    round keeps. A standby waits under local rank -1 and learns its rank from this; it is
+    written in every round, not only the one that adopted it, so a standby still importing
+    when that round ended finds its rank in the next."""
+    return {
+        str(w.proc.pid): str(w.local_rank)
+        for w in (keep.workers if keep is not None else [])
+        if 0 <= w.local_rank < nproc and w.proc.poll() is None
+    }
 
 
 def warm_ready(group: WorkerGroup) -> bool:
@@ -325,12 +325,19 @@ def control_path(state_dir: str, run_id: str) -> str:
 
 
 def write_control(
-    path: str, *, round_: int, state: str, envs: Mapping[str, Mapping[str, str]] | None = None
+    path: str,
+    *,
+    round_: int,
+    state: str,
+    envs: Mapping[str, Mapping[str, str]] | None = None,
+    pids: Mapping[str, str] | None = None,
 ) -> None:
     """Tell this node's in-process workers that round ``round_`` ends (``abort``) or starts
-    (``run``, with each local rank's environment). Atomic: a reader sees a whole record."""
+    (``run``, with each local rank's environment, and ``pids``: the local rank of each
+    kept process). Atomic: a reader sees a whole record."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    record = {"round": round_, "state": state, "t": time.time(), "env": dict(envs or {})}
+    record = {"round": round_, "state": state, "t": time.time(), "env": dict(envs or {}),
+              "pids": dict(pids or {})}  # fmt: skip
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
         json.dump(record, fh, separators=(",", ":"))

@@ -65,6 +65,8 @@ STATUS_EVERY = 3.0
 """Seconds between progress writes into the job's status (only when the step moved)."""
 NODE_TROUBLE_BACKOFF_CAP = 10.0
 """At most this many seconds between re-joins after this node's own errors."""
+STANDBY_BACKOFF_CAP = 300.0
+"""Seconds at most between starts of a standby worker that keeps exiting on its own."""
 WARM_WAIT = 120.0
 """Seconds a joining node waits for its warm workers' imports before it asks for a round."""
 
@@ -111,6 +113,9 @@ class JobRunner:
         """restart.mode inprocess: the live workers carried into the next round."""
         self._standby: Any = None
         """restart.standby: warm workers kept ready for no rank while a round trains."""
+        self._standby_failures = 0
+        self._standby_next = 0.0
+        """Standbys that exited on their own, and when the next may start (back-off)."""
         self._outside = True
         """Not in the job's world: before our first round, and after leaving one for our
         own trouble (a newcomer to a running job waits for its warm workers)."""
@@ -295,9 +300,26 @@ class JobRunner:
         not alive, now that the recovery no longer competes with their imports."""
         from elasticd.agent.launch import standby_workers
 
+        now = self._clock()
+        if self._standby is not None:
+            dead = [w for w in self._standby.workers if w.proc.poll() is not None]
+            if dead:  # exited on their own (ours are killed only when the job ends for us)
+                self._standby_failures += len(dead)
+                pause = min(STANDBY_BACKOFF_CAP, STATUS_EVERY * 2**self._standby_failures)
+                self._standby_next = now + pause
+                log.warning(
+                    "standby worker exited",
+                    **kv(job=self.name, codes=[w.proc.returncode for w in dead],
+                         logs=[w.log_path for w in dead], retry_in=pause),
+                )  # fmt: skip
+                self._standby.workers = [w for w in self._standby.workers if w.proc.poll() is None]
+            elif self._standby.workers and all(
+                os.path.exists(w.env_ready) for w in self._standby.workers if w.env_ready
+            ):
+                self._standby_failures = 0  # they start fine
         want = self.job.restart.standby
         have = self._standby.alive() if self._standby is not None else 0
-        if have >= want:
+        if have >= want or now < self._standby_next:
             return
         try:
             fresh = standby_workers(job=self.job, run_id=self.record.run_id, node=self._node,
