@@ -175,7 +175,8 @@ class RendezvousConfig:
     this many seconds for previous members that do not re-join (not a lease TTL). The
     survivors of a fault join within 17-69 ms of each other on a 2-core machine at a load
     average of 17-21 (docs/inprocess.md); one that misses the window re-joins as a
-    newcomer (one more re-form, never a wrong world: rounds are fenced)."""
+    newcomer (never a wrong world: rounds are fenced), under ``scale_up: checkpoint`` only
+    after the next committed checkpoint."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
