@@ -40,7 +40,9 @@ def job_dict(args: argparse.Namespace, *, world: int, tp: int) -> dict:
     }  # fmt: skip
 
 
-def worker(cfg: dict) -> None:
+def _start_rank(cfg: dict, **trainer_kw):
+    """This benchmark rank's process group and Trainer for ``cfg["job"]`` (gloo, the world
+    from torchrun-style variables); returns (rank, trainer)."""
     import torch.distributed as dist
 
     from elasticd.jobspec import parse_job
@@ -56,7 +58,14 @@ def worker(cfg: dict) -> None:
     groups = ProcessGroups.build(layout, rank=rank)
     trainer = Trainer(job=job, layout=layout, ctx=ParallelContext.from_groups(groups),
                       dp_rank=groups.index("dp"), model_groups=(slot_of(groups, "tp-dp-cp"),),
-                      overlap_grads=cfg["overlap"])  # fmt: skip
+                      **trainer_kw)  # fmt: skip
+    return rank, trainer
+
+
+def worker(cfg: dict) -> None:
+    import torch.distributed as dist
+
+    rank, trainer = _start_rank(cfg, overlap_grads=cfg["overlap"])
     state_bytes = sum(q.numel() * q.element_size() for q in trainer.params) * 4
     times = []
     for i in range(cfg["warmup"] + cfg["steps"]):
@@ -120,19 +129,7 @@ def activation_worker(cfg: dict) -> None:
 
     import torch.distributed as dist
 
-    from elasticd.jobspec import parse_job
-    from elasticd.layout import plan
-    from trainer.parallel.context import ParallelContext, slot_of
-    from trainer.parallel.groups import ProcessGroups
-    from trainer.train import Trainer
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    job = parse_job(cfg["job"])
-    layout = plan(world, job)
-    groups = ProcessGroups.build(layout, rank=rank)
-    trainer = Trainer(job=job, layout=layout, ctx=ParallelContext.from_groups(groups),
-                      dp_rank=groups.index("dp"), model_groups=(slot_of(groups, "tp-dp-cp"),))  # fmt: skip
+    rank, trainer = _start_rank(cfg)
     trainer.train_step()
     trainer.begin_step()
     gc.collect()
@@ -180,19 +177,7 @@ def optimizer_worker(cfg: dict) -> None:
     optimizer (AdamW state and main parameters that are copies) and for the gradients."""
     import torch.distributed as dist
 
-    from elasticd.jobspec import parse_job
-    from elasticd.layout import plan
-    from trainer.parallel.context import ParallelContext, slot_of
-    from trainer.parallel.groups import ProcessGroups
-    from trainer.train import Trainer
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    job = parse_job(cfg["job"])
-    layout = plan(world, job)
-    groups = ProcessGroups.build(layout, rank=rank)
-    trainer = Trainer(job=job, layout=layout, ctx=ParallelContext.from_groups(groups),
-                      dp_rank=groups.index("dp"), model_groups=(slot_of(groups, "tp-dp-cp"),))  # fmt: skip
+    rank, trainer = _start_rank(cfg)
     r = trainer.train_step()
     print("BENCH " + json.dumps({
         "rank": rank, "opt_bytes": trainer.main.optimizer_bytes(trainer.optimizer),
