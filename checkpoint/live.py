@@ -222,13 +222,14 @@ def split_box(box: Box, *, itemsize: int, max_bytes: int) -> list[Box]:
 
 
 def pair_chunks(
-    pieces: Sequence[Piece], *, chunk_bytes: int = CHUNK_BYTES, alone_bytes: int = ALONE_BYTES
+    pieces: Sequence[Piece], *, chunk_bytes: int = CHUNK_BYTES, alone_bytes: int | None = None
 ) -> list[Chunk]:
     """The messages of one (source, destination) pair: pieces in order (cut to fit). A
     piece of at least ``alone_bytes`` goes alone, in chunks of at most ``chunk_bytes`` (a
     chunk of one piece can go tensor to tensor without a copy); smaller ones are grouped
     into chunks of at most ``chunk_bytes`` data each. (A single element larger than that
     gets a chunk of its own.)"""
+    alone_bytes = ALONE_BYTES if alone_bytes is None else alone_bytes
     chunks: list[Chunk] = []
     start, length, items = 0, 0, []
 

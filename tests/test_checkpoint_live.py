@@ -408,6 +408,10 @@ def _synthetic_worker(rank: int, world: int, store: str, out: str) -> None:
     new = _tp(rank, 3, pad=1, rows=[(0, 4), (4, 3), (7, 3)][rank])
     need = _blank(new)
     run("reshard", _hold(old, 4) if old else None, 4 if old else None, need)
+    # The same with every piece of 16 bytes or more sent alone: row blocks of w (bfloat16,
+    # a padding row) go tensor to tensor, p's column blocks are strided and packed alone.
+    live.ALONE_BYTES, alone = 16, live.ALONE_BYTES
+    run("reshard-alone", _hold(old, 4) if old else None, 4 if old else None, _blank(new))
 
     # Step skew: rank 0 is one step ahead. It holds everything: its step wins.
     whole = {"w": (ShardInfo.whole("w", G_W), torch.float32, 0)}
@@ -422,6 +426,9 @@ def _synthetic_worker(rank: int, world: int, store: str, out: str) -> None:
     if rank == 2:
         live._received_hook = _flip_first_byte
     run("corrupt", _hold(whole, 4) if rank == 0 else None, 4 if rank == 0 else None, _blank(whole))
+    live.ALONE_BYTES = alone
+    run("corrupt-packed", _hold(whole, 4) if rank == 0 else None, 4 if rank == 0 else None,
+        _blank(whole))  # fmt: skip
     live._received_hook = None
     dist.destroy_process_group()
     Path(out, f"rank-{rank}.json").write_text(json.dumps(results))
@@ -446,9 +453,15 @@ def synthetic(tmp_path_factory) -> list[dict]:
 
 def test_reshard_with_a_newcomer_bf16_0d_and_padding(synthetic) -> None:
     for rank, res in enumerate(synthetic):
-        r = res["reshard"]
-        assert not r["none"] and r["step"] == 4 and r["consumed"] == 64, (rank, r)
-        assert r["wrong"] == [], (rank, r["wrong"])
+        for case in ("reshard", "reshard-alone"):
+            r = res[case]
+            assert not r["none"] and r["step"] == 4 and r["consumed"] == 64, (rank, case, r)
+            assert r["wrong"] == [], (rank, case, r["wrong"])
+    # Small pieces are packed together; sent alone, they land in place in the newcomer's
+    # tensors (p's column blocks are strided in the senders' tp2 shards: packed there).
+    assert synthetic[2]["reshard"]["sources"]["chunks_in_direct"] == 0
+    alone = synthetic[2]["reshard-alone"]["sources"]
+    assert alone["chunks_in_direct"] == alone["chunks_in"] > 1, alone
     newcomer = synthetic[2]["reshard"]
     assert newcomer["bytes_local"] == 0 and newcomer["bytes_in"] > 0
     # The newcomer's replicated tensors came from both survivors (load spread).
@@ -470,7 +483,10 @@ def test_an_uncovered_region_gives_none_on_every_rank(synthetic) -> None:
 
 
 def test_a_corrupted_chunk_gives_none_on_every_rank(synthetic) -> None:
+    """Flipped in the destination tensor itself (a piece sent alone) and in the packing
+    buffer (the same state packed): both fail their CRC on every rank."""
     assert [res["corrupt"]["none"] for res in synthetic] == [True, True, True]
+    assert [res["corrupt-packed"]["none"] for res in synthetic] == [True, True, True]
 
 
 # -- the real trainer across a layout change --------------------------------------------------
