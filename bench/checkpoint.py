@@ -234,6 +234,9 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str
                     times.setdefault(key, []).append(took)
                     r[f"{key}_read"] = total(ck.stats.bytes_read)
                     r[f"{key}_needed"] = total(ck.stats.bytes_needed)
+                    # Closed before the next eviction: pages a process still maps stay
+                    # in the page cache, so an open load would make the next "cold" warm.
+                    ck.close()
                 if cache == "cold" and rank == 0:
                     evict(dcp_dir)
                 before = rchar()

@@ -1,13 +1,16 @@
 """Loading with reshard: each local tensor of the new layout reads only what overlaps it.
 
 The pure planner (:func:`checkpoint.planner.plan_reads`) says which saved chunks feed which
-part of a local tensor; this shell reads them and copies. Chunks are viewed in place from
-a memory map of the safetensors file (header offsets checked against the manifest). With
-``verify`` (the default) every verify block read is checked against its CRC-32C: a block
-is a run of whole rows of a chunk (format version 3; the whole chunk in versions 1 and
-2), so a load that needs some rows of a chunk reads and checks only the blocks holding
-them, then copies its part once into the local tensor. Without ``verify``, only the pages
-of the overlap are read.
+part of a local tensor; this shell reads them and copies (header offsets checked against
+the manifest). With ``verify`` (the default) every verify block read is checked against
+its CRC-32C: a block is a run of whole rows of a chunk (format version 3; the whole chunk
+in versions 1 and 2), so a load that needs some rows of a chunk reads and checks only the
+blocks holding them. They are read (``pread``) in pieces of about a MiB into a private
+buffer, checked there, and only then copied into the local tensor, the same rows of
+strips side by side in one strided copy (a second thread that reads and checks the next
+piece while the first copies exists, :data:`THREADED`, off by default: slower with more
+ranks than cores). Without ``verify``, the chunks are viewed in a memory map of the
+file and only the pages of the overlap are read.
 
 Nothing in a checkpoint is trusted before it is checked: the manifest is parsed and
 checked whole (:meth:`Manifest.from_json`), and each tensor file is opened only as a
@@ -16,6 +19,7 @@ regular file of the manifest's size, its header checked against that size.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -23,14 +27,24 @@ import math
 import mmap
 import os
 import time
+import weakref
+import zlib
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import crc32c
 import torch
 import torch.distributed as dist
 
 from checkpoint import store
-from checkpoint.comm import all_gather_json, broadcast_json, group_rank, group_size
+from checkpoint.comm import (
+    all_gather_json,
+    all_gather_json_small,
+    broadcast_json,
+    group_rank,
+    group_size,
+)
 from checkpoint.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -43,14 +57,15 @@ from checkpoint.planner import (
     SavedChunk,
     assign_writers,
     blocks_for_rows,
+    chunk_rows,
     plan_reads,
     row_bytes,
 )
 from checkpoint.shards import ShardInfo
 from checkpoint.stfile import (
-    block_crc32c,
-    chunk_checksum,
+    blocks_match,
     open_regular,
+    pread_into,
     read_header_fd,
     read_regular,
 )
@@ -75,14 +90,65 @@ class LoadStats:
     seconds: float = 0.0
 
 
-@dataclass(slots=True)
 class _OpenFile:
-    """A tensor file whose size and header were checked, mapped for reading."""
+    """A tensor file whose size and header were checked, open for reading (``pread``; a
+    memory map only for unverified reads, made when first asked for)."""
 
-    path: str
-    header: dict
-    data_start: int
-    mm: mmap.mmap
+    def __init__(self, path: str, header: dict, data_start: int, fd: int) -> None:
+        self.path = path
+        self.header = header
+        self.data_start = data_start
+        self.fd = fd
+        self._mm: mmap.mmap | None = None
+        self._closer = weakref.finalize(self, os.close, fd)
+
+    def mapping(self) -> mmap.mmap:
+        if self._mm is None:
+            # A private mapping: tensors viewing it are writable without copying the file.
+            self._mm = mmap.mmap(self.fd, 0, access=mmap.ACCESS_COPY)
+        return self._mm
+
+    def close(self) -> None:
+        self._closer()
+        if self._mm is not None:
+            # Unmapped now, unless a tensor still views it (then when that is dropped): a
+            # mapped page stays in the page cache whatever is asked of it.
+            with contextlib.suppress(BufferError):
+                self._mm.close()
+            self._mm = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Part:
+    """Whole verify blocks of one chunk: ``nbytes`` from ``offset`` of the file, and their
+    checksums, concatenated (``block`` bytes each; the last block may be shorter)."""
+
+    f: _OpenFile
+    key: str
+    offset: int
+    nbytes: int
+    block: int
+    crc: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Read:
+    """One piece of a verified load: its parts read one after another into a buffer and
+    checked, then ``view(shape)[src]`` of the buffer copied into ``dest`` (one copy, for the
+    same rows of several strips too)."""
+
+    parts: tuple[_Part, ...]
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    src: tuple[slice, ...]
+    dest: torch.Tensor
+
+
+PIECE_BYTES = 1 << 20
+"""Most bytes of one piece of a verified load (whole verify blocks; at least one block of
+each strip): read, checked and copied out of a buffer small enough to stay in the CPU's
+cache in between."""
 
 
 class Checkpoint:
@@ -93,8 +159,6 @@ class Checkpoint:
         self.manifest = manifest
         self.stats = LoadStats()
         self._handles: dict[str, _OpenFile] = {}
-        self._checked: dict[tuple[str, str], set[int]] = {}
-        """The verify blocks of each chunk (file, key) checked so far (each is read once)."""
 
     @classmethod
     def open(cls, path: str) -> Checkpoint:
@@ -118,6 +182,8 @@ class Checkpoint:
         return self.manifest.step
 
     def close(self) -> None:
+        for h in self._handles.values():
+            h.close()
         self._handles.clear()
 
     def __enter__(self) -> Checkpoint:
@@ -139,9 +205,18 @@ class Checkpoint:
         t0 = time.perf_counter()
         wanted = [(name, t, info) for name, (t, info) in model.items()]
         wanted += [(f"optimizer/{name}", t, info) for name, (t, info) in (optimizer or {}).items()]
-        for name, dest, info in wanted:
-            region = dest[tuple(slice(0, s) for s in info.sizes)]
-            self._fill(name, region, (info.offsets, info.sizes), info.global_shape, verify)
+        self._fill_many(
+            [
+                (
+                    name,
+                    dest[tuple(slice(0, s) for s in info.sizes)],
+                    (info.offsets, info.sizes),
+                    info.global_shape,
+                )
+                for name, dest, info in wanted
+            ],
+            verify,
+        )
         self.stats.seconds += time.perf_counter() - t0
         return self.stats
 
@@ -177,20 +252,32 @@ class Checkpoint:
         return entry
 
     def _fill(self, name, region, box, global_shape, verify) -> None:
-        entry = self._entry(name)
-        if tuple(global_shape) != entry.shape:
-            raise LayoutMismatchError(
-                f"{name}: the model wants shape {list(global_shape)}, "
-                f"the checkpoint has {list(entry.shape)}"
-            )
-        self.stats.bytes_needed += region.numel() * entry.dtype.itemsize
-        for op in plan_reads(name, box, entry.chunks, global_shape=entry.shape):
+        self._fill_many([(name, region, box, global_shape)], verify)
+
+    def _fill_many(self, wanted, verify: bool) -> None:
+        """Fill each ``(name, region, box, global_shape)`` from the checkpoint. Verified, the
+        reads of all of them go through one pipeline (:meth:`_copy_verified`)."""
+        reads: list[_Read] = []
+        for name, region, box, global_shape in wanted:
+            entry = self._entry(name)
+            if tuple(global_shape) != entry.shape:
+                raise LayoutMismatchError(
+                    f"{name}: the model wants shape {list(global_shape)}, "
+                    f"the checkpoint has {list(entry.shape)}"
+                )
+            self.stats.bytes_needed += region.numel() * entry.dtype.itemsize
+            ops = plan_reads(name, box, entry.chunks, global_shape=entry.shape)
             if verify:
-                region[op.dst].copy_(self._read_checked(entry, op))
-            elif op.whole_chunk:
-                region[op.dst].copy_(self._read_chunk(op.chunk, entry.dtype))
-            else:
-                region[op.dst].copy_(self._read_slice(op.chunk, op.src, entry.dtype))
+                for group in _strip_groups(entry, ops):
+                    reads += self._plan_verified(entry, group, region)
+                continue
+            for op in ops:
+                if op.whole_chunk:
+                    region[op.dst].copy_(self._read_chunk(op.chunk, entry.dtype))
+                else:
+                    region[op.dst].copy_(self._read_slice(op.chunk, op.src, entry.dtype))
+        if reads:
+            self._copy_verified(reads)
 
     def _handle(self, file: str) -> _OpenFile:
         h = self._handles.get(file)
@@ -208,42 +295,102 @@ class Checkpoint:
             self.stats.bytes_read += len(header)
             if hashlib.sha256(header).hexdigest() != meta.header_sha256:
                 raise CorruptCheckpointError(f"{path}: header checksum mismatch")
-            # A private mapping: tensors viewing it are writable without copying the file.
-            mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
-        finally:
+        except BaseException:
             os.close(fd)
-        h = _OpenFile(path=path, header=parsed, data_start=len(header), mm=mm)
+            raise
+        h = _OpenFile(path=path, header=parsed, data_start=len(header), fd=fd)
         self._handles[file] = h
         return h
 
-    def _read_checked(self, entry: TensorEntry, op: ReadOp) -> torch.Tensor:
-        """``op``'s part of its chunk, viewed in place from the file's mapping (no copy),
-        after every verify block holding its rows matched its checksum (each block is read
-        and checked once per checkpoint opened)."""
-        chunk, dtype = op.chunk, entry.dtype
-        f, view = self._chunk_view(chunk, dtype)
-        if not len(view):
-            return torch.empty(chunk.sizes, dtype=dtype)[op.src]
-        block = entry.rows_per_block(chunk) * row_bytes(chunk.sizes, dtype.itemsize)
-        wanted = blocks_for_rows(
-            op.src[0] if chunk.sizes else slice(0, 1), entry.rows_per_block(chunk)
-        )
-        done = self._checked.setdefault((chunk.file, chunk.key), set())
-        todo = [b for b in wanted if b not in done]
-        # Runs of consecutive blocks, each checked in one call.
-        for first, last in _runs(todo):
-            part = view[first * block : (last + 1) * block]
-            self.stats.bytes_read += len(part)
-            if self.manifest.version >= 3:
-                ok = block_crc32c(part, block) == entry.crc32[chunk.key][8 * first : 8 * (last + 1)]
-            else:  # one block: the whole chunk
-                ok = chunk_checksum(self.manifest.version)(part) == entry.crc32[chunk.key]
-            if not ok:
-                raise CorruptCheckpointError(
-                    f"{f.path}: {chunk.key}: checksum mismatch (corrupted data)"
+    def _plan_verified(self, entry: TensorEntry, ops: list[ReadOp], region) -> list[_Read]:
+        """The reads that fill ``region`` with the parts of ``ops``'s chunks they take: the
+        verify blocks holding their rows (the same in each: see :func:`_strip_groups`), in
+        pieces of at most :data:`PIECE_BYTES` (whole blocks; a version 1 or 2 chunk is one
+        block, so one piece). Several strips of a region are copied in one strided copy."""
+        op, dtype, k = ops[0], entry.dtype, len(ops)
+        sizes = op.chunk.sizes
+        spans = [self._chunk_span(o.chunk, dtype) for o in ops]
+        if not spans[0][2]:  # empty chunks: nothing to read or copy
+            return []
+        per = entry.rows_per_block(op.chunk)
+        row = row_bytes(sizes, dtype.itemsize)
+        rows = op.src[0] if sizes else slice(0, 1)
+        wanted = blocks_for_rows(rows, per)
+        step = max(1, PIECE_BYTES // (k * per * row))  # blocks per piece (of each chunk)
+        crcs = [entry.crc32[o.chunk.key] for o in ops]
+        whole = self.manifest.version < 3
+        dest = region[op.dst] if k == 1 else _strips_view(region, ops)
+        out = []
+        for first in range(wanted.start, wanted.stop, step):
+            last = min(first + step, wanted.stop)  # blocks [first, last)
+            lo, hi = first * per, min(last * per, chunk_rows(sizes))
+            take = slice(max(rows.start, lo), min(rows.stop, hi))
+            parts = tuple(
+                _Part(
+                    f=f,
+                    key=o.chunk.key,
+                    offset=begin + lo * row,
+                    nbytes=(hi - lo) * row,
+                    block=per * row,
+                    crc=crc if whole else crc[8 * first : 8 * last],
                 )
-            done.update(range(first, last + 1))
-        return torch.frombuffer(view, dtype=dtype).view(chunk.sizes)[op.src]
+                for o, (f, begin, _), crc in zip(ops, spans, crcs, strict=True)
+            )
+            if not sizes:  # a 0-d chunk
+                shape, src, into = (), (), dest
+            else:
+                shape = (hi - lo, *sizes[1:]) if k == 1 else (k, hi - lo, *sizes[1:])
+                src = (slice(take.start - lo, take.stop - lo), *op.src[1:])
+                if k > 1:
+                    src = (slice(None), *src)
+                put = slice(take.start - rows.start, take.stop - rows.start)
+                into = dest[put] if k == 1 else dest[:, put]
+            out.append(_Read(parts, k * (hi - lo) * row, dtype, shape, src, into))
+        return out
+
+    def _copy_verified(self, reads: list[_Read]) -> None:
+        """Carry out ``reads``: each piece is read into a private buffer and its blocks
+        checked against their checksums before a byte of it is copied out. With
+        :data:`THREADED`, a second thread reads and checks the next piece while this one
+        copies the last (both release the GIL), through two buffers."""
+        crc = zlib.crc32 if self.manifest.version == 1 else crc32c.crc32c
+        size = max(r.nbytes for r in reads)
+        buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(min(2, len(reads)))]
+        views = [memoryview(b.numpy()) for b in buffers]
+
+        cold = _ColdStart(reads)
+
+        def fetch(i: int) -> None:
+            view = views[i % len(views)]
+            _read_parts(reads[i].parts, view, cold if cold.pending else None, i)
+            at = 0
+            for p in reads[i].parts:
+                if not blocks_match(view[at : at + p.nbytes], p.block, p.crc, crc):
+                    raise CorruptCheckpointError(
+                        f"{p.f.path}: {p.key}: checksum mismatch (corrupted data)"
+                    )
+                at += p.nbytes
+
+        if len(reads) == 1 or not THREADED:
+            for i, r in enumerate(reads):
+                fetch(i)
+                self._copy_out(r, buffers[i % len(buffers)])
+            return
+        with ThreadPoolExecutor(1, thread_name_prefix="ckpt-verify") as pool:
+            ahead = pool.submit(fetch, 0)
+            try:
+                for i, r in enumerate(reads):
+                    ahead.result()
+                    if i + 1 < len(reads):
+                        ahead = pool.submit(fetch, i + 1)
+                    self._copy_out(r, buffers[i % 2])
+            finally:
+                ahead.cancel()
+
+    def _copy_out(self, r: _Read, buffer: torch.Tensor) -> None:
+        """Copy a piece, read and checked into ``buffer``, to where it goes."""
+        self.stats.bytes_read += r.nbytes
+        r.dest.copy_(buffer[: r.nbytes].view(r.dtype).view(r.shape)[r.src])
 
     def _read_chunk(self, chunk: SavedChunk, dtype: torch.dtype) -> torch.Tensor:
         """A whole chunk, viewed in place from the file's mapping (no copy), unchecked."""
@@ -254,8 +401,13 @@ class Checkpoint:
         return torch.frombuffer(view, dtype=dtype).view(chunk.sizes)
 
     def _chunk_view(self, chunk: SavedChunk, dtype: torch.dtype) -> tuple[_OpenFile, memoryview]:
-        """The bytes of a chunk in the file's mapping, after its header entry (whose offsets
-        were checked against the file when it was opened) matches the manifest."""
+        """The bytes of a chunk in the file's mapping (see :meth:`_chunk_span`)."""
+        f, begin, nbytes = self._chunk_span(chunk, dtype)
+        return f, memoryview(f.mapping())[begin : begin + nbytes]
+
+    def _chunk_span(self, chunk: SavedChunk, dtype: torch.dtype) -> tuple[_OpenFile, int, int]:
+        """Where a chunk lies in its file (offset, bytes), after its header entry (whose
+        offsets were checked against the file when it was opened) matches the manifest."""
         f = self._handle(chunk.file)
         info = f.header.get(chunk.key)
         nbytes = math.prod(chunk.sizes) * dtype.itemsize
@@ -267,8 +419,7 @@ class Checkpoint:
             raise CorruptCheckpointError(
                 f"{f.path}: {chunk.key}: missing or not as the manifest says"
             )
-        begin = f.data_start + info["data_offsets"][0]
-        return f, memoryview(f.mm)[begin : begin + nbytes]
+        return f, f.data_start + info["data_offsets"][0], nbytes
 
     def _read_slice(self, chunk: SavedChunk, src: tuple[slice, ...], dtype: torch.dtype):
         """Only the ``src`` part of a chunk (unverified: ``verify=False``); the pages of the
@@ -281,15 +432,98 @@ class Checkpoint:
         return t
 
 
-def _runs(blocks: list[int]) -> list[tuple[int, int]]:
-    """Runs of consecutive numbers in an ascending list, as (first, last)."""
-    out: list[tuple[int, int]] = []
-    for b in blocks:
-        if out and out[-1][1] == b - 1:
-            out[-1] = (out[-1][0], b)
-        else:
-            out.append((b, b))
+PREFETCH = True
+"""Whether a verified load that finds its bytes not in the page cache asks the kernel for
+all of them at once (:class:`_ColdStart`)."""
+THREADED = False
+"""Whether a verified load reads and checks the next piece on a second thread while the
+first copies (else one thread does both in turn)."""
+
+
+def _strip_groups(entry: TensorEntry, ops: list[ReadOp]) -> list[list[ReadOp]]:
+    """``ops`` in runs that one strided copy can serve: strips of one region side by side
+    (each next one's columns follow the last's in the local tensor), of the same sizes,
+    rows per verify block, and part taken. Others stay alone."""
+    out: list[list[ReadOp]] = []
+    for op in ops:
+        if out and len(op.chunk.sizes) >= 2:
+            last, first = out[-1][-1], out[-1][0]
+            if (
+                op.chunk.sizes == first.chunk.sizes
+                and op.src == first.src
+                and op.dst[0] == first.dst[0]
+                and op.dst[2:] == first.dst[2:]
+                and op.dst[1].start == last.dst[1].stop
+                and entry.rows_per_block(op.chunk) == entry.rows_per_block(first.chunk)
+            ):
+                out[-1].append(op)
+                continue
+        out.append([op])
     return out
+
+
+def _strips_view(region: torch.Tensor, ops: list[ReadOp]) -> torch.Tensor:
+    """Where a run of strips (:func:`_strip_groups`) goes in ``region``, as (strip, row,
+    column, ...)."""
+    first = ops[0]
+    width = first.dst[1].stop - first.dst[1].start
+    cols = slice(first.dst[1].start, first.dst[1].start + len(ops) * width)
+    where = region[(first.dst[0], cols, *first.dst[2:])]
+    return where.unflatten(1, (len(ops), width)).transpose(0, 1)
+
+
+def _read_parts(
+    parts: tuple[_Part, ...], view: memoryview, cold: _ColdStart | None, index: int
+) -> None:
+    """Read ``parts`` one after another into ``view``; parts that follow each other in one
+    file are read in one call. With ``cold``, a read first asks only for what the page
+    cache holds (``RWF_NOWAIT``): if that falls short, the files are not in memory, and
+    ``cold`` asks the kernel for every piece from ``index`` on before this one waits."""
+    at, i = 0, 0
+    while i < len(parts):
+        p, n, j = parts[i], parts[i].nbytes, i + 1
+        while j < len(parts) and parts[j].f is p.f and parts[j].offset == p.offset + n:
+            n += parts[j].nbytes
+            j += 1
+        got = 0
+        if cold is not None and cold.pending:
+            try:
+                got = os.preadv(p.f.fd, [view[at : at + n]], p.offset, _NOWAIT)
+            except OSError:  # BlockingIOError: none of it is in memory
+                got = 0
+            if got < n:
+                cold.start(index)
+        if got < n:
+            pread_into(p.f.fd, view[at + got : at + n], p.offset + got, p.f.path)
+        at += n
+        i = j
+
+
+_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+
+
+class _ColdStart:
+    """Once a verified load finds its bytes not in the page cache, every piece still to
+    read is asked of the kernel at once (``posix_fadvise(WILLNEED)``, which does not wait;
+    in file order, adjacent ranges in one call), so the disk gets them all queued while the pieces before
+    are checked and copied; a load from memory never pays for it."""
+
+    def __init__(self, reads: list[_Read]) -> None:
+        self.reads = reads
+        self.pending = bool(_NOWAIT) and PREFETCH
+
+    def start(self, index: int) -> None:
+        self.pending = False
+        spans: list[list[int]] = []  # [fd, offset, end], in file order
+        for fd, begin, n in sorted(
+            (p.f.fd, p.offset, p.nbytes) for r in self.reads[index:] for p in r.parts
+        ):
+            if spans and spans[-1][0] == fd and spans[-1][2] >= begin:
+                spans[-1][2] = max(spans[-1][2], begin + n)
+            else:
+                spans.append([fd, begin, begin + n])
+        for fd, begin, end in spans:
+            os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_WILLNEED)
 
 
 def load_latest(
@@ -319,7 +553,9 @@ def load_latest(
     leader = group_rank(group) == 0
     if leader:
         store.recover_replaced(ckpt_dir)  # a step moved aside by a writer that then died
-    order = store.load_order(ckpt_dir)
+    # Rank 0's order is every rank's (they must try the same steps), so only it reads the
+    # manifests' commit numbers.
+    order = store.load_order(ckpt_dir) if leader else None
     if distributed:
         order = broadcast_json(order, group)
     if not order:
@@ -345,7 +581,10 @@ def load_latest(
             # A model that does not fit the step (changed shapes or names) is not the
             # step's fault: it is not recorded as unloadable.
             damaged = not isinstance(exc, LayoutMismatchError)
-        gathered = all_gather_json([error, damaged], group) if distributed else [[error, damaged]]
+        # One collective when every rank's message is short (it is, unless a load failed).
+        gathered = (
+            all_gather_json_small([error, damaged], group)() if distributed else [[error, damaged]]
+        )
         errors = [e for e, _ in gathered if e]
         if not errors:
             if leader:

@@ -226,7 +226,6 @@ MAX_NDIM = 8
 """Dimensions a stored tensor may have (coverage checks cost 2^ndim per chunk)."""
 FILE_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,200}\.safetensors$")
 """A tensor file's name: a plain name inside the step directory (no ``/``, no ``..``)."""
-_HEX = re.compile(r"^[0-9a-f]+$")
 
 
 class _Bad(Exception):
@@ -240,18 +239,36 @@ def _int(value: Any, what: str, *, lo: int = 0) -> int:
 
 
 def _hex(value: Any, what: str, digits: int) -> str:
-    if not isinstance(value, str) or len(value) != digits or not _HEX.match(value):
+    if not isinstance(value, str) or len(value) != digits or not _lower_hex(value):
         shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
         raise _Bad(f"{what}: {shown} is not {digits} hex digits")
     return value
 
 
-def _ints(value: Any, what: str, ndim: int | None = None) -> tuple[int, ...]:
+def _lower_hex(text: str) -> bool:
+    """Whether ``text`` is lowercase hex digits and nothing else (``fromhex`` also takes
+    upper case and spaces, which the round trip then tells apart)."""
+    try:
+        return bytes.fromhex(text).hex() == text
+    except ValueError:
+        return False
+
+
+def _ints(value: Any, name: str, field: str, ndim: int | None = None) -> tuple[int, ...]:
+    """A list of integers >= 0, the ``field`` of tensor ``name`` (its message is made only
+    when it fails: this runs for every chunk)."""
     if not isinstance(value, list) or len(value) > MAX_NDIM:
-        raise _Bad(f"{what}: {value!r} is not a list of at most {MAX_NDIM} integers")
+        raise _Bad(
+            f"tensor {name}: {field}: {value!r} is not a list of at most {MAX_NDIM} integers"
+        )
     if ndim is not None and len(value) != ndim:
-        raise _Bad(f"{what}: {value!r} has {len(value)} dimensions, the tensor {ndim}")
-    return tuple(_int(x, what) for x in value)
+        raise _Bad(
+            f"tensor {name}: {field}: {value!r} has {len(value)} dimensions, the tensor {ndim}"
+        )
+    for x in value:
+        if type(x) is not int or x < 0:
+            _int(x, f"tensor {name}: {field}")
+    return tuple(value)
 
 
 def _dict(value: Any, what: str) -> dict[str, Any]:
@@ -288,12 +305,13 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
         if not isinstance(t["dtype"], str):
             raise _Bad(f"tensor {name}: dtype {t['dtype']!r} is not a name")
         dtype = dtype_of(t["dtype"])
-        shape = _ints(t["shape"], f"tensor {name}: shape")
+        shape = _ints(t["shape"], name, "shape")
         if not isinstance(t["shards"], list):
             raise _Bad(f"tensor {name}: shards is not a list")
         chunks, crc, rows = [], {}, {}
         for s in t["shards"]:
-            s = _dict(s, f"tensor {name}: shard")
+            if not isinstance(s, dict):
+                raise _Bad(f"tensor {name}: shard: not a JSON object")
             file, key = s["file"], s["key"]
             if file not in files:
                 raise _Bad(f"tensor {name}: shard in {file!r}, a file the manifest does not list")
@@ -303,11 +321,14 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
             chunk = SavedChunk(
                 file=file,
                 key=key,
-                offsets=_ints(s["offsets"], f"tensor {name}: offsets", len(shape)),
-                sizes=_ints(s["sizes"], f"tensor {name}: sizes", len(shape)),
+                offsets=_ints(s["offsets"], name, "offsets", len(shape)),
+                sizes=_ints(s["sizes"], name, "sizes", len(shape)),
             )
             if version >= 3:
-                rows[key] = _int(s["block_rows"], f"tensor {name}: block_rows", lo=1)
+                per = s["block_rows"]
+                if type(per) is not int or per < 1:
+                    _int(per, f"tensor {name}: block_rows", lo=1)
+                rows[key] = per
                 # Its length (8 digits per block) is checked below, with the bytes.
                 crc[key] = s[crc_key]
             else:
@@ -334,8 +355,9 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
             )
     for name, t in tensors.items():
         for c in t.chunks if version >= 3 else ():
-            n = block_count(c.sizes, t.block_rows[c.key])
-            _hex(t.crc32[c.key], f"tensor {name}: {crc_key} of {c.key}", 8 * n)
+            n, text = block_count(c.sizes, t.block_rows[c.key]), t.crc32[c.key]
+            if not isinstance(text, str) or len(text) != 8 * n or not _lower_hex(text):
+                _hex(text, f"tensor {name}: {crc_key} of {c.key}", 8 * n)
     layout = raw.get("layout")
     if layout is not None:
         _dict(layout, "layout")

@@ -6,7 +6,6 @@ box in a global tensor given by per-dimension ``offsets`` and ``sizes``.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -149,14 +148,16 @@ def _add_corners(
 ) -> None:
     if 0 in sizes:
         return  # an empty box: its corners cancel
-    for upper in itertools.product((False, True), repeat=len(offs)):
-        corner = tuple(o + s if u else o for o, s, u in zip(offs, sizes, upper, strict=True))
-        w = sign if sum(upper) % 2 == 0 else -sign
+    # Each corner with its weight: + at an even number of upper bounds, - at odd.
+    points: list[tuple[tuple[int, ...], int]] = [((), sign)]
+    for o, s in zip(offs, sizes, strict=True):
+        points = [((*p, o), w) for p, w in points] + [((*p, o + s), -w) for p, w in points]
+    for corner, w in points:
         n = corners.get(corner, 0) + w
         if n:
             corners[corner] = n
         else:
-            corners.pop(corner, None)
+            del corners[corner]  # it was there (with -w)
 
 
 def _split(extent: int, parts: int) -> list[tuple[int, int]]:

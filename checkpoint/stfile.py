@@ -8,12 +8,14 @@ each chunk and the whole file, and fsyncs, without another copy. Any safetensors
 
 from __future__ import annotations
 
+import array
 import hashlib
 import json
 import math
 import os
 import stat
 import struct
+import sys
 import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +55,10 @@ class WrittenFile:
     chunk_crc32: dict[str, str]
     """The CRC-32C of each verify block of each chunk, 8 hex digits each, concatenated,
     by key (format version 3)."""
+
+
+_U32 = next(code for code in "IL" if array.array(code).itemsize == 4)
+"""The array type code of a 32-bit unsigned integer."""
 
 
 def header_bytes(slots: Sequence[FileSlot]) -> bytes:
@@ -139,14 +145,40 @@ def crc32c_hex(buf: memoryview | bytes) -> str:
 def block_crc32c(buf: memoryview | bytes, block_bytes: int) -> str:
     """The CRC-32C of each ``block_bytes`` of ``buf`` (the last one may be shorter), 8 hex
     digits each, concatenated; ``block_bytes`` 0 (or an empty ``buf``): one for all of it."""
+    return block_checksums(buf, block_bytes, crc32c.crc32c)
+
+
+def block_checksums(buf: memoryview | bytes, block_bytes: int, crc: Callable) -> str:
+    """:func:`block_crc32c` with another CRC function (``zlib.crc32``, or ``crc32c.crc32c``)."""
     view = memoryview(buf)
     if not block_bytes or len(view) <= block_bytes:
-        return crc32c_hex(view)
-    crc = crc32c.crc32c
-    return "".join(
-        f"{crc(view[i : i + block_bytes]) & 0xFFFFFFFF:08x}"
-        for i in range(0, len(view), block_bytes)
+        return f"{crc(view) & 0xFFFFFFFF:08x}"
+    # One C call per block, the checksums packed as big-endian words, then hex in one go.
+    sums = array.array(
+        _U32, map(crc, [view[i : i + block_bytes] for i in range(0, len(view), block_bytes)])
     )
+    if sys.byteorder == "little":
+        sums.byteswap()
+    return sums.tobytes().hex()
+
+
+def blocks_match(buf: memoryview, block_bytes: int, expected: str, crc: Callable) -> bool:
+    """Whether the blocks of ``buf`` have the ``expected`` checksums (see :func:`block_crc32c`)."""
+    return block_checksums(buf, block_bytes, crc) == expected
+
+
+def pread_into(fd: int, view: memoryview, offset: int, path: str) -> None:
+    """Fill ``view`` with the file's bytes from ``offset`` (a file shorter than that is
+    truncated: CorruptCheckpointError)."""
+    got = 0
+    while got < len(view):
+        try:
+            n = os.preadv(fd, [view[got:]], offset + got)
+        except OSError as exc:
+            raise CorruptCheckpointError(f"{path}: cannot read: {exc.strerror}") from exc
+        if not n:
+            raise CorruptCheckpointError(f"{path}: truncated (shorter than it was)")
+        got += n
 
 
 def chunk_checksum(version: int):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -194,3 +195,121 @@ def test_strips_tile_their_region_and_blocks_cover_the_rows(shape, itemsize, min
         rows = sizes[0] if sizes else 1
         got = blocks_for_rows(slice(0, rows), per)
         assert rows == 0 or (got.start == 0 and (got.stop - 1) * per < rows <= got.stop * per)
+
+
+def corrupt(ckpt: str, key: str, row: int) -> None:
+    """Flip a bit in ``row`` of chunk ``key`` (rows of 4 float32 columns: 16 bytes)."""
+    path = data_path(ckpt)
+    head = header_bytes(path)
+    with open(path, "rb") as f:
+        f.seek(8)
+        entries = json.loads(f.read(head - 8))
+    blob = bytearray(path.read_bytes())
+    blob[head + entries[key]["data_offsets"][0] + row * 16 + 5] ^= 0x10
+    path.write_bytes(bytes(blob))
+
+
+def test_strips_side_by_side_are_copied_in_one_strided_copy_per_piece(tmp_path, monkeypatch):
+    """A region that cuts strips and blocks: the partial strips alone, the whole ones in
+    between as one run (one copy per piece), pieces smaller than the run's rows."""
+    import checkpoint.load as load
+
+    monkeypatch.setattr(load, "PIECE_BYTES", 4 * 1024)  # 64 rows of a run of 4 strips
+    ckpt = str(tmp_path)
+    save(ckpt)
+    copies = []
+    real = load.Checkpoint._copy_out
+    monkeypatch.setattr(
+        load.Checkpoint, "_copy_out", lambda self, r, b: (copies.append(r.shape), real(self, r, b))
+    )
+    info = ShardInfo("w", (ROWS, COLS), (10, 6), (200, 50))  # columns 6..55: strips 1..13
+    local = torch.full(info.sizes, float("nan"))
+    with Checkpoint.open(step_path(ckpt, 1)) as ck:
+        stats = ck.load_into({"w": (local, info)})
+    assert torch.equal(local, FULL[10:210, 6:56])
+    # Strip 1 (columns 6 and 7 of it) alone, in one piece of its 4 blocks; strips 2..13
+    # (whole) together, a piece per block: (strip, row, column).
+    assert copies == [(256, 4)] + [(12, 64, 4)] * 4
+    # Blocks 0..3 (rows 0..255) of the 13 strips, and the header.
+    assert stats.bytes_read - header_bytes(data_path(ckpt)) == 13 * ROWS * 16
+
+
+@pytest.mark.parametrize("threaded", [True, False])
+def test_a_corrupted_block_in_a_later_piece_fails_the_load_on_either_thread(
+    tmp_path, monkeypatch, threaded
+):
+    """Checked on the second thread (``THREADED``) or on the loading one, a damaged block
+    of the third of four pieces fails the load, and none of that piece is copied."""
+    import threading
+
+    import checkpoint.load as load
+
+    monkeypatch.setattr(load, "PIECE_BYTES", 1024)  # a block of each strip per piece: 4
+    monkeypatch.setattr(load, "THREADED", threaded)
+    ckpt = str(tmp_path)
+    save(ckpt)
+    corrupt(ckpt, "w@0_36", 130)  # strip 9, block 2
+    where = []
+    real = load.blocks_match
+
+    def spy(view, block, expected, crc):
+        ok = real(view, block, expected, crc)
+        if not ok:
+            where.append(threading.current_thread().name)
+        return ok
+
+    monkeypatch.setattr(load, "blocks_match", spy)
+    local, info = part(1, 0, 1)
+    with (
+        Checkpoint.open(step_path(ckpt, 1)) as ck,
+        pytest.raises(CorruptCheckpointError, match=r"w@0_36: checksum mismatch"),
+    ):
+        ck.load_into({"w": (local, info)})
+    assert where == ["ckpt-verify_0" if threaded else threading.current_thread().name]
+    # The blocks before it were copied; nothing of the damaged block was.
+    assert not torch.isnan(local[:128, 36:40]).any()
+    assert torch.isnan(local[128:192, 36:40]).all()
+
+
+def test_a_corrupted_strip_of_a_run_is_named_and_none_of_its_piece_is_copied(tmp_path):
+    ckpt = str(tmp_path)
+    save(ckpt)
+    corrupt(ckpt, "w@0_20", 3)  # strip 5, block 0
+    local, info = part(0, 0, 4)  # rows 0..63 of all 16 strips: one run, one piece
+    with (
+        Checkpoint.open(step_path(ckpt, 1)) as ck,
+        pytest.raises(CorruptCheckpointError, match=r"w@0_20: checksum mismatch"),
+    ):
+        ck.load_into({"w": (local, info)})
+    assert torch.isnan(local).all()
+
+
+def test_a_load_from_disk_asks_for_every_piece_ahead_once(tmp_path, monkeypatch):
+    """When the first read finds its bytes not in memory (a cold load; simulated), the
+    loader asks the kernel for every range it will read, merged in file order, once."""
+    import checkpoint.load as load
+
+    monkeypatch.setattr(load, "PIECE_BYTES", 1024)
+    ckpt = str(tmp_path)
+    save(ckpt)
+    real_preadv = os.preadv
+    asked = []
+
+    def preadv(fd, buffers, offset, flags=0):
+        if flags:
+            raise BlockingIOError(11, "not cached")
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(load.os, "preadv", preadv)
+    monkeypatch.setattr(
+        load.os, "posix_fadvise", lambda fd, begin, n, advice: asked.append((begin, n, advice))
+    )
+    local, info = part(0, 1, 2)  # rows 128..255: the second half of every strip
+    with Checkpoint.open(step_path(ckpt, 1)) as ck:
+        ck.load_into({"w": (local, info)})
+    assert torch.equal(local, FULL[128:])
+    head = header_bytes(data_path(ckpt))
+    strip = ROWS * 16
+    assert asked == [
+        (head + i * strip + strip // 2, strip // 2, os.POSIX_FADV_WILLNEED) for i in range(16)
+    ]
