@@ -9,9 +9,10 @@ tensors out, named globally exactly as in a checkpoint.
 
 One call, collective over the group:
 
-1. **Describe.** One all-gather of small JSON (never pickle): each rank's step,
-   ``consumed_samples``, and the boxes (key, dtype, global shape, offsets, sizes) it holds
-   and needs.
+1. **Describe.** One all-gather of compressed JSON (never pickle; a fixed-size buffer of
+   ``DESCRIPTION_CAP`` bytes, two more collectives only when a description does not fit):
+   each rank's step, ``consumed_samples``, and the boxes (key, dtype, global shape,
+   offsets, sizes) it holds and needs.
 2. **Decide** (pure, identical on every rank, from the gathered data only). The step S is
    the highest step whose holders cover every element of every needed box; survivors may
    differ by one step (a fault between ranks' optimizer steps). A rank may hold more than
@@ -22,18 +23,20 @@ One call, collective over the group:
 3. **Plan** (pure): each needed box is cut into pieces, each from one holder at S: the rank
    itself first (a local copy), then the holder that covers most of what is left, ties to
    the fewest bytes assigned so far, then the lower rank. Every needed element is filled
-   exactly once.
+   exactly once. Keys with the same geometry (a parameter and its moments, same-shaped
+   layers) reuse each other's box arithmetic.
 4. **Transfer.** For each (source, destination) pair the pieces, in plan order, are cut
-   into chunks of about ``CHUNK_BYTES``; each chunk is one ``isend``/``irecv`` followed by
-   its CRC-32C, a message of its own. A chunk of one piece that is a contiguous region of
-   its CPU tensor goes straight from the source tensor and lands straight in the
-   destination tensor (no copy on either side); other chunks are packed (16-byte aligned)
-   through a small ring of staging slots on the sender and unpacked from one buffer per
-   source on the receiver. All receives are posted first; each sender then sends chunk by
-   chunk, round-robin over its destinations, checksumming a chunk while it is on its way;
-   local copies run meanwhile; each receiver verifies (and unpacks) chunk by chunk as they
-   arrive. CUDA tensors are staged through CPU (gloo carries CPU tensors): packed on the
-   device, one copy per chunk.
+   into chunks of about ``CHUNK_BYTES``; each chunk is one ``isend``/``irecv``, and the
+   pair's CRC-32Cs of its chunks follow the last as one message. A chunk of one piece that
+   is a contiguous region of its CPU tensor goes straight from the source tensor and lands
+   straight in the destination tensor (no copy on either side); other chunks are packed
+   (16-byte aligned) through a small ring of staging slots on the sender and unpacked from
+   one buffer per source on the receiver. All receives are posted first; each sender then
+   sends chunk by chunk, round-robin over its destinations, checksumming a chunk while it
+   is on its way; local copies run meanwhile (none where a held region is the needed one,
+   the same memory); each receiver checksums (and unpacks) chunk by chunk as they arrive
+   and compares with the sender's CRCs when they are in. CUDA tensors are staged through
+   CPU (gloo carries CPU tensors): packed on the device, one copy per chunk.
 5. **Agree.** One all-reduce of an ok flag: a CRC mismatch on any rank makes every rank
    return None. A peer that dies during the transfer makes the wait raise (the caller
    handles it, as for any collective).
@@ -44,21 +47,23 @@ another source. Padding (the local tensor outside ``ShardInfo.sizes``) is never 
 
 from __future__ import annotations
 
-import dataclasses
+import base64
 import functools
 import itertools
+import json
 import logging
 import time
+import zlib
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import crc32c
 import torch
 import torch.distributed as dist
 
-from checkpoint.comm import all_gather_json, group_rank, group_size
+from checkpoint.comm import all_gather_json_small, group_rank, group_size
 from checkpoint.planner import Box, intersect, numel, relative
 from checkpoint.shards import ShardInfo
 
@@ -81,6 +86,9 @@ the tensors where those are contiguous CPU regions); smaller ones are packed tog
 SEND_SLOTS = 4
 """Staging slots of one chunk each through which a rank sends (all destinations)."""
 DESCRIPTION_VERSION = 1
+DESCRIPTION_CAP = 64 << 10
+"""Bytes of a compressed description that go in the one all-gather of descriptions (a
+larger one costs two more collectives, on every rank alike)."""
 
 _received_hook: Callable[[int, int, torch.Tensor], None] | None = None
 """Test hook: called as ``hook(src, dst, chunk_bytes)`` on the receiver with each received
@@ -122,9 +130,10 @@ class LiveRecovery:
 # -- pure planning ---------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class Piece:
-    """Copy the global box ``(offsets, sizes)`` of tensor ``key`` from ``src`` to ``dst``."""
+class Piece(NamedTuple):
+    """Copy the global box ``(offsets, sizes)`` of tensor ``key`` from ``src`` to ``dst``.
+    (A named tuple: a plan has one per tensor and rank pair, and builds in a quarter of a
+    frozen dataclass's time.)"""
 
     key: str
     src: int
@@ -240,11 +249,16 @@ def pair_chunks(
             start, length, items = start + length, 0, []
 
     for p in pieces:
-        alone = p.nbytes >= alone_bytes
+        nbytes = p.nbytes
+        alone = nbytes >= alone_bytes
         if alone:
             close()
-        for offs, sizes in split_box(p.box, itemsize=p.itemsize, max_bytes=chunk_bytes):
-            sub = dataclasses.replace(p, offsets=offs, sizes=sizes)
+        if nbytes <= chunk_bytes:
+            subs: Sequence[Piece] = (p,)
+        else:
+            boxes = split_box(p.box, itemsize=p.itemsize, max_bytes=chunk_bytes)
+            subs = [p._replace(offsets=offs, sizes=sizes) for offs, sizes in boxes]
+        for sub in subs:
             size = _aligned(sub.nbytes)
             if items and (alone or length + size > chunk_bytes):
                 close()
@@ -315,6 +329,20 @@ def describe(
     }
 
 
+def gather_descriptions(desc: Mapping[str, Any], group: dist.ProcessGroup | None) -> list[Any]:
+    """Every rank's description, in group-rank order: compressed JSON (a description names
+    every tensor twice and compresses about tenfold), in one fixed-size all-gather while
+    every rank's fits :data:`DESCRIPTION_CAP`. Identical descriptions (replicas) are
+    parsed once."""
+    data = zlib.compress(json.dumps(desc, separators=(",", ":")).encode(), 1)
+    got = all_gather_json_small(base64.b64encode(data).decode(), group, cap=DESCRIPTION_CAP)()
+    parsed: dict[str, Any] = {}
+    for text in got:
+        if text not in parsed:
+            parsed[text] = json.loads(zlib.decompress(base64.b64decode(text)))
+    return [parsed[text] for text in got]
+
+
 def _sets(d: Mapping[str, Any]) -> list[tuple[int, Mapping[str, Any]]]:
     """A description's holdings as (set index, {step, consumed, have}): 0 the live ones,
     then ``more`` (absent in a description without extra holdings)."""
@@ -336,7 +364,11 @@ def _itemsize(dtype: str) -> int:
 def plan_step(descs: Sequence[Mapping[str, Any]], step: int) -> tuple[list[Piece] | None, str]:
     """The pieces that fill every rank's ``need`` from the holders at ``step``, or None and
     why (the first region no holder at ``step`` covers). Assumes consistent dtypes and
-    shapes (:func:`plan_recovery` checks them)."""
+    shapes (:func:`plan_recovery` checks them).
+
+    Keys whose holders hold the same boxes (a parameter and its moments, every layer's
+    same-shaped weights) share their geometry: what a needed box intersects, and what is
+    left of it, is worked out once per distinct holders and box and reused."""
     holders: dict[str, list[tuple[int, int, Box]]] = defaultdict(list)
     for r, d in enumerate(descs):
         for k, held in _sets(d):
@@ -345,57 +377,93 @@ def plan_step(descs: Sequence[Mapping[str, Any]], step: int) -> tuple[list[Piece
             for key, (_dtype, _shape, offs, sizes) in held["have"].items():
                 if numel(sizes):
                     holders[key].append((r, k, (tuple(offs), tuple(sizes))))
+    geometry: dict[tuple, int] = {}
+    hid = {key: geometry.setdefault(tuple(hs), len(geometry)) for key, hs in holders.items()}
+    own: dict[tuple, tuple[list[tuple[int, Box]], list[Box]]] = {}
     pieces: list[Piece] = []
-    remote: list[tuple[int, str, int, list[Box]]] = []
+    remote: list[tuple[int, str, int, int, list[Box]]] = []  # (-bytes, key, rank, ...)
     for r, d in enumerate(descs):
-        for key in sorted(d["need"]):
-            dtype, _shape, offs, sizes = d["need"][key]
-            box: Box = (tuple(offs), tuple(sizes))
-            if not numel(box[1]):
+        need = d["need"]
+        for key in sorted(need):
+            dtype, _shape, offs, sizes = need[key]
+            if not numel(sizes):
                 continue
+            box: Box = (tuple(offs), tuple(sizes))
             itemsize = _itemsize(dtype)
-            left = [box]
-            for hr, k, hb in holders.get(key, ()):  # what this rank holds itself first
-                if hr != r:
-                    continue
-                rest = []
-                for b in left:
-                    common = intersect(b, hb)
-                    if common is None:
-                        rest.append(b)
-                        continue
-                    pieces.append(Piece(key, r, r, *common, itemsize, src_set=k))
-                    rest += subtract(b, common)
-                left = rest
+            hs = holders.get(key)
+            if hs is None:
+                remote.append((-numel(box[1]) * itemsize, key, r, itemsize, [box]))
+                continue
+            memo = (hid[key], r, box)
+            if memo not in own:
+                own[memo] = _own_part(box, hs, r)
+            parts, left = own[memo]
+            pieces += [Piece(key, r, r, *common, itemsize, k) for k, common in parts]
             if left:
-                remote.append((r, key, itemsize, left))
+                nbytes = sum(numel(b[1]) for b in left) * itemsize
+                remote.append((-nbytes, key, r, itemsize, left))
     load: dict[int, int] = defaultdict(int)
+    candidates: dict[tuple[int, Box], list] = {}
     # Largest first, so the balance by bytes ends within one piece of even.
-    remote.sort(key=lambda x: (-sum(numel(b[1]) for b in x[3]) * x[2], x[1], x[0]))
-    for r, key, itemsize, left in remote:
+    remote.sort(key=lambda x: x[:3])
+    for _, key, r, itemsize, left in remote:
+        hs = holders.get(key, [])
+        geo = hid.get(key, -1)
         todo = list(left)
         while todo:
             box = todo.pop()
-            best: tuple[tuple[int, bool, int, int, int], Box] | None = None
-            for hr, k, hb in holders.get(key, ()):
-                common = intersect(box, hb)
-                if common is None:
-                    continue
+            memo = (geo, box)
+            if memo not in candidates:
+                candidates[memo] = _candidates(box, hs)
+            best: tuple[tuple[int, bool, int, int, int], tuple] | None = None
+            for neg, extra, hr, k, common, rest in candidates[memo]:
                 # Live tensors before snapshots and replicas at the same step.
-                rank_key = (-numel(common[1]), k > 0, load[hr], hr, k)
+                rank_key = (neg, extra, load[hr], hr, k)
                 if best is None or rank_key < best[0]:
-                    best = (rank_key, common)
+                    best = (rank_key, (hr, k, common, rest))
             if best is None:
                 return None, (
                     f"{key} [{', '.join(f'{o}:{o + s}' for o, s in zip(*box, strict=True))}] "
                     f"needed by rank {r} has no holder at step {step}"
                 )
-            (_, _, _, src, k), common = best
-            piece = Piece(key, src, r, *common, itemsize, src_set=k)
-            pieces.append(piece)
-            load[src] += piece.nbytes
-            todo.extend(subtract(box, common))
+            src, k, common, rest = best[1]
+            pieces.append(Piece(key, src, r, *common, itemsize, k))
+            load[src] -= best[0][0] * itemsize
+            todo.extend(rest)
     return pieces, ""
+
+
+def _own_part(
+    box: Box, holders: Sequence[tuple[int, int, Box]], rank: int
+) -> tuple[list[tuple[int, Box]], list[Box]]:
+    """What ``rank`` holds itself of ``box`` ((set, region) in holding order) and what is
+    left of it for others (disjoint boxes)."""
+    parts: list[tuple[int, Box]] = []
+    left = [box]
+    for hr, k, hb in holders:
+        if hr != rank:
+            continue
+        rest = []
+        for b in left:
+            common = intersect(b, hb)
+            if common is None:
+                rest.append(b)
+                continue
+            parts.append((k, common))
+            rest += subtract(b, common)
+        left = rest
+    return parts, left
+
+
+def _candidates(box: Box, holders: Sequence[tuple[int, int, Box]]) -> list[tuple]:
+    """Each holder's part of ``box``: (minus its elements, from a snapshot or replica,
+    rank, set, region, what is left of ``box`` without it)."""
+    out = []
+    for hr, k, hb in holders:
+        common = intersect(box, hb)
+        if common is not None:
+            out.append((-numel(common[1]), k > 0, hr, k, common, subtract(box, common)))
+    return out
 
 
 def plan_recovery(descs: Sequence[Mapping[str, Any]]) -> tuple[RecoveryPlan | None, str]:
@@ -409,18 +477,21 @@ def plan_recovery(descs: Sequence[Mapping[str, Any]]) -> tuple[RecoveryPlan | No
     ]
     if problems:
         return None, "; ".join(problems)
-    meta: dict[str, tuple[str, tuple[int, ...], int, str]] = {}
+    meta: dict[str, tuple[str, Any, int, str]] = {}
+    dtypes: set[str] = set()
     for r, d in enumerate(descs):
         sides = [("have", d["have"]), ("need", d["need"])]
         sides += [("have", m["have"]) for m in d.get("more") or ()]
         for side, entries in sides:
             for key, (dtype, shape, _offs, _sizes) in entries.items():
-                try:
-                    _itemsize(dtype)
-                except ValueError as exc:
-                    return None, f"rank {r}: {key}: {exc}"
-                seen = meta.setdefault(key, (dtype, tuple(shape), r, side))
-                if seen[:2] != (dtype, tuple(shape)):
+                if dtype not in dtypes:
+                    try:
+                        _itemsize(dtype)
+                    except ValueError as exc:
+                        return None, f"rank {r}: {key}: {exc}"
+                    dtypes.add(dtype)
+                seen = meta.setdefault(key, (dtype, shape, r, side))
+                if seen[0] != dtype or (seen[1] != shape and tuple(seen[1]) != tuple(shape)):
                     return None, (
                         f"{key}: rank {seen[2]} {seen[3]}s {seen[0]} {list(seen[1])}, "
                         f"rank {r} {side}s {dtype} {list(shape)}"
@@ -510,6 +581,130 @@ def _crc(data: torch.Tensor) -> int:
     return crc32c.crc32c(data.numpy())
 
 
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two views are the very same elements (a copy between them changes nothing)."""
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.device == b.device
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )
+
+
+def _copy_local(pieces: Sequence[Piece], sets: Sequence[Holding], need: Holding) -> int:
+    """Copy the pieces a rank holds itself; none where the held and the needed region are
+    the same memory (a caller passing its live tensors as both ``have`` and ``need``).
+    Returns their bytes."""
+    nbytes = 0
+    for p in pieces:
+        src_t, src_info = sets[p.src_set][p.key]
+        dst_t, dst_info = need[p.key]
+        src = src_t[relative(p.box, src_info.offsets)]
+        dst = dst_t[relative(p.box, dst_info.offsets)]
+        if not _same_memory(src, dst):
+            dst.copy_(src)
+        nbytes += p.nbytes
+    return nbytes
+
+
+class _Inbound:
+    """The receiving side of one transfer: every message posted up front (:meth:`post`),
+    then taken in the order the senders send (:meth:`take`)."""
+
+    def __init__(self, me: int, group: dist.ProcessGroup | None, need: Holding, pinned: bool):
+        self.me, self.group, self.need, self.pinned = me, group, need, pinned
+        self.chunks: list[tuple[int, int, Chunk, torch.Tensor, Any, bool]] = []
+        """(index, source, chunk, where its bytes land, its receive, landed in place)."""
+        self.tables: dict[int, tuple[torch.Tensor, Any]] = {}
+        """Source -> (its CRCs of the pair's chunks, their receive)."""
+
+    def post(self, src: int, chunks: Sequence[Chunk]) -> None:
+        """One receive per chunk (tag: its index), then one of the pair's CRCs (tag: the
+        chunk count). A one-piece chunk whose region is contiguous in its CPU destination
+        lands there (no buffer, no unpack); the others in one buffer for the source."""
+        places = [_direct(c, self.need) for c in chunks]
+        buf = _new_buffer(sum(c.length for c, d in zip(chunks, places, strict=True)
+                              if d is None), self.pinned)  # fmt: skip
+        at = 0
+        for i, (c, place) in enumerate(zip(chunks, places, strict=True)):
+            direct = place is not None
+            if place is None:
+                place, at = buf[at : at + c.wire], at + c.length
+            self.chunks.append((i, src, c, place, _irecv(place, src, i, self.group), direct))
+        table = torch.empty(len(chunks), dtype=torch.int64)
+        self.tables[src] = (table, _irecv(table, src, len(chunks), self.group))
+
+    def take(self) -> tuple[dict[int, int], list[str]]:
+        """Wait for each chunk, checksum it and unpack it as it arrives, then check every
+        CRC against its sender's. Returns the bytes from each source and the chunks that
+        failed (a failure fails the whole transfer; the need tensors may be partly written,
+        as documented)."""
+        self.chunks.sort(key=lambda x: (x[0], x[1]))  # chunk by chunk, round-robin
+        received: dict[int, int] = {}
+        crcs: dict[int, dict[int, int]] = defaultdict(dict)
+        for i, src, c, data, work, direct in self.chunks:
+            work.wait()
+            if _received_hook is not None:
+                _received_hook(src, self.me, data)
+            crcs[src][i] = _crc(data)
+            if not direct:
+                _unpack(c, data, self.need)
+            received[src] = received.get(src, 0) + sum(p.nbytes for p, _ in c.items)
+        bad = []
+        for src, (table, work) in self.tables.items():
+            work.wait()
+            want = table.tolist()
+            bad += [f"chunk {i} from rank {src}" for i, crc in crcs[src].items() if want[i] != crc]
+        return received, bad
+
+
+def _send(
+    outbound: Mapping[int, Sequence[Chunk]],
+    sets: Sequence[Holding],
+    group: dist.ProcessGroup | None,
+    pinned: bool,
+) -> tuple[dict[int, int], list]:
+    """Send every chunk to its destination: chunk by chunk, round-robin over the
+    destinations, so every receiver starts early. A one-piece chunk contiguous in its CPU
+    source goes out as a view of it; the others are packed through a small ring of staging
+    slots (no state-sized allocation: page faults cost as much as the copy, and the slots
+    stay warm). Each chunk is checksummed while it is on its way (it is not written
+    meanwhile); a pair's CRCs follow its last chunk, one message. Returns the bytes sent
+    to each destination and the sends to wait for."""
+    outgoing = {d: [_direct(c, sets[c.items[0][0].src_set]) for c in ch]
+                for d, ch in outbound.items()}  # fmt: skip
+    slot_bytes = max((c.length for d, ch in outbound.items()
+                      for c, v in zip(ch, outgoing[d], strict=True) if v is None), default=0)  # fmt: skip
+    ring = _new_buffer(SEND_SLOTS * slot_bytes, pinned) if slot_bytes else None
+    in_slot: list = [None] * SEND_SLOTS
+    in_flight = []
+    crcs: dict[int, list[int]] = {d: [] for d in outbound}
+    sent_to: dict[int, int] = {}
+    packed = 0
+    for i in range(max((len(ch) for ch in outbound.values()), default=0)):
+        for dst, chunks in outbound.items():
+            if i >= len(chunks):
+                continue
+            c, msg = chunks[i], outgoing[dst][i]
+            if msg is None:
+                k = packed % SEND_SLOTS
+                if in_slot[k] is not None:
+                    in_slot[k].wait()  # a gloo send's wait must not be repeated
+                msg = ring[k * slot_bytes : k * slot_bytes + c.wire]
+                _pack(c, sets, ring[k * slot_bytes : k * slot_bytes + c.length])
+                in_slot[k] = _isend(msg, dst, i, group)
+                packed += 1
+            else:
+                in_flight.append(_isend(msg, dst, i, group))
+            crcs[dst].append(_crc(msg))
+            if i == len(chunks) - 1:
+                table = torch.tensor(crcs[dst], dtype=torch.int64)
+                in_flight.append(_isend(table, dst, len(chunks), group))
+            sent_to[dst] = sent_to.get(dst, 0) + sum(p.nbytes for p, _ in c.items)
+    return sent_to, [w for w in (*in_slot, *in_flight) if w is not None]
+
+
 def _new_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
 
@@ -537,11 +732,14 @@ def recover_from_peers(
     started = time.perf_counter()
     marks: dict[str, float] = {}
 
+    last = [started]
+
     def mark(name: str) -> None:
-        marks[name] = time.perf_counter() - started - sum(marks.values())
+        now = time.perf_counter()
+        marks[name], last[0] = now - last[0], now
 
     me, world = group_rank(group), group_size(group)
-    descs = all_gather_json(
+    descs = gather_descriptions(
         describe(
             have=have, have_step=have_step, have_consumed=have_consumed, need=need, extra=extra
         ),
@@ -556,99 +754,33 @@ def recover_from_peers(
         return None
     held: Holding = have or {}
     sets: list[Holding] = [held, *(h.tensors for h in extra)]
-    sends = {d: plan.between(me, d) for d in range(world) if d != me}
-    recvs = {s: plan.between(s, me) for s in range(world) if s != me}
+    pairs: dict[tuple[int, int], list[Piece]] = defaultdict(list)
+    for p in plan.pieces:
+        if p.src == me or p.dst == me:
+            pairs[p.src, p.dst].append(p)
     pinned = torch.cuda.is_available() and any(
         t.is_cuda for h in (*sets, need) for t, _ in h.values()
     )
-    # Post every receive first, one message per chunk: a one-piece chunk whose region is
-    # contiguous in its CPU destination lands there directly (no buffer, no unpack);
-    # the others land in one buffer per source. Each chunk's CRC is a message of its own.
-    incoming = []
-    direct_in = 0
-    for src, pieces in recvs.items():
-        if not pieces:
-            continue
-        chunks = pair_chunks(pieces)
-        places = [_direct(c, need) for c in chunks]
-        buf = _new_buffer(sum(c.length for c, d in zip(chunks, places, strict=True)
-                              if d is None), pinned)  # fmt: skip
-        at = 0
-        table = torch.empty(len(chunks), dtype=torch.int64)
-        for i, (c, place) in enumerate(zip(chunks, places, strict=True)):
-            direct = place is not None
-            if place is None:
-                place, at = buf[at : at + c.wire], at + c.length
-            direct_in += direct
-            work = _irecv(place, src, i, group)
-            check = _irecv(table[i : i + 1], src, len(chunks) + i, group)
-            incoming.append((src, c, place, work, check, (table, i), direct))
+    inbound = _Inbound(me, group, need, pinned)
+    for src in range(world):
+        if src != me and pairs.get((src, me)):
+            inbound.post(src, pair_chunks(pairs[src, me]))
     mark("post")
-    sent_to: dict[int, int] = {}
-    # Round-robin over destinations, chunk by chunk, so every receiver starts early. A
-    # one-piece chunk contiguous in its CPU source goes out as a view of it; the others
-    # are packed through a small ring of staging slots (no state-sized allocation: page
-    # faults cost as much as the copy, and the slots stay warm).
-    layouts = {d: pair_chunks(p) for d, p in sends.items() if p}
-    outgoing = {d: [_direct(c, sets[c.items[0][0].src_set]) for c in ch]
-                for d, ch in layouts.items()}  # fmt: skip
-    slot_bytes = max((c.length for d, ch in layouts.items()
-                      for c, v in zip(ch, outgoing[d], strict=True) if v is None), default=0)  # fmt: skip
-    ring = _new_buffer(SEND_SLOTS * slot_bytes, pinned) if slot_bytes else None
-    in_slot: list = [None] * SEND_SLOTS
-    in_flight = []
-    crcs_out = {d: torch.empty(len(ch), dtype=torch.int64) for d, ch in layouts.items()}
-    packed = 0
-    for i in range(max((len(ch) for ch in layouts.values()), default=0)):
-        for dst, chunks in layouts.items():
-            if i >= len(chunks):
-                continue
-            c, msg = chunks[i], outgoing[dst][i]
-            if msg is None:
-                k = packed % SEND_SLOTS
-                if in_slot[k] is not None:
-                    in_slot[k].wait()  # a gloo send's wait must not be repeated
-                msg = ring[k * slot_bytes : k * slot_bytes + c.wire]
-                _pack(c, sets, ring[k * slot_bytes : k * slot_bytes + c.length])
-                in_slot[k] = _isend(msg, dst, i, group)
-                packed += 1
-            else:
-                in_flight.append(_isend(msg, dst, i, group))
-            # Checksummed while the chunk is on its way (it is not written meanwhile).
-            crcs_out[dst][i] = _crc(msg)
-            in_flight.append(_isend(crcs_out[dst][i : i + 1], dst, len(chunks) + i, group))
-            sent_to[dst] = sent_to.get(dst, 0) + sum(p.nbytes for p, _ in c.items)
+    outbound = {
+        d: pair_chunks(pairs[me, d]) for d in range(world) if d != me and pairs.get((me, d))
+    }
+    sent_to, sends = _send(outbound, sets, group, pinned)
     mark("send")
-    bytes_local = 0
-    for p in plan.pieces:
-        if p.src == me and p.dst == me:
-            src_t, src_info = sets[p.src_set][p.key]
-            dst_t, dst_info = need[p.key]
-            dst_t[relative(p.box, dst_info.offsets)].copy_(src_t[relative(p.box, src_info.offsets)])
-            bytes_local += p.nbytes
+    bytes_local = _copy_local(pairs.get((me, me), []), sets, need)  # while data is in flight
     mark("local")
-    ok = True
-    bad: list[str] = []
-    received_from: dict[int, int] = {}
-    for src, c, data, work, check, (table, i), direct in incoming:
-        work.wait()
-        check.wait()
-        if _received_hook is not None:
-            _received_hook(src, me, data)
-        if _crc(data) != int(table[i]):
-            ok = False
-            bad.append(f"chunk at byte {c.start} from rank {src}")
-            continue
-        if not direct:
-            _unpack(c, data, need)
-        received_from[src] = received_from.get(src, 0) + sum(p.nbytes for p, _ in c.items)
+    received_from, bad = inbound.take()
     mark("receive")
-    for work in (*in_slot, *in_flight):
-        if work is not None:
-            work.wait()
+    for work in sends:
+        work.wait()
     if bad:
         log.warning("state from peers: CRC mismatch on rank %d: %s", me, ", ".join(bad))
     mark("sent")
+    ok = not bad
     if world > 1:
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
@@ -671,8 +803,8 @@ def recover_from_peers(
             "bytes_out": sum(sent_to.values()),
             "pieces": len(plan.pieces),
             "from_extra": any(p.src_set > 0 for p in plan.pieces),
-            "chunks_in": len(incoming),
-            "chunks_in_direct": direct_in,
+            "chunks_in": len(inbound.chunks),
+            "chunks_in_direct": sum(direct for *_, direct in inbound.chunks),
             "plan_seconds": planned - started,
             "phases": marks,
         },

@@ -430,6 +430,18 @@ def _synthetic_worker(rank: int, world: int, store: str, out: str) -> None:
     run("corrupt-packed", _hold(whole, 4) if rank == 0 else None, 4 if rank == 0 else None,
         _blank(whole))  # fmt: skip
     live._received_hook = None
+    # In place, as Context.sync_state calls it: the survivors pass their live tensors as
+    # both have and need (nothing is copied onto itself); the newcomer receives.
+    mine = _hold(whole, 4) if rank < 2 else _blank(whole)
+    run("in-place", mine if rank < 2 else None, 4 if rank < 2 else None, mine)
+    # Rank 1 one step behind: its own tensors are overwritten with rank 0's step.
+    step = [4, 3, None][rank]
+    mine = _hold(whole, step) if step else _blank(whole)
+    run("in-place-behind", mine if step else None, step, mine, check_step=4)
+    # Descriptions over the one all-gather's cap: the two-collective way, on every rank.
+    live.DESCRIPTION_CAP, cap = 8, live.DESCRIPTION_CAP
+    run("large-descriptions", _hold(old, 4) if old else None, 4 if old else None, _blank(new))
+    live.DESCRIPTION_CAP = cap
     dist.destroy_process_group()
     Path(out, f"rank-{rank}.json").write_text(json.dumps(results))
 
@@ -466,6 +478,24 @@ def test_reshard_with_a_newcomer_bf16_0d_and_padding(synthetic) -> None:
     assert newcomer["bytes_local"] == 0 and newcomer["bytes_in"] > 0
     # The newcomer's replicated tensors came from both survivors (load spread).
     assert set(newcomer["sources"]["received_from"]) == {"0", "1"}
+
+
+def test_descriptions_over_the_gathers_cap_take_the_longer_way(synthetic) -> None:
+    for rank, res in enumerate(synthetic):
+        r = res["large-descriptions"]
+        assert not r["none"] and r["step"] == 4 and r["wrong"] == [], (rank, r)
+        assert r["bytes_in"] == res["reshard"]["bytes_in"]
+
+
+def test_live_tensors_passed_as_have_and_need_are_not_copied_onto_themselves(synthetic) -> None:
+    nbytes = G_W[0] * G_W[1] * 4
+    for rank, res in enumerate(synthetic):
+        r = res["in-place"]
+        assert not r["none"] and r["step"] == 4 and r["wrong"] == [], (rank, r)
+        assert (r["bytes_local"], r["bytes_in"]) == ((nbytes, 0) if rank < 2 else (0, nbytes))
+        r = res["in-place-behind"]
+        assert not r["none"] and r["step"] == 4 and r["wrong"] == [], (rank, r)
+        assert (r["bytes_local"], r["bytes_in"]) == ((nbytes, 0) if rank == 0 else (0, nbytes))
 
 
 def test_step_skew_takes_the_higher_step_when_it_covers_everything(synthetic) -> None:
