@@ -63,9 +63,13 @@ def _start_rank(cfg: dict, **trainer_kw):
 
 
 def worker(cfg: dict) -> None:
+    if cfg.get("root"):  # the baseline's tree, ahead of this checkout's
+        sys.path.insert(0, cfg["root"])
     import torch.distributed as dist
 
     rank, trainer = _start_rank(cfg, overlap_grads=cfg["overlap"])
+    if cfg.get("root") and not sys.modules["trainer"].__file__.startswith(cfg["root"]):
+        raise SystemExit("the baseline run imported this checkout's trainer")
     state_bytes = sum(q.numel() * q.element_size() for q in trainer.params) * 4
     times = []
     for i in range(cfg["warmup"] + cfg["steps"]):
@@ -211,6 +215,57 @@ def optimizer_memory(args: argparse.Namespace) -> None:
                       f"{grads:>17.2f} {rs[0]['loss']:>11.6f}")  # fmt: skip
 
 
+# The trainer as issue 14 found it: the parent of its first commit (CUDA/NCCL correctness).
+BASELINE_REV = "4657392^"
+
+
+def baseline_tree(rev: str, into: str) -> str:
+    """Extract the packages the benchmark imports (trainer, elasticd, checkpoint) at ``rev``
+    of this checkout's git history into ``into``; returns ``into``."""
+    repo = os.path.dirname(HERE)
+    try:
+        commit = subprocess.run(["git", "-C", repo, "rev-parse", "--verify", f"{rev}^{{commit}}"],
+                                check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        raise SystemExit(f"--baseline-rev: {rev!r} is not a commit of this checkout "
+                         "(a shallow clone has no history)") from None  # fmt: skip
+    archive = subprocess.run(["git", "-C", repo, "archive", commit, "trainer", "elasticd",
+                              "checkpoint"], check=True, capture_output=True).stdout  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", into], input=archive, check=True)
+    return into
+
+
+def against_baseline(args: argparse.Namespace) -> None:
+    """Tokens/s of this trainer against the one at ``--baseline-rev``, the same jobs (fp32,
+    zero 0, sp off: what both can run), interleaved repeat by repeat; the final losses must
+    agree, or the comparison is of different work."""
+    import tempfile
+
+    tokens = args.global_batch * args.seq_len
+    print(f"\n== tokens/s against the trainer at {args.baseline_rev} (fp32; median of "
+          f"{args.repeats} interleaved repeats, slowest rank)")  # fmt: skip
+    print(f"{'layout':>7} {'before':>10} {'now':>10} {'now/before':>11} {'final loss (both)':>18}")
+    with tempfile.TemporaryDirectory(prefix="elasticd-bench-") as tmp:
+        root = baseline_tree(args.baseline_rev, tmp)
+        for name, world, tp in (("tp1", 1, 1), ("tp2", 2, 2), ("dp2", 2, 1)):
+            got: dict[str, list[float]] = {"before": [], "now": []}
+            losses = {}
+            for _ in range(args.repeats):
+                for side, where in (("before", root), ("now", None)):
+                    cfg = {"job": job_dict(args, world=world, tp=tp), "overlap": True,
+                           "steps": args.steps, "warmup": args.warmup, "root": where}  # fmt: skip
+                    rs = launch(cfg, world)
+                    got[side].append(tokens / max(r["step_s"] for r in rs))
+                    losses[side] = rs[0]["loss"]
+            before, now = statistics.median(got["before"]), statistics.median(got["now"])
+            pairs = [n / b for b, n in zip(got["before"], got["now"], strict=True)]
+            a, b = losses["before"], losses["now"]
+            if abs(a - b) > 1e-5 * abs(a):
+                raise SystemExit(f"{name}: the two trainers disagree: final loss {b} vs {a}")
+            print(f"{name:>7} {before:>10,.0f} {now:>10,.0f} {now / before:>10.2f}x {b:>18.6f}"
+                  f"   repeat by repeat {min(pairs):.2f}-{max(pairs):.2f}x")  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -236,6 +291,11 @@ def main() -> None:
     ap.add_argument("--gpu-fp32", action="store_true", help="also the trainer in fp32+TF32")
     ap.add_argument("--optimizer-only", action="store_true",
                     help="only the optimizer memory per rank (parallel.zero 0 vs 1)")  # fmt: skip
+    ap.add_argument("--baseline-rev", default=BASELINE_REV,
+                    help="the trainer to compare tokens/s against (a git revision)")  # fmt: skip
+    ap.add_argument("--repeats", type=int, default=3, help="repeats of the baseline comparison")
+    ap.add_argument("--baseline-only", action="store_true",
+                    help="only the tokens/s comparison against --baseline-rev")  # fmt: skip
     ap.add_argument("--activations-only", action="store_true",
                     help="only the activation memory per rank (sp, recompute)")  # fmt: skip
     args = ap.parse_args()
@@ -255,6 +315,9 @@ def main() -> None:
         return
     if args.activations_only:
         activation_memory(args)
+        return
+    if args.baseline_only:
+        against_baseline(args)
         return
     tokens = args.global_batch * args.seq_len
     print(f"model: layers {args.layers}, hidden {args.hidden}, vocab {args.vocab}, seq "
@@ -291,6 +354,7 @@ def main() -> None:
         raise SystemExit(f"bucketed and naive runs disagree: final loss {b} vs {a}")
     activation_memory(args)
     optimizer_memory(args)
+    against_baseline(args)
 
 
 if __name__ == "__main__":

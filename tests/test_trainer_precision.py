@@ -211,8 +211,12 @@ BF16_LAYOUTS = {
     "tp2_dp2": (4, "dense", {"parallel.tp": 2}),
     "pp2_dp2": (4, "dense", {"parallel.pp": 2}),
     "moe_ep2": (2, "moe", {**MOE, "parallel.ep": 2}),
+    # Sequence parallelism: the all-gathers and reduce-scatters carry bf16 activations, and
+    # the pipeline's wire carries each stage's bf16 part of the sequence.
+    "tp2_sp": (2, "dense", {"parallel.tp": 2, "parallel.sp": True}),
+    "pp2_tp2_sp": (4, "dense", {"parallel.tp": 2, "parallel.sp": True, "parallel.pp": 2}),
 }
-BF16_DEFAULT = {"tp2_dp2", "moe_ep2"}
+BF16_DEFAULT = {"tp2_dp2", "moe_ep2", "tp2_sp"}
 
 
 def _max_rel(ref: list[dict], got: list[dict], key: str) -> float:
