@@ -38,8 +38,12 @@ listening socket, never one from before the round) gets ``shutdown(SHUT_RDWR)``.
 pending reads then fail with "connection closed", the collective raises in the training
 thread within milliseconds, and our peers' pairs with us fail the same way, so one
 worker's abort frees every worker of the world. The file descriptors stay open (no
-descriptor is reused under gloo's feet) until the process group is destroyed. On NCCL the
-communicators are aborted with ``_abort_process_group`` under a watchdog.
+descriptor is reused under gloo's feet) until the process group is destroyed. A round can
+end while it is still starting (the agent's abort right after its start): the watcher then
+keeps shutting the round's new sockets until the worker has left it, a round already
+ended when it would begin is left at once, and a wait for rank 0's store gives up on the
+abort (that rank 0 may never open it). On NCCL the communicators are aborted with
+``_abort_process_group`` under a watchdog.
 
 Without a control file (plain torchrun, one process, ``restart.mode: process``) ``run``
 calls ``train`` exactly once in a process group made from the torchrun environment.
@@ -272,23 +276,31 @@ def _connected_tcp_inodes() -> set[int]:
 def shutdown_new_sockets(before: set[int]) -> int:
     """Shut down (not close) every connected TCP socket whose inode is not in ``before``;
     returns how many."""
+    return len(_shutdown_new(before))
+
+
+def _shutdown_new(before: set[int]) -> set[int]:
+    """:func:`shutdown_new_sockets`; the inodes it shut. A socket still connecting when
+    ``/proc`` was read is not among them (a later call shuts it)."""
     tcp = _connected_tcp_inodes()
-    count = 0
+    done = set()
     for fd, inode in _socket_fds().items():
         if inode in before or inode not in tcp:
             continue
         try:
+            if os.fstat(fd).st_ino != inode:
+                continue  # closed and its number reused since /proc was read
             s = socket.socket(fileno=fd)
         except OSError:
             continue
         try:
             s.shutdown(socket.SHUT_RDWR)
-            count += 1
+            done.add(inode)
         except OSError:
             pass
         finally:
             s.detach()
-    return count
+    return done
 
 
 # -- the control file --------------------------------------------------------------------------
@@ -308,8 +320,9 @@ class _Control:
         self._shut: set[int] = set()
         self._begun = False
         self.aborted_at: float | None = None
-        self._sig: tuple[int, int] | None = None
+        self._sig: tuple[int, int, int] | None = None
         self.channel = WorkerChannel.from_env(env)
+        self._stop = threading.Event()
         self._read()
         threading.Thread(target=self._watch, name="elasticd-control", daemon=True).start()
 
@@ -318,7 +331,7 @@ class _Control:
             st = os.stat(self.path)
         except OSError:
             return
-        sig = (st.st_mtime_ns, st.st_size)
+        sig = (st.st_ino, st.st_mtime_ns, st.st_size)  # each write is a new file (rename)
         if sig == self._sig:
             return
         try:
@@ -342,10 +355,29 @@ class _Control:
         if current in self.ended:
             self.abort_sockets(current)
 
+    def close(self) -> None:
+        """Stop watching (within one poll). A worker's watcher lives as long as it does;
+        this is for a process that makes several, such as a test's."""
+        self._stop.set()
+        with self.cond:
+            self._begun = False
+
     def _watch(self) -> None:
-        while True:
+        while not self._stop.is_set():
             self._read()
+            # Until we leave an aborted round, keep shutting its new sockets: a store or a
+            # pair opened just after the abort was read (the round was still starting)
+            # would otherwise wait for peers that left, for the whole group timeout.
+            self._abort_late_sockets()
             time.sleep(POLL)
+
+    def _abort_late_sockets(self) -> None:
+        """The current round has ended but the worker is still in it: shut the sockets
+        it opened since. Judged under the lock, so a round that begins meanwhile is
+        never taken for the ended one."""
+        with self.cond:
+            if self._begun and self.round in self.ended:
+                self._shut |= _shutdown_new(self._before | self._shut)
 
     def aborted(self, round_: int) -> bool:
         return round_ in self.ended
@@ -358,6 +390,13 @@ class _Control:
             self._shut = set()
             self._begun = True
 
+    def left(self, round_: int) -> None:
+        """We left round ``round_`` (its group is destroyed): its sockets are gone, and the
+        ones opened until the next round begins are not its to shut."""
+        with self.cond:
+            if self.round == round_:
+                self._begun = False
+
     def abort_sockets(self, round_: int) -> None:
         """Leave any collective of round ``round_`` (see the module docstring). Nothing if
         another round began meanwhile: its sockets are not ours to shut. Under the lock,
@@ -365,8 +404,7 @@ class _Control:
         with self.cond:
             if not self._begun or self.round != round_:
                 return
-            shutdown_new_sockets(self._before | self._shut)
-            self._shut |= set(_socket_fds().values())
+            self._shut |= _shutdown_new(self._before | self._shut)
 
     def next_round(self, after: int) -> dict[str, str]:
         """Block until the agent starts a round after ``after`` that names this process
@@ -416,8 +454,16 @@ def is_comm_error(exc: BaseException) -> bool:
     return False
 
 
-def _open_round(env: Mapping[str, str], *, backend: str, timeout: timedelta) -> Any:
-    """A fresh store (prefixed by run and round) and default process group for ``env``."""
+def _open_round(
+    env: Mapping[str, str],
+    *,
+    backend: str,
+    timeout: timedelta,
+    aborted: Callable[[], bool] = lambda: False,
+) -> Any:
+    """A fresh store (prefixed by run and round) and default process group for ``env``.
+    ``aborted``: whether the round ended meanwhile (the wait for rank 0's store then
+    raises :class:`RoundAborted`)."""
     import torch.distributed as dist
 
     rank, world = int(env.get("RANK", "0")), int(env.get("WORLD_SIZE", "1"))
@@ -427,12 +473,12 @@ def _open_round(env: Mapping[str, str], *, backend: str, timeout: timedelta) -> 
         # Under torchrun the agent hosts the store (TORCHELASTIC_USE_AGENT_STORE); under
         # elasticd rank 0 hosts each round's, on the port the rendezvous reserved.
         host = rank == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-        if not host:
-            _wait_listening(env["MASTER_ADDR"], int(env["MASTER_PORT"]), timeout)
-        store = dist.TCPStore(
-            env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, host,
-            timeout=timeout, wait_for_workers=False,
-        )  # fmt: skip
+        addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+        if host:
+            store = dist.TCPStore(addr, port, world, True, timeout=timeout,
+                                  wait_for_workers=False)  # fmt: skip
+        else:
+            store = _connect_store(addr, port, world, timeout, aborted)
     prefix = (
         f"elasticd/{env.get('TORCHELASTIC_RUN_ID', '')}/round-{env.get('ELASTICD_ROUND', '0')}/"
     )
@@ -441,13 +487,53 @@ def _open_round(env: Mapping[str, str], *, backend: str, timeout: timedelta) -> 
     return prefixed
 
 
-def _wait_listening(host: str, port: int, timeout: timedelta) -> None:
+CONNECT_TRY = timedelta(seconds=5)
+"""How long one attempt to connect to the round's store may take (see _connect_store)."""
+
+
+def _connect_store(
+    addr: str, port: int, world: int, timeout: timedelta, aborted: Callable[[], bool]
+) -> Any:
+    """A client of the round's store, within ``timeout``, in attempts of CONNECT_TRY with
+    ``aborted`` asked between them: TCPStore retries a refused connection for as long as
+    its timeout, so a rank 0 gone between our probe and our connect (its node died, its
+    round ended) would otherwise hold us for the whole group timeout, with nothing
+    connected for the socket abort to shut."""
+    import torch.distributed as dist
+
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        left = timedelta(seconds=max(0.0, deadline - time.monotonic()))
+        _wait_listening(addr, port, left, aborted)
+        try:
+            store = dist.TCPStore(addr, port, world, False, timeout=min(CONNECT_TRY, left),
+                                  wait_for_workers=False)  # fmt: skip
+        except (RuntimeError, TimeoutError, ConnectionError) as exc:  # DistError is one too
+            if aborted():
+                raise RoundAborted(f"the round ended while connecting to its store: {exc}") from exc
+            if time.monotonic() >= deadline:
+                raise
+            continue
+        store.set_timeout(timeout)  # the round's operations get the whole group timeout
+        return store
+
+
+def _wait_listening(
+    host: str, port: int, timeout: timedelta, aborted: Callable[[], bool] = lambda: False
+) -> None:
     """Wait, polling every 5 ms, until the round's store accepts connections. A TCPStore
     client that finds no listener backs off for up to about a second before it tries
     again; the new rank 0 starts its server at about the same moment as the others
-    connect, so without this a re-form often loses that second."""
+    connect, so without this a re-form often loses that second.
+
+    Raises :class:`RoundAborted` once ``aborted()``: a round can end before its rank 0
+    ever opens the store (its agent ended the round just after starting it, and rank 0
+    read only the abort); nothing is connected yet for the socket abort to shut, so
+    without this check the wait would last the whole process-group timeout."""
     deadline = time.monotonic() + timeout.total_seconds()
     while time.monotonic() < deadline:
+        if aborted():
+            raise RoundAborted(f"the round ended before its store at {host}:{port} opened")
         try:
             socket.create_connection((host, port), timeout=1.0).close()
             return
@@ -584,12 +670,16 @@ def run(
             control.channel = WorkerChannel.from_env(env)
             if control.aborted_at is not None:  # the agent times the recovery's parts
                 control.channel.mark("aborted", at=control.aborted_at)
+            # This round's first heartbeat: a worker carried into a round that never
+            # writes it is still stuck in the round before (the agent's ROUND_BEGIN_TIMEOUT).
+            control.channel.mark("begun")
         ctx = Context(
             round=round_, rank=int(env.get("RANK", "0")), world_size=int(env.get("WORLD_SIZE", "1")),
             local_rank=local_rank, env=env, state=state, rounds_lived=lived, _control=control,
         )  # fmt: skip
         try:
-            ctx.store = _open_round(env, backend=backend, timeout=timeout)
+            ctx.check()  # ended already (the agent's abort came with its start, or before)
+            ctx.store = _open_round(env, backend=backend, timeout=timeout, aborted=ctx.aborted)
             ctx.mark("pg_ready")
             if warming is not None:  # never import torch's modules from two threads at once
                 warming.join()
@@ -598,6 +688,8 @@ def run(
         except BaseException as exc:
             if control is None or not (control.aborted(round_) or is_comm_error(exc)):
                 _close_round(abort=True)
+                if control is not None:
+                    control.left(round_)
                 raise
             failed_in_row = failed_in_row + 1 if not state.get("_stepped") else 1
             state["_stepped"] = False
@@ -610,6 +702,8 @@ def run(
             lived += 1
             continue
         _close_round(abort=False)
+        if control is not None:
+            control.left(round_)  # what the process does after run() is not the round's
         return result
 
 
@@ -629,6 +723,7 @@ def _leave_round(control: _Control, round_: int, exc: BaseException) -> None:
     print(f"elasticd.inprocess: round {round_} ended ({type(exc).__name__}: "
           f"{str(exc)[:200]}); waiting for the next one", file=sys.stderr, flush=True)  # fmt: skip
     _close_round(abort=True)
+    control.left(round_)
     log.debug("left round %d in %.3f s", round_, time.time() - now)
 
 

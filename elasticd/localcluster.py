@@ -191,14 +191,43 @@ def check_plan(
 # -- processes --------------------------------------------------------------------------------
 
 
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (the state first), or None if
+    the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
+            return fh.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def _start_time(pid: int) -> int | None:
     """The kernel's start time of ``pid`` (field 22 of /proc/PID/stat), or None if gone.
     A (pid, start time) pair names one process even after the pid is reused."""
+    fields = _stat(pid)
     try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as fh:
-            return int(fh.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
+        return int(fields[19]) if fields else None
+    except (IndexError, ValueError):
         return None
+
+
+FREEZE_SETTLE = 5.0
+"""Seconds at most that :meth:`LocalCluster.freeze_node` waits for every process it sent
+SIGSTOP to show as stopped: a signal takes effect when its process next runs, which on a
+loaded machine can be a while after ``kill`` returned."""
+
+
+def _await_stopped(pids: Sequence[int], timeout: float = FREEZE_SETTLE) -> bool:
+    """Wait until every one of ``pids`` is stopped (state T) or gone (a zombie counts as
+    gone); False on timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = [_stat(pid) for pid in pids]
+        if all(f is None or f[0] in "TtZX" for f in states):  # stopped, or dead
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
 
 
 def descendants(root: int) -> list[int]:
@@ -219,6 +248,21 @@ def descendants(root: int) -> list[int]:
             out.append(child)
             todo.append(child)
     return out
+
+
+def _our_python(pid: int) -> bool:
+    """Whether ``pid`` runs ``-m elasticd`` or ``-m trainer`` and already catches SIGUSR1
+    (they print their stacks on it; etcd, a user's command, or one of ours still starting
+    would die of it)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            argv = fh.read().split(b"\0")
+        with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+            caught = next((int(ln.split()[1], 16) for ln in fh if ln.startswith("SigCgt:")), 0)
+    except (OSError, ValueError):
+        return False
+    ours = any(a == b"-m" and b in (b"elasticd", b"trainer") for a, b in itertools.pairwise(argv))
+    return ours and bool(caught >> (signal.SIGUSR1 - 1) & 1)
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -405,6 +449,20 @@ class LocalCluster:
 
     # -- node and worker faults ---------------------------------------------------------------
 
+    def dump_stacks(self, settle: float = 1.0) -> int:
+        """Have every agent and built-in worker print its threads' stacks into its log (how a
+        run that timed out is read afterwards); the number asked."""
+        pids = []
+        for agent in self.agents:
+            if agent.poll() is None:
+                pids += [agent.pid, *descendants(agent.pid)]
+        asked = [pid for pid in pids if _our_python(pid)]
+        for pid in asked:
+            _signal(pid, signal.SIGUSR1)
+        if asked:
+            time.sleep(settle)
+        return len(asked)
+
     def kill_node(self, index: int) -> None:
         """SIGKILL the agent and its workers, as a machine dying would."""
         pids = self.worker_pids(index)
@@ -433,7 +491,8 @@ class LocalCluster:
 
     def freeze_node(self, index: int) -> list[int]:
         """SIGSTOP the agent and every process under it, as a VM paused or a machine stuck
-        in the kernel would be; returns the pids stopped. :meth:`thaw_node` undoes it."""
+        in the kernel would be, and wait until they show as stopped; returns the pids
+        stopped. :meth:`thaw_node` undoes it."""
         agent = self.agents[index]
         if agent.poll() is not None:
             raise UsageError(f"node {index} is not running (its agent exited)")
@@ -451,7 +510,11 @@ class LocalCluster:
                     frozen.append((pid, _start_time(pid)))
                     _signal(pid, signal.SIGSTOP)
             self._frozen[index] = frozen
-        return [pid for pid, _ in frozen]
+        pids = [pid for pid, _ in frozen]
+        if not _await_stopped(pids):
+            log.warning("freeze: not every process shows as stopped yet",
+                        **kv(node=index, pids=pids, waited_s=FREEZE_SETTLE))  # fmt: skip
+        return pids
 
     def thaw_node(self, index: int) -> int:
         """SIGCONT what :meth:`freeze_node` stopped (those processes still alive); returns
@@ -843,6 +906,8 @@ def run_cluster(
                 if time.monotonic() > deadline:
                     timed_out = True
                     reason = f"timed out after {timeout:g} s"
+                    dumped = cluster.dump_stacks()
+                    out.write(f"{dumped} agents and workers printed their stacks into their logs\n")
                     with contextlib.suppress(ElasticdError):
                         registry.set_state(job.name, JobState.CANCELLED, reason)
                     out.write(f"{reason}; job cancelled\n")

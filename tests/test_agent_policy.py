@@ -59,6 +59,11 @@ def test_a_non_zero_exit_is_a_failure_that_counts():
     assert out == Outcome.WORKER_FAILED and out.counts_as_failure
 
 
+def test_a_carried_worker_that_never_took_its_round_is_a_hang():
+    assert decide(Observation(exit_codes=(None,), not_begun=True)) == Outcome.WORKER_HUNG
+    assert decide(Observation(exit_codes=(None,), not_begun=False)) is None
+
+
 def test_a_stale_heartbeat_past_the_hang_timeout_is_a_hang():
     assert decide(Observation(exit_codes=(None,), stalest_heartbeat=5.1, hang_timeout=5)) == (
         Outcome.WORKER_HUNG

@@ -63,15 +63,20 @@ def story(job) -> str:
     """What the agents and workers said about rounds: the lines that explain a failed
     check (a failure on CI leaves nothing else behind)."""
     lines = []
+    # The stacks a timed-out run's processes printed (localcluster's dump_stacks).
+    stack = ("Thread 0x", "Current thread", '  File "')
     for path in sorted(glob.glob(os.path.join(job.out_dir, "cluster", "agent-*.log"))):
         with open(path, encoding="utf-8", errors="replace") as fh:
             keep = [ln.rstrip()[:300] for ln in fh
                     if any(w in ln for w in ("round ended", "workers started", "recovered", "standby",
-                                             "falling back", "level=error"))]  # fmt: skip
+                                             "falling back", "level=error", "joined round",
+                                             "world formed", *stack))]  # fmt: skip
         lines += [f"== {os.path.basename(path)}", *keep]
     for path in sorted(glob.glob(os.path.join(job.out_dir, "logs", "**", "*.log"), recursive=True)):
         with open(path, encoding="utf-8", errors="replace") as fh:
-            tail = [ln.rstrip()[:300] for ln in fh if "step " not in ln][-8:]
+            mine = [ln.rstrip()[:300] for ln in fh if "step " not in ln]
+        dumped = next((i for i, ln in enumerate(mine) if ln.startswith(stack[:2])), None)
+        tail = mine[dumped:][-60:] if dumped is not None else mine[-8:]
         lines += [f"== {os.path.relpath(path, job.out_dir)}", *tail]
     return "\n".join(lines)
 
@@ -79,7 +84,7 @@ def story(job) -> str:
 def check_inprocess(
     tmp_path, job, result, *, recoveries: int, source: str = "peers", lost: int = 0
 ) -> list[dict]:
-    assert result["state"] == "succeeded", result["reason"]
+    assert result["state"] == "succeeded", f"{result['reason']}\n{story(job)}"
     records = result["metrics"]
     steps = [r["step"] for r in records]
     assert steps == list(range(1, job.train.steps + 1)), steps
@@ -97,8 +102,9 @@ def check_inprocess(
 
 def test_dp3_loses_a_node_then_a_newcomer_joins_the_survivors_all_in_process(tmp_path):
     # The newcomer asks for its round once its warm worker has imported torch (the
-    # survivors train meanwhile): enough steps that it comes before the end.
-    job = make_job(tmp_path, "dp", steps=200)
+    # survivors train meanwhile): enough steps that it comes before the end. It came at
+    # step 161 and 193 of 200 on a 2-core box with another run or two busy loops beside it.
+    job = make_job(tmp_path, "dp", steps=320)
     result = run(job, 3, ["kill-node=1@step=4", "add-node@step=6"])
     records = check_inprocess(tmp_path, job, result, recoveries=2)
     worlds = [r["world"] for r in records]

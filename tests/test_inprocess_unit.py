@@ -18,6 +18,23 @@ from elasticd.agent.launch import write_control
 from elasticd.inprocess import _Control, _socket_fds, is_comm_error, shutdown_new_sockets
 
 
+@pytest.fixture(autouse=True)
+def close_controls(monkeypatch):
+    """Stop every control watcher a test made: one left in an aborted round would go on
+    shutting the sockets of the tests after it (a worker has one, for its whole life)."""
+    made = []
+    init = _Control.__init__
+
+    def tracked(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(_Control, "__init__", tracked)
+    yield
+    for control in made:
+        control.close()
+
+
 def test_shutting_down_new_sockets_leaves_old_ones_and_listeners_alone():
     old_a, old_b = socket.socketpair()
     before = set(_socket_fds().values())
@@ -55,6 +72,83 @@ def test_the_control_file_ends_a_round_and_hands_over_the_next(tmp_path):
     waiter.join(5)
     assert got == {"RANK": "5"}  # our local rank's environment
     assert not control.aborted(4)
+
+
+def test_a_round_ended_before_its_store_opened_is_left_at_once_not_after_the_timeout():
+    # Rank 0 may never open a round's store (its agent ended the round right after
+    # starting it, and rank 0 read only the abort). The other ranks wait for that store
+    # with nothing connected for the socket abort to shut: the abort itself must end it.
+    from datetime import timedelta
+
+    from elasticd.inprocess import RoundAborted, _open_round
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port), "ELASTICD_ROUND": "7"}  # fmt: skip
+    ended = threading.Event()
+    threading.Timer(0.3, ended.set).start()
+    t0 = time.monotonic()
+    with pytest.raises(RoundAborted, match="before its store"):
+        _open_round(env, backend="gloo", timeout=timedelta(seconds=30), aborted=ended.is_set)
+    assert time.monotonic() - t0 < 10  # not the group timeout (30 s here, 10 min in run)
+
+
+def test_sockets_a_round_opens_after_its_abort_are_shut_until_it_is_left(tmp_path):
+    # A round still starting when its abort is read opens its store and pairs after the
+    # abort: they must be shut too, or they would wait for peers that left.
+    path = str(tmp_path / "control.json")
+    control = _Control(path, 0, {"ELASTICD_ROUND": "3"})
+    control.begin(3)
+    write_control(path, round_=3, state="abort")
+    deadline = time.monotonic() + 5
+    while not control.aborted(3):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    listener = socket.create_server(("127.0.0.1", 0))
+    late = socket.create_connection(listener.getsockname())  # opened after the abort
+    served, _ = listener.accept()
+    late.settimeout(5)
+    try:
+        assert late.recv(1) == b""  # shut by the watcher, not by us
+        control.left(3)
+        after = socket.create_connection(listener.getsockname())  # between rounds: ours
+        peer, _ = listener.accept()
+        with after, peer:
+            time.sleep(0.2)  # twenty watcher polls
+            after.sendall(b"x")
+            assert peer.recv(1) == b"x"
+    finally:
+        for s in (listener, late, served):
+            s.close()
+
+
+def test_a_round_ended_before_it_began_is_never_trained_and_the_next_one_is(tmp_path, monkeypatch):
+    # The agent's abort for round 2 came with (or before) its start: the worker must not
+    # open round 2 (its peers may have skipped it) but wait for round 3.
+    from elasticd.inprocess import run
+
+    path = str(tmp_path / "control.json")
+    write_control(path, round_=2, state="abort")
+    env = {"ELASTICD_RESTART_MODE": "inprocess", "ELASTICD_CONTROL_FILE": path,
+           "ELASTICD_ROUND": "2", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}  # fmt: skip
+    for key, value in env.items():  # run() installs them: undone after the test
+        monkeypatch.setenv(key, value)
+    trained, out = [], {}
+
+    def train(ctx):
+        trained.append(ctx.round)
+        return "done"
+
+    worker = threading.Thread(target=lambda: out.setdefault("r", run(train, env=env)))
+    worker.start()
+    time.sleep(0.3)  # thirty watcher polls: round 2 would have been opened by now
+    assert trained == []
+    write_control(path, round_=3, state="run",
+                  envs={"0": {**env, "ELASTICD_ROUND": "3"}})  # fmt: skip
+    worker.join(30)
+    assert trained == [3] and out["r"] == "done"
 
 
 def test_communication_errors_are_told_from_bugs():
@@ -153,6 +247,41 @@ def test_a_standby_waits_under_no_rank_and_takes_the_rank_a_round_names_by_its_p
     assert got == [{"RANK": "3", "LOCAL_RANK": "1"}] and c.local_rank == 1
     write_control(control, round_=4, state="run", envs={"1": {"RANK": "1", "LOCAL_RANK": "1"}})
     assert c.next_round(3) == {"RANK": "1", "LOCAL_RANK": "1"}
+
+
+def test_carry_marks_kept_workers_and_not_begun_names_those_without_a_heartbeat(tmp_path):
+    """A worker carried into a round writes its ``begun`` heartbeat at once; one that has
+    not is stuck in the round before (the agent's ROUND_BEGIN_TIMEOUT judges it). Workers
+    started for the round are never judged so (they may still be importing torch)."""
+    from elasticd.agent.workers import Worker, WorkerGroup
+    from elasticd.worker import WorkerChannel
+
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+             for _ in range(2)]  # fmt: skip
+    try:
+        kept = WorkerGroup(workers=[
+            Worker(local_rank=i, rank=i, proc=p, log_path="", heartbeat_path="",
+                   error_path="", started=0.0)
+            for i, p in enumerate(procs)
+        ])  # fmt: skip
+        envs = [WorkerGroup.round_env({"RANK": str(i), "LOCAL_RANK": str(i)},
+                                      str(tmp_path / "round-2"), i)
+                for i in range(3)]  # fmt: skip
+        group = WorkerGroup.carry(kept, argv=[sys.executable, "-c", "import time; time.sleep(60)"],
+                                  envs=envs, log_dir=str(tmp_path / "logs"),
+                                  run_dir=str(tmp_path / "round-2"))  # fmt: skip
+        procs.append(group.workers[2].proc)
+        assert [w.carried for w in group.workers] == [True, True, False]
+        assert [w.local_rank for w in group.not_begun()] == [0, 1]  # the fresh one is not
+        WorkerChannel(path=group.workers[0].heartbeat_path, rank=0).mark("begun")
+        assert [w.local_rank for w in group.not_begun()] == [1]
+        procs[1].kill()
+        procs[1].wait()
+        assert group.not_begun() == []  # a dead one is a worker failure, not this
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 def test_a_round_adopts_live_standbys_ready_ones_first_and_names_every_kept_pid(tmp_path):

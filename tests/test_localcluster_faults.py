@@ -99,6 +99,25 @@ def test_stopping_the_cluster_thaws_a_frozen_node_instead_of_waiting_for_its_tim
     assert record["end"] is None  # the timed thaw never ran; stop() thawed it
 
 
+def test_dump_stacks_has_a_live_agent_print_its_threads_into_its_log_and_go_on(tmp_path):
+    # What a timed-out run leaves behind to be read: every thread's stack, not a dead agent.
+    with LocalCluster(base_dir=str(tmp_path / "c"), nproc=1) as cluster:
+        cluster.start(1)
+        agent = cluster.agents[0]
+        wait_for(lambda: os.path.exists(os.path.join(cluster.state_dir(0), "agent.json")),
+                 timeout=60)  # fmt: skip
+        assert cluster.dump_stacks(settle=0.5) == 1
+        log = os.path.join(cluster.base_dir, "agent-0.log")
+
+        def dumped() -> bool:
+            with open(log, encoding="utf-8", errors="replace") as fh:
+                text = fh.read()
+            return "Thread 0x" in text and 'File "' in text and "daemon.py" in text
+
+        wait_for(dumped, timeout=10)
+        assert agent.poll() is None  # SIGUSR1 printed; it did not kill
+
+
 def test_an_etcd_outage_stops_etcd_and_restarts_it_with_its_data_on_the_same_port(tmp_path):
     with LocalCluster(base_dir=str(tmp_path / "c"), nproc=1) as cluster:
         cluster.start(0)

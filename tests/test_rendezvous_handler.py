@@ -209,3 +209,54 @@ def test_losing_our_own_lease_is_reported_to_ourselves(etcd_config, etcd_client)
         assert a.next_world().round == 2  # and it can re-join with a fresh lease
     finally:
         a.close()
+
+
+def test_a_change_handed_over_after_the_next_world_formed_names_the_world_it_is_about(
+    etcd_config,
+):
+    # The race a CI run hit: a watch event judged against world 1 (a peer's join moving on
+    # to round 2 reads as "lost" and "waiting") reached on_change only after this node
+    # had become a member of world 2, and the agent took it for a change of world 2.
+    # Here the callback is held until world 2 has formed, so the race always happens.
+    a, b = _handlers(etcd_config, fresh_run_id(), 2, settle=0.2)
+    held, release, seen = threading.Event(), threading.Event(), []
+
+    def on_change(change):
+        held.set()
+        release.wait(30)
+        seen.append((change, a.current_world.round))
+
+    try:
+        assert {w.round for w in _form_all([a, b]).values()} == {1}
+        a.on_change = on_change
+        second = {}
+        mover = threading.Thread(target=lambda: second.setdefault("b", b.next_world()))
+        mover.start()
+        assert held.wait(10)  # b's move to round 2, judged against world 1, is held
+        assert a.next_world().round == 2
+        mover.join(30)
+        assert second["b"].round == 2
+        release.set()
+        assert until(lambda: len(seen) >= 2, timeout=10)
+        assert {(c.kind, c.nodes, c.round, now) for c, now in seen} >= {
+            ("lost", ("n1",), 1, 2),
+            ("waiting", ("n1",), 1, 2),
+        }
+        assert not a.changed.is_set()  # world 2 itself is not stale
+    finally:
+        release.set()
+        a.close()
+        b.close()
+
+
+def test_the_agent_keeps_only_the_changes_judged_against_its_round():
+    # The agent's side of the race above (pure logic: the two methods on a bare runner).
+    from elasticd.agent.runner import JobRunner
+    from elasticd.rendezvous.decisions import Change
+
+    runner = JobRunner.__new__(JobRunner)
+    runner._changes, runner._changes_lock = [], threading.Lock()
+    runner._on_change(Change("lost", ("n1",), round=1))  # about world 1, handed over late
+    runner._on_change(Change("waiting", ("n9",), round=2))
+    assert runner._take_changes(2) == [Change("waiting", ("n9",), round=2)]
+    assert runner._take_changes(2) == []  # taken once

@@ -50,7 +50,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> int:
-    # Heavy imports after argument parsing, so `--help` and usage errors are instant.
+    # `kill -USR1` prints every thread's stack into this worker's log: a stuck rank is read
+    # without stopping it (the local cluster asks every process for it on a timeout). First,
+    # before torch's import: a worker still importing must not die of the signal.
+    from elasticd.log import dump_stacks_on_sigusr1
+
+    dump_stacks_on_sigusr1()
     from elasticd.errors import ElasticdError
     from elasticd.jobspec import load_job
     from elasticd.layout import Layout, plan

@@ -46,7 +46,7 @@ from elasticd.agent.runner import JobRunner
 from elasticd.agent.view import NODES_PREFIX, ClusterView
 from elasticd.errors import ElasticdError, UsageError
 from elasticd.jobs import USAGE_PREFIX, JobRecord, JobRegistry, JobState
-from elasticd.log import kv
+from elasticd.log import dump_stacks_on_sigusr1, kv
 from elasticd.metrics import AgentMetrics
 
 log = logging.getLogger("elasticd.agent")
@@ -317,6 +317,9 @@ class Agent:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda signum, frame: self.stop())
+            # `kill -USR1` prints every thread's stack into the agent's log (stderr): how a
+            # stuck agent is read without stopping it (the local cluster does it on timeout).
+            dump_stacks_on_sigusr1()
         # Before anything is registered: a port in use is a one-line user error.
         port = self.metrics.serve(self.config.metrics_port) if self.config.metrics_port else 0
         self._client = self._connect()

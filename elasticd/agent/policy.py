@@ -114,6 +114,9 @@ class Observation:
     """Latest committed checkpoint step now."""
     faulted: bool = False
     """A local in-process worker reported a failed collective in this round."""
+    not_begun: bool = False
+    """A local worker carried into this in-process round has not taken it within the
+    runner's ROUND_BEGIN_TIMEOUT: it is stuck in the round before."""
 
 
 def decide(obs: Observation) -> Outcome | None:
@@ -142,6 +145,8 @@ def decide(obs: Observation) -> Outcome | None:
     if any(c == obs.preempted_code for c in codes):
         return Outcome.PEER_PREEMPTED
     if obs.stalest_heartbeat is not None and obs.stalest_heartbeat > obs.hang_timeout:
+        return Outcome.WORKER_HUNG
+    if obs.not_begun:
         return Outcome.WORKER_HUNG
     if obs.waiting:
         if obs.scale_up_policy == "immediate":

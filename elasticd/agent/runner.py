@@ -69,6 +69,13 @@ STANDBY_BACKOFF_CAP = 300.0
 """Seconds at most between starts of a standby worker that keeps exiting on its own."""
 WARM_WAIT = 120.0
 """Seconds a joining node waits for its warm workers' imports before it asks for a round."""
+ROUND_BEGIN_TIMEOUT = 120.0
+"""Seconds a worker carried into an in-process round may take to take it (its ``begun``
+heartbeat): it must first leave the round before, which takes the rest of a step and the
+group's teardown. One that never does (seen: a final checkpoint save whose gloo collective
+never noticed its sockets shut) would hold the whole new world in its process-group set-up
+for the 10-minute group timeout; past this it counts as hung, and the process-restart
+fallback replaces it."""
 
 
 class JobRunner:
@@ -151,11 +158,12 @@ class JobRunner:
         )
 
     def _on_change(self, change: Any) -> None:
-        # Tag each change with the world it was judged against: a change about the previous
-        # world that arrives after we decided to leave it must not break the next one.
-        world = getattr(self._handler, "current_world", None)
+        # Each change names the world it was judged against: a change about the previous
+        # world that arrives after we decided to leave it must not break the next one. (Not
+        # the handler's current world now: the callback runs after the judgement, and a
+        # new world may have formed in between.)
         with self._changes_lock:
-            self._changes.append((world.round if world is not None else 0, change))
+            self._changes.append((getattr(change, "round", 0), change))
 
     def _take_changes(self, round_: int) -> list[Any]:
         """The changes reported about round ``round_`` since the last call (others dropped)."""
@@ -577,6 +585,7 @@ class JobRunner:
                 user_error_code=USER_ERROR_EXIT_CODE,
                 fenced=self._report.fenced,
                 faulted=self._faulted(beats),
+                not_begun=self._not_begun(rnd, now),
             )
             self._observe_progress(rnd, now, force=False, due=now >= next_status, beats=beats)
             if now >= next_status:
@@ -589,6 +598,13 @@ class JobRunner:
                 return outcome, self._detail(outcome, rnd, obs, stalest)
             time.sleep(TICK)
 
+    def _not_begun(self, rnd: Round, now: float) -> bool:
+        """Whether a worker carried into this in-process round is still in the one before
+        after ROUND_BEGIN_TIMEOUT (no heartbeat of this round)."""
+        if not rnd.carried or rnd.first_step_seen or now - rnd.spawned_at <= ROUND_BEGIN_TIMEOUT:
+            return False
+        return bool(rnd.workers.not_begun())
+
     def _faulted(self, beats: dict[int, dict]) -> bool:
         """Whether a local in-process worker reported a failed collective this round."""
         if self.job.restart.mode != "inprocess":
@@ -600,6 +616,10 @@ class JobRunner:
             return "; ".join(w.failure_message() for w in rnd.workers.failed())
         if outcome == Outcome.FENCED:
             return f"round {rnd.number} is no longer current"
+        if outcome == Outcome.WORKER_HUNG and obs.not_begun:
+            ranks = ", ".join(str(w.rank) for w in rnd.workers.not_begun())
+            return (f"rank {ranks} never took round {rnd.number} within "
+                    f"{ROUND_BEGIN_TIMEOUT:g} s (stuck in the round before)")  # fmt: skip
         if outcome == Outcome.WORKER_HUNG and stalest:
             return f"rank {stalest[0].rank}: no progress for {stalest[1]:.1f} s"
         if outcome == Outcome.COLLECTIVE_FAILED:

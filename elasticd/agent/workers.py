@@ -76,6 +76,9 @@ class Worker:
     standby: bool = False
     """A warm worker kept for no rank in particular (``restart.standby``) until a round
     adopts it for a local rank whose process died; the control file then names it by pid."""
+    carried: bool = False
+    """A live process of an earlier round (or a warm one) that this round took over, rather
+    than one started for it."""
 
     @property
     def returncode(self) -> int | None:
@@ -202,6 +205,7 @@ class WorkerGroup:
                     local_rank=local_rank, rank=int(base_env["RANK"]), proc=old.proc,
                     log_path=old.log_path, heartbeat_path=base_env[ENV_HEARTBEAT],
                     error_path=base_env["TORCHELASTIC_ERROR_FILE"], started=old.started,
+                    carried=True,
                 )
             )  # fmt: skip
         if before_spawn is not None:
@@ -357,6 +361,13 @@ class WorkerGroup:
             if hb is not None:
                 out[w.local_rank] = hb
         return out
+
+    def not_begun(self) -> list[Worker]:
+        """Live carried workers with no heartbeat of this round yet: an in-process worker
+        writes one (phase ``begun``) as soon as it takes the round, so one that has not is
+        still inside the round before."""
+        return [w for w in self.workers
+                if w.carried and w.proc.poll() is None and read_heartbeat(w.heartbeat_path) is None]  # fmt: skip
 
     def stalest_progress(self, now: float) -> tuple[Worker, float] | None:
         """The live worker whose last heartbeat is oldest, and its age in seconds.

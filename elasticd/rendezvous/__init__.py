@@ -15,11 +15,12 @@ Two ways in:
           settings=RendezvousSettings(run_id="tiny", min_nodes=1, max_nodes=4,
                                       ttl=3, settle=1, join_timeout=300),
           node_id="node-a", addr="10.0.0.5",
-          on_change=lambda change: wake_agent(change))   # optional callback
+          on_change=lambda change: wake_agent(change))   # optional callback; check
+                                     # change.round: it may be about the world before
       world = handler.next_world()   # World: round, members (rank order), nodes,
                                      # rank_of(node), size, master_addr, master_port
       handler.changed.wait()         # threading.Event, set when the world is stale:
-                                     # Change("lost"|"waiting"|"lease-lost"|"closed", nodes)
+                                     # Change("lost"|"waiting"|"lease-lost"|"closed", nodes, round)
       world = handler.next_world()   # re-form (round + 1); survivors keep their order
       handler.leave()                # graceful (lease revoke): peers know at once
       handler.close()                # leave + stop threads; handler.set_closed() ends the run

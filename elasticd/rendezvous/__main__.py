@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     def on_change(change: Change) -> None:
-        _emit(event="change", node=args.node_id, kind=change.kind, nodes=list(change.nodes))
+        _emit(event="change", node=args.node_id, kind=change.kind, nodes=list(change.nodes),
+              round=change.round)  # fmt: skip
 
     handler = EtcdRendezvous(
         client=client,

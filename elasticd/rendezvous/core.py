@@ -20,6 +20,7 @@ is pushed to every survivor; a put under ``join/<r+1>/`` is a node waiting.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -158,8 +159,13 @@ class EtcdRendezvous:
             ]
             for c in fresh:
                 self._reported.update((c.kind, n) for n in c.nodes or ("",))
-        if changes:
-            self.changed.set()
+            # Judged and flagged under the lock: once we are a member of the next world
+            # (``_become_member`` clears the flag under it), a check of the one before
+            # neither flags the new world stale nor passes for a change of it.
+            r = self._current.round if self._current is not None else 0
+            fresh = [dataclasses.replace(c, round=r) for c in fresh]
+            if changes:
+                self.changed.set()
         for c in fresh:
             log.info("world changed", **kv(node=self.node_id, kind=c.kind, nodes=",".join(c.nodes)))
             if self.on_change is not None:

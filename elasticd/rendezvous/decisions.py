@@ -330,10 +330,14 @@ def pending_previous(previous: World | None, live_old_joins: Collection[str]) ->
 class Change:
     """Why the current world is no longer current: ``kind`` is ``lost`` (members whose key
     vanished: crash, leave, or re-join), ``waiting`` (nodes joined the next round),
-    ``lease-lost`` (our own membership expired) or ``closed``."""
+    ``lease-lost`` (our own membership expired) or ``closed``. ``round``: the round of
+    the world it was judged against (0: none), which a callback must check: a change
+    judged just before this node became a member of the next world reaches the
+    callback after it, and is about the world before."""
 
     kind: str
     nodes: tuple[str, ...] = ()
+    round: int = 0
 
 
 def world_changes(
