@@ -677,9 +677,11 @@ def run(
             round=round_, rank=int(env.get("RANK", "0")), world_size=int(env.get("WORLD_SIZE", "1")),
             local_rank=local_rank, env=env, state=state, rounds_lived=lived, _control=control,
         )  # fmt: skip
+        opened = False
         try:
             ctx.check()  # ended already (the agent's abort came with its start, or before)
             ctx.store = _open_round(env, backend=backend, timeout=timeout, aborted=ctx.aborted)
+            opened = True
             ctx.mark("pg_ready")
             if warming is not None:  # never import torch's modules from two threads at once
                 warming.join()
@@ -691,8 +693,11 @@ def run(
                 if control is not None:
                     control.left(round_)
                 raise
-            failed_in_row = failed_in_row + 1 if not state.get("_stepped") else 1
-            state["_stepped"] = False
+            # A round the agent ended before its group opened (the world changed during the
+            # hand-over) is no failed recovery: only the others count toward the fallback.
+            if opened or not control.aborted(round_):
+                failed_in_row = failed_in_row + 1 if not state.get("_stepped") else 1
+                state["_stepped"] = False
             _leave_round(control, round_, exc)
             if failed_in_row >= MAX_FAILED_RECOVERIES:
                 print(f"elasticd.inprocess: {failed_in_row - 1} recoveries in a row failed "

@@ -82,13 +82,11 @@ def setup_logging(stream=None, env: Mapping[str, str] | None = None) -> None:
 
 def dump_stacks_on_sigusr1() -> None:
     """``kill -USR1`` prints every thread's stack to this process's stderr (its log): how a
-    stuck agent or worker is read without stopping it. Registered on the real stderr: a
-    caller whose ``sys.stderr`` is no file (pytest's capture, a notebook) still gets it."""
+    stuck agent or worker is read without stopping it. Registered on file descriptor 2
+    itself, never on whatever ``sys.stderr`` is now: faulthandler keeps only the number,
+    and a replaced ``sys.stderr`` (pytest's capture, a notebook) may have none, or one that
+    is closed and reused later."""
     import faulthandler
     import signal
 
-    try:
-        fd = sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
-        fd = sys.__stderr__.fileno() if sys.__stderr__ is not None else 2
-    faulthandler.register(signal.SIGUSR1, file=fd, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=2, all_threads=True)

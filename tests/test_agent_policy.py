@@ -64,6 +64,27 @@ def test_a_carried_worker_that_never_took_its_round_is_a_hang():
     assert decide(Observation(exit_codes=(None,), not_begun=False)) is None
 
 
+def test_the_round_begin_bound_is_at_least_the_hang_timeout():
+    """A worker still finishing a step of the round before may take up to ``hang_timeout``
+    (a step or a synchronous save with no collective to notice the abort): it is judged
+    stuck only past ``max(ROUND_BEGIN_TIMEOUT, hang_timeout)``, and only in a round that
+    carried workers and has not stepped."""
+    from types import SimpleNamespace
+
+    from elasticd.agent.runner import ROUND_BEGIN_TIMEOUT, JobRunner
+
+    runner = object.__new__(JobRunner)
+    stuck = ["rank 1's worker"]
+    rnd = SimpleNamespace(carried=1, first_step_seen=False, spawned_at=1000.0,
+                          workers=SimpleNamespace(not_begun=lambda: stuck))  # fmt: skip
+    for hang, bound in ((300.0, 300.0), (30.0, ROUND_BEGIN_TIMEOUT)):
+        runner.job = SimpleNamespace(restart=SimpleNamespace(hang_timeout=hang))
+        assert runner._not_begun(rnd, 1000.0 + bound) == []
+        assert runner._not_begun(rnd, 1000.0 + bound + 1) == stuck
+    assert runner._not_begun(SimpleNamespace(**{**vars(rnd), "first_step_seen": True}), 1e9) == []
+    assert runner._not_begun(SimpleNamespace(**{**vars(rnd), "carried": 0}), 1e9) == []
+
+
 def test_a_stale_heartbeat_past_the_hang_timeout_is_a_hang():
     assert decide(Observation(exit_codes=(None,), stalest_heartbeat=5.1, hang_timeout=5)) == (
         Outcome.WORKER_HUNG

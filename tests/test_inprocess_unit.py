@@ -275,6 +275,13 @@ def test_carry_marks_kept_workers_and_not_begun_names_those_without_a_heartbeat(
         assert [w.local_rank for w in group.not_begun()] == [0, 1]  # the fresh one is not
         WorkerChannel(path=group.workers[0].heartbeat_path, rank=0).mark("begun")
         assert [w.local_rank for w in group.not_begun()] == [1]
+        # A warm worker (or standby) still importing has no round before: not judged so
+        # until its ready file exists.
+        ready = tmp_path / "ready-1"
+        group.workers[1].env_ready = str(ready)
+        assert group.not_begun() == []
+        ready.write_text("1")
+        assert [w.local_rank for w in group.not_begun()] == [1]
         procs[1].kill()
         procs[1].wait()
         assert group.not_begun() == []  # a dead one is a worker failure, not this
@@ -401,3 +408,63 @@ def test_two_failed_recoveries_in_a_row_end_the_process_and_one_does_not(
         assert "2 recoveries in a row failed before a step; exiting" in r.stderr
     else:
         assert r.stdout.splitlines()[-1] == "done"
+
+
+ABORTED_BEFORE_OPEN_SCRIPT = """
+import socket
+import sys
+import threading
+import time
+
+from elasticd.agent.launch import write_control
+import elasticd.inprocess as ei
+
+path = sys.argv[1]
+base = {"ELASTICD_RESTART_MODE": "inprocess", "ELASTICD_CONTROL_FILE": path, "RANK": "0",
+        "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+with socket.socket() as s:  # a port where no store will ever listen
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+
+def round_env(r, **extra):
+    return {"0": {**base, "ELASTICD_ROUND": str(r), **extra}}
+
+def end_round_3_then_start_4():
+    time.sleep(0.5)
+    write_control(path, round_=3, state="abort")
+    time.sleep(0.3)
+    write_control(path, round_=4, state="run", envs=round_env(4))
+
+write_control(path, round_=1, state="run", envs=round_env(1))
+
+def train(ctx):
+    print("round", ctx.round, flush=True)
+    if ctx.round == 4:
+        return "done"
+    if ctx.round == 1:
+        ei.stepped(ctx)
+        write_control(path, round_=2, state="run", envs=round_env(2))
+    else:  # round 2 fails before a step; round 3 waits for a rank 0 that never comes
+        write_control(path, round_=3, state="run", envs=round_env(
+            3, RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)))
+        threading.Thread(target=end_round_3_then_start_4).start()
+    raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+
+print(ei.run(train, env={**base, "ELASTICD_ROUND": "1"}), flush=True)
+"""
+
+
+def test_a_round_ended_before_its_group_opened_is_no_failed_recovery(tmp_path):
+    """Round 1 trains and fails, round 2 fails before a step (one failed recovery), round 3
+    is ended by the agent while it waits for rank 0's store (the world changed during the
+    hand-over): that is not a second failed recovery, so round 4 is still taken
+    in-process instead of the process exiting for a restart."""
+    script = tmp_path / "aborted.py"
+    script.write_text(ABORTED_BEFORE_OPEN_SCRIPT)
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "control.json")],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    seen = [int(line.split()[1]) for line in r.stdout.splitlines() if line.startswith("round ")]
+    assert seen == [1, 2, 4], r.stdout
+    assert "round 3 ended (RoundAborted" in r.stderr, r.stderr[-2000:]
+    assert r.stdout.splitlines()[-1] == "done"

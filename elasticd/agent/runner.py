@@ -50,6 +50,7 @@ from elasticd.agent.policy import (
     stop_plan,
 )
 from elasticd.agent.report import EVENTS_FILE, FAILURE_REASONS, JobReporter
+from elasticd.agent.workers import Worker
 from elasticd.errors import ElasticdError
 from elasticd.jobs import Fence, FencedError, JobRecord, JobRegistry, JobState
 from elasticd.jobspec import JobSpec
@@ -70,11 +71,13 @@ STANDBY_BACKOFF_CAP = 300.0
 WARM_WAIT = 120.0
 """Seconds a joining node waits for its warm workers' imports before it asks for a round."""
 ROUND_BEGIN_TIMEOUT = 120.0
-"""Seconds a worker carried into an in-process round may take to take it (its ``begun``
-heartbeat): it must first leave the round before, which takes the rest of a step and the
-group's teardown. One that never does (seen: a final checkpoint save whose gloo collective
-never noticed its sockets shut) would hold the whole new world in its process-group set-up
-for the 10-minute group timeout; past this it counts as hung, and the process-restart
+"""Seconds at least a worker carried into an in-process round may take to take it (its
+``begun`` heartbeat); the bound is ``max(this, restart.hang_timeout)``. It must first leave
+the round before, which takes the rest of a step (a step or a synchronous save may take up
+to ``hang_timeout`` without a collective that would notice the abort) and the group's
+teardown. One that never does (seen: a final checkpoint save whose gloo collective never
+noticed its sockets shut) would hold the whole new world in its process-group set-up for
+the 10-minute group timeout; past the bound it counts as hung, and the process-restart
 fallback replaces it."""
 
 
@@ -585,7 +588,7 @@ class JobRunner:
                 user_error_code=USER_ERROR_EXIT_CODE,
                 fenced=self._report.fenced,
                 faulted=self._faulted(beats),
-                not_begun=self._not_begun(rnd, now),
+                not_begun=bool(not_begun := self._not_begun(rnd, now)),
             )
             self._observe_progress(rnd, now, force=False, due=now >= next_status, beats=beats)
             if now >= next_status:
@@ -595,15 +598,27 @@ class JobRunner:
                 self._ensure_standby()
             outcome = decide(obs)
             if outcome is not None:
+                if obs.not_begun and outcome == Outcome.WORKER_HUNG:
+                    return outcome, self._not_begun_detail(rnd, not_begun)
                 return outcome, self._detail(outcome, rnd, obs, stalest)
             time.sleep(TICK)
 
-    def _not_begun(self, rnd: Round, now: float) -> bool:
-        """Whether a worker carried into this in-process round is still in the one before
-        after ROUND_BEGIN_TIMEOUT (no heartbeat of this round)."""
-        if not rnd.carried or rnd.first_step_seen or now - rnd.spawned_at <= ROUND_BEGIN_TIMEOUT:
-            return False
-        return bool(rnd.workers.not_begun())
+    def _round_begin_timeout(self) -> float:
+        return max(ROUND_BEGIN_TIMEOUT, self.job.restart.hang_timeout)
+
+    def _not_begun(self, rnd: Round, now: float) -> list[Worker]:
+        """The workers carried into this in-process round that are still in the one before
+        past the round-begin bound (no heartbeat of this round)."""
+        if not rnd.carried or rnd.first_step_seen:
+            return []
+        if now - rnd.spawned_at <= self._round_begin_timeout():
+            return []
+        return rnd.workers.not_begun()
+
+    def _not_begun_detail(self, rnd: Round, workers: list[Worker]) -> str:
+        ranks = ", ".join(str(w.rank) for w in workers)
+        return (f"rank {ranks} never took round {rnd.number} within "
+                f"{self._round_begin_timeout():g} s (stuck in the round before)")  # fmt: skip
 
     def _faulted(self, beats: dict[int, dict]) -> bool:
         """Whether a local in-process worker reported a failed collective this round."""
@@ -616,10 +631,6 @@ class JobRunner:
             return "; ".join(w.failure_message() for w in rnd.workers.failed())
         if outcome == Outcome.FENCED:
             return f"round {rnd.number} is no longer current"
-        if outcome == Outcome.WORKER_HUNG and obs.not_begun:
-            ranks = ", ".join(str(w.rank) for w in rnd.workers.not_begun())
-            return (f"rank {ranks} never took round {rnd.number} within "
-                    f"{ROUND_BEGIN_TIMEOUT:g} s (stuck in the round before)")  # fmt: skip
         if outcome == Outcome.WORKER_HUNG and stalest:
             return f"rank {stalest[0].rank}: no progress for {stalest[1]:.1f} s"
         if outcome == Outcome.COLLECTIVE_FAILED:

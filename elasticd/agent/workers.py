@@ -77,8 +77,9 @@ class Worker:
     """A warm worker kept for no rank in particular (``restart.standby``) until a round
     adopts it for a local rank whose process died; the control file then names it by pid."""
     carried: bool = False
-    """A live process of an earlier round (or a warm one) that this round took over, rather
-    than one started for it."""
+    """A live process that this round took over rather than started: one that lived a round
+    before, or a warm worker or standby (``env_ready`` then says whether its imports are
+    done)."""
 
     @property
     def returncode(self) -> int | None:
@@ -205,7 +206,7 @@ class WorkerGroup:
                     local_rank=local_rank, rank=int(base_env["RANK"]), proc=old.proc,
                     log_path=old.log_path, heartbeat_path=base_env[ENV_HEARTBEAT],
                     error_path=base_env["TORCHELASTIC_ERROR_FILE"], started=old.started,
-                    carried=True,
+                    carried=True, env_ready=old.env_ready,
                 )
             )  # fmt: skip
         if before_spawn is not None:
@@ -365,9 +366,12 @@ class WorkerGroup:
     def not_begun(self) -> list[Worker]:
         """Live carried workers with no heartbeat of this round yet: an in-process worker
         writes one (phase ``begun``) as soon as it takes the round, so one that has not is
-        still inside the round before."""
+        still inside the round before. A warm worker or standby still importing (no ready
+        file yet) is not: it has no round before, and it is as slow as a new process."""
         return [w for w in self.workers
-                if w.carried and w.proc.poll() is None and read_heartbeat(w.heartbeat_path) is None]  # fmt: skip
+                if w.carried and w.proc.poll() is None
+                and not (w.env_ready and not os.path.exists(w.env_ready))
+                and read_heartbeat(w.heartbeat_path) is None]  # fmt: skip
 
     def stalest_progress(self, now: float) -> tuple[Worker, float] | None:
         """The live worker whose last heartbeat is oldest, and its age in seconds.
