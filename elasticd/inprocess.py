@@ -256,36 +256,40 @@ def _socket_fds() -> dict[int, int]:
     return out
 
 
-def _connected_tcp_inodes() -> set[int]:
-    """Inodes of TCP sockets not in LISTEN state (a listener shut down makes gloo's accept
-    loop abort the process)."""
-    out = set()
+def _tcp_inodes() -> tuple[set[int], set[int]]:
+    """Inodes of TCP sockets not in LISTEN state, and of listeners (a listener shut down
+    makes gloo's accept loop abort the process)."""
+    connected, listening = set(), set()
     for path in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
         try:
             with open(path, encoding="ascii") as fh:
                 next(fh, None)
                 for line in fh:
                     cols = line.split()
-                    if len(cols) > 9 and cols[3] != "0A":
-                        out.add(int(cols[9]))
+                    if len(cols) > 9:
+                        (listening if cols[3] == "0A" else connected).add(int(cols[9]))
         except OSError:
             continue
-    return out
+    return connected, listening
 
 
 def shutdown_new_sockets(before: set[int]) -> int:
     """Shut down (not close) every connected TCP socket whose inode is not in ``before``;
     returns how many."""
-    return len(_shutdown_new(before))
+    return len(_shutdown_new(before)[0])
 
 
-def _shutdown_new(before: set[int]) -> set[int]:
-    """:func:`shutdown_new_sockets`; the inodes it shut. A socket still connecting when
-    ``/proc`` was read is not among them (a later call shuts it)."""
-    tcp = _connected_tcp_inodes()
+def _shutdown_new(before: set[int]) -> tuple[set[int], set[int]]:
+    """:func:`shutdown_new_sockets`: the inodes it shut, and those of new listeners (left
+    alone; a caller passes both back in ``before`` next time). A socket still connecting
+    when ``/proc`` was read is not among them (a later call shuts it)."""
+    new = {fd: inode for fd, inode in _socket_fds().items() if inode not in before}
+    if not new:  # the usual case while a worker leaves an aborted round: nothing to read
+        return set(), set()
+    tcp, listening = _tcp_inodes()  # the whole network namespace's table: only when needed
     done = set()
-    for fd, inode in _socket_fds().items():
-        if inode in before or inode not in tcp:
+    for fd, inode in new.items():
+        if inode not in tcp:
             continue
         try:
             if os.fstat(fd).st_ino != inode:
@@ -300,7 +304,7 @@ def _shutdown_new(before: set[int]) -> set[int]:
             pass
         finally:
             s.detach()
-    return done
+    return done, listening & set(new.values())
 
 
 # -- the control file --------------------------------------------------------------------------
@@ -317,7 +321,8 @@ class _Control:
         self.round = int(env.get("ELASTICD_ROUND", "0") or 0)
         self.ended: set[int] = set()
         self._before: set[int] = set()
-        self._shut: set[int] = set()
+        self._handled: set[int] = set()
+        """This round's sockets already shut, and its listeners (never shut)."""
         self._begun = False
         self.aborted_at: float | None = None
         self._sig: tuple[int, int, int] | None = None
@@ -377,7 +382,7 @@ class _Control:
         never taken for the ended one."""
         with self.cond:
             if self._begun and self.round in self.ended:
-                self._shut |= _shutdown_new(self._before | self._shut)
+                self._handled.update(*_shutdown_new(self._before | self._handled))
 
     def aborted(self, round_: int) -> bool:
         return round_ in self.ended
@@ -387,7 +392,7 @@ class _Control:
         with self.cond:
             self.round = round_
             self._before = set(_socket_fds().values())
-            self._shut = set()
+            self._handled = set()
             self._begun = True
 
     def left(self, round_: int) -> None:
@@ -404,7 +409,7 @@ class _Control:
         with self.cond:
             if not self._begun or self.round != round_:
                 return
-            self._shut |= _shutdown_new(self._before | self._shut)
+            self._handled.update(*_shutdown_new(self._before | self._handled))
 
     def next_round(self, after: int) -> dict[str, str]:
         """Block until the agent starts a round after ``after`` that names this process

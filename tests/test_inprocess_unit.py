@@ -54,6 +54,37 @@ def test_shutting_down_new_sockets_leaves_old_ones_and_listeners_alone():
             s.close()
 
 
+def test_a_worker_leaving_an_aborted_round_does_not_read_the_hosts_tcp_table_every_poll(
+    monkeypatch,
+):
+    """The watcher re-checks an aborted round every 10 ms until the worker leaves it. Once
+    its sockets are shut and its listener known, a poll lists only this process's fds:
+    ``/proc/net/tcp`` is the whole network namespace's (thousands of lines on a busy GPU
+    host), read again only when a new socket appears."""
+    import elasticd.inprocess as ei
+
+    before = set(_socket_fds().values())
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    server, _ = listener.accept()
+    try:
+        shut, listening = ei._shutdown_new(before)
+        assert len(shut) == 2 and listening == {_socket_fds()[listener.fileno()]}
+        handled = before | shut | listening
+        reads = []
+        real = ei._tcp_inodes
+        monkeypatch.setattr(ei, "_tcp_inodes", lambda: reads.append(1) or real())
+        assert ei._shutdown_new(handled) == (set(), set()) and reads == []
+        late = socket.create_connection(listener.getsockname())  # a socket opened late
+        try:
+            assert len(ei._shutdown_new(handled)[0]) == 1 and reads == [1]  # not accepted
+        finally:
+            late.close()
+    finally:
+        for s in (listener, client, server):
+            s.close()
+
+
 def test_the_control_file_ends_a_round_and_hands_over_the_next(tmp_path):
     path = str(tmp_path / "control.json")
     env = {"ELASTICD_ROUND": "3", "LOCAL_RANK": "1"}
