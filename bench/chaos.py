@@ -116,7 +116,7 @@ round-off between layouts stays within a few 1e-6 up to about step 3,000 and gro
 exponentially after (see the module's docstring)."""
 
 
-def job_dict(out: str, steps: int) -> dict[str, Any]:
+def job_dict(out: str, steps: int, restart_mode: str = "process") -> dict[str, Any]:
     return {
         "name": "chaos",
         "output_dir": os.path.join(out, "job"),
@@ -143,7 +143,12 @@ def job_dict(out: str, steps: int) -> dict[str, Any]:
         },
         # keep: every committed step stays on disk, to be verified at the end.
         "checkpoint": {"every": CKPT_EVERY, "keep": 1_000_000},
-        "restart": {"max_restarts": 1000, "hang_timeout": 10.0, "scale_up": "checkpoint"},
+        "restart": {
+            "mode": restart_mode,
+            "max_restarts": 1000,
+            "hang_timeout": 10.0,
+            "scale_up": "checkpoint",
+        },
         # The product's default lease TTL: a lost node is known after about 3 s.
         "rendezvous": {"ttl": 3.0, "settle": 1.0},
     }
@@ -680,6 +685,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--recovery-limit", type=float, default=180.0, metavar="S",
                    help="a fault not recovered after this long stops the injection")  # fmt: skip
+    p.add_argument("--restart-mode", choices=("process", "inprocess"), default="process",
+                   help="the job's restart.mode (inprocess: survivors keep their processes "
+                        "and state; a round that resumed from its peers is checked against "
+                        "references chained from the checkpoint before it)")  # fmt: skip
     args = p.parse_args(argv)
     faults = args.faults if args.faults is not None else max(len(KINDS), round(1.5 * args.minutes))
     # Faults that re-form cost about RECOVERY_S each; the rest of the time trains (etcd
@@ -692,7 +701,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         prepare_output_dir(out, fresh=True)
-        raw = job_dict(out, steps)
+        raw = job_dict(out, steps, args.restart_mode)
         job = parse_job(raw).with_paths_resolved(out)
         prepare_output_dir(job.out_dir, fresh=False)
     except ElasticdError as exc:

@@ -46,13 +46,17 @@ from checkpoint.live import recover_from_peers
 from checkpoint.shards import ShardInfo
 
 HIDDEN, VOCAB = 256, 1024
+"""The default hidden size: small matrices (0.26-1 MB each in fp32), so a state of the
+torchft anchor's 12.6 MB has several layers; ``--hidden`` sets another (1024: 4-16 MB
+matrices, nearer a real model's, where per-message costs matter less)."""
 PATTERNS = ("heal", "reshard")
 
 
-def spec(target_mb: float) -> list[tuple[str, tuple[int, ...]]]:
+def spec(target_mb: float, hidden: int = HIDDEN) -> list[tuple[str, tuple[int, ...]]]:
     """Global parameter shapes of a GPT-like model whose state (x3 for AdamW) is about
-    ``target_mb``: an embedding, then layers of qkv, proj, fc1, fc2 and two norms."""
-    h = HIDDEN
+    ``target_mb`` (at least one layer): an embedding, then layers of qkv, proj, fc1, fc2
+    and two norms."""
+    h = hidden
     per_layer = 12 * h * h + 2 * h
     layers = max(1, round((target_mb * 1e6 / 12 - VOCAB * h) / per_layer))
     out = [("embedding.weight", (VOCAB, h))]
@@ -121,8 +125,10 @@ def recover(have, need, group):
     return rec
 
 
-def measure(pattern: str, size: float, rank: int, world: int, group, rounds: int) -> dict:
-    tensors = spec(size)
+def measure(
+    pattern: str, size: float, rank: int, world: int, group, rounds: int, hidden: int = HIDDEN
+) -> dict:
+    tensors = spec(size, hidden)
     have, need = state_for(pattern, rank, world, tensors)
     # The raw baseline moves what our plan moves, pair by pair (learned from a first,
     # untimed call of ours, which also warms both up).
@@ -174,7 +180,7 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     group = dist.new_group(backend="gloo")
     results = [
-        measure(pattern, size, rank, world, group, args.rounds)
+        measure(pattern, size, rank, world, group, args.rounds, args.hidden)
         for size in args.sizes
         for pattern in PATTERNS
     ]
@@ -189,12 +195,15 @@ def main() -> None:
     p.add_argument("--procs", default="2,3,4", help="process counts, comma-separated")
     p.add_argument("--sizes", default="12.6,100", help="state sizes in MB, comma-separated")
     p.add_argument("--rounds", type=int, default=5, help="repetitions (medians are reported)")
+    p.add_argument("--hidden", type=int, default=HIDDEN,
+                   help="the model's hidden size (the state has at least one layer)")  # fmt: skip
     args = p.parse_args()
     args.sizes = [float(s) for s in args.sizes.split(",")]
     procs = [int(n) for n in args.procs.split(",")]
     print(
         f"gloo on this machine ({os.cpu_count()} cores); state = params + exp_avg + exp_avg_sq "
-        f"fp32 (+ 0-d steps); medians of {args.rounds} interleaved rounds, slowest rank\n"
+        f"fp32 (+ 0-d steps), hidden {args.hidden}; medians of {args.rounds} interleaved rounds, "
+        "slowest rank\n"
     )
     print(
         f"{'procs':>5} {'pattern':<8} {'state MB':>8} {'moved MB':>8}   "

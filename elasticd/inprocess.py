@@ -600,6 +600,11 @@ def _close_round(*, abort: bool) -> None:
     import torch.distributed as dist
 
     if not dist.is_initialized():
+        # The round ended inside init_process_group: torch had already taken a name for
+        # the default group from its per-process counter, which only a full teardown
+        # resets. The next round's default group would be named "1" here and "0" in a
+        # fresh process, and its store keys (prefixed by the name) would never meet.
+        _reset_group_names()
         return
     if abort and dist.get_backend() == "nccl":
         _abort_nccl()
@@ -608,6 +613,24 @@ def _close_round(*, abort: bool) -> None:
         dist.destroy_process_group()
     except Exception as exc:  # a broken group: nothing of it is used again
         log.warning("destroying the old process group failed: %s", exc)
+
+
+def _reset_group_names() -> None:
+    """Start torch's group naming over, as ``destroy_process_group()`` does (private
+    state: torch 2.x keeps the counter on ``distributed_c10d._world``)."""
+    import torch.distributed as dist
+
+    world = getattr(dist.distributed_c10d, "_world", None)
+    if world is None or not hasattr(world, "group_count"):
+        log.warning("cannot reset torch's process-group names (torch %s)", _torch_version())
+        return
+    world.group_count = 0
+
+
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
 
 
 def _abort_nccl() -> None:

@@ -74,13 +74,14 @@ def test_the_round_begin_bound_is_at_least_the_hang_timeout():
     from elasticd.agent.runner import ROUND_BEGIN_TIMEOUT, JobRunner
 
     runner = object.__new__(JobRunner)
-    stuck = ["rank 1's worker"]
+    stuck, opening = ["rank 1's worker"], ["rank 0's worker"]
     rnd = SimpleNamespace(carried=1, first_step_seen=False, spawned_at=1000.0,
-                          workers=SimpleNamespace(not_begun=lambda: stuck))  # fmt: skip
+                          workers=SimpleNamespace(not_begun=lambda: stuck,
+                                                  not_opened=lambda: opening))  # fmt: skip
     for hang, bound in ((300.0, 300.0), (30.0, ROUND_BEGIN_TIMEOUT)):
         runner.job = SimpleNamespace(restart=SimpleNamespace(hang_timeout=hang))
         assert runner._not_begun(rnd, 1000.0 + bound) == []
-        assert runner._not_begun(rnd, 1000.0 + bound + 1) == stuck
+        assert runner._not_begun(rnd, 1000.0 + bound + 1) == stuck + opening
     assert runner._not_begun(SimpleNamespace(**{**vars(rnd), "first_step_seen": True}), 1e9) == []
     assert runner._not_begun(SimpleNamespace(**{**vars(rnd), "carried": 0}), 1e9) == []
 

@@ -280,7 +280,7 @@ def test_a_standby_waits_under_no_rank_and_takes_the_rank_a_round_names_by_its_p
     assert c.next_round(3) == {"RANK": "1", "LOCAL_RANK": "1"}
 
 
-def test_carry_marks_kept_workers_and_not_begun_names_those_without_a_heartbeat(tmp_path):
+def test_carry_marks_kept_workers_and_names_those_not_begun_or_not_opened(tmp_path):
     """A worker carried into a round writes its ``begun`` heartbeat at once; one that has
     not is stuck in the round before (the agent's ROUND_BEGIN_TIMEOUT judges it). Workers
     started for the round are never judged so (they may still be importing torch)."""
@@ -304,8 +304,13 @@ def test_carry_marks_kept_workers_and_not_begun_names_those_without_a_heartbeat(
         procs.append(group.workers[2].proc)
         assert [w.carried for w in group.workers] == [True, True, False]
         assert [w.local_rank for w in group.not_begun()] == [0, 1]  # the fresh one is not
-        WorkerChannel(path=group.workers[0].heartbeat_path, rank=0).mark("begun")
+        channel = WorkerChannel(path=group.workers[0].heartbeat_path, rank=0)
+        channel.mark("begun")
         assert [w.local_rank for w in group.not_begun()] == [1]
+        # Begun but its process group not open yet (waiting for its peers): not_opened.
+        assert [w.local_rank for w in group.not_opened()] == [0]
+        channel.mark("pg_ready")
+        assert group.not_opened() == []
         # A warm worker (or standby) still importing has no round before: not judged so
         # until its ready file exists.
         ready = tmp_path / "ready-1"
@@ -499,3 +504,97 @@ def test_a_round_ended_before_its_group_opened_is_no_failed_recovery(tmp_path):
     assert seen == [1, 2, 4], r.stdout
     assert "round 3 ended (RoundAborted" in r.stderr, r.stderr[-2000:]
     assert r.stdout.splitlines()[-1] == "done"
+
+
+FAILED_INIT_SCRIPT = """
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from elasticd.agent.launch import write_control
+import elasticd.inprocess as ei
+
+path, port1, port2 = sys.argv[1], sys.argv[2], sys.argv[3]
+base = {"ELASTICD_RESTART_MODE": "inprocess", "ELASTICD_CONTROL_FILE": path,
+        "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+env1 = {**base, "ELASTICD_ROUND": "1", "RANK": "0", "MASTER_PORT": port1}
+env2 = {**base, "ELASTICD_ROUND": "2", "RANK": "1", "MASTER_PORT": port2}
+write_control(path, round_=1, state="run", envs={"0": env1})
+
+def next_round():  # round 1's peer never comes: the agent ends it and starts round 2
+    time.sleep(1.0)
+    write_control(path, round_=2, state="run", envs={"0": env2})
+
+threading.Thread(target=next_round).start()
+
+def train(ctx):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    print("round", ctx.round, "sum", t.item(), flush=True)
+    return "done"
+
+print(ei.run(train, env=env1, timeout=timedelta(seconds=20)), flush=True)
+"""
+
+FRESH_RANK0_SCRIPT = """
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from elasticd.agent.launch import write_control
+import elasticd.inprocess as ei
+
+path, port = sys.argv[1], sys.argv[2]
+env = {"ELASTICD_RESTART_MODE": "inprocess", "ELASTICD_CONTROL_FILE": path,
+       "LOCAL_RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "RANK": "0",
+       "MASTER_PORT": port, "ELASTICD_ROUND": "2"}
+write_control(path, round_=2, state="run", envs={"0": env})
+
+def train(ctx):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    print("sum", t.item(), flush=True)
+    return "done"
+
+print(ei.run(train, env=env, timeout=timedelta(seconds=20)), flush=True)
+"""
+
+
+def test_a_round_whose_group_set_up_failed_does_not_shift_the_next_rounds_group_names(tmp_path):
+    """Round 1 ends while its process group is being set up (its peer never came), so
+    torch never initialised it; round 2 pairs the process with a fresh one. torch names
+    every group from a per-process counter (the default group's store keys start with its
+    name) that only a full teardown resets: left shifted, the kept process would look for
+    its new peer under other keys than the fresh one, and both would wait out the group
+    timeout (seen in an in-process chaos soak: two nodes stuck in round 9 for minutes)."""
+    ports = []
+    for _ in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(str(s.getsockname()[1]))
+    (tmp_path / "worker.py").write_text(FAILED_INIT_SCRIPT)
+    (tmp_path / "fresh.py").write_text(FRESH_RANK0_SCRIPT)
+    worker = subprocess.Popen(
+        [sys.executable, str(tmp_path / "worker.py"), str(tmp_path / "control.json"), *ports],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    fresh = subprocess.Popen(  # a process new in round 2 (a newcomer, a standby)
+        [sys.executable, str(tmp_path / "fresh.py"), str(tmp_path / "fresh.json"), ports[1]],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        out, err = worker.communicate(timeout=60)
+        fresh_out, fresh_err = fresh.communicate(timeout=30)
+    finally:
+        for p in (worker, fresh):
+            p.kill()
+            p.wait()
+    assert "round 1 ended" in err, err[-2000:]
+    assert worker.returncode == 0 and "round 2 sum 2.0" in out, err[-2000:]
+    assert fresh.returncode == 0 and "sum 2.0" in fresh_out, fresh_err[-2000:]

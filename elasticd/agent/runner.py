@@ -71,14 +71,16 @@ STANDBY_BACKOFF_CAP = 300.0
 WARM_WAIT = 120.0
 """Seconds a joining node waits for its warm workers' imports before it asks for a round."""
 ROUND_BEGIN_TIMEOUT = 120.0
-"""Seconds at least a worker carried into an in-process round may take to take it (its
-``begun`` heartbeat); the bound is ``max(this, restart.hang_timeout)``. It must first leave
-the round before, which takes the rest of a step (a step or a synchronous save may take up
-to ``hang_timeout`` without a collective that would notice the abort) and the group's
-teardown. One that never does (seen: a final checkpoint save whose gloo collective never
-noticed its sockets shut) would hold the whole new world in its process-group set-up for
-the 10-minute group timeout; past the bound it counts as hung, and the process-restart
-fallback replaces it."""
+"""Seconds at least the workers of an in-process round that kept workers may take to take
+it (their ``begun`` heartbeat) and open its process group (``pg_ready``); the bound is
+``max(this, restart.hang_timeout)``. A carried worker must first leave the round before,
+which takes the rest of a step (a step or a synchronous save may take up to
+``hang_timeout`` without a collective that would notice the abort) and the group's
+teardown; the group then waits for every peer, a replacement's start included. A worker
+that never gets there (seen: a final checkpoint save whose gloo collective never noticed
+its sockets shut; a group set-up whose store keys never met its peer's) would hold the
+whole new world for the 10-minute group timeout; past the bound it counts as hung, and the
+process-restart fallback replaces it."""
 
 
 class JobRunner:
@@ -607,18 +609,21 @@ class JobRunner:
         return max(ROUND_BEGIN_TIMEOUT, self.job.restart.hang_timeout)
 
     def _not_begun(self, rnd: Round, now: float) -> list[Worker]:
-        """The workers carried into this in-process round that are still in the one before
-        past the round-begin bound (no heartbeat of this round)."""
+        """The workers of this in-process round (one that kept workers) still in the round
+        before, or still opening this one's process group, past the round-begin bound."""
         if not rnd.carried or rnd.first_step_seen:
             return []
         if now - rnd.spawned_at <= self._round_begin_timeout():
             return []
-        return rnd.workers.not_begun()
+        return rnd.workers.not_begun() + rnd.workers.not_opened()
 
     def _not_begun_detail(self, rnd: Round, workers: list[Worker]) -> str:
-        ranks = ", ".join(str(w.rank) for w in workers)
-        return (f"rank {ranks} never took round {rnd.number} within "
-                f"{self._round_begin_timeout():g} s (stuck in the round before)")  # fmt: skip
+        before = {id(w) for w in rnd.workers.not_begun()}
+        parts = [f"rank {w.rank} " + ("never took the round (stuck in the one before)"
+                                      if id(w) in before else "never opened its process group")
+                 for w in workers]  # fmt: skip
+        return (f"round {rnd.number}: " + "; ".join(parts)
+                + f" within {self._round_begin_timeout():g} s")  # fmt: skip
 
     def _faulted(self, beats: dict[int, dict]) -> bool:
         """Whether a local in-process worker reported a failed collective this round."""

@@ -363,6 +363,18 @@ class WorkerGroup:
                 out[w.local_rank] = hb
         return out
 
+    def not_opened(self) -> list[Worker]:
+        """Live workers that took this round (their heartbeat exists) but have not opened
+        its process group (no ``pg_ready`` phase yet): still waiting for their peers."""
+        out = []
+        for w in self.workers:
+            if w.proc.poll() is not None:
+                continue
+            beat = read_heartbeat(w.heartbeat_path)
+            if beat is not None and "pg_ready" not in (beat.get("phases") or {}):
+                out.append(w)
+        return out
+
     def not_begun(self) -> list[Worker]:
         """Live carried workers with no heartbeat of this round yet: an in-process worker
         writes one (phase ``begun``) as soon as it takes the round, so one that has not is
