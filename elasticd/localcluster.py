@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from elasticd.agent.workers import with_pdeathsig
+from elasticd.agent.workers import catches, with_pdeathsig
 from elasticd.errors import ElasticdError, UsageError
 from elasticd.log import kv
 
@@ -257,12 +257,10 @@ def _our_python(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as fh:
             argv = fh.read().split(b"\0")
-        with open(f"/proc/{pid}/status", encoding="ascii") as fh:
-            caught = next((int(ln.split()[1], 16) for ln in fh if ln.startswith("SigCgt:")), 0)
-    except (OSError, ValueError):
+    except OSError:
         return False
     ours = any(a == b"-m" and b in (b"elasticd", b"trainer") for a, b in itertools.pairwise(argv))
-    return ours and bool(caught >> (signal.SIGUSR1 - 1) & 1)
+    return ours and catches(pid, signal.SIGUSR1)
 
 
 def _signal(pid: int, sig: int) -> None:

@@ -598,3 +598,43 @@ def test_a_round_whose_group_set_up_failed_does_not_shift_the_next_rounds_group_
     assert "round 1 ended" in err, err[-2000:]
     assert worker.returncode == 0 and "round 2 sum 2.0" in out, err[-2000:]
     assert fresh.returncode == 0 and "sum 2.0" in fresh_out, fresh_err[-2000:]
+
+
+def test_a_hung_rounds_workers_print_their_stacks_and_one_that_cannot_is_left_alone(tmp_path):
+    """Before a hung round's workers are killed, each one that catches SIGUSR1 (the
+    built-in trainer registers faulthandler on it) prints every thread's stack into its
+    log; a process without the handler (a user's script) is not signalled: SIGUSR1 would
+    kill it."""
+    from elasticd.agent.workers import Worker, WorkerGroup
+
+    dumper = (
+        "import time\n"
+        "from elasticd.log import dump_stacks_on_sigusr1\n"
+        "def stuck_in_here():\n"
+        "    time.sleep(60)\n"
+        "dump_stacks_on_sigusr1(); print('ready', flush=True); stuck_in_here()\n"
+    )
+    log = tmp_path / "dumper.log"
+    with open(log, "w") as fh:
+        procs = [
+            subprocess.Popen([sys.executable, "-c", dumper], stdout=subprocess.PIPE, stderr=fh,
+                             text=True),
+            subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]),
+        ]  # fmt: skip
+    try:
+        assert procs[0].stdout.readline() == "ready\n"
+        group = WorkerGroup(workers=[
+            Worker(local_rank=i, rank=i, proc=p, log_path="", heartbeat_path="",
+                   error_path="", started=0.0)
+            for i, p in enumerate(procs)
+        ])  # fmt: skip
+        assert group.dump_stacks() == 1
+        deadline = time.monotonic() + 10
+        while "stuck_in_here" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert "stuck_in_here" in log.read_text()
+        assert [p.poll() for p in procs] == [None, None]  # both alive: nothing was killed
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

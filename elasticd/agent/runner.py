@@ -70,6 +70,9 @@ STANDBY_BACKOFF_CAP = 300.0
 """Seconds at most between starts of a standby worker that keeps exiting on its own."""
 WARM_WAIT = 120.0
 """Seconds a joining node waits for its warm workers' imports before it asks for a round."""
+STACK_DUMP_WAIT = 0.3
+"""Seconds the agent gives its workers to print their stacks (SIGUSR1) before it kills a
+hung round's."""
 ROUND_BEGIN_TIMEOUT = 120.0
 """Seconds at least the workers of an in-process round that kept workers may take to take
 it (their ``begun`` heartbeat) and open its process group (``pg_ready``); the bound is
@@ -516,6 +519,11 @@ class JobRunner:
                     self._report.count(round_=rnd.number, claim=claim, limit=self._limit)
             except ElasticdError as exc:
                 log.warning("preemption not recorded", **kv(job=self.name, error=str(exc)))
+        if outcome == Outcome.WORKER_HUNG and rnd.workers.dump_stacks():
+            # Before any is killed: where a hung worker hangs is what its user needs.
+            log.warning("hung round: the workers' stacks are in their logs",
+                        **kv(job=self.name, round=rnd.number))  # fmt: skip
+            time.sleep(STACK_DUMP_WAIT)
         if self._keeps_workers(rnd, outcome):
             self._keep_workers(rnd, outcome)
         else:

@@ -348,6 +348,18 @@ class WorkerGroup:
             if not self.wait(grace):
                 self.kill()
 
+    def dump_stacks(self) -> int:
+        """Ask every live worker that catches SIGUSR1 (the built-in trainer, or a script
+        that calls ``elasticd.log.dump_stacks_on_sigusr1()``) to print every thread's stack
+        into its log, as it is now; returns how many were asked."""
+        asked = 0
+        for w in self.workers:
+            if w.proc.poll() is None and catches(w.proc.pid, signal.SIGUSR1):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w.proc.pid, signal.SIGUSR1)
+                    asked += 1
+        return asked
+
     def kill(self) -> None:
         self.send(signal.SIGKILL)
         for w in self.workers:
@@ -405,3 +417,14 @@ class WorkerGroup:
             if worst is None or age > worst[1]:
                 worst = (w, age)
         return worst
+
+
+def catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (its ``SigCgt`` in /proc): a
+    signal whose default action kills must go only to one that catches it."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+            caught = next((int(ln.split()[1], 16) for ln in fh if ln.startswith("SigCgt:")), 0)
+    except (OSError, ValueError):
+        return False
+    return bool(caught >> (sig - 1) & 1)
