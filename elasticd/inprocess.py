@@ -323,6 +323,8 @@ class _Control:
         self._before: set[int] = set()
         self._handled: set[int] = set()
         """This round's sockets already shut, and its listeners (never shut)."""
+        self._told: set[int] = set()
+        """Rounds whose end this process has logged."""
         self._begun = False
         self.aborted_at: float | None = None
         self._sig: tuple[int, int, int] | None = None
@@ -382,7 +384,7 @@ class _Control:
         never taken for the ended one."""
         with self.cond:
             if self._begun and self.round in self.ended:
-                self._handled.update(*_shutdown_new(self._before | self._handled))
+                self._shut_new(late=True)
 
     def aborted(self, round_: int) -> bool:
         return round_ in self.ended
@@ -409,7 +411,19 @@ class _Control:
         with self.cond:
             if not self._begun or self.round != round_:
                 return
-            self._handled.update(*_shutdown_new(self._before | self._handled))
+            self._shut_new(late=False)
+
+    def _shut_new(self, *, late: bool) -> None:
+        """Shut the current round's new connections (the lock held); say so in the log,
+        once per round and for every later batch: where a worker does not leave its
+        round, the log then tells whether its sockets were shut at all."""
+        shut, listening = _shutdown_new(self._before | self._handled)
+        self._handled |= shut | listening
+        if shut or (not late and self.round not in self._told):
+            self._told.add(self.round)
+            what = "more connections opened after its end" if late else "connections"
+            print(f"elasticd.inprocess: round {self.round} ended; {len(shut)} {what} shut",
+                  file=sys.stderr, flush=True)  # fmt: skip
 
     def next_round(self, after: int) -> dict[str, str]:
         """Block until the agent starts a round after ``after`` that names this process
