@@ -75,13 +75,13 @@ def test_a_round_that_resumed_from_no_checkpoint_on_disk_is_chained_and_says_so(
     assert "not a checkpoint on disk" in r.note
 
 
-def soak(tmp_path, *, seed: int, minutes: float) -> dict:
+def soak(tmp_path, *, seed: int, minutes: float, restart_mode: str = "process") -> dict:
     out = tmp_path / "chaos"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r = subprocess.run(
         # A generous recovery limit: other work on the machine slows start-ups, not outcomes.
         [sys.executable, BENCH, "--seed", str(seed), "--minutes", str(minutes), "--out", str(out),
-         "--recovery-limit", "600"],
+         "--recovery-limit", "600", "--restart-mode", restart_mode],
         capture_output=True, text=True, env=env, timeout=minutes * 60 * 6 + 900,
     )  # fmt: skip
     print(r.stdout[-8000:], r.stderr[-4000:])
@@ -130,3 +130,13 @@ def test_a_short_chaos_soak_keeps_every_checkpoint_and_the_one_process_losses(tm
 def test_a_twenty_minute_chaos_soak_with_thirty_faults_keeps_the_job_whole(tmp_path):
     report = soak(tmp_path, seed=7, minutes=20)
     assert_soak_held(report, faults=30)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_a_short_in_process_chaos_soak_keeps_the_job_whole(tmp_path):
+    """The same faults with restart.mode inprocess: survivors keep their processes, a round
+    that resumed from its peers is checked against references chained from the checkpoint
+    before it (docs/inprocess.md, Tests)."""
+    report = soak(tmp_path, seed=1, minutes=3, restart_mode="inprocess")
+    assert_soak_held(report, faults=9)
