@@ -636,8 +636,9 @@ def test_a_hung_rounds_workers_print_their_stacks_and_one_that_cannot_is_left_al
         "import time\n"
         "from elasticd.log import dump_stacks_on_sigusr1\n"
         "def stuck_in_here():\n"
+        "    print('ready', flush=True)\n"  # from inside: the signal finds it there
         "    time.sleep(60)\n"
-        "dump_stacks_on_sigusr1(); print('ready', flush=True); stuck_in_here()\n"
+        "dump_stacks_on_sigusr1(); stuck_in_here()\n"
     )
     log = tmp_path / "dumper.log"
     with open(log, "w") as fh:
