@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from elasticd.agent.workers import catches, with_pdeathsig
+from elasticd.agent.workers import prints_stacks, with_pdeathsig
 from elasticd.errors import ElasticdError, UsageError
 from elasticd.log import kv
 
@@ -250,19 +250,6 @@ def descendants(root: int) -> list[int]:
     return out
 
 
-def _our_python(pid: int) -> bool:
-    """Whether ``pid`` runs ``-m elasticd`` or ``-m trainer`` and already catches SIGUSR1
-    (they print their stacks on it; etcd, a user's command, or one of ours still starting
-    would die of it)."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            argv = fh.read().split(b"\0")
-    except OSError:
-        return False
-    ours = any(a == b"-m" and b in (b"elasticd", b"trainer") for a, b in itertools.pairwise(argv))
-    return ours and catches(pid, signal.SIGUSR1)
-
-
 def _signal(pid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
@@ -454,7 +441,7 @@ class LocalCluster:
         for agent in self.agents:
             if agent.poll() is None:
                 pids += [agent.pid, *descendants(agent.pid)]
-        asked = [pid for pid in pids if _our_python(pid)]
+        asked = [pid for pid in pids if prints_stacks(pid)]
         for pid in asked:
             _signal(pid, signal.SIGUSR1)
         if asked:

@@ -625,14 +625,16 @@ def test_a_round_whose_group_set_up_failed_does_not_shift_the_next_rounds_group_
     assert fresh.returncode == 0 and "sum 2.0" in fresh_out, fresh_err[-2000:]
 
 
-def test_a_hung_rounds_workers_print_their_stacks_and_one_that_cannot_is_left_alone(tmp_path):
-    """Before a hung round's workers are killed, each one that catches SIGUSR1 (the
-    built-in trainer registers faulthandler on it) prints every thread's stack into its
-    log; a process without the handler (a user's script) is not signalled: SIGUSR1 would
-    kill it."""
+def test_a_hung_rounds_workers_print_their_stacks_and_no_other_process_is_signalled(tmp_path):
+    """Before a hung round's workers are killed, each one of ours that catches SIGUSR1 (the
+    built-in trainer, ``python -m trainer``, registers faulthandler on it) prints every
+    thread's stack into its log. Nothing else is signalled: a script without a handler
+    would die of SIGUSR1, and a user's own handler may mean something else by it
+    (Lightning requeues a Slurm job)."""
     from elasticd.agent.workers import Worker, WorkerGroup
 
-    dumper = (
+    (tmp_path / "trainer").mkdir()  # run as `python -m trainer`, as the built-in one is
+    (tmp_path / "trainer" / "__main__.py").write_text(
         "import time\n"
         "from elasticd.log import dump_stacks_on_sigusr1\n"
         "def stuck_in_here():\n"
@@ -640,15 +642,22 @@ def test_a_hung_rounds_workers_print_their_stacks_and_one_that_cannot_is_left_al
         "    time.sleep(60)\n"
         "dump_stacks_on_sigusr1(); stuck_in_here()\n"
     )
+    users = (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGUSR1, lambda *a: print('requeued', flush=True))\n"
+        "print('ready', flush=True); time.sleep(60)\n"
+    )
     log = tmp_path / "dumper.log"
     with open(log, "w") as fh:
         procs = [
-            subprocess.Popen([sys.executable, "-c", dumper], stdout=subprocess.PIPE, stderr=fh,
-                             text=True),
+            subprocess.Popen([sys.executable, "-m", "trainer"], cwd=tmp_path,
+                             stdout=subprocess.PIPE, stderr=fh, text=True),
             subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]),
+            subprocess.Popen([sys.executable, "-c", users], stdout=subprocess.PIPE, text=True),
         ]  # fmt: skip
     try:
         assert procs[0].stdout.readline() == "ready\n"
+        assert procs[2].stdout.readline() == "ready\n"
         group = WorkerGroup(workers=[
             Worker(local_rank=i, rank=i, proc=p, log_path="", heartbeat_path="",
                    error_path="", started=0.0)
@@ -659,7 +668,9 @@ def test_a_hung_rounds_workers_print_their_stacks_and_one_that_cannot_is_left_al
         while "stuck_in_here" not in log.read_text() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert "stuck_in_here" in log.read_text()
-        assert [p.poll() for p in procs] == [None, None]  # both alive: nothing was killed
+        assert [p.poll() for p in procs] == [None, None, None]  # nothing was killed
+        procs[2].kill()
+        assert procs[2].stdout.read() == ""  # the user's handler never ran
     finally:
         for p in procs:
             p.kill()

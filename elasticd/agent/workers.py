@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import itertools
 import json
 import os
 import signal
@@ -349,12 +350,12 @@ class WorkerGroup:
                 self.kill()
 
     def dump_stacks(self) -> int:
-        """Ask every live worker that catches SIGUSR1 (the built-in trainer, or a script
-        that calls ``elasticd.log.dump_stacks_on_sigusr1()``) to print every thread's stack
-        into its log, as it is now; returns how many were asked."""
+        """Ask every live worker of ours that already catches SIGUSR1 (the built-in
+        trainer: :func:`prints_stacks`) to print every thread's stack into its log, as it
+        is now; returns how many were asked."""
         asked = 0
         for w in self.workers:
-            if w.proc.poll() is None and catches(w.proc.pid, signal.SIGUSR1):
+            if w.proc.poll() is None and prints_stacks(w.proc.pid):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(w.proc.pid, signal.SIGUSR1)
                     asked += 1
@@ -417,6 +418,20 @@ class WorkerGroup:
             if worst is None or age > worst[1]:
                 worst = (w, age)
         return worst
+
+
+def prints_stacks(pid: int) -> bool:
+    """Whether ``pid`` runs ``-m elasticd`` or ``-m trainer`` and already catches SIGUSR1:
+    they print their stacks on it (``elasticd.log.dump_stacks_on_sigusr1``). Nothing else
+    gets the signal: it kills a process that does not catch it, and a user's handler may
+    mean something else by it (Lightning requeues a Slurm job on SIGUSR1)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            argv = fh.read().split(b"\0")
+    except OSError:
+        return False
+    ours = any(a == b"-m" and b in (b"elasticd", b"trainer") for a, b in itertools.pairwise(argv))
+    return ours and catches(pid, signal.SIGUSR1)
 
 
 def catches(pid: int, sig: int) -> bool:
