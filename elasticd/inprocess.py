@@ -93,6 +93,24 @@ wait for a replacement (a newcomer, a peer lost meanwhile, the agent's re-form r
 port) ends a recovery that would have worked, and a process restart there loses every
 step since the last checkpoint."""
 ABORT_WATCHDOG = 10.0
+WAIT_SLICE = 0.25
+"""Seconds one look of :func:`wait_collective` lasts before it asks whether its round ended."""
+ABANDON_AFTER = 1.0
+"""Seconds after its round ended that :func:`wait_collective` gives up a collective still
+pending (the socket abort fails a healthy one within milliseconds)."""
+STUCK_EXIT = 10.0
+"""Seconds a worker may stay in an ended round without using the CPU (every thread but
+the control watcher) before it prints its stacks and exits (:data:`EXIT_RECOVERY_FAILED`;
+its agent then replaces it). Its round's connections are shut by then, so nothing of the
+round can complete: it is blocked for good on something gloo never fails (see
+:func:`wait_collective`), in a synchronous collective the trainer cannot wait for in
+slices. A worker still computing, or writing a checkpoint, uses the CPU and is left alone."""
+IDLE_CPU = 0.1
+"""CPU seconds (all threads but the watcher) under which a worker counts as not running."""
+STILL_IN_ROUND = 5.0
+"""Seconds after its round ended that a worker still in it logs every socket it holds
+(once): where a worker does not leave an aborted round, that says which connection it
+still waits on and whether it was shut."""
 """Seconds an NCCL abort may take before the process gives up and exits."""
 EXIT_RECOVERY_FAILED = 1
 
@@ -260,6 +278,15 @@ def _tcp_inodes() -> tuple[set[int], set[int]]:
     """Inodes of TCP sockets not in LISTEN state, and of listeners (a listener shut down
     makes gloo's accept loop abort the process)."""
     connected, listening = set(), set()
+    for inode, (state, _, _) in _tcp_table().items():
+        (listening if state == "0A" else connected).add(inode)
+    return connected, listening
+
+
+def _tcp_table() -> dict[int, tuple[str, str, str]]:
+    """Inode -> (state, local, remote) of every TCP socket in the namespace (hex as
+    /proc has them; ports are the last 4 hex digits)."""
+    out = {}
     for path in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
         try:
             with open(path, encoding="ascii") as fh:
@@ -267,10 +294,41 @@ def _tcp_inodes() -> tuple[set[int], set[int]]:
                 for line in fh:
                     cols = line.split()
                     if len(cols) > 9:
-                        (listening if cols[3] == "0A" else connected).add(int(cols[9]))
+                        out[int(cols[9])] = (cols[3], cols[1], cols[2])
         except OSError:
             continue
-    return connected, listening
+    return out
+
+
+def _waiting_on_io() -> bool:
+    """Whether a thread of this process is in uninterruptible sleep (state D: disk I/O,
+    such as the fsync of a checkpoint on slow storage), which uses no CPU but returns."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return False
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat", encoding="ascii", errors="replace") as fh:
+                text = fh.read()
+        except OSError:
+            continue
+        if text[text.rfind(")") + 2 : text.rfind(")") + 3] == "D":
+            return True
+    return False
+
+
+def describe_sockets(before: set[int], handled: set[int]) -> str:
+    """One line naming every socket this process holds: fd, inode, whether it predates the
+    round (old), was shut (shut) or is new and not shut (NEW), its TCP state and ports."""
+    table = _tcp_table()
+    parts = []
+    for fd, inode in sorted(_socket_fds().items()):
+        tag = "old" if inode in before else "shut" if inode in handled else "NEW"
+        st, local, remote = table.get(inode, ("-", ":0", ":0"))
+        lport, rport = int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16)
+        parts.append(f"{fd}:{inode}:{tag}:st{st}:{lport}->{rport}")
+    return " ".join(parts) or "none"
 
 
 def shutdown_new_sockets(before: set[int]) -> int:
@@ -325,6 +383,11 @@ class _Control:
         """This round's sockets already shut, and its listeners (never shut)."""
         self._told: set[int] = set()
         """Rounds whose end this process has logged."""
+        self._ended_at: dict[int, float] = {}
+        self._described: set[int] = set()
+        self._idle_since: tuple[int, float, float] | None = None
+        """(round, when, CPU seconds of the other threads) at the start of an idle stretch."""
+        """Rounds this process was still in STILL_IN_ROUND after their end (logged once)."""
         self._begun = False
         self.aborted_at: float | None = None
         self._sig: tuple[int, int, int] | None = None
@@ -357,6 +420,9 @@ class _Control:
             # A newer round than ours means ours is over, whatever state it names.
             for old in range(self.round, r + (1 if record.get("state") == "abort" else 0)):
                 self.ended.add(old)
+            now = time.monotonic()
+            for old in self.ended:
+                self._ended_at.setdefault(old, now)
             self.cond.notify_all()
             current = self.round
         if current in self.ended:
@@ -383,11 +449,54 @@ class _Control:
         it opened since. Judged under the lock, so a round that begins meanwhile is
         never taken for the ended one."""
         with self.cond:
-            if self._begun and self.round in self.ended:
-                self._shut_new(late=True)
+            if not (self._begun and self.round in self.ended):
+                self._idle_since = None
+                return
+            self._shut_new(late=True)
+            since = self.ended_for(self.round) or 0.0
+            if since > STILL_IN_ROUND and self.round not in self._described:
+                self._described.add(self.round)
+                print(f"elasticd.inprocess: round {self.round} ended {STILL_IN_ROUND:.0f} s "
+                      f"ago and this worker is still in it; sockets (fd:inode:state:ports): "
+                      f"{describe_sockets(self._before, self._handled)}",
+                      file=sys.stderr, flush=True)  # fmt: skip
+            self._exit_if_stuck()
+
+    def _exit_if_stuck(self) -> None:
+        """Called by the watcher while the worker is in an ended round (lock held): exit
+        once the other threads have used less than :data:`IDLE_CPU` for :data:`STUCK_EXIT`
+        seconds (each look compares with the first of the idle stretch)."""
+        now = time.monotonic()
+        times = os.times()
+        busy = times.user + times.system - time.thread_time()  # all threads but this one
+        mark = self._idle_since
+        if mark is None or mark[0] != self.round or busy - mark[2] > IDLE_CPU:
+            self._idle_since = (self.round, now, busy)
+            return
+        if now - mark[1] < STUCK_EXIT:
+            return
+        if _waiting_on_io():  # an fsync of a save, say: it will return
+            self._idle_since = (self.round, now, busy)
+            return
+        print(f"elasticd.inprocess: round {self.round} ended {self.ended_for(self.round):.1f} s "
+              f"ago and this worker has been blocked in it for {now - mark[1]:.1f} s without "
+              "running (its connections are shut, nothing of the round can complete); "
+              "exiting for its agent to replace it. Its threads:", file=sys.stderr, flush=True)  # fmt: skip
+        try:
+            import faulthandler
+
+            faulthandler.dump_traceback(file=sys.__stderr__ or sys.stderr, all_threads=True)
+        except (OSError, ValueError, AttributeError):  # no usable stderr: exit anyway
+            pass
+        os._exit(EXIT_RECOVERY_FAILED)
 
     def aborted(self, round_: int) -> bool:
         return round_ in self.ended
+
+    def ended_for(self, round_: int) -> float | None:
+        """Seconds since this process learnt that ``round_`` ended (None: it has not)."""
+        at = self._ended_at.get(round_)
+        return None if at is None else time.monotonic() - at
 
     def begin(self, round_: int) -> None:
         """A round starts: remember which sockets existed before it."""
@@ -471,6 +580,51 @@ def is_comm_error(exc: BaseException) -> bool:
                       "TCPStore", "Socket", "socket", "timed out", "Timed out")
         )  # fmt: skip
     return False
+
+
+_current: _Control | None = None
+"""The control-file watcher of the round this process is in (set by :func:`run`)."""
+
+
+def wait_collective(work: Any, group: Any = None) -> None:
+    """Wait for ``work``, an asynchronous *collective* of the current round over ``group``
+    (all-reduce, all-gather, reduce-scatter, broadcast; never a send or a receive: a timed
+    wait on one of those makes gloo fail its whole group). Its error, if any, is raised.
+
+    Under in-process restart on gloo, the wait is taken in slices of :data:`WAIT_SLICE`;
+    once the round has ended :data:`ABANDON_AFTER` ago and the collective is still pending,
+    :class:`RoundAborted` is raised and the collective is abandoned. The socket abort fails
+    a collective within milliseconds, but not always: the in-process chaos soak found a
+    worker in a data-parallel bucket's all-reduce for 120 s after every connection of its
+    round had closed. The likely way, from gloo's source: a receive leaves the pending
+    list that a failed connection signals as soon as its message's header arrives, so a
+    connection that closes mid-message leaves it waiting for the whole group timeout.
+    Elsewhere (no in-process round, or another backend, where an abort ends the work) this
+    is ``work.wait()``."""
+    control = _current
+    if control is None or not control._begun:
+        work.wait()
+        return
+    import torch.distributed as dist
+
+    if dist.get_backend(group) != "gloo":
+        work.wait()
+        return
+    round_ = control.round
+    slice_ = timedelta(seconds=WAIT_SLICE)
+    while True:
+        try:
+            work.wait(timeout=slice_)
+            return
+        except RuntimeError:
+            if work.is_completed():  # the collective's own error
+                raise
+        since = control.ended_for(round_)
+        if since is not None and since >= ABANDON_AFTER:
+            raise RoundAborted(
+                f"round {round_} ended {since:.1f} s ago and a collective of it is still "
+                "pending (gloo left it waiting): abandoned"
+            )
 
 
 def _open_round(
@@ -701,6 +855,8 @@ def run(
         else:
             control = _Control(path, local_rank, env)
             warming = warm_imports()
+        global _current
+        _current = control
     state: dict[str, Any] = {}
     lived = 0
     failed_in_row = 0
@@ -787,4 +943,5 @@ __all__ = [
     "run",
     "state_tensors",
     "stepped",
+    "wait_collective",
 ]

@@ -120,8 +120,11 @@ class WorkerChannel:
         device = flag_device(str(dist.get_backend(group)))
         if device == "cuda":
             device = f"cuda:{torch.cuda.current_device()}"
+        from elasticd.inprocess import wait_collective
+
         flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
+        wait_collective(work, group)  # left when an in-process round ends
         return bool(flag.item())
 
     # -- phases and metrics (elasticd.testing) -----------------------------------------------

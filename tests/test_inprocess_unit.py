@@ -675,3 +675,130 @@ def test_a_hung_rounds_workers_print_their_stacks_and_no_other_process_is_signal
         for p in procs:
             p.kill()
             p.wait()
+
+
+PENDING_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    from elasticd import inprocess
+
+    rank, port, control_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    t = torch.ones(4)
+    inprocess._current = control = inprocess._Control(control_path, 0, {"ELASTICD_ROUND": "3"})
+    control.begin(3)
+    inprocess.wait_collective(dist.all_reduce(t, async_op=True))  # a healthy one: done
+    print("healthy", t.sum().item(), flush=True)
+    if rank == 1:  # never joins the next one, and keeps its connections open
+        time.sleep(45)
+        sys.exit(0)
+    work = dist.all_reduce(t, async_op=True)
+    print("pending", flush=True)
+    start = time.monotonic()
+    try:
+        inprocess.wait_collective(work)
+    except inprocess.RoundAborted as exc:
+        print(f"abandoned after {time.monotonic() - start:.1f} s: {exc}", flush=True)
+    """
+)
+
+
+def test_a_collective_still_pending_after_its_round_ended_is_abandoned_not_waited_out(tmp_path):
+    """gloo leaves a collective waiting for the whole group timeout when a connection
+    closes in the middle of one of its messages (the chaos soak: a worker in a bucket's
+    all-reduce for 120 s after every connection of its round had closed). Here the peer
+    simply never joins the collective: the socket abort is not what ends the wait, the
+    round's end is. Without wait_collective the wait would last the group timeout (60 s);
+    a healthy collective goes through it as before."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    (tmp_path / "pending.py").write_text(PENDING_SCRIPT)
+    control = str(tmp_path / "control.json")
+    script = str(tmp_path / "pending.py")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, script, str(rank), port, control],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        seen = ""
+        while "pending" not in seen:
+            line = procs[0].stdout.readline()
+            assert line, procs[0].stderr.read()[-2000:]
+            seen += line
+        assert "healthy 8.0" in seen, seen
+        time.sleep(0.5)  # it waits
+        assert procs[0].poll() is None
+        write_control(control, round_=3, state="abort")
+        out, err = procs[0].communicate(timeout=20)  # well inside the 60 s group timeout
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert procs[0].returncode == 0, err[-2000:]
+    assert "abandoned after" in out and "round 3 ended" in out, out + err[-2000:]
+
+
+STUCK_SCRIPT = textwrap.dedent(
+    """
+    import sys, threading, time
+    from elasticd import inprocess
+
+    control_path, how = sys.argv[1], sys.argv[2]
+    inprocess.STUCK_EXIT = 1.5
+    control = inprocess._Control(control_path, 0, {"ELASTICD_ROUND": "3"})
+    control.begin(3)
+    print("in round 3", flush=True)
+    while not control.aborted(3):
+        time.sleep(0.01)
+    if how == "blocked":  # as in a gloo wait that never ends: no thread runs
+        threading.Event().wait(30)
+        print("still here", flush=True)
+    else:  # still computing the step for 4 s after the round ended, then leaving it
+        end = time.monotonic() + 4
+        x = 0
+        while time.monotonic() < end:
+            x += 1
+        control.left(3)
+        print("left round 3", flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["blocked", "computing"])
+def test_a_worker_blocked_in_an_ended_round_without_running_exits_and_a_busy_one_does_not(
+    tmp_path, how
+):
+    """A worker blocked in a round that ended, with every thread but the watcher idle
+    (a synchronous gloo collective that never fails, which no timed wait can leave),
+    prints its stacks and exits for its agent to replace it, STUCK_EXIT (here 1.5 s) into
+    the idle stretch, instead of holding the world until the agent's 120 s round-begin
+    bound. One still computing is not judged so, however long it takes."""
+    (tmp_path / "stuck.py").write_text(STUCK_SCRIPT)
+    control = str(tmp_path / "control.json")
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "stuck.py"), control, how],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert "in round 3" in proc.stdout.readline()
+        write_control(control, round_=3, state="abort")
+        out, err = proc.communicate(timeout=25)
+    finally:
+        proc.kill()
+        proc.wait()
+    if how == "blocked":
+        assert proc.returncode == 1, out + err[-2000:]
+        assert "blocked in it for" in err and "exiting for its agent to replace it" in err, err
+        assert "threading.py" in err  # its threads' stacks
+        assert "still here" not in out
+    else:
+        assert proc.returncode == 0 and "left round 3" in out, out + err[-2000:]
+        assert "exiting" not in err, err[-2000:]

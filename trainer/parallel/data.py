@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from elasticd.inprocess import wait_collective
 from trainer.parallel.context import GroupSlot
 
 # torch 2.13 renamed the flat collectives (the old names warn); older torch has only those.
@@ -288,7 +289,8 @@ class GradSync:
                         self._launch(bucket)
         for bucket in self.buckets:
             if bucket.handle is not None:
-                bucket.handle.wait()
+                # Left when its in-process round ends (gloo can leave it waiting).
+                wait_collective(bucket.handle, bucket.slot.group)
                 bucket.handle = None
             elif not self.overlap and bucket.slot.active and not self.shard:
                 for p in bucket.params:
@@ -321,7 +323,7 @@ class GradSync:
         with torch.no_grad():
             for bucket, out, handle in work:
                 if handle is not None:
-                    handle.wait()
+                    wait_collective(handle, bucket.slot.group)
                 grid = out.view(bucket.slot.size, bucket.part)
                 for p in bucket.params:
                     s = bucket.shards[id(p)]
