@@ -93,6 +93,7 @@ wait for a replacement (a newcomer, a peer lost meanwhile, the agent's re-form r
 port) ends a recovery that would have worked, and a process restart there loses every
 step since the last checkpoint."""
 ABORT_WATCHDOG = 10.0
+"""Seconds an NCCL abort may take before the process gives up and exits."""
 WAIT_SLICE = 0.25
 """Seconds one look of :func:`wait_collective` lasts before it asks whether its round ended."""
 ABANDON_AFTER = 1.0
@@ -111,7 +112,8 @@ STILL_IN_ROUND = 5.0
 """Seconds after its round ended that a worker still in it logs every socket it holds
 (once): where a worker does not leave an aborted round, that says which connection it
 still waits on and whether it was shut."""
-"""Seconds an NCCL abort may take before the process gives up and exits."""
+STUCK_LOOK = 0.5
+"""Seconds between the watcher's looks at whether a worker in an ended round is stuck."""
 EXIT_RECOVERY_FAILED = 1
 
 
@@ -300,6 +302,29 @@ def _tcp_table() -> dict[int, tuple[str, str, str]]:
     return out
 
 
+_WAITS_IN = (os.sep + os.path.join("torch", "distributed") + os.sep,)
+"""Where a main thread blocked in a collective is (its innermost Python frame)."""
+_OURS = tuple(os.sep + p + os.sep for p in ("trainer", "checkpoint", "elasticd"))
+
+
+def _main_in_collective() -> bool:
+    """Whether the main thread's innermost Python frame is in a collective: a call into
+    ``torch.distributed`` (a synchronous collective, a store), or a line of ours that
+    waits for a work (``.wait(``, such as a pipeline's receive). Not in a thread pool's
+    ``result()``, a sleep, or a user's own waiting."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return False
+    name = frame.f_code.co_filename
+    if any(p in name for p in _WAITS_IN):
+        return True
+    if not any(p in name for p in _OURS):
+        return False
+    import linecache
+
+    return ".wait(" in linecache.getline(name, frame.f_lineno)
+
+
 def _waiting_on_io() -> bool:
     """Whether a thread of this process is in uninterruptible sleep (state D: disk I/O,
     such as the fsync of a checkpoint on slow storage), which uses no CPU but returns."""
@@ -385,9 +410,10 @@ class _Control:
         """Rounds whose end this process has logged."""
         self._ended_at: dict[int, float] = {}
         self._described: set[int] = set()
+        """Rounds this process was still in STILL_IN_ROUND after their end (logged once)."""
         self._idle_since: tuple[int, float, float] | None = None
         """(round, when, CPU seconds of the other threads) at the start of an idle stretch."""
-        """Rounds this process was still in STILL_IN_ROUND after their end (logged once)."""
+        self._last_look = 0.0
         self._begun = False
         self.aborted_at: float | None = None
         self._sig: tuple[int, int, int] | None = None
@@ -437,11 +463,14 @@ class _Control:
 
     def _watch(self) -> None:
         while not self._stop.is_set():
-            self._read()
-            # Until we leave an aborted round, keep shutting its new sockets: a store or a
-            # pair opened just after the abort was read (the round was still starting)
-            # would otherwise wait for peers that left, for the whole group timeout.
-            self._abort_late_sockets()
+            try:
+                self._read()
+                # Until we leave an aborted round, keep shutting its new sockets: a store or
+                # a pair opened just after the abort was read (the round was still starting)
+                # would otherwise wait for peers that left, for the whole group timeout.
+                self._abort_late_sockets()
+            except Exception:  # the watcher must outlive any one bad look (a closed stderr)
+                log.debug("control watcher: a look failed", exc_info=True)
             time.sleep(POLL)
 
     def _abort_late_sockets(self) -> None:
@@ -467,10 +496,19 @@ class _Control:
         once the other threads have used less than :data:`IDLE_CPU` for :data:`STUCK_EXIT`
         seconds (each look compares with the first of the idle stretch)."""
         now = time.monotonic()
+        if now - self._last_look < STUCK_LOOK:
+            return
+        gap, self._last_look = now - self._last_look, now
         times = os.times()
         busy = times.user + times.system - time.thread_time()  # all threads but this one
         mark = self._idle_since
-        if mark is None or mark[0] != self.round or busy - mark[2] > IDLE_CPU:
+        if (
+            mark is None
+            or mark[0] != self.round
+            or busy - mark[2] > IDLE_CPU
+            or gap > 4 * STUCK_LOOK  # this process was frozen or starved meanwhile
+            or not _main_in_collective()  # a save's upload, a data loader: it returns
+        ):
             self._idle_since = (self.round, now, busy)
             return
         if now - mark[1] < STUCK_EXIT:
@@ -588,12 +626,15 @@ _current: _Control | None = None
 
 def wait_collective(work: Any, group: Any = None) -> None:
     """Wait for ``work``, an asynchronous *collective* of the current round over ``group``
-    (all-reduce, all-gather, reduce-scatter, broadcast; never a send or a receive: a timed
-    wait on one of those makes gloo fail its whole group). Its error, if any, is raised.
+    (the work's own group, None for the default one; all-reduce, all-gather,
+    reduce-scatter, broadcast; never a send or a receive: a timed wait on one of those
+    makes gloo fail its whole group). Its error, if any, is raised. Call it from the
+    thread that runs the round.
 
     Under in-process restart on gloo, the wait is taken in slices of :data:`WAIT_SLICE`;
     once the round has ended :data:`ABANDON_AFTER` ago and the collective is still pending,
-    :class:`RoundAborted` is raised and the collective is abandoned. The socket abort fails
+    :class:`RoundAborted` is raised and the collective is abandoned (held, with its group,
+    by a thread of its own until gloo ends it). The socket abort fails
     a collective within milliseconds, but not always: the in-process chaos soak found a
     worker in a data-parallel bucket's all-reduce for 120 s after every connection of its
     round had closed. The likely way, from gloo's source: a receive leaves the pending
@@ -617,14 +658,35 @@ def wait_collective(work: Any, group: Any = None) -> None:
             work.wait(timeout=slice_)
             return
         except RuntimeError:
-            if work.is_completed():  # the collective's own error
-                raise
+            if work.is_completed():  # done meanwhile, or its own error: wait() says which
+                work.wait()
+                return
         since = control.ended_for(round_)
         if since is not None and since >= ABANDON_AFTER:
+            _hold_until_done(work, group)
             raise RoundAborted(
                 f"round {round_} ended {since:.1f} s ago and a collective of it is still "
                 "pending (gloo left it waiting): abandoned"
             )
+
+
+def _hold_until_done(work: Any, group: Any) -> None:
+    """Keep an abandoned collective and its group alive on a thread of their own until
+    gloo ends the collective (at its group timeout), then drop them there: the group's
+    destructor joins gloo's threads, so whichever thread dropped the last reference would
+    otherwise block until then (the next round's, when it replaces the old trainer)."""
+    import torch.distributed as dist
+
+    if group is None and dist.is_initialized():
+        group = dist.distributed_c10d._get_default_group()
+    held = [work, group]
+
+    def hold() -> None:
+        while not held[0].is_completed():
+            time.sleep(1.0)
+        held.clear()
+
+    threading.Thread(target=hold, name="elasticd-abandoned", daemon=True).start()
 
 
 def _open_round(

@@ -679,7 +679,7 @@ def test_a_hung_rounds_workers_print_their_stacks_and_no_other_process_is_signal
 
 PENDING_SCRIPT = textwrap.dedent(
     """
-    import sys, time
+    import gc, os, sys, time
     from datetime import timedelta
     import torch, torch.distributed as dist
     from elasticd import inprocess
@@ -688,32 +688,42 @@ PENDING_SCRIPT = textwrap.dedent(
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
+    group = dist.new_group([0, 1])
     t = torch.ones(4)
     inprocess._current = control = inprocess._Control(control_path, 0, {"ELASTICD_ROUND": "3"})
     control.begin(3)
-    inprocess.wait_collective(dist.all_reduce(t, async_op=True))  # a healthy one: done
+    inprocess.wait_collective(dist.all_reduce(t, async_op=True, group=group), group)
     print("healthy", t.sum().item(), flush=True)
     if rank == 1:  # never joins the next one, and keeps its connections open
         time.sleep(45)
-        sys.exit(0)
-    work = dist.all_reduce(t, async_op=True)
+        os._exit(0)
+    work = dist.all_reduce(t, async_op=True, group=group)
     print("pending", flush=True)
     start = time.monotonic()
     try:
-        inprocess.wait_collective(work)
+        inprocess.wait_collective(work, group)
     except inprocess.RoundAborted as exc:
         print(f"abandoned after {time.monotonic() - start:.1f} s: {exc}", flush=True)
+    # Leaving the round as a worker does: no reference of ours may keep gloo's stuck
+    # thread in the way (the group's destructor joins it).
+    start = time.monotonic()
+    dist.destroy_process_group()
+    del work, group
+    gc.collect()
+    print(f"torn down in {time.monotonic() - start:.1f} s", flush=True)
+    os._exit(0)
     """
 )
 
 
 def test_a_collective_still_pending_after_its_round_ended_is_abandoned_not_waited_out(tmp_path):
-    """gloo leaves a collective waiting for the whole group timeout when a connection
-    closes in the middle of one of its messages (the chaos soak: a worker in a bucket's
-    all-reduce for 120 s after every connection of its round had closed). Here the peer
-    simply never joins the collective: the socket abort is not what ends the wait, the
-    round's end is. Without wait_collective the wait would last the group timeout (60 s);
-    a healthy collective goes through it as before."""
+    """gloo can leave a collective waiting for the whole group timeout after every
+    connection of its round closed (the chaos soak: a worker in a bucket's all-reduce for
+    120 s). Here the peer simply never joins the collective: the socket abort is not what
+    ends the wait, the round's end is. Without wait_collective the wait would last the
+    group timeout (60 s); a healthy collective goes through it as before; and tearing the
+    round's groups down does not wait for the abandoned one either (its group's
+    destructor would join gloo's stuck thread)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
@@ -721,14 +731,10 @@ def test_a_collective_still_pending_after_its_round_ended_is_abandoned_not_waite
     control = str(tmp_path / "control.json")
     script = str(tmp_path / "pending.py")
     procs = [
-        subprocess.Popen(
-            [sys.executable, script, str(rank), port, control],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        subprocess.Popen([sys.executable, script, str(rank), port, control],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for rank in (0, 1)
-    ]
+    ]  # fmt: skip
     try:
         seen = ""
         while "pending" not in seen:
@@ -746,23 +752,37 @@ def test_a_collective_still_pending_after_its_round_ended_is_abandoned_not_waite
             p.wait()
     assert procs[0].returncode == 0, err[-2000:]
     assert "abandoned after" in out and "round 3 ended" in out, out + err[-2000:]
+    torn = re.search(r"torn down in ([0-9.]+) s", out)
+    assert torn and float(torn.group(1)) < 10, out
 
 
 STUCK_SCRIPT = textwrap.dedent(
     """
-    import sys, threading, time
+    import os, sys, threading, time
+    from datetime import timedelta
+    import torch, torch.distributed as dist
     from elasticd import inprocess
 
-    control_path, how = sys.argv[1], sys.argv[2]
+    rank, port, control_path, how = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     inprocess.STUCK_EXIT = 1.5
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    if rank == 1:  # alive, connected, never in the collective
+        time.sleep(45)
+        os._exit(0)
     control = inprocess._Control(control_path, 0, {"ELASTICD_ROUND": "3"})
     control.begin(3)
     print("in round 3", flush=True)
     while not control.aborted(3):
         time.sleep(0.01)
-    if how == "blocked":  # as in a gloo wait that never ends: no thread runs
-        threading.Event().wait(30)
+    if how == "collective":  # a synchronous collective gloo never fails: no thread runs
+        dist.all_reduce(torch.ones(4))
         print("still here", flush=True)
+    elif how == "waiting":  # idle as long, but not in a collective (a save's upload, say)
+        threading.Event().wait(5)
+        control.left(3)
+        print("left round 3", flush=True)
     else:  # still computing the step for 4 s after the round ended, then leaving it
         end = time.monotonic() + 4
         x = 0
@@ -770,34 +790,43 @@ STUCK_SCRIPT = textwrap.dedent(
             x += 1
         control.left(3)
         print("left round 3", flush=True)
+    os._exit(0)
     """
 )
 
 
-@pytest.mark.parametrize("how", ["blocked", "computing"])
-def test_a_worker_blocked_in_an_ended_round_without_running_exits_and_a_busy_one_does_not(
-    tmp_path, how
-):
-    """A worker blocked in a round that ended, with every thread but the watcher idle
-    (a synchronous gloo collective that never fails, which no timed wait can leave),
-    prints its stacks and exits for its agent to replace it, STUCK_EXIT (here 1.5 s) into
+@pytest.mark.parametrize("how", ["collective", "waiting", "computing"])
+def test_a_worker_blocked_in_a_collective_of_an_ended_round_exits_and_no_other_does(tmp_path, how):
+    """A worker blocked in a synchronous collective of a round that ended, with every
+    thread but the watcher idle (gloo never fails it, and no timed wait can leave it),
+    prints its stacks and exits for its agent to replace it STUCK_EXIT (here 1.5 s) into
     the idle stretch, instead of holding the world until the agent's 120 s round-begin
-    bound. One still computing is not judged so, however long it takes."""
+    bound. One idle as long outside a collective, or still computing, is left alone."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
     (tmp_path / "stuck.py").write_text(STUCK_SCRIPT)
     control = str(tmp_path / "control.json")
-    proc = subprocess.Popen([sys.executable, str(tmp_path / "stuck.py"), control, how],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    script = str(tmp_path / "stuck.py")
+    procs = [
+        subprocess.Popen([sys.executable, script, str(rank), port, control, how],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank in (0, 1)
+    ]  # fmt: skip
+    proc = procs[0]
     try:
-        assert "in round 3" in proc.stdout.readline()
+        line = proc.stdout.readline()
+        assert "in round 3" in line, proc.stderr.read()[-2000:]
         write_control(control, round_=3, state="abort")
         out, err = proc.communicate(timeout=25)
     finally:
-        proc.kill()
-        proc.wait()
-    if how == "blocked":
+        for p in procs:
+            p.kill()
+            p.wait()
+    if how == "collective":
         assert proc.returncode == 1, out + err[-2000:]
         assert "blocked in it for" in err and "exiting for its agent to replace it" in err, err
-        assert "threading.py" in err  # its threads' stacks
+        assert "distributed_c10d.py" in err  # its threads' stacks
         assert "still here" not in out
     else:
         assert proc.returncode == 0 and "left round 3" in out, out + err[-2000:]
