@@ -39,7 +39,7 @@ ENV_PLAN = "ELASTICD_FAULT_PLAN"
 """Path of the run's fault plan (set by the local cluster on its agents)."""
 ENV_NODE = "ELASTICD_NODE_ID"
 """The node id of the agent that started this worker (set by the local cluster)."""
-PHASES = ("forward", "backward", "optimizer", "checkpoint-save")
+PHASES = ("forward", "backward", "optimizer", "step-end", "checkpoint-save")
 SELF_KINDS = frozenset({"kill-worker", "hang-worker", "raise-error"})
 """Faults a worker carries out on itself."""
 NODE_KINDS = frozenset({"kill-node", "term-node", "freeze-node"})

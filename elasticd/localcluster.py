@@ -55,7 +55,7 @@ FAULT_SYNTAX = (
     "kill-node=I, term-node=I, freeze-node=I[:for=T], kill-worker=RANK, hang-worker=RANK, "
     "raise-error=RANK, kill-etcd-member=I[:for=T] (each @step=S), or add-node@step=S, "
     "etcd-outage@step=S[:for=T], kill-etcd-leader@step=S[:for=T]; any of them "
-    "[:phase=forward|backward|optimizer|checkpoint-save]"
+    "[:phase=forward|backward|optimizer|step-end|checkpoint-save]"
 )
 _FAULT_RE = re.compile(
     r"^(?P<kind>[a-z-]+)(?:=(?P<target>\d+))?@step=(?P<step>\d+)(?P<opts>(?::[a-z]+=[^:@=]+)*)$"

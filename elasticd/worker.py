@@ -130,7 +130,8 @@ class WorkerChannel:
     # -- phases and metrics (elasticd.testing) -----------------------------------------------
 
     def phase(self, name: str, step: int) -> None:
-        """This rank enters phase ``name`` (forward, backward, optimizer, checkpoint-save)
+        """This rank enters phase ``name`` (forward, backward, optimizer, step-end: the
+        step's math and collectives done, its metrics record not yet written; checkpoint-save)
         of step ``step`` (the step in progress, 1-based; for checkpoint-save the step being
         saved). A fault planned for that phase fires here (elasticd/faultplan.py): the call
         may SIGKILL or stop this process, raise ``InjectedFault``, or wait while the cluster

@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 from test_agent_trainer import reference_losses, run
@@ -122,19 +123,25 @@ def test_dp3_loses_a_node_then_a_newcomer_joins_the_survivors_all_in_process(tmp
     assert newcomer_pid not in first
 
 
-def test_a_killed_worker_is_replaced_and_its_peers_go_on_in_process(tmp_path):
-    """Through the CLI: ``elasticd run --json`` prints the final status as one object."""
-    job = make_job(tmp_path, "kw", steps=16)
-    path = tmp_path / "kw.json"
+def run_cli(tmp_path, name: str, steps: int, fault: str) -> tuple[Any, dict, str]:
+    """``elasticd run --json`` of a 2-node in-process job with ``fault``: the job, the
+    final status it printed as one object, and its stderr."""
+    job = make_job(tmp_path, name, steps=steps)
+    path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(job.to_dict()))
     r = subprocess.run(
         [sys.executable, "-m", "elasticd", "run", str(path), "--nodes", "2", "--json",
-         "--fault", "kill-worker=1@step=5", "--timeout", "240"],
+         "--fault", fault, "--timeout", "240"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
-    result = json.loads(r.stdout)
-    assert "fault injected" in r.stderr
+    return job, json.loads(r.stdout), r.stderr
+
+
+def test_a_killed_worker_is_replaced_and_its_peers_go_on_in_process(tmp_path):
+    """Through the CLI: ``elasticd run --json`` prints the final status as one object."""
+    job, result, stderr = run_cli(tmp_path, "kw", 16, "kill-worker=1@step=5")
+    assert "fault injected" in stderr
     check_inprocess(tmp_path, job, result, recoveries=1)
     pids = round_pids(job)
     first, second = (pids[r] for r in sorted(pids))
@@ -143,6 +150,27 @@ def test_a_killed_worker_is_replaced_and_its_peers_go_on_in_process(tmp_path):
     # (restart.standby, default 1), not a process started after the kill.
     (replacement,) = second - first
     assert replacement in standby_pids(job), story(job)
+
+
+def test_rank_0_killed_after_a_steps_collectives_leaves_no_gap_in_the_metrics(tmp_path):
+    """Rank 0 dies after step 5's last collective, before it writes step 5's record: its
+    peer holds step 5, so the world resumes after it and nobody trains step 5 again. The
+    new rank 0 (its node's standby) writes that record from its peer's copy: every step
+    appears once in metrics.jsonl (a chaos soak lost one so, before)."""
+    job, result, _ = run_cli(tmp_path, "r0", 12, "kill-worker=0@step=5:phase=step-end")
+    (fault,) = result["faults"]
+    assert "rank 0 SIGKILLed itself at step 5 in step-end" in fault["detail"], fault
+    assert result["state"] == "succeeded", f"{result['reason']}\n{story(job)}"
+    records = result["metrics"]
+    assert [r["step"] for r in records] == list(range(1, 13)), story(job)
+    reference = reference_losses(tmp_path, job)
+    for rec in records:
+        assert rec["loss"] == pytest.approx(reference[rec["step"]], rel=1e-4), rec["step"]
+    assert records[4]["round"] == 1 and records[5]["round"] == 2, story(job)
+    # Node 0's new worker (its standby) took rank 0, so node 0 reports a process start;
+    # the state came from the peer that kept its process, at step 5: nothing lost.
+    (rec,) = [e for e in result["status"]["history"] if e["kind"] == "recovery"]
+    assert (rec["source"], rec["lost_steps"]) == ("peers", 0), rec
 
 
 def standby_pids(job) -> set[int]:

@@ -185,7 +185,7 @@ def _train_round(ctx, *, job, layout, device) -> int:
     from trainer.parallel.context import ParallelContext, slot_of
     from trainer.parallel.groups import ProcessGroups
     from trainer.parallel.pipeline import PipelineGroups
-    from trainer.train import MetricsWriter, Trainer
+    from trainer.train import MetricsWriter, Trainer, step_record
 
     rank, world, env = ctx.rank, ctx.world_size, ctx.env
     channel = ctx.channel
@@ -238,11 +238,17 @@ def _train_round(ctx, *, job, layout, device) -> int:
 
                 def restore(ckpt) -> None:
                     recover(ctx, trainer, ckpt, channel=channel, job=job)
+                    records = ctx.state.pop("peer_records", None)
+                    if metrics is not None and records:
+                        metrics.fill(records, upto=trainer.state.step)
+
+            round_ = int(env.get("ELASTICD_ROUND", "0") or 0)
 
             def after_step(r) -> None:
                 if ctx.inprocess:
-                    from trainer.recovery import replicate
+                    from trainer.recovery import keep_record, replicate
 
+                    keep_record(ctx, step_record(r, layout, round_))
                     replicate(ctx, trainer)
                 stepped(ctx)
 

@@ -17,7 +17,11 @@ spare, survivor or newcomer, in the same order:
    ranks, at the last replicated step; a TP or PP shard with no DP replica that died with
    its node comes from there (``source`` replica, the steps since that step lost);
 3. when no step covers every region (a shard whose node died, with no replica), or a
-   transfer fails its check, every rank falls back to the checkpoint.
+   transfer fails its check, every rank falls back to the checkpoint;
+4. an all-gather of the metrics records each rank kept of its last steps
+   (``ctx.state['records']``): resumed from the survivors' memory at step S, rank 0 writes
+   the records up to S its metrics.jsonl lacks (a rank 0 that died after a step's last
+   collective, before writing its record, left a step nobody trains again).
 
 The replication of the new round starts once its state is restored.
 
@@ -78,6 +82,8 @@ def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any, job: Any) -> str
             need=need, group=group, extra=extra,
         )  # fmt: skip
     del old_replicas, extra
+    if newest >= 0 and dist.is_initialized():  # the same on every rank (all-reduced)
+        ctx.state["peer_records"] = _gather_records(ctx, group)
     if (
         result is not None
         and result.sources.get("from_extra")
@@ -90,6 +96,7 @@ def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any, job: Any) -> str
     replicator = _start_replication(ctx, trainer, job=job, group=group)
     if trainer is None:  # a spare: it served its part
         ctx.state.pop("trainer", None)
+        ctx.state.pop("peer_records", None)
         ctx.state["replicator"] = replicator  # the old copies go now
         return "peers" if result is not None else "none"
     if result is not None:
@@ -111,6 +118,8 @@ def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any, job: Any) -> str
                   "resuming from the latest checkpoint", flush=True)  # fmt: skip
         if ckpt.resume():
             source = "checkpoint"
+    if source not in ("peers", "replica"):  # steps after a checkpoint are trained again
+        ctx.state.pop("peer_records", None)
     step = trainer.state.step
     lost = max(0, newest - step) if newest >= 0 else 0
     channel.recovered(source=source, resume_step=step, lost_steps=lost)
@@ -118,6 +127,30 @@ def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any, job: Any) -> str
     ctx.state["trainer"] = trainer  # the old one (and its memory) goes
     ctx.state["replicator"] = replicator  # and the old copies
     return source
+
+
+RECORDS_KEPT = 16
+"""Metrics records of its last steps each rank keeps for a rank 0 that missed one."""
+
+
+def keep_record(ctx: Any, record: dict) -> None:
+    """Keep ``record`` (a metrics.jsonl record of a step this rank completed) among the
+    last RECORDS_KEPT (in-process restart)."""
+    kept = ctx.state.setdefault("records", [])
+    kept.append(record)
+    del kept[:-RECORDS_KEPT]
+
+
+def _gather_records(ctx: Any, group: Any) -> list[dict]:
+    """Every rank's kept records (one small all-gather), one per step."""
+    from checkpoint.comm import all_gather_json_small
+
+    mine = ctx.state.get("records", [])
+    by_step: dict[int, dict] = {}
+    for records in all_gather_json_small(mine, group, cap=RECORDS_KEPT * 1024)():
+        for rec in records or []:
+            by_step.setdefault(int(rec["step"]), rec)
+    return [by_step[s] for s in sorted(by_step)]
 
 
 def _checkpoint_is_newer(job: Any, step: int, group: Any) -> bool:

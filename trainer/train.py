@@ -390,6 +390,7 @@ class Trainer:
         try:
             while self.state.step < self.job.train.steps:
                 result = self.train_step()
+                self._phase("step-end", self.state.step)
                 if metrics is not None:  # before the save: a fault in it keeps the record
                     metrics.write(result)
                 every, step = self.job.checkpoint.every, self.state.step
@@ -436,25 +437,51 @@ class MetricsWriter:
         self.written = last_step_in(path) if once else None
 
     def record(self, r: StepResult) -> dict:
-        p = self.layout.parallel
-        rec = asdict(r)
-        rec.update(world=self.layout.world, dp=self.layout.dp, tp=p.tp, pp=p.pp, vpp=p.vpp,
-                   ep=p.ep, round=self.round)  # fmt: skip
-        return rec
+        return step_record(r, self.layout, self.round)
 
     def write(self, r: StepResult) -> None:
+        self._append(self.record(r))
+
+    def fill(self, records: list[dict], *, upto: int) -> list[int]:
+        """In-process restart: write the records of steps up to ``upto`` (the step the
+        world resumed after) that this file lacks, from ``records`` (other ranks' copies;
+        every active rank computes the same loss, norm and lr). A rank 0 that died after a
+        step's last collective but before writing its record leaves such a step: its peers
+        hold the step, so it is not trained again. Returns the steps written."""
+        if self.written is None:
+            return []
+        done = []
+        for rec in sorted(records, key=lambda r: int(r["step"])):
+            if self.written < int(rec["step"]) <= upto:
+                self._append(dict(rec), note="  (the record of a peer)")
+                done.append(int(rec["step"]))
+        return done
+
+    def _append(self, rec: dict, note: str = "") -> None:
+        step = int(rec["step"])
         if self.written is not None:
-            if r.step <= self.written:
+            if step <= self.written:
                 return
-            self.written = r.step
+            self.written = step
         with open(self.path, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(self.record(r), separators=(",", ":")) + "\n")
+            fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
         if self.echo is not None:
+            mfu_ = rec.get("mfu")
             self.echo(
-                f"step {r.step}/{self.total}  loss {r.loss:.4f}  grad_norm {r.grad_norm:.4f}  "
-                f"lr {r.lr:.2e}  {r.step_s * 1000:.0f} ms  {r.tokens_per_s:,.0f} tokens/s  "
-                f"{r.mem_gb:.2f} GiB" + ("" if r.mfu is None else f"  MFU {r.mfu:.1%}")
+                f"step {step}/{self.total}  loss {rec['loss']:.4f}  "
+                f"grad_norm {rec['grad_norm']:.4f}  lr {rec['lr']:.2e}  "
+                f"{rec['step_s'] * 1000:.0f} ms  {rec['tokens_per_s']:,.0f} tokens/s  "
+                f"{rec['mem_gb']:.2f} GiB" + ("" if mfu_ is None else f"  MFU {mfu_:.1%}") + note
             )
+
+
+def step_record(r: StepResult, layout: Layout, round_: int) -> dict:
+    """A metrics.jsonl record: the step's result and the layout and round it ran in."""
+    p = layout.parallel
+    rec = asdict(r)
+    rec.update(world=layout.world, dp=layout.dp, tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep,
+               round=round_)  # fmt: skip
+    return rec
 
 
 def last_step_in(path: str, tail: int = 65536) -> int:
