@@ -634,10 +634,10 @@ def wait_collective(work: Any, group: Any = None) -> None:
     Under in-process restart on gloo, the wait is taken in slices of :data:`WAIT_SLICE`;
     once the round has ended :data:`ABANDON_AFTER` ago and the collective is still pending,
     :class:`RoundAborted` is raised and the collective is abandoned (held, with its group,
-    by a thread of its own until gloo ends it). The socket abort fails
-    a collective within milliseconds, but not always: the in-process chaos soak found a
-    worker in a data-parallel bucket's all-reduce for 120 s after every connection of its
-    round had closed. The likely way, from gloo's source: a receive leaves the pending
+    by a thread of its own until gloo ends it). The socket abort fails a collective within
+    milliseconds, but not always: the in-process chaos soak found a worker in a
+    data-parallel bucket's all-reduce for 120 s after every connection of its round had
+    closed. The likely way, from gloo's source: a receive leaves the pending
     list that a failed connection signals as soon as its message's header arrives, so a
     connection that closes mid-message leaves it waiting for the whole group timeout.
     Elsewhere (no in-process round, or another backend, where an abort ends the work) this
