@@ -302,16 +302,20 @@ def _tcp_table() -> dict[int, tuple[str, str, str]]:
     return out
 
 
-_WAITS_IN = (os.sep + os.path.join("torch", "distributed") + os.sep,)
-"""Where a main thread blocked in a collective is (its innermost Python frame)."""
+_WAITS_IN = tuple(os.sep + os.path.join("torch", p) + os.sep for p in ("distributed", "autograd"))
+"""Where a main thread blocked in a collective is (its innermost Python frame): in
+``torch.distributed``, or in the autograd engine (DDP's reducer waits for its gradient
+all-reduces there, in C++; on CPU the engine runs backward on the calling thread, so an
+idle one is waiting on a collective)."""
 _OURS = tuple(os.sep + p + os.sep for p in ("trainer", "checkpoint", "elasticd"))
 
 
 def _main_in_collective() -> bool:
     """Whether the main thread's innermost Python frame is in a collective: a call into
-    ``torch.distributed`` (a synchronous collective, a store), or a line of ours that
-    waits for a work (``.wait(``, such as a pipeline's receive). Not in a thread pool's
-    ``result()``, a sleep, or a user's own waiting."""
+    ``torch.distributed`` (a synchronous collective, a store) or the autograd engine (a
+    DDP backward), or a line of ours that waits for a work (``.wait(``, such as a
+    pipeline's receive). Not in a thread pool's ``result()``, a sleep, or a user's own
+    waiting."""
     frame = sys._current_frames().get(threading.main_thread().ident)
     if frame is None:
         return False

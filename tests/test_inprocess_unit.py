@@ -768,6 +768,9 @@ STUCK_SCRIPT = textwrap.dedent(
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
+    if how == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        ddp = DistributedDataParallel(torch.nn.Linear(4, 4))  # a broadcast: both ranks
     if rank == 1:  # alive, connected, never in the collective
         time.sleep(45)
         os._exit(0)
@@ -778,6 +781,10 @@ STUCK_SCRIPT = textwrap.dedent(
         time.sleep(0.01)
     if how == "collective":  # a synchronous collective gloo never fails: no thread runs
         dist.all_reduce(torch.ones(4))
+        print("still here", flush=True)
+    elif how == "ddp":  # DDP's reducer waits for its all-reduce inside the autograd engine
+        ddp.module.weight.grad = None
+        ddp(torch.ones(2, 4)).sum().backward()
         print("still here", flush=True)
     elif how == "waiting":  # idle as long, but not in a collective (a save's upload, say)
         threading.Event().wait(5)
@@ -795,7 +802,7 @@ STUCK_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("how", ["collective", "waiting", "computing"])
+@pytest.mark.parametrize("how", ["collective", "ddp", "waiting", "computing"])
 def test_a_worker_blocked_in_a_collective_of_an_ended_round_exits_and_no_other_does(tmp_path, how):
     """A worker blocked in a synchronous collective of a round that ended, with every
     thread but the watcher idle (gloo never fails it, and no timed wait can leave it),
@@ -823,10 +830,10 @@ def test_a_worker_blocked_in_a_collective_of_an_ended_round_exits_and_no_other_d
         for p in procs:
             p.kill()
             p.wait()
-    if how == "collective":
+    if how in ("collective", "ddp"):
         assert proc.returncode == 1, out + err[-2000:]
         assert "blocked in it for" in err and "exiting for its agent to replace it" in err, err
-        assert "distributed_c10d.py" in err  # its threads' stacks
+        assert ("distributed_c10d.py" if how == "collective" else "backward") in err  # stacks
         assert "still here" not in out
     else:
         assert proc.returncode == 0 and "left round 3" in out, out + err[-2000:]
