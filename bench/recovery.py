@@ -377,6 +377,20 @@ def summarize(results: dict[str, list[dict]]) -> list[dict]:
     return rows
 
 
+@contextlib.contextmanager
+def _run_dir(keep: str | None, name: str):
+    """A run's directory: temporary, or DIR/NAME kept for reading the logs of an outlier."""
+    if not keep:
+        with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
+            yield tmp
+        return
+    path = os.path.join(keep, name)
+    if os.path.exists(path):
+        raise SystemExit(f"recovery: {path} already exists; --keep needs a fresh directory")
+    os.makedirs(path)
+    yield path
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -387,6 +401,9 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--cases", default=",".join(CASES), help=f"any of {','.join(CASES)}")
     p.add_argument("--json", help="also write every run and the summary here")
+    p.add_argument("--keep", metavar="DIR",
+                   help="keep each run's files (cluster logs, metrics, job output) in "
+                        "DIR/CASE-RUN instead of a temporary directory")  # fmt: skip
     p.add_argument("--reform-grace", default="",
                    help="comma-separated rendezvous.reform_grace values: each in-process "
                         "case runs once per value, as CASE@VALUE (default: the job's default)")  # fmt: skip
@@ -409,7 +426,7 @@ def main() -> int:
     for rep in range(args.repeats):  # cases interleaved: a load spike hits them alike
         for case in cases:
             kw = {"steps": args.steps, "kill_step": args.kill_step, "limit": args.limit}
-            with tempfile.TemporaryDirectory(prefix="bench-recovery-") as tmp:
+            with _run_dir(args.keep, f"{case}-{rep + 1}") as tmp:
                 base, grace = variants[case]
                 if base == "torchrun":
                     res = run_torchrun(os.path.join(tmp, "t"), **kw)

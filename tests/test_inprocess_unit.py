@@ -756,6 +756,115 @@ def test_a_collective_still_pending_after_its_round_ended_is_abandoned_not_waite
     assert torn and float(torn.group(1)) < 10, out
 
 
+TRAINER_PENDING_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, time
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    from elasticd import inprocess
+    from trainer.optim import global_grad_norm
+    from trainer.parallel import expert, tensor
+    from trainer.parallel.context import GroupSlot
+
+    rank, port, control_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    cases = sys.argv[4].split(",")
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    groups = {name: dist.new_group([0, 1]) for name in cases}  # one per case: both ranks
+    if rank == 1:  # never joins a collective, and keeps its connections open
+        time.sleep(90)
+        os._exit(0)
+
+    def run(name, slot):
+        if name == "tp-forward":  # a row-parallel layer's all-reduce
+            tensor.reduce_from(torch.ones(4), slot)
+        elif name == "tp-backward":  # a column-parallel layer's gradient all-reduce
+            x = torch.ones(4, requires_grad=True)
+            tensor.copy_to(x, slot).sum().backward()
+        elif name == "sp-gather":  # sequence parallelism's all-gather
+            tensor.gather_seq(torch.ones(2, 3, 4), slot)
+        elif name == "cross-entropy":  # the vocabulary-parallel loss's max
+            tensor.vocab_parallel_cross_entropy(torch.zeros(2, 3, 4), torch.zeros(2, 3, dtype=torch.long),
+                                                start=0, vocab=8, slot=slot)
+        elif name == "moe-all-to-all":  # expert parallelism's dispatch
+            expert._AllToAll.apply(torch.ones(4, 2), [2, 2], [2, 2], slot.group)
+        elif name == "grad-norm":
+            p = torch.ones(4)
+            p.grad = torch.ones(4)
+            global_grad_norm([p], groups=[slot], replicas=[1])
+        else:
+            raise SystemExit(f"unknown case {name}")
+
+    inprocess._current = control = inprocess._Control(control_path, 0, {"ELASTICD_ROUND": "3"})
+    for i, name in enumerate(cases):
+        control.begin(3 + i)
+        print("pending", name, flush=True)
+        start = time.monotonic()
+        try:
+            run(name, GroupSlot(group=groups[name], size=2, rank=0))
+            print("completed", name, flush=True)
+        except inprocess.RoundAborted:
+            print(f"abandoned {name} after {time.monotonic() - start:.1f} s", flush=True)
+    os._exit(0)
+    """
+)
+
+TRAINER_COLLECTIVES = ["tp-forward", "tp-backward", "sp-gather", "cross-entropy",
+                       "moe-all-to-all", "grad-norm"]  # fmt: skip
+
+
+def test_the_trainers_collectives_are_abandoned_when_their_round_ends(tmp_path):
+    """`bench/recovery.py --cases inproc-move` caught a survivor in a tensor-parallel
+    all-reduce of its backward, with a peer that also survived, 10 s after the round
+    ended, in 2 of 24 runs (gloo left it waiting once the round's connections shut), and the
+    stuck-worker exit then restarted it from the checkpoint. Every collective of the
+    trainer's step now waits through wait_collective: here the peer never joins, and each
+    is abandoned about 1 s after its round ends instead of lasting the 60 s group
+    timeout."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    (tmp_path / "pending.py").write_text(TRAINER_PENDING_SCRIPT)
+    control = str(tmp_path / "control.json")
+    script = str(tmp_path / "pending.py")
+    cases = ",".join(TRAINER_COLLECTIVES)
+    procs = [
+        subprocess.Popen([sys.executable, script, str(rank), port, control, cases],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank in (0, 1)
+    ]  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(procs[0].stdout), daemon=True)
+    reader.start()
+
+    def wait_for(prefix: str, limit: float) -> str:
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            hit = next((ln for ln in list(lines) if ln.startswith(prefix)), None)
+            if hit:
+                return hit
+            if procs[0].poll() is not None and not reader.is_alive():
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"no {prefix!r} within {limit} s; stdout {lines}; "
+                             f"stderr {procs[0].stderr.read()[-2000:] if procs[0].poll() is not None else ''}")  # fmt: skip
+
+    try:
+        for i, name in enumerate(TRAINER_COLLECTIVES):
+            wait_for(f"pending {name}\n", 60)
+            time.sleep(0.3)  # it waits for the peer
+            assert not any(ln.startswith(f"completed {name}") for ln in lines), lines
+            write_control(control, round_=3 + i, state="abort")
+            hit = wait_for(f"abandoned {name} after", 15)  # well inside the 60 s timeout
+            seconds = float(re.search(r"after ([0-9.]+) s", hit).group(1))
+            assert seconds < 10, hit
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 STUCK_SCRIPT = textwrap.dedent(
     """
     import os, sys, threading, time

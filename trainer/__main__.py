@@ -182,6 +182,7 @@ def _train_round(ctx, *, job, layout, device) -> int:
     import torch.distributed as dist
 
     from elasticd.inprocess import stepped
+    from trainer.parallel import comm
     from trainer.parallel.context import ParallelContext, slot_of
     from trainer.parallel.groups import ProcessGroups
     from trainer.parallel.pipeline import PipelineGroups
@@ -274,7 +275,7 @@ def _train_round(ctx, *, job, layout, device) -> int:
             if rank == 0:
                 store.set(DONE_KEY, "preempted" if trainer.preempted else "1")
             preempted = trainer.preempted
-        dist.barrier()
+        comm.barrier()
     finally:
         if trainer is not None:
             trainer.close()

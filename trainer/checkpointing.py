@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from checkpoint import Fence, SaveOptions, Saver, ShardInfo, committed_steps, load_latest
 from trainer.errors import TrainerConfigError
+from trainer.parallel import comm
 
 log = logging.getLogger("trainer.checkpointing")
 
@@ -268,7 +269,7 @@ class Checkpointing:
         if not dist.is_initialized():
             return bool(mine)
         seen = torch.tensor([mine, -mine], dtype=torch.int64)
-        dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self.group)
+        comm.all_reduce(seen, self.group, op=dist.ReduceOp.MAX)
         anyone, everyone = int(seen[0]), -int(seen[1])
         if anyone != everyone:
             raise TrainerConfigError(

@@ -27,10 +27,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from checkpoint.shards import ShardInfo
+from trainer.parallel import comm
 from trainer.parallel.context import GroupSlot
 from trainer.parallel.data import GradSync
 
@@ -151,7 +151,7 @@ def global_grad_norm(
         total += torch.stack(norms).double().square().sum() / replicas
     for slot in groups:
         if slot.active:
-            dist.all_reduce(total, group=slot.group)
+            comm.all_reduce(total, slot.group)
     return math.sqrt(float(total))
 
 

@@ -38,6 +38,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainer.parallel import comm
+
 log = logging.getLogger("trainer.recovery")
 
 
@@ -71,7 +73,7 @@ def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any, job: Any) -> str
     group = transfer_group()
     newest_t = torch.tensor([-1 if have_step is None else have_step], dtype=torch.int64)
     if dist.is_initialized():
-        dist.all_reduce(newest_t, op=dist.ReduceOp.MAX, group=group)
+        comm.all_reduce(newest_t, group, op=dist.ReduceOp.MAX)
     newest = int(newest_t)
     source = "none"
     result = None
@@ -162,7 +164,7 @@ def _checkpoint_is_newer(job: Any, step: int, group: Any) -> bool:
     on_disk = latest_checkpoint_step(job.ckpt_dir)
     newer = torch.tensor([1 if on_disk is not None and on_disk > step else 0], dtype=torch.int32)
     if dist.is_initialized():
-        dist.all_reduce(newer, op=dist.ReduceOp.MIN, group=group)
+        comm.all_reduce(newer, group, op=dist.ReduceOp.MIN)
     return bool(newer.item())
 
 

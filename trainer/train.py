@@ -49,6 +49,7 @@ from trainer.data import BatchPlan, micro_batches, open_source
 from trainer.errors import TrainerConfigError
 from trainer.model import build_chunks
 from trainer.optim import MainParams, build_optimizer, grad_replicas, lr_at, set_lr
+from trainer.parallel import comm
 from trainer.parallel.context import GroupSlot, ParallelContext
 from trainer.parallel.data import GradSync
 from trainer.parallel.pipeline import PipelineGroups, sync_tied_grads
@@ -307,7 +308,7 @@ class Trainer:
         # every region is held at, and rebuilds the model from the main parameters).
         loss = self.local_loss()
         if self.ctx.dp_cp.active:
-            dist.all_reduce(loss, group=self.ctx.dp_cp.group)
+            comm.all_reduce(loss, self.ctx.dp_cp.group)
             loss /= self.ctx.dp_cp.size
         if self.pipeline is not None:
             loss = self.pipeline.share_loss(loss)
@@ -330,7 +331,7 @@ class Trainer:
         mem = torch.tensor([peak_memory_gib(self.device)], device=self.device)
         for slot in self.model_groups:
             if slot.active:
-                dist.all_reduce(mem, op=dist.ReduceOp.MAX, group=slot.group)
+                comm.all_reduce(mem, slot.group, op=dist.ReduceOp.MAX)
         return float(mem)
 
     def train_step(self) -> StepResult:

@@ -47,11 +47,8 @@ import torch.distributed as dist
 from torch import nn
 
 from elasticd.inprocess import wait_collective
+from trainer.parallel import comm
 from trainer.parallel.context import GroupSlot
-
-# torch 2.13 renamed the flat collectives (the old names warn); older torch has only those.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def dim0_rows(rows: int, parts: int, index: int) -> tuple[int, int]:
@@ -275,7 +272,9 @@ class GradSync:
             return
         group = bucket.slot.group
         if self.shard:
-            bucket.handle = _reduce_scatter(bucket.recv, bucket.buffer, group=group, async_op=True)
+            bucket.handle = comm.reduce_scatter_base(
+                bucket.recv, bucket.buffer, group=group, async_op=True
+            )
         else:
             bucket.handle = dist.all_reduce(bucket.buffer, group=group, async_op=True)
 
@@ -294,7 +293,7 @@ class GradSync:
                 bucket.handle = None
             elif not self.overlap and bucket.slot.active and not self.shard:
                 for p in bucket.params:
-                    dist.all_reduce(bucket.views[id(p)], group=bucket.slot.group)
+                    comm.all_reduce(bucket.views[id(p)], bucket.slot.group)
             if self.divisor != 1:
                 (bucket.recv if self.shard else bucket.buffer).div_(self.divisor)
             for p in bucket.params:
@@ -318,7 +317,7 @@ class GradSync:
                 work.append((bucket, send, None))
                 continue
             out = torch.empty(size * bucket.part, dtype=p0.dtype, device=p0.device)
-            handle = _all_gather(out, send, group=bucket.slot.group, async_op=True)
+            handle = comm.all_gather_base(out, send, group=bucket.slot.group, async_op=True)
             work.append((bucket, out, handle))
         with torch.no_grad():
             for bucket, out, handle in work:

@@ -52,6 +52,7 @@ from torch import nn
 from torch.autograd import Function
 
 from trainer.init import sharded_param
+from trainer.parallel import comm
 from trainer.parallel.context import GroupSlot, ParallelContext
 from trainer.parallel.tensor import (
     ColumnParallelLinear,
@@ -70,14 +71,14 @@ class _AllToAll(Function):
     def forward(ctx, x, out_splits: list[int], in_splits: list[int], group):
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        comm.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
         back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        comm.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, ctx.group)
         return back, None, None, None
 
 
@@ -123,7 +124,7 @@ def _gather_rows(x: torch.Tensor, group, n: int, size: int) -> torch.Tensor:
     padded = x.new_zeros((size, *x.shape[1:]))
     padded[: x.shape[0]] = x
     out = x.new_empty((size * world, *x.shape[1:]))
-    dist.all_gather_into_tensor(out, padded.contiguous(), group=group)
+    comm.all_gather_single(out, padded.contiguous(), group)
     return out[:n]
 
 
@@ -274,7 +275,7 @@ class MoE(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts)
         if ep.active:
             recv_counts = torch.empty_like(counts)
-            dist.all_to_all_single(recv_counts, counts, group=ep.group)
+            comm.all_to_all_single(recv_counts, counts, None, None, ep.group)
             send = counts.view(ep.size, self.local).sum(1).tolist()
             recv = recv_counts.view(ep.size, self.local).sum(1).tolist()
             rows = _AllToAll.apply(rows, recv, send, ep.group)
@@ -335,7 +336,7 @@ class MoE(nn.Module):
         # This rank routed its part of the sequence only: sum the counts and probabilities
         # over tp (every part has the same number of tokens).
         tp = self.ctx.tp
-        dist.all_reduce(share, group=tp.group)
+        comm.all_reduce(share, tp.group)
         share = share / (top_idx.numel() * tp.size)
         mean = reduce_from(probs.sum(0), tp) / (probs.shape[0] * tp.size)
         return self.num_experts * (share * mean).sum()

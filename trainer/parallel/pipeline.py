@@ -39,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from trainer.errors import TrainerError
+from trainer.parallel import comm
 from trainer.parallel.context import GroupSlot, slot_of
 from trainer.parallel.schedule import (
     Action,
@@ -268,7 +269,7 @@ def sync_tied_grads(grads: Sequence[torch.Tensor], *, group: dist.ProcessGroup |
     if group is None or dist.get_world_size(group) == 1:
         return
     for g in grads:
-        dist.all_reduce(g, group=group)
+        comm.all_reduce(g, group)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -349,5 +350,5 @@ class PipelineGroups:
         """Only the last stage computes the loss; sum it over the pipeline (the other
         stages contribute zero) so that every rank, rank 0 included, reports it."""
         if self.group is not None:
-            dist.all_reduce(loss, group=self.group)
+            comm.all_reduce(loss, self.group)
         return loss

@@ -41,6 +41,7 @@ from torch.autograd import Function
 
 from checkpoint.shards import ShardInfo
 from trainer.init import annotate, normal_region, sharded_param
+from trainer.parallel import comm
 from trainer.parallel.context import GroupSlot
 
 
@@ -53,7 +54,7 @@ class _CopyTo(Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
+        comm.all_reduce(grad, ctx.group)
         return grad, None
 
 
@@ -61,7 +62,7 @@ class _ReduceFrom(Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
         out = x.contiguous().clone()
-        dist.all_reduce(out, group=group)
+        comm.all_reduce(out, group)
         return out
 
     @staticmethod
@@ -73,7 +74,7 @@ def _gather_seq(x: torch.Tensor, group: dist.ProcessGroup, world: int) -> torch.
     """``(b, n, ...)`` on every rank -> ``(b, world·n, ...)``, rank r's part at ``[r·n, (r+1)·n)``."""
     b, n = x.shape[:2]
     out = x.new_empty((world * b, n, *x.shape[2:]))
-    dist.all_gather_single(out, x.contiguous(), group=group)
+    comm.all_gather_single(out, x.contiguous(), group)
     return out.view(world, b, n, *x.shape[2:]).movedim(0, 1).reshape(b, world * n, *x.shape[2:])
 
 
@@ -83,7 +84,7 @@ def _scatter_seq(x: torch.Tensor, group: dist.ProcessGroup, world: int) -> torch
     n = s // world
     parts = x.reshape(b, world, n, *x.shape[2:]).movedim(1, 0).reshape(world * b, n, *x.shape[2:])
     out = x.new_empty((b, n, *x.shape[2:]))
-    dist.reduce_scatter_single(out, parts.contiguous(), group=group)
+    comm.reduce_scatter_single(out, parts.contiguous(), group)
     return out
 
 
@@ -171,7 +172,7 @@ def sync_sequence_parallel_grads(grads: list[torch.Tensor], slot: GroupSlot) -> 
     if not slot.active or not grads:
         return
     flat = torch._utils._flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=slot.group)
+    comm.all_reduce(flat, slot.group)
     for g, summed in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
         g.copy_(summed)
 
@@ -344,7 +345,7 @@ class _VocabParallelCrossEntropy(Function):
         # The max only shifts for stability; it is a constant, so no gradient flows through it.
         lmax = work.amax(dim=-1)
         if group is not None:
-            dist.all_reduce(lmax, op=dist.ReduceOp.MAX, group=group)
+            comm.all_reduce(lmax, group, op=dist.ReduceOp.MAX)
         work.sub_(lmax.unsqueeze(-1))
         mine = (target >= start) & (target < start + n)
         local_t = (target - start).clamp(0, n - 1)
@@ -353,7 +354,7 @@ class _VocabParallelCrossEntropy(Function):
         sumexp = work.exp_().sum(dim=-1)
         if group is not None:
             both = torch.stack([picked, sumexp])
-            dist.all_reduce(both, group=group)
+            comm.all_reduce(both, group)
             picked, sumexp = both[0], both[1]
         ctx.save_for_backward(work.div_(sumexp.unsqueeze(-1)), mine, local_t)
         ctx.consumed = False
