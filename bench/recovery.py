@@ -37,6 +37,9 @@ under torchrun of the smaller world). One run measures, side by side:
   round, as for a node; the standby's own start was long before.
 - ``replace-cold``: the same with ``restart.standby: 0``: the replacement is started
   after the kill (a warm worker whose imports overlap the rendezvous).
+- ``inproc-pp``: in-process, 4 nodes × 1 worker, pp2 × dp2 → pp2 × dp1 + 1 spare, the node
+  of rank 0 (stage 0) killed: the surviving stage-0 and stage-1 ranks send activations and
+  gradients to each other point to point, which no timed wait can abandon.
 
 For elasticd the parts come from the recovery record in the job's status history (what
 the agent of rank 0 recorded: abort, rendezvous, pg_init, state_transfer, first_step in
@@ -47,7 +50,7 @@ record's source and lost steps are shown, and rank 0's "recovered in-process" li
 received and local, seconds of ``recover_from_peers``) when it printed one.
 
     OMP_NUM_THREADS=1 python bench/recovery.py [--cases inproc-dp,...] [--repeats 1]
-        [--steps 40] [--kill-step 12] [--limit 150] [--json out.json]
+        [--steps 40] [--kill-step 12] [--limit 150] [--json out.json] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -72,7 +75,7 @@ from elasticd.localcluster import descendants
 
 JOB = "bench"
 CASES = ("inproc-dp", "inproc-move", "inproc-ckpt", "inproc-replica", "process", "torchrun",
-         "newcomer", "replace-standby", "replace-cold")  # fmt: skip
+         "newcomer", "replace-standby", "replace-cold", "inproc-pp")  # fmt: skip
 KILL_CASES = CASES[:6]
 WORKER_CASES = {"replace-standby", "replace-cold"}
 """Cases that kill one worker process, not its node."""
@@ -90,6 +93,7 @@ SETUPS: dict[str, tuple[int, int, dict, str, int]] = {
     "newcomer": (2, 1, {}, "inprocess", -1),
     "replace-standby": (2, 1, {}, "inprocess", 1),
     "replace-cold": (2, 1, {}, "inprocess", 1),
+    "inproc-pp": (4, 1, {"pp": 2}, "inprocess", 0),
 }
 PARTS = ("detect", "abort", "stop", "rendezvous", "spawn", "pg_init", "state_transfer",
          "ckpt_load", "first_step", "rest")  # fmt: skip

@@ -94,11 +94,16 @@ port) ends a recovery that would have worked, and a process restart there loses 
 step since the last checkpoint."""
 ABORT_WATCHDOG = 10.0
 """Seconds an NCCL abort may take before the process gives up and exits."""
-WAIT_SLICE = 0.25
-"""Seconds one look of :func:`wait_collective` lasts before it asks whether its round ended."""
-ABANDON_AFTER = 1.0
+WAIT_SLICE = 0.1
+"""Seconds one look of :func:`wait_collective` lasts before it asks whether its round ended
+(a timed-out look costs one exception; a collective done sooner returns at once)."""
+ABANDON_AFTER = 0.3
 """Seconds after its round ended that :func:`wait_collective` gives up a collective still
-pending (the socket abort fails a healthy one within milliseconds)."""
+pending. The socket abort fails a collective within milliseconds when gloo fails it at
+all, so this only lets its own error (which names the cause) come first; a pending
+collective is abandoned 0.3-0.4 s after the end. It was 1 s: in `bench/recovery.py --cases
+inproc-move`, about one run in 20 abandons one, and those took 1.5-1.8 s instead of
+0.6-0.8 s."""
 STUCK_EXIT = 10.0
 """Seconds a worker may stay in an ended round without using the CPU (every thread but
 the control watcher) before it prints its stacks and exits (:data:`EXIT_RECOVERY_FAILED`;

@@ -820,7 +820,7 @@ def test_the_trainers_collectives_are_abandoned_when_their_round_ends(tmp_path):
     ended, in 2 of 24 runs (gloo left it waiting once the round's connections shut), and the
     stuck-worker exit then restarted it from the checkpoint. Every collective of the
     trainer's step now waits through wait_collective: here the peer never joins, and each
-    is abandoned about 1 s after its round ends instead of lasting the 60 s group
+    is abandoned about 0.3 s after its round ends instead of lasting the 60 s group
     timeout."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -8,7 +8,7 @@ within milliseconds, but not always: `bench/recovery.py --cases inproc-move` (tp
 node of rank 0 killed) caught a survivor in the tensor-parallel all-reduce of a backward
 with its tp peer in 2 of 24 runs, and only the stuck-worker exit (10 s, then a process
 restart from the checkpoint) ended it. Waited for in slices, such a collective is
-abandoned 1 s after its round ended (``RoundAborted``) and the worker recovers in-process
+abandoned 0.3 s after its round ended (``RoundAborted``) and the worker recovers in-process
 like its peers. Outside an in-process round, and on NCCL, the wait is ``work.wait()``, the
 same as the synchronous call.
 
