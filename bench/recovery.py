@@ -114,8 +114,8 @@ def job_dict(out: str, steps: int, *, nodes: int, nproc: int, parallel: dict, mo
         "restart": {"mode": mode},
         "rendezvous": {"ttl": ttl, "settle": 1.0},
     }
-    if parallel.get("tp", 1) > 1:
-        raw["nodes"]["min"] = 2 // nproc
+    if (model_parallel := parallel.get("tp", 1) * parallel.get("pp", 1)) > 1:
+        raw["nodes"]["min"] = max(1, model_parallel // nproc)
     if mode == "inprocess":
         raw["restart"]["scale_up"] = "immediate"  # the newcomer joins at once
         raw["restart"]["standby"] = standby
