@@ -207,7 +207,8 @@ class Context:
         newest = torch.tensor([-1 if step is None else int(step)], dtype=torch.int64)
         group = transfer_group()
         if dist.is_initialized():
-            dist.all_reduce(newest, op=dist.ReduceOp.MAX, group=group)
+            work = dist.all_reduce(newest, op=dist.ReduceOp.MAX, group=group, async_op=True)
+            wait_collective(work, group)
         if int(newest) < 0:
             return None
         result = recover_from_peers(
