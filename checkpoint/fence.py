@@ -16,9 +16,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import secrets
 from dataclasses import dataclass
 
+from checkpoint import smallfile
 from checkpoint.errors import FencedError, FormatError
 
 FENCE_FILE = "fence.json"
@@ -50,12 +50,12 @@ class Fence:
 
     @classmethod
     def from_json(cls, data: bytes, *, where: str = FENCE_FILE) -> Fence:
+        obj = smallfile.parse_json(data, where=where, what="a fence", error=FormatError)
         try:
-            obj = json.loads(data)
             if not isinstance(obj, dict) or not {"run_id", "round"} <= set(obj):
                 raise ValueError('expected an object with "run_id" and "round"')
             return cls(run_id=obj["run_id"], round=obj["round"])
-        except (ValueError, TypeError, UnicodeDecodeError) as exc:
+        except (ValueError, TypeError) as exc:
             raise FormatError(f"{where}: not a fence: {exc}") from exc
 
 
@@ -66,13 +66,12 @@ def fence_path(ckpt_dir: str) -> str:
 def read_fence(ckpt_dir: str) -> Fence | None:
     """The fence in ``ckpt_dir``, or None when there is no fence file.
 
-    A file that exists but does not parse raises :class:`FormatError`: a fence that cannot
-    be read is never taken for no fence."""
+    A file that exists but does not parse, or is not a small regular file (a symlink, a
+    FIFO, a device: opened without following or blocking), raises :class:`FormatError`: a
+    fence that cannot be read is never taken for no fence."""
     path = fence_path(ckpt_dir)
-    try:
-        with open(path, "rb") as fh:
-            data = fh.read()
-    except FileNotFoundError:
+    data = smallfile.read_small(path, error=FormatError)
+    if data is None:
         return None
     return Fence.from_json(data, where=path)
 
@@ -90,28 +89,10 @@ def write_fence(ckpt_dir: str, fence: Fence) -> bool:
         if current is not None and current.run_id == fence.run_id and current.round > fence.round:
             return False
     os.makedirs(ckpt_dir, exist_ok=True)
-    # Unique per writer: several agents write it at once on shared storage. The name starts
-    # with "fence.json." so the store's clean-up of unfinished saves leaves it alone.
-    tmp = f"{fence_path(ckpt_dir)}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        data = fence.to_json()
-        while data:
-            data = data[os.write(fd, data) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    try:
-        os.replace(tmp, fence_path(ckpt_dir))
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    dfd = os.open(ckpt_dir, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    # Unique per writer (several agents write it at once on shared storage), created with
+    # O_EXCL | O_NOFOLLOW. The name starts with "fence.json." so the store's clean-up of
+    # unfinished saves leaves it alone.
+    smallfile.write_atomic(fence_path(ckpt_dir), fence.to_json())
     return True
 
 

@@ -169,6 +169,12 @@ class Checkpoint:
             raise NoCheckpointError(
                 f"{path}: not a committed checkpoint directory (step-NNNNNNNNN)"
             )
+        if os.path.islink(path):
+            # Another job's step (or anything) linked in under a step's name: never followed.
+            raise CorruptCheckpointError(
+                f"{path}: a symlink, not a step directory: refused (only a real directory "
+                "inside the checkpoint directory is a checkpoint)"
+            )
         if not os.path.isdir(path):
             raise NoCheckpointError(f"{path}: no such checkpoint")
         where = os.path.join(path, MANIFEST)

@@ -24,9 +24,11 @@ import fcntl
 import json
 import os
 import socket
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from checkpoint import smallfile
 from checkpoint.errors import OwnershipError
 
 OWNER_FILE = "owner.json"
@@ -93,10 +95,12 @@ def held_by(ckpt_dir: str) -> dict | None:
     the file system has no flock). Takes and drops the lock to find out."""
     path = os.path.join(ckpt_dir, LOCK_FILE)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None  # not a lock file anybody holds
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         return _holder(fd)
@@ -108,25 +112,26 @@ def held_by(ckpt_dir: str) -> dict | None:
 
 
 def read_owner(ckpt_dir: str) -> dict | None:
-    """The parsed ``owner.json``, or None when there is none. An unreadable one refuses."""
+    """The parsed ``owner.json``, or None when there is none. An unreadable one refuses:
+    anything but a small regular file (a symlink, a FIFO, a device: opened without
+    following or blocking), or one that is not an owner record."""
     path = os.path.join(ckpt_dir, OWNER_FILE)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(1 << 16)
-    except FileNotFoundError:
+    raw = smallfile.read_small(path, error=OwnershipError)
+    if raw is None:
         return None
-    try:
-        obj = json.loads(raw)
-        if not isinstance(obj, dict) or not isinstance(obj.get("job"), str):
-            raise ValueError("no job name")
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise OwnershipError(f"{path}: not an owner record ({exc})") from exc
+    obj = smallfile.parse_json(raw, where=path, what="an owner record", error=OwnershipError)
+    if not isinstance(obj, dict) or not isinstance(obj.get("job"), str):
+        raise OwnershipError(f"{path}: not an owner record (no job name)")
     return obj
 
 
 def _lock(ckpt_dir: str, *, job: str, run_id: str, warn: Callable[[str], None]) -> int | None:
     path = os.path.join(ckpt_dir, LOCK_FILE)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    fd = os.open(path, flags, 0o644)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OwnershipError(f"{path}: not a regular file, so it cannot be the lock")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -162,10 +167,4 @@ def _holder(fd: int) -> dict:
 
 
 def _write_atomic(path: str, obj: dict) -> None:
-    tmp = f"{path}.{os.getpid()}.writing"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    smallfile.write_atomic(path, json.dumps(obj).encode() + b"\n")

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import crc32c
 import torch
 
+from checkpoint import smallfile
 from checkpoint.errors import CorruptCheckpointError
 from checkpoint.manifest import st_code
 
@@ -101,7 +102,8 @@ def write_file(
 
     pending = {}
     ahead = None
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    # The save's own new directory; O_NOFOLLOW all the same: never write through a link.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
     try:
         write_all(fd, header)
         if slots and callable(data):
@@ -338,18 +340,9 @@ def fsync_dir(path: str) -> None:
 
 
 def write_atomic(path: str, data: bytes, *, before_rename=None) -> None:
-    """Replace ``path`` with ``data`` atomically: write a tmp file, fsync, rename, fsync dir."""
-    tmp = f"{path}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        write_all(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    if before_rename is not None:
-        before_rename()
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    """Replace ``path`` with ``data`` atomically (:func:`checkpoint.smallfile.write_atomic`:
+    a new temporary file under an unpredictable name, never through a planted symlink)."""
+    smallfile.write_atomic(path, data, before_rename=before_rename)
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:

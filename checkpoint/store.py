@@ -15,11 +15,13 @@ import os
 import re
 import secrets
 import shutil
+import stat
 from collections.abc import Callable
 
+from checkpoint import smallfile
 from checkpoint.errors import CheckpointError
 from checkpoint.manifest import LATEST, MANIFEST, parse_step_dirname, step_dirname
-from checkpoint.stfile import fsync_dir, read_regular, write_atomic
+from checkpoint.stfile import fsync_dir, read_regular, write_all, write_atomic
 
 
 def step_path(ckpt_dir: str, step: int) -> str:
@@ -27,7 +29,8 @@ def step_path(ckpt_dir: str, step: int) -> str:
 
 
 def committed_steps(ckpt_dir: str) -> list[int]:
-    """Steps with a committed directory, ascending."""
+    """Steps with a committed directory, ascending. A ``step-N`` that is a symlink (say, to
+    another job's step) is not one: it is skipped like any other stranger."""
     try:
         names = os.listdir(ckpt_dir)
     except FileNotFoundError:
@@ -35,17 +38,28 @@ def committed_steps(ckpt_dir: str) -> list[int]:
     steps = []
     for name in names:
         step = parse_step_dirname(name)
-        if step is not None and os.path.isfile(os.path.join(ckpt_dir, name, MANIFEST)):
+        path = os.path.join(ckpt_dir, name)
+        if step is not None and _real_dir(path) and os.path.isfile(os.path.join(path, MANIFEST)):
             steps.append(step)
     return sorted(steps)
 
 
-def read_latest(ckpt_dir: str) -> int | None:
-    """The step the `latest` pointer names, or None when there is no (readable) pointer."""
+def _real_dir(path: str) -> bool:
+    """Whether ``path`` itself (not what a symlink there points to) is a directory."""
     try:
-        with open(os.path.join(ckpt_dir, LATEST), encoding="utf-8") as f:
-            return parse_step_dirname(f.read().strip())
-    except (FileNotFoundError, UnicodeDecodeError):
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def read_latest(ckpt_dir: str) -> int | None:
+    """The step the `latest` pointer names, or None when there is no (readable) pointer:
+    it is only a hint, so anything but a small regular file naming a step (a symlink, a
+    FIFO, a device: opened without following or blocking) is ignored."""
+    try:
+        raw = smallfile.read_small(os.path.join(ckpt_dir, LATEST))
+        return parse_step_dirname(raw.decode("utf-8").strip()) if raw is not None else None
+    except (CheckpointError, UnicodeDecodeError):
         return None
 
 
@@ -104,7 +118,7 @@ def commit_step(
     check(f"checkpoint step {step} was not committed")
     hook("before-rename")
     aside = None
-    if os.path.exists(final):  # a step saved again after resuming from an older one
+    if os.path.lexists(final):  # a step saved again after resuming from an older one
         aside = f"{final}.{token}.replaced.tmp"
         os.replace(final, aside)
         hook("replaced-moved-aside")
@@ -216,10 +230,17 @@ def read_unloadable(ckpt_dir: str) -> dict[int, int]:
     """Steps a load fell back from: step -> the commit number that failed."""
     path = os.path.join(ckpt_dir, UNLOADABLE)
     try:
-        raw = json.loads(read_regular(path, max_bytes=1 << 20))
+        raw = _read_json(path)
         return {int(k): int(v["commit"]) for k, v in raw.items()}
-    except (CheckpointError, ValueError, TypeError, KeyError, AttributeError, RecursionError):
+    except (CheckpointError, ValueError, TypeError, KeyError, AttributeError):
         return {}
+
+
+def _read_json(path: str) -> object:
+    """A small JSON file of the store (:mod:`checkpoint.smallfile`); None when missing;
+    :class:`CheckpointError` for anything unreadable."""
+    raw = smallfile.read_small(path)
+    return None if raw is None else smallfile.parse_json(raw, where=path)
 
 
 def mark_unloadable(ckpt_dir: str, step: int, error: str, *, commit: int | None = None) -> None:
@@ -233,10 +254,10 @@ def mark_unloadable(ckpt_dir: str, step: int, error: str, *, commit: int | None 
         numbers[step] = commit
     path = os.path.join(ckpt_dir, UNLOADABLE)
     try:
-        raw = json.loads(read_regular(path, max_bytes=1 << 20))
+        raw = _read_json(path)
         if not isinstance(raw, dict):
             raw = {}
-    except (CheckpointError, ValueError, RecursionError):
+    except CheckpointError:
         raw = {}
     raw = {k: v for k, v in raw.items() if k.isdigit() and int(k) in numbers}
     raw[str(step)] = {"commit": numbers[step], "error": error[:500]}
@@ -246,10 +267,10 @@ def mark_unloadable(ckpt_dir: str, step: int, error: str, *, commit: int | None 
 def clear_unloadable(ckpt_dir: str, step: int) -> None:
     """Forget a failure of ``step`` once it has loaded after all (a passing glitch)."""
     path = os.path.join(ckpt_dir, UNLOADABLE)
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return
-    with contextlib.suppress(CheckpointError, ValueError, RecursionError, OSError):
-        raw = json.loads(read_regular(path, max_bytes=1 << 20))
+    with contextlib.suppress(CheckpointError, OSError):
+        raw = _read_json(path)
         if isinstance(raw, dict) and str(step) in raw:
             del raw[str(step)]
             write_atomic(path, json.dumps(raw, sort_keys=True).encode())
@@ -291,10 +312,13 @@ def write_probe(ckpt_dir: str) -> str:
     returns its name."""
     name = PROBE_PREFIX + secrets.token_hex(8)
     path = os.path.join(ckpt_dir, name)
-    with open(path, "wb") as f:
-        f.write(b"elasticd storage probe\n")
-        f.flush()
-        os.fsync(f.fileno())
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(path, flags, 0o644)
+    try:
+        write_all(fd, b"elasticd storage probe\n")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
     fsync_dir(ckpt_dir)
     return name
 
@@ -319,7 +343,11 @@ def recover_replaced(ckpt_dir: str) -> list[int]:
         step = int(m.group(1))
         final = step_path(ckpt_dir, step)
         aside = os.path.join(ckpt_dir, name)
-        if os.path.lexists(final) or not os.path.isfile(os.path.join(aside, MANIFEST)):
+        # Only a real directory the store moved aside: a symlink planted under that name
+        # (to another job's step) is never renamed into place.
+        if os.path.lexists(final) or not _real_dir(aside):
+            continue
+        if not os.path.isfile(os.path.join(aside, MANIFEST)):
             continue
         os.replace(aside, final)
         back.append(step)
@@ -329,14 +357,17 @@ def recover_replaced(ckpt_dir: str) -> list[int]:
 
 
 _REPLACED_RE = re.compile(r"^step-(\d{9})\.[0-9a-f]+\.replaced\.tmp$")
-_LEFTOVER_RE = re.compile(r"^(step-\d{9}\..+\.tmp|latest\.tmp)$")
+_LEFTOVER_RE = re.compile(
+    r"^(step-\d{9}\..+\.tmp|latest(\.[0-9a-f]{16})?\.tmp|unloadable\.json\.[0-9a-f]{16}\.tmp)$"
+)
 
 
 def leftovers(ckpt_dir: str) -> list[str]:
     """Paths of the store's own unfinished work: ``step-N.<...>.tmp`` (a save in progress
-    or one that died, a step being deleted) and ``latest.tmp``. Nothing else: not the
-    fence's tmp files (the agents write those), not a file of the user's that happens to
-    end in ``.tmp``."""
+    or one that died, a step being deleted) and the temporaries of `latest` and
+    ``unloadable.json`` (``latest.<16 hex>.tmp``; ``latest.tmp`` of older writers).
+    Nothing else: not the fence's tmp files (the agents write those), not a file of the
+    user's that happens to end in ``.tmp``."""
     try:
         names = os.listdir(ckpt_dir)
     except FileNotFoundError:
@@ -352,7 +383,7 @@ def remove_leftovers(ckpt_dir: str, *, spare: str = "") -> list[str]:
     recover_replaced(ckpt_dir)
     removed = [p for p in leftovers(ckpt_dir) if not spare or os.path.basename(p) != spare]
     for path in removed:
-        if os.path.isdir(path):
+        if _real_dir(path):
             shutil.rmtree(path, ignore_errors=True)
         else:
             _unlink(path)

@@ -13,6 +13,8 @@ import contextlib
 import itertools
 import json
 import os
+import secrets
+import stat
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -76,10 +78,68 @@ class Round:
 
 def write_json(path: str, obj: Any) -> None:
     """Write ``obj`` as JSON atomically (a reader never sees half a file)."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(obj, fh, separators=(",", ":"))
-    os.replace(tmp, path)
+    _replace_file(path, json.dumps(obj, separators=(",", ":")).encode())
+
+
+MAX_SMALL_FILE_BYTES = 1 << 20
+"""The largest fence or control file read (the same cap as ``checkpoint.smallfile``)."""
+
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _replace_file(path: str, data: bytes, *, tag: str = "", fsync: bool = False) -> None:
+    """Replace ``path`` with ``data`` through a new temporary file next to it, created under
+    an unpredictable name with ``O_EXCL | O_NOFOLLOW`` (a symlink planted at a predictable
+    name is never written through); removed again if anything fails. ``tag`` goes into the
+    name; ``fsync`` syncs the file and then the directory. The same rules as
+    ``checkpoint.smallfile.write_atomic``, which the agent cannot import (torch)."""
+    while True:
+        tmp = f"{path}.{tag + '.' if tag else ''}{secrets.token_hex(8)}.writing"
+        try:
+            fd = os.open(tmp, _CREATE_FLAGS, 0o644)
+            break
+        except FileExistsError:
+            continue
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if fsync:
+        dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def _read_small_json(path: str) -> Any:
+    """The JSON in the small regular file ``path``; raises ValueError or OSError for
+    anything else: a symlink, a FIFO or a device (opened without following or blocking),
+    a file above :data:`MAX_SMALL_FILE_BYTES`, JSON that does not parse or nests too deep."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SMALL_FILE_BYTES:
+            raise ValueError(f"{path}: not a small regular file")
+        data = os.read(fd, MAX_SMALL_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_SMALL_FILE_BYTES:
+        raise ValueError(f"{path}: more than {MAX_SMALL_FILE_BYTES} bytes")
+    try:
+        return json.loads(data)
+    except RecursionError as exc:
+        raise ValueError(f"{path}: nested too deep") from exc
 
 
 def write_fence(ckpt_dir: str, *, run_id: str, round_: int, node_id: str = "") -> None:
@@ -97,24 +157,15 @@ def write_fence(ckpt_dir: str, *, run_id: str, round_: int, node_id: str = "") -
     os.makedirs(ckpt_dir, exist_ok=True)
     path = os.path.join(ckpt_dir, "fence.json")
     try:
-        with open(path, encoding="utf-8") as fh:
-            current = json.load(fh)
+        current = _read_small_json(path)
         if current.get("run_id") == run_id and int(current.get("round", 0)) >= round_:
             return
     except (OSError, ValueError, TypeError, AttributeError):
         pass  # absent or unreadable: write ours
-    # Unique per node and process (shared storage), and not *.tmp: savers sweep those.
-    tmp = f"{path}.{node_id or 'agent'}.{os.getpid()}.writing"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump({"run_id": run_id, "round": round_}, fh)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(ckpt_dir, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    # Unique per writer (shared storage: fence.json.<node>.<16 hex>.writing), never through
+    # a planted symlink, and not *.tmp: savers sweep those.
+    data = json.dumps({"run_id": run_id, "round": round_}).encode()
+    _replace_file(path, data, tag=node_id or "agent", fsync=True)
 
 
 def launch(
@@ -313,8 +364,7 @@ def warm_ready(group: WorkerGroup) -> bool:
 def control_round(path: str) -> int:
     """The round the control file names, or -1 (no file yet, or unreadable)."""
     try:
-        with open(path, encoding="utf-8") as fh:
-            return int(json.load(fh).get("round", -1))
+        return int(_read_small_json(path).get("round", -1))
     except (OSError, ValueError, AttributeError, TypeError):
         return -1
 
@@ -338,7 +388,4 @@ def write_control(
     os.makedirs(os.path.dirname(path), exist_ok=True)
     record = {"round": round_, "state": state, "t": time.time(), "env": dict(envs or {}),
               "pids": dict(pids or {})}  # fmt: skip
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(record, fh, separators=(",", ":"))
-    os.replace(tmp, path)
+    _replace_file(path, json.dumps(record, separators=(",", ":")).encode())

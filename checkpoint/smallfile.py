@@ -1,0 +1,130 @@
+"""Reading and replacing the small files of a checkpoint directory, safely.
+
+``owner.json``, ``fence.json``, ``latest`` and ``unloadable.json`` sit in a directory that
+other jobs, users or a hostile copy may have written to, so none is trusted to be what its
+name says (docs/checkpoint-format.md, "Hostile checkpoints"):
+
+- a reader opens with ``O_NOFOLLOW | O_NONBLOCK``, takes the type and size from ``fstat``
+  of the descriptor, refuses anything but a regular file of at most
+  :data:`MAX_SMALL_FILE_BYTES`, and reads at most one byte more than that: a FIFO does not
+  hang it, a symlink to ``/dev/zero`` does not exhaust memory, and a file that grows while
+  read is refused;
+- JSON that does not parse, is not UTF-8 or nests too deep (``RecursionError``) becomes the
+  caller's own error, one line naming the file;
+- a writer creates its temporary file under an unpredictable name with ``O_CREAT | O_EXCL
+  | O_NOFOLLOW`` (so a planted symlink is never written through), fsyncs it, renames it
+  over the target and fsyncs the directory; on failure the temporary is removed.
+
+Standard library only (and :mod:`checkpoint.errors`), like :mod:`checkpoint.owner` and
+:mod:`checkpoint.fence`, which use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import stat
+from collections.abc import Callable
+
+from checkpoint.errors import CheckpointError
+
+MAX_SMALL_FILE_BYTES = 1 << 20
+"""The largest control file read (owner, fence, `latest`, unloadable record)."""
+
+_READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
+def read_small(
+    path: str,
+    *,
+    error: type[CheckpointError] = CheckpointError,
+    max_bytes: int = MAX_SMALL_FILE_BYTES,
+) -> bytes | None:
+    """The bytes of the small regular file ``path``, or None when there is none.
+
+    Anything else there (a symlink, a FIFO, a device, a directory, a file above
+    ``max_bytes``, one that cannot be read) raises ``error``, one line naming the file."""
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if os.path.islink(path):
+            raise error(f"{path}: a symlink, not a regular file") from exc
+        raise error(f"{path}: cannot open: {exc.strerror}") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise error(f"{path}: not a regular file")
+        if st.st_size > max_bytes:
+            raise error(f"{path}: {st.st_size} bytes, more than {max_bytes}")
+        out = bytearray()
+        while len(out) <= max_bytes:
+            got = os.read(fd, max_bytes + 1 - len(out))
+            if not got:
+                break
+            out += got
+        if len(out) > max_bytes:
+            raise error(f"{path}: more than {max_bytes} bytes")
+        return bytes(out)
+    except OSError as exc:
+        raise error(f"{path}: cannot read: {exc.strerror}") from exc
+    finally:
+        os.close(fd)
+
+
+def parse_json(
+    data: bytes, *, where: str, what: str = "JSON", error: type[CheckpointError] = CheckpointError
+) -> object:
+    """``json.loads(data)``; a file that is not JSON (not UTF-8, malformed, nested too deep
+    for the parser) raises ``error``: ``<where>: not <what> (<why>)``."""
+    try:
+        return json.loads(data)
+    except RecursionError as exc:
+        raise error(f"{where}: not {what} (nested too deep)") from exc
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError both
+        raise error(f"{where}: not {what} ({exc})") from exc
+
+
+def create_temp(path: str) -> tuple[int, str]:
+    """A new, empty file next to ``path`` named ``<name>.<16 hex>.tmp``, opened for writing
+    with ``O_EXCL | O_NOFOLLOW``: returns ``(fd, tmp_path)``; the caller closes ``fd``."""
+    for _ in range(16):
+        tmp = f"{path}.{secrets.token_hex(8)}.tmp"
+        try:
+            return os.open(tmp, _CREATE_FLAGS, 0o644), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"{path}: cannot create a temporary file next to it")
+
+
+def write_atomic(
+    path: str, data: bytes, *, before_rename: Callable[[], None] | None = None
+) -> None:
+    """Replace ``path`` with ``data`` atomically: a new temporary file (:func:`create_temp`),
+    fsync, rename over ``path``, fsync the directory. ``before_rename()`` runs between the
+    fsync and the rename (tests aim a SIGKILL there)."""
+    fd, tmp = create_temp(path)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if before_rename is not None:
+            before_rename()
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    dfd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)

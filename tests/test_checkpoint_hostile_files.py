@@ -1,0 +1,230 @@
+"""Hostile small files of a checkpoint directory: a symlink planted at a temporary file's
+name, a FIFO, a symlink to /dev/zero or deeply nested JSON as ``owner.json``,
+``fence.json`` or ``latest``, and a step directory that is a symlink to another job's step.
+
+Each is refused in one line, ignored where the format says the file is only a hint, and
+never written through, followed, hung on or read without bound
+(docs/checkpoint-format.md, "Hostile checkpoints"). The attacks that could hang or eat
+memory run in a subprocess under a timeout and an address-space limit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoint import CheckpointError, SaveOptions, Saver, ShardInfo, load_latest
+from checkpoint.owner import claim
+from checkpoint.store import (
+    UNLOADABLE,
+    committed_steps,
+    mark_unloadable,
+    recover_replaced,
+    step_path,
+    write_latest,
+)
+from elasticd.agent import launch
+from elasticd.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+W = torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16)
+PRECIOUS = "precious user data\n"
+
+
+def save(ckpt: str, *, step: int = 3, scale: float = 1.0) -> str:
+    saver = Saver(ckpt, group=None, options=SaveOptions(async_=False, chunk_min_bytes=1024))
+    saver.save(
+        step=step,
+        consumed_samples=12,
+        model={"w": (W * scale, ShardInfo.whole("w", (64, 16)))},
+        optimizer={"exp_avg/w": (W * 0, ShardInfo.whole("w", (64, 16)))},
+    )
+    saver.close()
+    return ckpt
+
+
+def model() -> dict:
+    return {"w": (torch.zeros(64, 16), ShardInfo.whole("w", (64, 16)))}
+
+
+def victim(tmp_path: Path, name: str) -> Path:
+    """A file of the user's outside the checkpoint directory."""
+    path = tmp_path / name
+    path.write_text(PRECIOUS)
+    return path
+
+
+def test_no_writer_follows_a_symlink_planted_at_a_temporary_files_name(tmp_path):
+    ckpt = save(str(tmp_path / "ckpt"))
+    # The names the writers used to create with O_TRUNC (and follow): unloadable.json.tmp and
+    # latest.tmp (the store), owner.json.<pid>.writing (the owner record) and
+    # fence.json.agent.<pid>.writing (the agent's fence).
+    planted = {
+        "unloadable.json.tmp": victim(tmp_path, "a.txt"),
+        "latest.tmp": victim(tmp_path, "b.txt"),
+        f"owner.json.{os.getpid()}.writing": victim(tmp_path, "c.txt"),
+        f"fence.json.agent.{os.getpid()}.writing": victim(tmp_path, "d.txt"),
+    }
+    for name, target in planted.items():
+        os.symlink(target, os.path.join(ckpt, name))
+    # A damaged step: the load falls back from it and records it in unloadable.json.
+    data = next(Path(step_path(ckpt, 3)).glob("*.safetensors"))
+    os.truncate(data, 0)
+    with pytest.raises(CheckpointError):
+        load_latest(ckpt, model=model())
+    write_latest(ckpt, 3)
+    claim(ckpt, job="tiny", run_id="tiny-1").release()
+    launch.write_fence(ckpt, run_id="tiny-0a1b2c3d", round_=1)
+    for target in planted.values():
+        assert target.read_text() == PRECIOUS, target
+    assert "3" in json.loads(Path(ckpt, UNLOADABLE).read_text())
+    assert Path(ckpt, "latest").read_text() == "step-000000003\n"
+    assert json.loads(Path(ckpt, "owner.json").read_text())["job"] == "tiny"
+    assert json.loads(Path(ckpt, "fence.json").read_text()) == {
+        "run_id": "tiny-0a1b2c3d",
+        "round": 1,
+    }
+    for name in ("latest", UNLOADABLE, "owner.json", "fence.json"):
+        assert not os.path.islink(os.path.join(ckpt, name))
+    # Each writer's own temporary is gone; only the planted links are left.
+    extra = {n for n in os.listdir(ckpt) if n.endswith((".tmp", ".writing"))}
+    assert extra == set(planted)
+    mark_unloadable(ckpt, 3, "again")
+    assert all(t.read_text() == PRECIOUS for t in planted.values())
+
+
+def plant(path: str, kind: str) -> None:
+    if kind == "fifo":
+        os.mkfifo(path)  # an open for reading blocks until a writer comes
+    elif kind == "dev-zero":
+        os.symlink("/dev/zero", path)  # an unbounded read never ends
+    else:
+        Path(path).write_text("[" * 100_000)  # json's recursion limit
+
+
+def run_py(code: str, *, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``code`` in a fresh interpreter, under ``timeout`` and a 4 GiB address-space limit
+    (an endless read fails there instead of eating the machine's memory)."""
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    try:
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=timeout, cwd=REPO, env=env, preexec_fn=limit)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"hung for {timeout} s: {code}")
+
+
+def one_line(p: subprocess.CompletedProcess) -> str:
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    lines = p.stdout.strip().splitlines()
+    assert len(lines) == 1, p.stdout + p.stderr[-3000:]
+    return lines[0]
+
+
+KINDS = ["fifo", "dev-zero", "deep"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_hostile_owner_record_is_refused_in_one_line_without_hanging(tmp_path, kind):
+    ckpt = save(str(tmp_path / "ckpt"))
+    plant(os.path.join(ckpt, "owner.json"), kind)
+    for call in (
+        f"claim({ckpt!r}, job='tiny', run_id='tiny-1')",  # a resume
+        f"start_over({ckpt!r}, job='tiny')",  # elasticd submit --fresh
+    ):
+        p = run_py(
+            "from checkpoint.errors import OwnershipError\n"
+            "from checkpoint.owner import claim\n"
+            "from checkpoint.store import start_over\n"
+            f"try:\n    {call}\n    print('accepted')\n"
+            "except OwnershipError as exc:\n    print('refused', exc)\n"
+        )
+        line = one_line(p)
+        assert line.startswith("refused ") and "owner.json" in line, (call, line)
+    assert committed_steps(ckpt) == [3]  # nothing deleted
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_hostile_fence_fails_closed_and_the_agent_replaces_it_without_hanging(tmp_path, kind):
+    ckpt = save(str(tmp_path / "ckpt"))
+    plant(os.path.join(ckpt, "fence.json"), kind)
+    p = run_py(
+        "from checkpoint.errors import FencedError\n"
+        "from checkpoint.fence import Fence, check_fence\n"
+        "try:\n"
+        f"    check_fence({ckpt!r}, Fence(run_id='tiny-0a1b2c3d', round=1))\n"
+        "    print('allowed')\n"
+        "except FencedError as exc:\n    print('refused', exc)\n"
+    )
+    line = one_line(p)
+    assert line.startswith("refused ") and "fence.json" in line, line
+    # The agent's writer, before it spawns a round's workers: an unreadable fence is replaced.
+    p = run_py(
+        "from elasticd.agent.launch import write_fence\n"
+        f"write_fence({ckpt!r}, run_id='tiny-0a1b2c3d', round_=1)\nprint('written')\n"
+    )
+    assert one_line(p) == "written"
+    fence = Path(ckpt, "fence.json")
+    assert not fence.is_symlink() and json.loads(fence.read_text())["round"] == 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_hostile_latest_pointer_is_ignored_by_ls_and_a_load_without_hanging(tmp_path, kind):
+    ckpt = save(str(tmp_path / "ckpt"))
+    os.unlink(os.path.join(ckpt, "latest"))
+    plant(os.path.join(ckpt, "latest"), kind)
+    p = run_py(
+        "import sys\nfrom elasticd.cli import main\n"
+        f"code = main(['ckpt', 'ls', {ckpt!r}])\n"
+        "sys.stdout.flush()\nprint('exit', code, file=sys.stderr)\n"
+    )
+    assert "Traceback" not in p.stderr and p.stderr.strip().endswith("exit 0"), p.stderr[-3000:]
+    rows = [line.split() for line in p.stdout.splitlines()[1:]]
+    assert [row[0] for row in rows] == ["3"], p.stdout
+    got = model()
+    load_latest(ckpt, model=got)  # `latest` is only a hint: the load goes by commit order
+    assert torch.equal(got["w"][0], W)
+
+
+def test_a_step_directory_that_is_a_symlink_is_skipped_by_a_load_and_refused_by_the_cli(
+    tmp_path, capsys
+):
+    ckpt = save(str(tmp_path / "ckpt"))
+    theirs = save(str(tmp_path / "another-job"), step=3, scale=-1.0)
+    link = step_path(ckpt, 9)
+    os.symlink(step_path(theirs, 3), link)
+    assert committed_steps(ckpt) == [3]
+    got = model()
+    ck = load_latest(ckpt, model=got)
+    assert ck.step == 3 and torch.equal(got["w"][0], W)  # ours, not the other job's
+    for argv in (
+        ["verify", link],
+        ["inspect", link],
+        ["verify", ckpt, "--step", "9"],
+        ["export", link, str(tmp_path / "out")],
+    ):
+        code = main(["ckpt", *argv])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and "a symlink, not a step directory" in err[0], (
+            argv,
+            err,
+        )
+    assert not (tmp_path / "out").exists()
+    assert main(["ckpt", "verify", ckpt]) == 0  # the directory's own step is fine
+    capsys.readouterr()
+    # A symlink planted under the name of a step moved aside is never put back as a step.
+    aside = os.path.join(ckpt, "step-000000005.0a1b2c3d.replaced.tmp")
+    os.symlink(step_path(theirs, 3), aside)
+    assert recover_replaced(ckpt) == []
+    assert not os.path.lexists(step_path(ckpt, 5)) and os.path.islink(aside)
+    assert os.path.isdir(step_path(theirs, 3))
