@@ -51,7 +51,15 @@ from checkpoint.errors import (
     LayoutMismatchError,
     NoCheckpointError,
 )
-from checkpoint.manifest import MANIFEST, Manifest, TensorEntry, parse_step_dirname, st_code
+from checkpoint.manifest import (
+    MANIFEST,
+    Manifest,
+    TensorEntry,
+    parse_step_dirname,
+    quoted,
+    st_code,
+)
+from checkpoint.manifest import MAX_MANIFEST_BYTES as MAX_MANIFEST_BYTES
 from checkpoint.planner import (
     ReadOp,
     SavedChunk,
@@ -73,10 +81,6 @@ from checkpoint.stfile import (
 log = logging.getLogger("checkpoint.load")
 
 Sharded = tuple[torch.Tensor, ShardInfo]
-
-MAX_MANIFEST_BYTES = 256 << 20
-"""A manifest larger than this is refused before it is read (a real one of a model with
-thousands of tensors is a few MB)."""
 
 
 @dataclass(slots=True)
@@ -227,8 +231,12 @@ class Checkpoint:
         return self.stats
 
     def read(self, name: str, *, verify: bool = True) -> torch.Tensor:
-        """A whole global tensor, assembled."""
+        """A whole global tensor, assembled. Its chunks' files are opened and checked (a
+        regular file of the manifest's size, its header, each chunk's entry) before the
+        tensor is allocated: the chunks tile it, so it is no larger than they are."""
         entry = self._entry(name)
+        for chunk in entry.chunks:
+            self._chunk_span(chunk, entry.dtype)
         out = torch.empty(entry.shape, dtype=entry.dtype)
         box = ((0,) * len(entry.shape), entry.shape)
         self._fill(name, out, box, entry.shape, verify)
@@ -254,7 +262,7 @@ class Checkpoint:
     def _entry(self, name: str):
         entry = self.manifest.tensors.get(name)
         if entry is None:
-            raise LayoutMismatchError(f"{self.path}: has no tensor {name!r}")
+            raise LayoutMismatchError(f"{self.path}: has no tensor {quoted(name)}")
         return entry
 
     def _fill(self, name, region, box, global_shape, verify) -> None:
@@ -268,11 +276,11 @@ class Checkpoint:
             entry = self._entry(name)
             if tuple(global_shape) != entry.shape:
                 raise LayoutMismatchError(
-                    f"{name}: the model wants shape {list(global_shape)}, "
+                    f"{quoted(name)}: the model wants shape {list(global_shape)}, "
                     f"the checkpoint has {list(entry.shape)}"
                 )
             self.stats.bytes_needed += region.numel() * entry.dtype.itemsize
-            ops = plan_reads(name, box, entry.chunks, global_shape=entry.shape)
+            ops = plan_reads(quoted(name), box, entry.chunks, global_shape=entry.shape)
             if verify:
                 for group in _strip_groups(entry, ops):
                     reads += self._plan_verified(entry, group, region)
@@ -297,7 +305,7 @@ class Checkpoint:
         # of the manifest's size, checked on the descriptor that is then read and mapped.
         fd, size = open_regular(path, expect_bytes=meta.bytes)
         try:
-            header, parsed = read_header_fd(fd, size, path)
+            header, parsed = read_header_checked(fd, size, path)
             self.stats.bytes_read += len(header)
             if hashlib.sha256(header).hexdigest() != meta.header_sha256:
                 raise CorruptCheckpointError(f"{path}: header checksum mismatch")
@@ -373,7 +381,7 @@ class Checkpoint:
             for p in reads[i].parts:
                 if not blocks_match(view[at : at + p.nbytes], p.block, p.crc, crc):
                     raise CorruptCheckpointError(
-                        f"{p.f.path}: {p.key}: checksum mismatch (corrupted data)"
+                        f"{p.f.path}: {quoted(p.key)}: checksum mismatch (corrupted data)"
                     )
                 at += p.nbytes
 
@@ -423,7 +431,7 @@ class Checkpoint:
             or info.get("shape") != list(chunk.sizes)
         ):
             raise CorruptCheckpointError(
-                f"{f.path}: {chunk.key}: missing or not as the manifest says"
+                f"{f.path}: {quoted(chunk.key)}: missing or not as the manifest says"
             )
         return f, f.data_start + info["data_offsets"][0], nbytes
 
@@ -436,6 +444,16 @@ class Checkpoint:
         t = torch.frombuffer(view, dtype=dtype).view(chunk.sizes)[src]
         self.stats.bytes_read += t.numel() * dtype.itemsize
         return t
+
+
+def read_header_checked(fd: int, size: int, path: str) -> tuple[bytes, dict]:
+    """:func:`checkpoint.stfile.read_header_fd`, whose JSON parse may also raise a plain
+    ValueError (an integer of over 4300 digits): refused in one line like any bad header."""
+    try:
+        return read_header_fd(fd, size, path)
+    except ValueError as exc:
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise CorruptCheckpointError(f"{path}: header is not valid JSON ({text[:200]})") from None
 
 
 PREFETCH = True

@@ -15,7 +15,15 @@ from typing import Any
 import torch
 
 from checkpoint.errors import FormatError
-from checkpoint.planner import SavedChunk, block_count, chunk_rows, coverage_problem
+from checkpoint.planner import (
+    CORNERS_FREE,
+    CORNERS_PER_CHUNK,
+    SavedChunk,
+    block_count,
+    chunk_rows,
+    coverage_cost,
+    coverage_problem,
+)
 
 FORMAT_NAME = "elasticd-checkpoint"
 FORMAT_VERSION = 3
@@ -200,10 +208,7 @@ class Manifest:
         directory, every tensor's chunks tile it exactly, and the chunks of each file fit in
         the bytes the manifest says it has (which a load checks against the real file
         before it reads)."""
-        try:
-            raw = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-            raise FormatError(f"{where}: not valid JSON ({exc})") from exc
+        raw = parse_json(data, where, max_bytes=MAX_MANIFEST_BYTES, error=FormatError)
         if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
             raise FormatError(f"{where}: not an {FORMAT_NAME} manifest")
         if raw.get("version") not in READ_VERSIONS or type(raw.get("version")) is not int:
@@ -212,7 +217,11 @@ class Manifest:
                 f"(this build reads versions {', '.join(map(str, READ_VERSIONS))})"
             )
         expected = raw.pop("checksum", None)
-        if expected != _self_checksum(raw):
+        try:
+            actual = _self_checksum(raw)
+        except (RecursionError, ValueError) as exc:  # parse_json bounds both; belt and braces
+            raise FormatError(f"{where}: cannot re-encode the manifest ({exc})") from None
+        if expected != actual:
             raise FormatError(f"{where}: manifest checksum does not match its content")
         try:
             return _parse(cls, raw, where)
@@ -223,9 +232,78 @@ class Manifest:
 
 
 MAX_NDIM = 8
-"""Dimensions a stored tensor may have (coverage checks cost 2^ndim per chunk)."""
-FILE_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,200}\.safetensors$")
-"""A tensor file's name: a plain name inside the step directory (no ``/``, no ``..``)."""
+"""Dimensions a stored tensor may have (coverage checks cost 2^ndim per chunk, bounded
+over the whole manifest: :data:`checkpoint.planner.CORNERS_PER_CHUNK`)."""
+FILE_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,200}\.safetensors")
+"""A tensor file's name (the whole string: ``fullmatch``): a plain name inside the step
+directory (no ``/``, no ``..``, no newline)."""
+INT_LIMIT = 1 << 63
+"""Every integer of a manifest (dims, offsets, sizes, bytes, block_rows) is below this, and
+so is every tensor's element count times its item size (what int64 holds)."""
+MAX_MANIFEST_BYTES = 64 << 20
+"""A manifest larger than this is refused before it is parsed. A real one takes about 300
+bytes per chunk (a chunk is one strip of one rank's region of one tensor), so this is
+over 200,000 chunks."""
+MAX_DEPTH = 32
+"""Nesting a manifest (or a safetensors header) may have: a real manifest nests 6 deep."""
+CONTAINER_BYTES = 16
+"""A manifest has at most one JSON list or object per this many bytes (a real one has one
+per ~100), so that parsing it costs memory a small multiple of its size (``[],`` repeated
+would cost 20 times its bytes in Python objects)."""
+
+
+def parse_json(data: bytes, where: str, *, max_bytes: int, error: type[Exception]) -> Any:
+    """``json.loads`` of checkpoint input, refused with one ``error`` line (never another
+    exception) when it is larger than ``max_bytes``, has more lists and objects than one
+    per :data:`CONTAINER_BYTES` bytes, nests deeper than :data:`MAX_DEPTH`, is not JSON, or
+    holds an integer Python refuses to parse (over 4300 digits)."""
+    if len(data) > max_bytes:
+        raise error(f"{where}: {len(data)} bytes, more than {max_bytes}")
+    containers = data.count(b"[") + data.count(b"{")  # an upper bound: strings count too
+    if containers > len(data) // CONTAINER_BYTES + 64:
+        raise error(
+            f"{where}: {containers} JSON lists or objects in {len(data)} bytes, more than "
+            f"one per {CONTAINER_BYTES} bytes"
+        )
+    try:
+        raw = json.loads(data)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise error(f"{where}: not valid JSON ({text[:200]})") from None
+    depth = _depth(raw)
+    if depth > MAX_DEPTH:
+        raise error(f"{where}: JSON nested {depth} deep, more than {MAX_DEPTH}")
+    return raw
+
+
+def _depth(value: Any) -> int:
+    """How deep ``value`` nests (without recursion: it may be ~1000 deep), stopping once
+    past :data:`MAX_DEPTH`."""
+    deepest = 0
+    stack = [(value, 0)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, dict):
+            v = v.values()
+        elif not isinstance(v, list):
+            continue
+        d += 1
+        deepest = max(deepest, d)
+        if d > MAX_DEPTH:
+            return d
+        stack.extend((x, d) for x in v if isinstance(x, (dict, list)))
+    return deepest
+
+
+def quoted(name: Any) -> str:
+    """A name from checkpoint input, shown in a message on one line: as it is when it is
+    a printable string (no newline, no lone surrogate), else as Python writes it
+    (``ascii``); shortened past 300 characters."""
+    if isinstance(name, str) and name.isprintable() and name.strip() == name and name:
+        text = name
+    else:
+        text = ascii(name) if isinstance(name, str) else repr(name)
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 class _Bad(Exception):
@@ -233,8 +311,8 @@ class _Bad(Exception):
 
 
 def _int(value: Any, what: str, *, lo: int = 0) -> int:
-    if type(value) is not int or value < lo:
-        raise _Bad(f"{what}: {value!r} is not an integer >= {lo}")
+    if type(value) is not int or not lo <= value < INT_LIMIT:
+        raise _Bad(f"{what}: {quoted(value)} is not an integer >= {lo} and < 2^63")
     return value
 
 
@@ -259,15 +337,17 @@ def _ints(value: Any, name: str, field: str, ndim: int | None = None) -> tuple[i
     when it fails: this runs for every chunk)."""
     if not isinstance(value, list) or len(value) > MAX_NDIM:
         raise _Bad(
-            f"tensor {name}: {field}: {value!r} is not a list of at most {MAX_NDIM} integers"
+            f"tensor {quoted(name)}: {field}: {quoted(value)} is not a list of at most "
+            f"{MAX_NDIM} integers"
         )
     if ndim is not None and len(value) != ndim:
         raise _Bad(
-            f"tensor {name}: {field}: {value!r} has {len(value)} dimensions, the tensor {ndim}"
+            f"tensor {quoted(name)}: {field}: {value!r} has {len(value)} dimensions, "
+            f"the tensor {ndim}"
         )
     for x in value:
-        if type(x) is not int or x < 0:
-            _int(x, f"tensor {name}: {field}")
+        if type(x) is not int or not 0 <= x < INT_LIMIT:
+            _int(x, f"tensor {quoted(name)}: {field}")
     return tuple(value)
 
 
@@ -282,9 +362,10 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
     crc_key = "crc32" if version == 1 else "crc32c"
     files: dict[str, FileEntry] = {}
     for name, f in _dict(raw["files"], "files").items():
-        if not FILE_NAME_RE.match(name) or ".." in name:
+        if not isinstance(name, str) or not FILE_NAME_RE.fullmatch(name) or ".." in name:
             raise _Bad(
-                f"file name {name!r} is not a plain *.safetensors name inside the step directory"
+                f"file name {quoted(name)} is not a plain *.safetensors name inside the step "
+                "directory"
             )
         f = _dict(f, f"files.{name}")
         files[name] = FileEntry(
@@ -297,26 +378,50 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
     held = dict.fromkeys(files, 8)  # the 8-byte header length, at least
     keys: set[tuple[str, str]] = set()
     tensors: dict[str, TensorEntry] = {}
-    for name, t in _dict(raw["tensors"], "tensors").items():
-        t = _dict(t, f"tensor {name}")
+    raw_tensors = _dict(raw["tensors"], "tensors")
+    # The coverage checks' corners, bounded by the manifest's chunks (planner.coverage_cost).
+    budget = CORNERS_FREE + CORNERS_PER_CHUNK * sum(
+        len(t["shards"]) for t in raw_tensors.values() if isinstance(t, dict)
+        and isinstance(t.get("shards"), list)
+    )  # fmt: skip
+    for name, t in raw_tensors.items():
+        shown = quoted(name)
+        t = _dict(t, f"tensor {shown}")
         kind = t["kind"]
         if kind not in KINDS:
-            raise _Bad(f"tensor {name}: kind {kind!r} is not one of {', '.join(KINDS)}")
+            raise _Bad(f"tensor {shown}: kind {quoted(kind)} is not one of {', '.join(KINDS)}")
         if not isinstance(t["dtype"], str):
-            raise _Bad(f"tensor {name}: dtype {t['dtype']!r} is not a name")
+            raise _Bad(f"tensor {shown}: dtype {quoted(t['dtype'])} is not a name")
+        if t["dtype"] not in _BY_NAME:
+            raise _Bad(f"tensor {shown}: unknown dtype {quoted(t['dtype'])}")
         dtype = dtype_of(t["dtype"])
         shape = _ints(t["shape"], name, "shape")
+        # Even a tensor of no elements (a 0 in its shape) is allocated with strides of the
+        # other dimensions: all of it must fit an int64 count of bytes.
+        if math.prod(max(1, n) for n in shape) * dtype.itemsize >= INT_LIMIT:
+            raise _Bad(f"tensor {shown}: shape {list(shape)} holds more bytes than an int64")
         if not isinstance(t["shards"], list):
-            raise _Bad(f"tensor {name}: shards is not a list")
+            raise _Bad(f"tensor {shown}: shards is not a list")
+        budget -= coverage_cost(len(shape), len(t["shards"]))
+        if budget < 0:
+            raise _Bad(
+                f"tensor {shown}: {len(t['shards'])} chunks of {len(shape)} dimensions: "
+                f"checking that they tile it would cost more than {CORNERS_PER_CHUNK} corners "
+                "per chunk of the manifest"
+            )
         chunks, crc, rows = [], {}, {}
         for s in t["shards"]:
             if not isinstance(s, dict):
-                raise _Bad(f"tensor {name}: shard: not a JSON object")
+                raise _Bad(f"tensor {shown}: shard: not a JSON object")
             file, key = s["file"], s["key"]
-            if file not in files:
-                raise _Bad(f"tensor {name}: shard in {file!r}, a file the manifest does not list")
+            if not isinstance(file, str) or file not in files:
+                raise _Bad(
+                    f"tensor {shown}: shard in {quoted(file)}, a file the manifest does not list"
+                )
             if not isinstance(key, str) or (file, key) in keys:
-                raise _Bad(f"tensor {name}: shard key {key!r} is not a new string in {file}")
+                raise _Bad(f"tensor {shown}: shard key {quoted(key)} is not a new string in {file}")
+            if key == "__metadata__":  # a safetensors header's own entry, never a tensor
+                raise _Bad(f"tensor {shown}: shard key {key!r} is reserved by safetensors")
             keys.add((file, key))
             chunk = SavedChunk(
                 file=file,
@@ -326,16 +431,16 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
             )
             if version >= 3:
                 per = s["block_rows"]
-                if type(per) is not int or per < 1:
-                    _int(per, f"tensor {name}: block_rows", lo=1)
+                if type(per) is not int or not 1 <= per < INT_LIMIT:
+                    _int(per, f"tensor {shown}: block_rows", lo=1)
                 rows[key] = per
                 # Its length (8 digits per block) is checked below, with the bytes.
                 crc[key] = s[crc_key]
             else:
-                crc[key] = _hex(s[crc_key], f"tensor {name}: {crc_key}", 8)
+                crc[key] = _hex(s[crc_key], f"tensor {shown}: {crc_key}", 8)
             held[file] += math.prod(chunk.sizes) * dtype.itemsize
             chunks.append(chunk)
-        problem = coverage_problem(name, shape, [(c.offsets, c.sizes) for c in chunks])
+        problem = coverage_problem(shown, shape, [(c.offsets, c.sizes) for c in chunks])
         if problem:
             raise _Bad(f"tensor {problem}")
         tensors[name] = TensorEntry(
@@ -357,16 +462,16 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
         for c in t.chunks if version >= 3 else ():
             n, text = block_count(c.sizes, t.block_rows[c.key]), t.crc32[c.key]
             if not isinstance(text, str) or len(text) != 8 * n or not _lower_hex(text):
-                _hex(text, f"tensor {name}: {crc_key} of {c.key}", 8 * n)
+                _hex(text, f"tensor {quoted(name)}: {crc_key} of {quoted(c.key)}", 8 * n)
     layout = raw.get("layout")
     if layout is not None:
         _dict(layout, "layout")
     job = raw["job"]
     if not isinstance(job, str):
-        raise _Bad(f"job: {job!r} is not a string")
+        raise _Bad(f"job: {quoted(job)} is not a string")
     created = raw.get("created_unix", 0.0)
-    if type(created) not in (int, float):
-        raise _Bad(f"created_unix: {created!r} is not a number")
+    if type(created) not in (int, float) or not math.isfinite(created):
+        raise _Bad(f"created_unix: {quoted(created)} is not a number")
     return cls(
         step=_int(raw["step"], "step"),
         consumed_samples=_int(raw["consumed_samples"], "consumed_samples"),

@@ -110,6 +110,21 @@ def plan_reads(
     return ops
 
 
+CORNERS_PER_CHUNK = 16
+"""Corners the coverage check may spend per chunk, on average over a manifest: a chunk of
+``ndim`` dimensions costs 2^ndim (a real checkpoint's tensors have 1 to 3 dimensions, 2 to
+8 corners a chunk; 4 dimensions cost 16)."""
+CORNERS_FREE = 1 << 16
+"""Corners any manifest may spend beyond :data:`CORNERS_PER_CHUNK` per chunk (a few
+many-dimensional tensors with a few chunks each)."""
+
+
+def coverage_cost(ndim: int, chunks: int) -> int:
+    """Corners :func:`coverage_problem` keeps, at most, for ``chunks`` chunks of a tensor of
+    ``ndim`` dimensions (the tensor's own included)."""
+    return (chunks + 1) << ndim
+
+
 def coverage_problem(name: str, shape: Sequence[int], boxes: Sequence[Box]) -> str | None:
     """Why ``boxes`` do not tile a tensor of ``shape`` exactly (None when they do).
 
@@ -119,10 +134,14 @@ def coverage_problem(name: str, shape: Sequence[int], boxes: Sequence[Box]) -> s
     number of upper bounds, - at odd), and that representation is unique; so the boxes'
     indicators sum to the tensor's (every element covered exactly once, none outside)
     iff their signed corner counts, summed, equal the tensor's own corners.
+
+    Memory and time are :func:`coverage_cost` corners: a caller that reads boxes from
+    outside bounds that first (``Manifest.from_json`` allows :data:`CORNERS_PER_CHUNK`
+    per chunk of the manifest, plus :data:`CORNERS_FREE`). The element counts are checked
+    before any corner is kept, so a tiling with a gap or too much is refused at no cost.
     """
     ndim = len(shape)
     total = 0
-    corners: dict[tuple[int, ...], int] = {}
     for offs, sizes in boxes:
         if len(offs) != ndim or len(sizes) != ndim:
             return f"{name}: shard {list(offs)} has the wrong number of dimensions"
@@ -132,12 +151,14 @@ def coverage_problem(name: str, shape: Sequence[int], boxes: Sequence[Box]) -> s
                     f"{name}: shard at {list(offs)} size {list(sizes)} lies outside {list(shape)}"
                 )
         total += numel(sizes)
-        _add_corners(corners, offs, sizes, +1)
-    _add_corners(corners, (0,) * ndim, tuple(shape), -1)
     if total > numel(shape):
         return f"{name}: shards overlap (they hold {total} elements, the tensor {numel(shape)})"
     if total < numel(shape):
         return f"{name}: shards cover {total} of {numel(shape)} elements"
+    corners: dict[tuple[int, ...], int] = {}
+    for offs, sizes in boxes:
+        _add_corners(corners, offs, sizes, +1)
+    _add_corners(corners, (0,) * ndim, tuple(shape), -1)
     if any(corners.values()):
         return f"{name}: shards overlap and leave a gap"
     return None

@@ -11,15 +11,13 @@ from collections.abc import Callable
 from safetensors.torch import save_file
 
 from checkpoint.errors import CheckpointError, CorruptCheckpointError
-from checkpoint.load import Checkpoint
-from checkpoint.manifest import st_code
+from checkpoint.load import Checkpoint, read_header_checked
+from checkpoint.manifest import quoted, st_code
 from checkpoint.planner import row_bytes
 from checkpoint.stfile import (
     block_crc32c,
     file_sha256,
     open_regular,
-    read_header,
-    read_header_fd,
 )
 
 
@@ -45,7 +43,11 @@ def verify(ckpt: Checkpoint) -> list[str]:
             if ckpt.manifest.version == 1:
                 # Refused unless a regular file of the manifest's size, before anything is read.
                 sha, _ = file_sha256(path, expect_bytes=meta.bytes)
-                _, headers[name] = read_header(path)
+                fd, size = open_regular(path, expect_bytes=meta.bytes)
+                try:
+                    _, headers[name] = read_header_checked(fd, size, path)
+                finally:
+                    os.close(fd)
                 if sha != meta.sha256:
                     problems.append(f"{path}: sha256 mismatch (corrupted)")
             else:
@@ -61,7 +63,8 @@ def verify(ckpt: Checkpoint) -> list[str]:
             want = {"dtype": st_code(entry.dtype), "shape": list(c.sizes)}
             if info is None or {k: info.get(k) for k in want} != want:
                 problems.append(
-                    f"{tname}: {c.file} key {c.key} is missing or has the wrong dtype/shape"
+                    f"{quoted(tname)}: {c.file} key {quoted(c.key)} is missing or has the wrong "
+                    "dtype/shape"
                 )
     return problems
 
@@ -71,7 +74,7 @@ def _verify_v2_file(
 ) -> dict:
     fd, size = open_regular(path, expect_bytes=meta.bytes)
     try:
-        header, parsed = read_header_fd(fd, size, path)
+        header, parsed = read_header_checked(fd, size, path)
         if hashlib.sha256(header).hexdigest() != meta.header_sha256:
             problems.append(f"{path}: header checksum mismatch")
             return parsed
@@ -95,7 +98,9 @@ def _verify_v2_file(
                     begin, end = entries[key]["data_offsets"]
                     part = view[len(header) + begin : len(header) + end]
                     if block_crc32c(part, block) != crc:
-                        problems.append(f"{path}: {key}: checksum mismatch (corrupted data)")
+                        problems.append(
+                            f"{path}: {quoted(key)}: checksum mismatch (corrupted data)"
+                        )
                     part.release()
             finally:
                 view.release()

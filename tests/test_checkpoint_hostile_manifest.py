@@ -1,0 +1,312 @@
+"""Hostile manifests and headers, second round: each attack is refused in one line (exit 2)
+by `ckpt verify`, `inspect`, `export` (and `--format hf`) or a load, within bounded time
+and memory. The CLI runs in a subprocess under ``timeout`` and an address-space limit, so
+an attack that is not stopped fails its test instead of taking the machine.
+
+As in tests/test_checkpoint_hostile.py, each attack re-seals the manifest's unkeyed
+sha256 (and a rewritten file's ``bytes`` and ``header_sha256``): what must stop it is
+the validation.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import resource
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoint import CheckpointError, SaveOptions, Saver, ShardInfo
+from checkpoint.manifest import Manifest
+from checkpoint.store import step_path
+
+REPO = Path(__file__).resolve().parents[1]
+STEP = 3
+W = torch.arange(64 * 16, dtype=torch.float32).reshape(64, 16)
+LIMIT_S = 60
+MEMORY = 3 << 30
+"""Address space of each CLI run (torch's imports take well under 1 GiB of it)."""
+
+
+def save(ckpt: str, model=None, extra=None) -> None:
+    saver = Saver(ckpt, group=None, options=SaveOptions(async_=False, chunk_min_bytes=1024))
+    model = model or {"w": (W.clone(), ShardInfo.whole("w", (64, 16)))}
+    saver.save(step=STEP, consumed_samples=12, model=model, extra=extra)
+    saver.close()
+
+
+@pytest.fixture
+def ckpt(tmp_path) -> str:
+    out = str(tmp_path / "ckpt")
+    save(out)
+    return out
+
+
+def manifest_path(ckpt: str) -> Path:
+    return Path(step_path(ckpt, STEP)) / "manifest.json"
+
+
+def manifest(ckpt: str) -> dict:
+    return json.loads(manifest_path(ckpt).read_text())
+
+
+def reseal(ckpt: str, raw: dict, literal: tuple[str, str] | None = None) -> None:
+    """Write ``raw`` with a correct checksum; ``literal`` (placeholder, JSON text) splices in
+    JSON that Python cannot round-trip (a 5000-digit integer, deep nesting)."""
+    raw.pop("checksum", None)
+    canon = json.dumps(raw, sort_keys=True, separators=(",", ":"))
+    text = json.dumps(raw)
+    if literal:
+        canon = canon.replace(json.dumps(literal[0]), literal[1])
+        text = text.replace(json.dumps(literal[0]), literal[1])
+    digest = hashlib.sha256(canon.encode()).hexdigest()
+    manifest_path(ckpt).write_text(text[:-1] + f', "checksum": "{digest}"}}')
+
+
+def rewrite_header(ckpt: str, raw: dict, text_of) -> None:
+    """Rewrite the tensor file's header as ``text_of(header)`` (bytes); re-seal its sums."""
+    (name,) = raw["files"]
+    path = Path(step_path(ckpt, STEP)) / name
+    blob = path.read_bytes()
+    (n,) = struct.unpack("<Q", blob[:8])
+    text = text_of(json.loads(blob[8 : 8 + n]))
+    text += b" " * (-len(text) % 8)
+    head = struct.pack("<Q", len(text)) + text
+    new = head + blob[8 + n :]
+    path.write_bytes(new)
+    raw["files"][name].update(bytes=len(new), header_sha256=hashlib.sha256(head).hexdigest())
+
+
+def _limits() -> None:
+    resource.setrlimit(resource.RLIMIT_AS, (MEMORY, MEMORY))
+
+
+def run(args: list[str], timeout: float = LIMIT_S) -> tuple[int, str, str, float]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    t0 = time.monotonic()
+    p = subprocess.run(
+        ["timeout", str(int(timeout)), sys.executable, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        preexec_fn=_limits,
+    )
+    return p.returncode, p.stdout, p.stderr, time.monotonic() - t0
+
+
+def cli(*argv: str) -> tuple[int, str, str, float]:
+    return run(["-m", "elasticd", "ckpt", *argv])
+
+
+def refused(result, says: str, *, within: float = 30) -> None:
+    code, _, err, took = result
+    assert code == 2, err[-2000:]
+    assert len(err.strip().splitlines()) == 1, err[-2000:]
+    assert says in err, err
+    assert took < within, took
+
+
+def four(ckpt: str, tmp_path: Path) -> list[tuple[int, str, str, float]]:
+    return [
+        cli("verify", ckpt),
+        cli("inspect", ckpt),
+        cli("export", ckpt, str(tmp_path / "raw")),
+        cli("export", ckpt, str(tmp_path / "hf"), "--format", "hf"),
+    ]
+
+
+def test_many_dimensional_chunks_cannot_make_the_coverage_check_take_memory(ckpt):
+    # 4000 unit chunks of 8 dimensions, tiling exactly half of a tensor twice as large
+    # would cost 256 corners each: refused before any corner is kept.
+    raw = manifest(ckpt)
+    (f,) = raw["files"]
+    n = 4000
+    raw["tensors"]["c"] = {
+        "kind": "model",
+        "dtype": "uint8",
+        "shape": [n] + [1] * 7,
+        "shards": [
+            {"file": f, "key": f"k{i}", "offsets": [i] + [0] * 7, "sizes": [1] * 8,
+             "block_rows": 1, "crc32c": "00000000"}
+            for i in range(n)
+        ],
+    }  # fmt: skip
+    raw["files"][f]["bytes"] += n  # the bytes check is not what stops it
+    reseal(ckpt, raw)
+    refused(cli("inspect", ckpt), "corners per chunk", within=20)
+
+
+def test_a_manifest_of_empty_lists_is_refused_before_it_is_parsed(ckpt):
+    raw = manifest(ckpt)
+    raw["extra"]["x"] = "AMP"
+    reseal(ckpt, raw, ("AMP", "[" + ",".join(["[]"] * 100_000) + "]"))
+    refused(cli("inspect", ckpt), "JSON lists or objects")
+
+
+def test_an_integer_of_5000_digits_in_the_manifest_is_one_line(ckpt, tmp_path):
+    raw = manifest(ckpt)
+    raw["extra"]["x"] = "BIG"
+    reseal(ckpt, raw, ("BIG", "9" * 5000))
+    for result in four(ckpt, tmp_path):
+        refused(result, "not valid JSON")
+
+
+def test_an_integer_of_5000_digits_in_a_header_is_one_line(ckpt, tmp_path):
+    raw = manifest(ckpt)
+
+    def edit(header):
+        header["__metadata__"]["big"] = "BIG"
+        return json.dumps(header).encode().replace(b'"BIG"', b"9" * 5000)
+
+    rewrite_header(ckpt, raw, edit)
+    reseal(ckpt, raw)
+    for result in four(ckpt, tmp_path)[:3]:
+        refused(result, "header is not valid JSON")
+
+
+def test_a_dimension_beyond_int64_is_refused_even_in_an_empty_tensor(ckpt, tmp_path):
+    raw = manifest(ckpt)
+    raw["tensors"]["z"] = {"kind": "model", "dtype": "float32", "shape": [1 << 70, 0],
+                           "shards": []}  # fmt: skip
+    reseal(ckpt, raw)
+    refused(cli("export", ckpt, str(tmp_path / "out")), "< 2^63")
+    raw = manifest(ckpt)
+    raw["tensors"]["z"]["shape"] = [1 << 62, 1 << 62, 1 << 62, 0]  # strides past int64
+    reseal(ckpt, raw)
+    refused(cli("export", ckpt, str(tmp_path / "out")), "more bytes than an int64")
+
+
+def test_deep_nesting_is_refused_in_one_line(ckpt, tmp_path):
+    raw = manifest(ckpt)
+    raw["extra"]["x"] = "NEST"
+    reseal(ckpt, raw, ("NEST", "[" * 983 + "]" * 983))
+    for result in four(ckpt, tmp_path):
+        refused(result, "manifest.json")
+    # Nested past the limit, but not dense enough to be refused for that.
+    other = str(tmp_path / "other")
+    save(other)
+    raw = manifest(other)
+    raw["extra"]["x"] = "NEST"
+    reseal(other, raw, ("NEST", '[{"a": ' * 20 + '"' + "x" * 2000 + '"' + "}]" * 20))
+    with pytest.raises(CheckpointError, match=r"nested \d+ deep, more than 32"):
+        Manifest.from_json(manifest_path(other).read_bytes(), where="m")
+
+
+def test_a_tensor_claimed_in_a_huge_missing_file_is_refused_before_it_is_allocated(ckpt):
+    raw = manifest(ckpt)
+    n = 1 << 46
+    raw["files"]["evil.safetensors"] = {"bytes": n + 64, "header_sha256": "0" * 64, "rank": 0}
+    raw["tensors"]["rank/0/rng"] = {"kind": "rank", "dtype": "uint8", "shape": [n], "shards": [
+        {"file": "evil.safetensors", "key": "k", "offsets": [0], "sizes": [n],
+         "block_rows": n, "crc32c": "00000000"}]}  # fmt: skip
+    reseal(ckpt, raw)
+    code = (
+        "import sys\n"
+        "from checkpoint import CheckpointError, open_step\n"
+        f"c = open_step({ckpt!r})\n"
+        "try:\n"
+        "    c.rank_state(0)\n"
+        "except CheckpointError as exc:\n"
+        "    print(exc, file=sys.stderr)\n"
+        "    sys.exit(2)\n"
+    )
+    refused(run(["-c", code]), "evil.safetensors: file is missing")
+
+
+def test_names_with_newlines_give_one_line_and_a_surrogate_job_prints(ckpt, tmp_path):
+    raw = manifest(ckpt)
+    raw["tensors"]["w"]["kind"] = "evil"
+    raw["tensors"]["w\nforged line"] = raw["tensors"].pop("w")
+    reseal(ckpt, raw)
+    for result in four(ckpt, tmp_path):
+        refused(result, "'w\\nforged line'")
+
+    save(str(tmp_path / "b"))
+    raw = manifest(str(tmp_path / "b"))
+    (old,) = raw["files"]
+    new = "x.safetensors\n"
+    raw["files"][new] = raw["files"].pop(old)
+    for t in raw["tensors"].values():
+        for s in t["shards"]:
+            s["file"] = new
+    reseal(str(tmp_path / "b"), raw)
+    os.rename(Path(step_path(str(tmp_path / "b"), STEP)) / old,
+              Path(step_path(str(tmp_path / "b"), STEP)) / new)  # fmt: skip
+    refused(cli("verify", str(tmp_path / "b")), "is not a plain")
+
+    save(str(tmp_path / "c"))
+    raw = manifest(str(tmp_path / "c"))
+    raw["job"] = "\ud800"
+    reseal(str(tmp_path / "c"), raw)
+    code, out, err, _ = cli("inspect", str(tmp_path / "c"))
+    assert code == 0, err
+    assert "job '\\ud800'" in out
+
+
+def test_a_chunk_keyed_metadata_is_refused(ckpt, tmp_path):
+    raw = manifest(ckpt)
+    rewrite_header(ckpt, raw, lambda h: json.dumps({**h, "__metadata__": {
+        "dtype": "F32", "shape": [64, 4], "data_offsets": "zzz"}}).encode())  # fmt: skip
+    raw["tensors"]["w"]["shards"][0]["key"] = "__metadata__"
+    reseal(ckpt, raw)
+    for result in four(ckpt, tmp_path):
+        refused(result, "'__metadata__' is reserved by safetensors")
+
+
+GPT = {"layers": 1, "hidden": 8, "heads": 2, "ffn_hidden": 16, "vocab": 16, "seq_len": 4,
+       "experts": 0, "tie_embeddings": True, "dropout": 0.0}  # fmt: skip
+
+
+def gpt_ckpt(path: str) -> None:
+    h, f, v = GPT["hidden"], GPT["ffn_hidden"], GPT["vocab"]
+    shapes = {
+        "embedding.word_embeddings.weight": (v, h),
+        "embedding.position_embeddings.weight": (GPT["seq_len"], h),
+        "decoder.final_norm.weight": (h,),
+        "decoder.final_norm.bias": (h,),
+    }
+    p = "decoder.layers.0"
+    shapes.update({
+        f"{p}.ln1.weight": (h,), f"{p}.ln1.bias": (h,), f"{p}.ln2.weight": (h,),
+        f"{p}.ln2.bias": (h,), f"{p}.attn.qkv.weight": (3, h, h), f"{p}.attn.qkv.bias": (3, h),
+        f"{p}.attn.proj.weight": (h, h), f"{p}.attn.proj.bias": (h,),
+        f"{p}.mlp.fc1.weight": (f, h), f"{p}.mlp.fc1.bias": (f,),
+        f"{p}.mlp.fc2.weight": (h, f), f"{p}.mlp.fc2.bias": (h,),
+    })  # fmt: skip
+    model = {n: (torch.randn(s), ShardInfo.whole(n, s)) for n, s in shapes.items()}
+    save(path, model=model, extra={"model": dict(GPT)})
+
+
+@pytest.mark.parametrize(
+    "edit, says",
+    [
+        (lambda raw: raw["extra"]["model"].update(layers="1"), "layers is '1'"),
+        (lambda raw: raw["extra"]["model"].update(layers=1.0), "layers is 1.0"),
+        (lambda raw: raw["extra"]["model"].update(layers=-5), "layers is -5"),
+        (lambda raw: raw["extra"]["model"].update(layers=1000), "more than the"),
+        (
+            lambda raw: raw["tensors"].__setitem__(
+                "decoder.layers.0.attn.qkv.weight",
+                {"kind": "model", "dtype": "float32", "shape": [0], "shards": []},
+            ),
+            "needs a model float [3, 8, 8]",
+        ),
+    ],
+)
+def test_export_hf_checks_the_recorded_model_before_converting(tmp_path, edit, says):
+    ck = str(tmp_path / "gpt")
+    gpt_ckpt(ck)
+    assert cli("export", ck, str(tmp_path / "ok"), "--format", "hf")[0] == 0
+    raw = manifest(ck)
+    edit(raw)
+    reseal(ck, raw)
+    refused(cli("export", ck, str(tmp_path / "hf"), "--format", "hf"), says)
+    assert not (tmp_path / "hf").exists()
