@@ -271,7 +271,7 @@ def read_header_fd(fd: int, size: int, path: str) -> tuple[bytes, dict]:
     text = read_exact(fd, 8, n, path)
     try:
         parsed = json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, 5000 digits
         raise CorruptCheckpointError(f"{path}: header is not valid JSON") from exc
     if not isinstance(parsed, dict):
         raise CorruptCheckpointError(f"{path}: header is not a JSON object")

@@ -20,7 +20,14 @@ from collections.abc import Callable
 
 from checkpoint import smallfile
 from checkpoint.errors import CheckpointError
-from checkpoint.manifest import LATEST, MANIFEST, parse_step_dirname, step_dirname
+from checkpoint.manifest import (
+    LATEST,
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    parse_json,
+    parse_step_dirname,
+    step_dirname,
+)
 from checkpoint.stfile import fsync_dir, read_regular, write_all, write_atomic
 
 
@@ -188,7 +195,13 @@ def _check_after_rename(
 
 UNLOADABLE = "unloadable.json"
 """``{"<step>": {"commit": <n>, "error": "..."}}``: committed steps a load fell back from."""
-_MANIFEST_MAX = 256 << 20
+
+
+def _manifest_json(path: str) -> object:
+    """A manifest's JSON, read under the same bounds as a load (size, containers, depth):
+    a hostile one costs no more here than there. Raises CheckpointError."""
+    data = read_regular(path, max_bytes=MAX_MANIFEST_BYTES)
+    return parse_json(data, path, max_bytes=MAX_MANIFEST_BYTES, error=CheckpointError)
 
 
 def commit_numbers(ckpt_dir: str) -> dict[int, int]:
@@ -199,8 +212,8 @@ def commit_numbers(ckpt_dir: str) -> dict[int, int]:
     for step in committed_steps(ckpt_dir):
         out[step] = 0
         path = os.path.join(step_path(ckpt_dir, step), MANIFEST)
-        with contextlib.suppress(CheckpointError, ValueError, UnicodeDecodeError, RecursionError):
-            raw = json.loads(read_regular(path, max_bytes=_MANIFEST_MAX))
+        with contextlib.suppress(CheckpointError):
+            raw = _manifest_json(path)
             n = raw.get("commit", 0) if isinstance(raw, dict) else 0
             out[step] = n if type(n) is int and n >= 0 else 0
     return out
@@ -297,8 +310,8 @@ def newest_job(ckpt_dir: str) -> str | None:
     """The job named by the manifest of the newest commit, if any (read, not checked)."""
     for step in load_order(ckpt_dir)[:1]:
         path = os.path.join(step_path(ckpt_dir, step), MANIFEST)
-        with contextlib.suppress(CheckpointError, ValueError, UnicodeDecodeError, RecursionError):
-            raw = json.loads(read_regular(path, max_bytes=_MANIFEST_MAX))
+        with contextlib.suppress(CheckpointError):
+            raw = _manifest_json(path)
             job = raw.get("job") if isinstance(raw, dict) else None
             return job if isinstance(job, str) and job else None
     return None
