@@ -716,6 +716,20 @@ PENDING_SCRIPT = textwrap.dedent(
 )
 
 
+def _gloo_pair(tmp_path, script_text: str, *args: str) -> list[subprocess.Popen]:
+    """Ranks 0 and 1 of ``script_text``, run as ``script RANK PORT *args`` on a free port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    script = tmp_path / "pair.py"
+    script.write_text(script_text)
+    return [
+        subprocess.Popen([sys.executable, str(script), str(rank), port, *args],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank in (0, 1)
+    ]  # fmt: skip
+
+
 def test_a_collective_still_pending_after_its_round_ended_is_abandoned_not_waited_out(tmp_path):
     """gloo can leave a collective waiting for the whole group timeout after every
     connection of its round closed (the chaos soak: a worker in a bucket's all-reduce for
@@ -724,17 +738,8 @@ def test_a_collective_still_pending_after_its_round_ended_is_abandoned_not_waite
     group timeout (60 s); a healthy collective goes through it as before; and tearing the
     round's groups down does not wait for the abandoned one either (its group's
     destructor would join gloo's stuck thread)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    (tmp_path / "pending.py").write_text(PENDING_SCRIPT)
     control = str(tmp_path / "control.json")
-    script = str(tmp_path / "pending.py")
-    procs = [
-        subprocess.Popen([sys.executable, script, str(rank), port, control],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for rank in (0, 1)
-    ]  # fmt: skip
+    procs = _gloo_pair(tmp_path, PENDING_SCRIPT, control)
     try:
         seen = ""
         while "pending" not in seen:
@@ -822,18 +827,8 @@ def test_the_trainers_collectives_are_abandoned_when_their_round_ends(tmp_path):
     trainer's step now waits through wait_collective: here the peer never joins, and each
     is abandoned about 0.3 s after its round ends instead of lasting the 60 s group
     timeout."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    (tmp_path / "pending.py").write_text(TRAINER_PENDING_SCRIPT)
     control = str(tmp_path / "control.json")
-    script = str(tmp_path / "pending.py")
-    cases = ",".join(TRAINER_COLLECTIVES)
-    procs = [
-        subprocess.Popen([sys.executable, script, str(rank), port, control, cases],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        for rank in (0, 1)
-    ]  # fmt: skip
+    procs = _gloo_pair(tmp_path, TRAINER_PENDING_SCRIPT, control, ",".join(TRAINER_COLLECTIVES))
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(procs[0].stdout), daemon=True)
     reader.start()
