@@ -37,6 +37,34 @@ _READ_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEX
 _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
 
+def open_regular(
+    path: str, *, error: type[CheckpointError], missing_ok: bool = False
+) -> tuple[int, os.stat_result] | None:
+    """``(fd, fstat)`` of ``path`` opened for reading, only if it is a regular file: a
+    symlink (``O_NOFOLLOW``), a FIFO (``O_NONBLOCK`` keeps its open from blocking), a device
+    or a directory raises ``error``, one line naming the file; the type comes from ``fstat``
+    of the very file opened. A missing file is None with ``missing_ok``, else ``error``.
+    The caller closes ``fd``."""
+    try:
+        fd = os.open(path, _READ_FLAGS)
+    except FileNotFoundError as exc:
+        if missing_ok:
+            return None
+        raise error(f"{path}: file is missing") from exc
+    except OSError as exc:
+        if os.path.islink(path):
+            raise error(f"{path}: a symlink, not a regular file") from exc
+        raise error(f"{path}: cannot open: {exc.strerror}") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise error(f"{path}: not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
 def read_small(
     path: str,
     *,
@@ -47,18 +75,11 @@ def read_small(
 
     Anything else there (a symlink, a FIFO, a device, a directory, a file above
     ``max_bytes``, one that cannot be read) raises ``error``, one line naming the file."""
-    try:
-        fd = os.open(path, _READ_FLAGS)
-    except FileNotFoundError:
+    opened = open_regular(path, error=error, missing_ok=True)
+    if opened is None:
         return None
-    except OSError as exc:
-        if os.path.islink(path):
-            raise error(f"{path}: a symlink, not a regular file") from exc
-        raise error(f"{path}: cannot open: {exc.strerror}") from exc
+    fd, st = opened
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise error(f"{path}: not a regular file")
         if st.st_size > max_bytes:
             raise error(f"{path}: {st.st_size} bytes, more than {max_bytes}")
         out = bytearray()

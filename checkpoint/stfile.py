@@ -13,7 +13,6 @@ import hashlib
 import json
 import math
 import os
-import stat
 import struct
 import sys
 import zlib
@@ -202,19 +201,8 @@ def open_regular(path: str, *, expect_bytes: int | None = None, max_bytes: int |
     ``O_NOFOLLOW`` refuses a symlink (say, to /dev/zero or out of the step directory) and
     ``O_NONBLOCK`` keeps the open of a FIFO from blocking; the file type and size then come
     from ``fstat`` of the very file opened, so nothing is read before they are checked."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    fd, st = smallfile.open_regular(path, error=CorruptCheckpointError)
     try:
-        fd = os.open(path, flags)
-    except FileNotFoundError as exc:
-        raise CorruptCheckpointError(f"{path}: file is missing") from exc
-    except OSError as exc:
-        if os.path.islink(path):
-            raise CorruptCheckpointError(f"{path}: a symlink, not a regular file") from exc
-        raise CorruptCheckpointError(f"{path}: cannot open: {exc.strerror}") from exc
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise CorruptCheckpointError(f"{path}: not a regular file")
         if expect_bytes is not None and st.st_size != expect_bytes:
             raise CorruptCheckpointError(
                 f"{path}: {st.st_size} bytes, the manifest says {expect_bytes}"
