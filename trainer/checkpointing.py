@@ -27,14 +27,16 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from checkpoint import Fence, SaveOptions, Saver, ShardInfo, committed_steps, load_latest
+from checkpoint.errors import CorruptCheckpointError
 from trainer.errors import TrainerConfigError
 from trainer.parallel import comm
 
@@ -218,24 +220,44 @@ class Checkpointing:
         )
         self.trainer.main_to_model()
         state = self.trainer.state
+        same_layout = ckpt.manifest.layout == self.layout
+        # Everything below is checked before any of it is used; a bad value stops the
+        # resume (no fall back to an older step: docs/checkpoint-format.md, RNG).
+        error = ""
+        try:
+            check_position(ckpt)
+            rng = self._saved_rng(ckpt) if same_layout else {}
+            restore = plan_param_groups(
+                self.trainer.optimizer,
+                ckpt.manifest.optimizer.get("param_groups")
+                if isinstance(ckpt.manifest.optimizer, dict)
+                else None,
+                job_lr=self.job.train.lr,
+                saved_lr=ckpt.manifest.extra.get("train_lr", None)
+                if isinstance(ckpt.manifest.extra, dict)
+                else None,
+                where=ckpt.path,
+            )
+        except CorruptCheckpointError as exc:
+            error = str(exc)
+        self._agree(error, ckpt.path)
         state.step = ckpt.manifest.step
         state.consumed_samples = ckpt.manifest.consumed_samples
-        same_layout = ckpt.manifest.layout == self.layout
         if same_layout:
-            rng = ckpt.rank_state(self.rank)
-            torch.set_rng_state(rng["rng/cpu"])
-            if "rng/cuda" in rng and self.trainer.device.type == "cuda":
-                torch.cuda.set_rng_state(rng["rng/cuda"], self.trainer.device)
+            try:
+                torch.set_rng_state(rng["rng/cpu"])
+                if "rng/cuda" in rng:
+                    torch.cuda.set_rng_state(rng["rng/cuda"], self.trainer.device)
+            except RuntimeError as exc:
+                raise CorruptCheckpointError(
+                    f"{ckpt.path}: rank {self.rank}'s saved RNG state is refused by torch "
+                    f"({_brief(str(exc).splitlines()[0] if str(exc) else '')})"
+                ) from None
         else:
             seed = reseed_value(self.job.train.seed, state.step, self.trainer.batches.dp_rank)
             torch.manual_seed(seed)
         self.last_saved = state.step
-        changed = restore_param_groups(
-            self.trainer.optimizer,
-            ckpt.manifest.optimizer.get("param_groups"),
-            job_lr=self.job.train.lr,
-            saved_lr=ckpt.manifest.extra.get("train_lr"),
-        )
+        changed = restore()
         if self.rank == 0:
             how = "RNG restored" if same_layout else "layout changed, RNG reseeded"
             done = ""
@@ -258,6 +280,46 @@ class Checkpointing:
                 print(f"optimizer changed since step {state.step}: {changed}", flush=True)
         ckpt.close()
         return True
+
+    def _saved_rng(self, ckpt) -> dict[str, torch.Tensor]:
+        """This rank's saved generator states, checked: ``rng/cpu`` present, a 1-D uint8
+        tensor of the size of torch's CPU generator state; ``rng/cuda`` likewise against
+        this device's (used only on a CUDA device). Checked on the manifest before any byte
+        is read. Raises CorruptCheckpointError."""
+        where = f"{ckpt.path}: rank {self.rank}'s RNG state"
+        want = {"rng/cpu": torch.get_rng_state().numel()}
+        if torch.cuda.is_available() and self.trainer.device.type == "cuda":
+            want["rng/cuda"] = torch.cuda.get_rng_state(self.trainer.device).numel()
+        out = {}
+        for key, numel in want.items():
+            entry = ckpt.manifest.tensors.get(f"rank/{self.rank}/{key}")
+            if entry is None:
+                if key == "rng/cuda":
+                    continue  # saved on a CPU device: the CUDA generator keeps its seed
+                raise CorruptCheckpointError(f"{where}: has no {key} (the layout is unchanged)")
+            if entry.kind != "rank" or entry.dtype != torch.uint8 or tuple(entry.shape) != (numel,):
+                raise CorruptCheckpointError(
+                    f"{where}: {key} is a {entry.kind} {entry.dtype} tensor of shape "
+                    f"{list(entry.shape)}, torch's generator needs uint8 [{numel}]"
+                )
+            t = ckpt.read(f"rank/{self.rank}/{key}")
+            if t.dtype != torch.uint8 or tuple(t.shape) != (numel,):
+                raise CorruptCheckpointError(
+                    f"{where}: {key} read back as {t.dtype} {list(t.shape)}"
+                )
+            out[key] = t.contiguous()
+        return out
+
+    def _agree(self, error: str, where: str) -> None:
+        """Raise on every rank if any rank refused its saved state (one collective), so no
+        rank trains on while another has stopped."""
+        if dist.is_initialized():
+            flag = torch.tensor([1 if error else 0], dtype=torch.int64)
+            comm.all_reduce(flag, self.group, op=dist.ReduceOp.MAX)
+            if int(flag[0]) and not error:
+                error = f"{where}: another rank refused its saved state (see its error)"
+        if error:
+            raise CorruptCheckpointError(error)
 
     def _everyone_sees_a_checkpoint(self) -> bool:
         """Whether there is a committed checkpoint, agreed by every active rank.
@@ -332,6 +394,72 @@ class Checkpointing:
 _JOB_OWNED = ("lr", "initial_lr", "weight_decay")
 # How this process computes (trainer.optim.AdamW sets them for its device), not state.
 _PROCESS_OWNED = ("foreach", "fused", "capturable", "differentiable")
+# What changes the math and has no state saved for it (amsgrad's max_exp_avg_sq) or would
+# train the wrong way (maximize): must equal this run's, else the resume is refused.
+_MUST_MATCH = ("amsgrad", "maximize", "decoupled_weight_decay")
+# Restored from the checkpoint (after the checks of _check_value).
+_RESTORED = ("betas", "eps")
+MAX_STEP = 1 << 62
+"""Steps and consumed samples at or above this are refused (no real run gets near it)."""
+
+
+def check_position(ckpt) -> None:
+    """The manifest's ``step`` and ``consumed_samples``: integers (not booleans) in
+    ``[0, 2^62)``, and ``step`` the one the step directory is named for. Raises
+    CorruptCheckpointError."""
+    m = ckpt.manifest
+    for key in ("step", "consumed_samples"):
+        value = getattr(m, key)
+        if not _is_int(value) or not 0 <= value < MAX_STEP:
+            raise CorruptCheckpointError(
+                f"{ckpt.path}: manifest {key} {_brief(value)} is not an integer in [0, 2^62)"
+            )
+    name = os.path.basename(os.path.normpath(ckpt.path))
+    digits = name.removeprefix("step-")
+    if not (name.startswith("step-") and digits.isdigit() and int(digits) == m.step):
+        raise CorruptCheckpointError(
+            f"{ckpt.path}: manifest step {m.step} is not the step of its directory {name}"
+        )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _brief(value: Any) -> str:
+    """A value from a checkpoint, quoted on one line and short."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_value(key: str, value: Any, now: Any, where: str) -> None:
+    """Refuse a saved hyperparameter of the wrong type or range (CorruptCheckpointError)."""
+    bad = ""
+    if key in ("lr", "initial_lr", "weight_decay", "eps"):
+        if not _is_real(value) or value < 0:
+            bad = "is not a finite number >= 0"
+    elif key == "betas":
+        if (
+            not isinstance(value, (list, tuple))
+            or len(value) != 2
+            or not all(_is_real(b) and 0 <= b < 1 for b in value)
+        ):
+            bad = "is not two numbers in [0, 1)"
+    elif key in _PROCESS_OWNED:
+        if value is not None and not isinstance(value, bool):
+            bad = "is not a boolean or null"
+    elif key in _MUST_MATCH or isinstance(now, bool):
+        if value != now or not isinstance(value, bool):
+            bad = f"differs from this run's {now!r}; a resume cannot change it"
+    elif key not in _RESTORED:
+        if value != (list(now) if isinstance(now, tuple) else now):
+            bad = f"differs from this run's {_brief(now)}; a resume cannot change it"
+    if bad:
+        raise CorruptCheckpointError(f"{where}: optimizer param_groups {key} {_brief(value)} {bad}")
 
 
 def restore_param_groups(
@@ -340,48 +468,89 @@ def restore_param_groups(
     *,
     job_lr: float,
     saved_lr: Any = None,
+    where: str = "checkpoint",
 ) -> str:
-    """Put the saved optimizer hyperparameters (``param_groups`` without ``params``) back
-    into ``optimizer``, and say what changed, in one clause per change ("" when nothing).
+    """Check and put back the saved hyperparameters: :func:`plan_param_groups`, applied."""
+    return plan_param_groups(optimizer, saved, job_lr=job_lr, saved_lr=saved_lr, where=where)()
+
+
+def plan_param_groups(
+    optimizer: torch.optim.Optimizer,
+    saved: Any,
+    *,
+    job_lr: float,
+    saved_lr: Any = None,
+    where: str = "checkpoint",
+) -> Callable[[], str]:
+    """Check the saved optimizer hyperparameters (``param_groups`` without ``params``)
+    against ``optimizer`` and return what puts them back into it and says what changed, in
+    one clause per change ("" when nothing). Nothing is changed before it is called; a bad
+    value raises CorruptCheckpointError (one line) here.
 
     The job's own settings win over the checkpoint's: ``train.lr`` (compared with the
-    ``train_lr`` the checkpoint was saved under) and ``train.weight_decay``. Everything
-    else a group holds (AdamW's ``betas`` and ``eps``, its flags) comes back from the
-    checkpoint; a value that differs from this run's is named too. How this process
-    computes (``foreach``, ``fused``, ...) is neither restored nor named."""
-    if not isinstance(saved, list) or not saved:
-        return ""
-    notes = []
-    if isinstance(saved_lr, (int, float)) and float(saved_lr) != float(job_lr):
-        notes.append(f"train.lr {saved_lr:g} -> {job_lr:g} (the job's is used)")
+    ``train_lr`` the checkpoint was saved under) and ``train.weight_decay``. ``betas`` and
+    ``eps`` come back from the checkpoint; a value that differs from this run's is named.
+    ``amsgrad``, ``maximize`` (any boolean) and any other key this run's groups hold must
+    equal this run's. How this process computes (``foreach``, ``fused``, ...) is neither
+    restored nor named. Keys this run's groups do not hold are ignored (another torch)."""
+    if saved is None:
+        return lambda: ""  # saved by a trainer that did not record them
+    if saved_lr is not None and (not _is_real(saved_lr) or saved_lr < 0):
+        raise CorruptCheckpointError(
+            f"{where}: extra train_lr {_brief(saved_lr)} is not a finite number >= 0"
+        )
+    if not isinstance(saved, list) or not all(isinstance(g, dict) for g in saved):
+        raise CorruptCheckpointError(
+            f"{where}: optimizer param_groups {_brief(saved)} is not a list of groups"
+        )
     groups = optimizer.param_groups
+    for old in saved:
+        for key, value in old.items():
+            if key == "params":
+                continue
+            if key not in groups[0]:
+                continue
+            now = groups[0][key]
+            known = (*_JOB_OWNED, *_RESTORED, *_PROCESS_OWNED, *_MUST_MATCH)
+            if key in known or isinstance(now, bool):
+                _check_value(key, value, now, where)
+    notes = []
+    if saved_lr is not None and float(saved_lr) != float(job_lr):
+        notes.append(f"train.lr {saved_lr:g} -> {job_lr:g} (the job's is used)")
     if len(saved) != len(groups):
         notes.append(
             f"{len(saved)} parameter groups saved, {len(groups)} now (hyperparameters not restored)"
         )
-        return "; ".join(notes)
-    differ: dict[str, tuple[Any, Any]] = {}
+        text = "; ".join(notes)
+        return lambda: text
     for group, old in zip(groups, saved, strict=True):
-        if not isinstance(old, dict):
-            continue
         for key, value in old.items():
-            if key == "params" or key not in group or key in _PROCESS_OWNED:
+            if key in _MUST_MATCH or key in _PROCESS_OWNED or key == "params" or key not in group:
                 continue
-            now = group[key]
-            if isinstance(now, tuple):
-                value = tuple(value) if isinstance(value, list) else value
-            if value == now:
-                continue
-            if key in _JOB_OWNED:
-                if key == "weight_decay":
-                    differ.setdefault(key, (value, now))
-                continue
-            differ.setdefault(key, (value, now))
-            group[key] = value
-    for key, (old, now) in differ.items():
-        used = "the job's is used" if key in _JOB_OWNED else "the checkpoint's is used"
-        notes.append(f"{key} {_show(old)} (checkpoint) vs {_show(now)} (this run): {used}")
-    return "; ".join(notes)
+            if key not in _RESTORED and key not in _JOB_OWNED:
+                _check_value(key, value, group[key], where)  # against this group's own
+
+    def restore() -> str:
+        differ: dict[str, tuple[Any, Any]] = {}
+        for group, old in zip(groups, saved, strict=True):
+            for key, value in old.items():
+                if key not in group or key not in (*_RESTORED, "weight_decay"):
+                    continue
+                now = group[key]
+                if isinstance(now, tuple):
+                    value = tuple(float(v) for v in value)
+                if value == now:
+                    continue
+                differ.setdefault(key, (value, now))
+                if key in _RESTORED:
+                    group[key] = value
+        out = list(notes)
+        for key, (old, now) in differ.items():
+            used = "the job's is used" if key in _JOB_OWNED else "the checkpoint's is used"
+            out.append(f"{key} {_show(old)} (checkpoint) vs {_show(now)} (this run): {used}")
+        return "; ".join(out)
+
+    return restore
 
 
 def _show(value: Any) -> str:

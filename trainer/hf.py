@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -42,6 +43,40 @@ class HFError(TrainerConfigError):
 def model_record(model_cfg) -> dict[str, Any]:
     """What a checkpoint records of the model (``extra["model"]``)."""
     return {k: getattr(model_cfg, k) for k in MODEL_FIELDS}
+
+
+MAX_DIM = 1 << 24
+"""Largest width, vocabulary, layer count or position count exchanged (GPT-2 XL: 50257)."""
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _brief(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_model_record(cfg: Mapping[str, Any], where: str) -> None:
+    """Refuse a recorded model (``extra["model"]``) whose settings are of the wrong type or
+    range: sizes integers in ``[1, 2^24]`` (``hidden`` a multiple of ``heads``),
+    ``experts`` an integer >= 0 or null, ``tie_embeddings`` a boolean, ``dropout`` a number
+    in ``[0, 1)``. Raises HFError."""
+    for key in ("layers", "hidden", "heads", "ffn_hidden", "vocab", "seq_len"):
+        value = cfg[key]
+        if not _is_int(value) or not 1 <= value <= MAX_DIM:
+            raise HFError(f"{where}: {key} {_brief(value)} is not an integer in [1, 2^24]")
+    if cfg["hidden"] % cfg["heads"]:
+        raise HFError(f"{where}: hidden {cfg['hidden']} is not a multiple of heads {cfg['heads']}")
+    experts = cfg["experts"]
+    if experts is not None and (not _is_int(experts) or not 0 <= experts <= MAX_DIM):
+        raise HFError(f"{where}: experts {_brief(experts)} is not an integer >= 0 or null")
+    if not isinstance(cfg["tie_embeddings"], bool):
+        raise HFError(f"{where}: tie_embeddings {_brief(cfg['tie_embeddings'])} is not a boolean")
+    dropout = cfg["dropout"]
+    if not isinstance(dropout, (int, float)) or isinstance(dropout, bool) or not 0 <= dropout < 1:
+        raise HFError(f"{where}: dropout {_brief(dropout)} is not a number in [0, 1)")
 
 
 def _dense(cfg: Mapping[str, Any], where: str) -> None:
@@ -121,12 +156,22 @@ def export_hf(ckpt, out: str, *, log: Callable[[str], None] | None = None) -> li
             f"{where}: the checkpoint does not record its model settings (saved by an older "
             "trainer); export it without --format hf"
         )
+    check_model_record(cfg, f"{where}: extra.model")
     _dense(cfg, where)
     ckpt.check_files()  # refuse a bad file before writing anything
-    tensors = {}
-    for ours, hf, how in _pairs(cfg):
-        if ours not in ckpt.manifest.tensors:
+    pairs = list(_pairs(cfg))
+    for ours, _hf, _how in pairs:  # every shape before any tensor is read
+        entry = ckpt.manifest.tensors.get(ours)
+        if entry is None:
             raise HFError(f"{where}: has no tensor {ours}, which GPT-2 needs")
+        want = _our_shape(ours, cfg)
+        if tuple(entry.shape) != want or not entry.dtype.is_floating_point:
+            raise HFError(
+                f"{where}: tensor {ours} is {entry.dtype} {list(entry.shape)}, the model in "
+                f"extra.model needs a floating-point {list(want)}"
+            )
+    tensors = {}
+    for ours, hf, how in pairs:
         tensors[hf] = _to_hf(ckpt.read(ours), how)
     os.makedirs(out, exist_ok=True)
     save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
@@ -145,40 +190,117 @@ def read_hf(path: str, model_cfg) -> dict[str, torch.Tensor]:
     where = f"model.init_from: hf:{path}"
     cfg = model_record(model_cfg)
     _dense(cfg, "model.experts")
-    try:
-        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
-            hf_cfg = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise HFError(f"{where}: cannot read config.json ({exc})") from exc
+    hf_cfg = _read_json(path, "config.json", CONFIG_MAX_BYTES, where)
     if not isinstance(hf_cfg, dict) or hf_cfg.get("model_type") != "gpt2":
         raise HFError(f"{where}: config.json is not a GPT-2 config (model_type gpt2)")
     want = gpt2_config(cfg)
     for key in ("vocab_size", "n_embd", "n_layer", "n_head"):
-        if hf_cfg.get(key) != want[key]:
-            raise HFError(f"{where}: config.json {key} is {hf_cfg.get(key)}, the job's model "
-                          f"needs {want[key]}")  # fmt: skip
-    inner = hf_cfg.get("n_inner") or 4 * hf_cfg["n_embd"]
-    if inner != want["n_inner"]:
-        raise HFError(f"{where}: config.json n_inner is {inner}, model.ffn_hidden is "
+        if not _is_int(hf_cfg.get(key)) or hf_cfg.get(key) != want[key]:
+            raise HFError(f"{where}: config.json {key} is {_brief(hf_cfg.get(key))}, the job's "
+                          f"model needs {want[key]}")  # fmt: skip
+    inner = hf_cfg.get("n_inner")
+    if inner is None:
+        inner = 4 * hf_cfg["n_embd"]
+    if not _is_int(inner) or inner != want["n_inner"]:
+        raise HFError(f"{where}: config.json n_inner is {_brief(inner)}, model.ffn_hidden is "
                       f"{want['n_inner']}")  # fmt: skip
-    if hf_cfg.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
-        raise HFError(f"{where}: activation {hf_cfg.get('activation_function')} is not "
-                      "GPT-2's tanh GeLU")  # fmt: skip
-    if hf_cfg.get("n_positions", 0) < cfg["seq_len"]:
-        raise HFError(f"{where}: config.json n_positions {hf_cfg.get('n_positions')} is "
-                      f"below model.seq_len {cfg['seq_len']}")  # fmt: skip
+    act = hf_cfg.get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu_pytorch_tanh"):
+        raise HFError(f"{where}: activation {_brief(act)} is not GPT-2's tanh GeLU")
+    positions = hf_cfg.get("n_positions")
+    if not _is_int(positions) or not cfg["seq_len"] <= positions <= MAX_DIM:
+        raise HFError(f"{where}: config.json n_positions {_brief(positions)} is not an integer "
+                      f"from model.seq_len {cfg['seq_len']} to 2^24")  # fmt: skip
     tied = hf_cfg.get("tie_word_embeddings", True)
-    if bool(tied) != bool(cfg["tie_embeddings"]):
-        raise HFError(f"{where}: tie_word_embeddings is {tied}, model.tie_embeddings is "
+    if not isinstance(tied, bool) or tied != bool(cfg["tie_embeddings"]):
+        raise HFError(f"{where}: tie_word_embeddings is {_brief(tied)}, model.tie_embeddings is "
                       f"{cfg['tie_embeddings']}")  # fmt: skip
     files = _weight_files(path, where)
     out = {}
     for ours, hf, how in _pairs(cfg):
-        t = _get(files, hf, where)
+        shape = _hf_shape(ours, how, cfg, positions)
+        t = _get(files, hf, shape, where)
         if ours == "embedding.position_embeddings.weight":
             t = t[: cfg["seq_len"]]
         out[ours] = _from_hf(t, how, _our_shape(ours, cfg)).clone()
     return out
+
+
+CONFIG_MAX_BYTES = 1 << 20
+"""``config.json`` above this is refused unread."""
+INDEX_MAX_BYTES = 64 << 20
+"""``model.safetensors.index.json`` above this is refused unread."""
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+
+
+def _open_regular(path: str, name: str, where: str) -> int:
+    """A descriptor of ``name`` in ``path``: a plain name (no ``/``, not ``.`` or ``..``),
+    opened with ``O_NOFOLLOW | O_NONBLOCK`` (a symlink is refused, a FIFO does not block),
+    and a regular file (``fstat``). Raises HFError."""
+    if (
+        not isinstance(name, str)
+        or not name
+        or "/" in name
+        or "\x00" in name
+        or name in (".", "..")
+    ):
+        raise HFError(f"{where}: {_brief(name)} is not a plain file name inside the directory")
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    flags |= getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(os.path.join(path, name), flags)
+    except OSError as exc:
+        raise HFError(
+            f"{where}: cannot open {name} ({exc.strerror}; a symlink is refused)"
+        ) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise HFError(f"{where}: {name} is not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_json(path: str, name: str, cap: int, where: str) -> Any:
+    """``name`` in ``path`` as JSON, read through :func:`_open_regular`, at most ``cap``
+    bytes (a larger file is refused unread)."""
+    fd = _open_regular(path, name, where)
+    try:
+        size = os.fstat(fd).st_size
+        if size > cap:
+            raise HFError(f"{where}: {name} is {size} bytes, above the {cap} allowed")
+        chunks, got = [], 0
+        while got <= cap:
+            chunk = os.read(fd, min(1 << 20, cap + 1 - got))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+        if got > cap:
+            raise HFError(f"{where}: {name} grew above the {cap} bytes allowed")
+    except OSError as exc:
+        raise HFError(f"{where}: cannot read {name} ({exc.strerror})") from None
+    finally:
+        os.close(fd)
+    try:
+        return json.loads(b"".join(chunks).decode("utf-8"))
+    except (ValueError, RecursionError) as exc:
+        raise HFError(f"{where}: {name} is not JSON ({str(exc).splitlines()[0]})") from None
+
+
+def _hf_shape(ours: str, how: str, cfg: Mapping[str, Any], positions: int) -> tuple[int, ...]:
+    """The shape GPT-2's file must give the tensor read into ``ours``."""
+    shape = _our_shape(ours, cfg)
+    if ours == "embedding.position_embeddings.weight":
+        return (positions, shape[1])
+    if how == "qkv":
+        return (shape[2], shape[0] * shape[1])
+    if how == "flat":
+        return (shape[0] * shape[1],)
+    if how == "t":
+        return (shape[1], shape[0])
+    return shape
 
 
 def _our_shape(name: str, cfg: Mapping[str, Any]) -> tuple[int, ...]:
@@ -202,33 +324,59 @@ def _our_shape(name: str, cfg: Mapping[str, Any]) -> tuple[int, ...]:
 
 def _weight_files(path: str, where: str) -> dict[str, str]:
     """HF tensor name -> file holding it."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        try:
-            with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f)["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise HFError(f"{where}: cannot read model.safetensors.index.json ({exc})") from exc
-        return {k: os.path.join(path, os.path.basename(v)) for k, v in weight_map.items()}
-    single = os.path.join(path, "model.safetensors")
-    if not os.path.isfile(single):
+    index = "model.safetensors.index.json"
+    if os.path.lexists(os.path.join(path, index)):
+        raw = _read_json(path, index, INDEX_MAX_BYTES, where)
+        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+        if not isinstance(weight_map, dict):
+            raise HFError(f"{where}: {index} has no weight_map object")
+        for key, name in weight_map.items():
+            if not isinstance(name, str):
+                raise HFError(
+                    f"{where}: {index} maps {_brief(key)} to {_brief(name)}, not a file name"
+                )
+        for name in set(weight_map.values()):
+            os.close(_open_regular(path, name, f"{where}: {index}"))
+        return {k: os.path.join(path, v) for k, v in weight_map.items()}
+    single = "model.safetensors"
+    if not os.path.lexists(os.path.join(path, single)):
         raise HFError(f"{where}: has no model.safetensors (only safetensors weights are read)")
+    os.close(_open_regular(path, single, where))
+    single = os.path.join(path, single)
     try:
         with safe_open(single, framework="pt") as f:
             return dict.fromkeys(f.keys(), single)
     except (SafetensorError, OSError) as exc:
-        raise HFError(f"{where}: model.safetensors: {exc}") from exc
+        raise HFError(f"{where}: model.safetensors: {_one_line(exc)}") from exc
 
 
-def _get(files: dict[str, str], hf: str, where: str) -> torch.Tensor:
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _get(files: dict[str, str], hf: str, shape: tuple[int, ...], where: str) -> torch.Tensor:
+    """Tensor ``hf`` (checked to be a floating-point ``shape`` before it is read)."""
     # Hub GPT-2 files name the base model's tensors without the ``transformer.`` prefix.
     for key in (hf, hf.removeprefix("transformer.")):
         if key in files:
+            name = os.path.basename(files[key])
+            # Checked again here: the file may have been replaced since it was listed.
+            os.close(_open_regular(os.path.dirname(files[key]), name, where))
             try:
                 with safe_open(files[key], framework="pt") as f:
+                    if key not in set(f.keys()):
+                        raise HFError(f"{where}: {name} has no tensor {key}")
+                    part = f.get_slice(key)
+                    got, dtype = tuple(part.get_shape()), part.get_dtype()
+                    if got != shape or dtype not in _FLOAT_DTYPES:
+                        raise HFError(
+                            f"{where}: {name}: {key} is {dtype} {list(got)}, the job's model "
+                            f"needs a floating-point {list(shape)}"
+                        )
                     return f.get_tensor(key).float()
             except (SafetensorError, OSError) as exc:
-                raise HFError(f"{where}: {files[key]}: {exc}") from exc
+                raise HFError(f"{where}: {name}: {_one_line(exc)}") from exc
     raise HFError(f"{where}: has no tensor {hf}")
 
 

@@ -1,0 +1,277 @@
+"""Hostile input on the trainer's side of checkpoints: what a resume restores besides tensors
+(RNG states, step, optimizer hyperparameters), a Hugging Face directory given to
+``model.init_from: hf:DIR``, and a checkpoint's ``extra.model`` given to ``ckpt export
+--format hf``. Each is refused in one line (``trainer: error: ...``, exit code 2, or one
+``TrainerConfigError``), without a traceback or a hang. One real trainer run (examples/tiny.yaml,
+2 steps) makes the checkpoint every case edits; each manifest is re-sealed."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file, save_file
+
+from checkpoint import Checkpoint
+from checkpoint.store import step_path
+from trainer.__main__ import main as trainer_main
+from trainer.errors import TrainerConfigError
+from trainer.hf import export_hf
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "examples" / "tiny.yaml"
+ENV = {"RANK": "0", "WORLD_SIZE": "1"}
+
+
+def run(out: Path, steps: int, *extra: str) -> int:
+    args = [str(TINY), "--set", f"output_dir={out}", "--set", f"train.steps={steps}"]
+    for o in extra:
+        args += ["--set", o]
+    return trainer_main(args, env=ENV)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    """The output directory of a 2-step tiny run (its checkpoint at step 2)."""
+    out = tmp_path_factory.mktemp("base") / "out"
+    assert run(out, 2) == 0
+    return out
+
+
+def manifest_path(ckpt: Path) -> Path:
+    return Path(step_path(str(ckpt), 2)) / "manifest.json"
+
+
+def reseal(ckpt: Path, raw: dict) -> None:
+    raw.pop("checksum", None)
+    canon = json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
+    raw["checksum"] = hashlib.sha256(canon).hexdigest()
+    manifest_path(ckpt).write_text(json.dumps(raw))
+
+
+def edited(base: Path, tmp_path: Path, edit) -> Path:
+    out = tmp_path / "out"
+    shutil.copytree(base, out)
+    raw = json.loads(manifest_path(out / "ckpt").read_text())
+    edit(raw)
+    reseal(out / "ckpt", raw)
+    return out
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("trainer: error: "), err
+    assert "Traceback" not in err
+    return err
+
+
+def groups(**kw):
+    def edit(raw):
+        for g in raw["optimizer"]["param_groups"]:
+            g.update(kw)
+
+    return edit
+
+
+def _rng_missing(raw):
+    del raw["tensors"]["rank/0/rng/cpu"]
+
+
+def _rng_empty(raw):
+    raw["tensors"]["rank/0/rng/cpu"] = {"kind": "rank", "dtype": "uint8", "shape": [0],
+                                        "shards": []}  # fmt: skip
+
+
+def _step_huge(raw):
+    raw["step"] = (1 << 62) + 5  # below the manifest's own 2^63 bound
+    raw["layout"] = None  # a changed layout: the step would seed the generator
+
+
+def _step_not_its_directory(raw):
+    raw["step"] = 1
+
+
+def _train_lr(raw):
+    raw["extra"]["train_lr"] = "fast"
+
+
+RESUME_ATTACKS = {
+    "rng-missing": (_rng_missing, "has no rng/cpu"),
+    "rng-empty": (_rng_empty, "torch's generator needs uint8 [5056]"),
+    "step-2^62": (_step_huge, "is not an integer in [0, 2^62)"),
+    "step-not-its-directory": (_step_not_its_directory, "is not the step of its directory"),
+    "betas-strings": (groups(betas=["a", "b"]), "betas ['a', 'b'] is not two numbers"),
+    "betas-one": (groups(betas=[0.9]), "betas [0.9] is not two numbers"),
+    "betas-one-or-more": (groups(betas=[0.9, 1.0]), "is not two numbers in [0, 1)"),
+    "eps-negative": (groups(eps=-1.0), "eps -1.0 is not a finite number >= 0"),
+    "weight-decay-string": (groups(weight_decay="x"), "weight_decay 'x' is not a finite"),
+    "amsgrad-true": (groups(amsgrad=True), "amsgrad True differs from this run's False"),
+    "maximize-true": (groups(maximize=True), "maximize True differs from this run's False"),
+    "foreach-string": (groups(foreach="yes"), "foreach 'yes' is not a boolean or null"),
+    "groups-not-a-list": (
+        lambda raw: raw["optimizer"].update(param_groups={"lr": 1}),
+        "is not a list of groups",
+    ),
+    "train-lr-string": (_train_lr, "extra train_lr 'fast' is not a finite number"),
+}
+
+
+@pytest.mark.parametrize("attack", list(RESUME_ATTACKS))
+def test_a_resume_refuses_hostile_rng_step_or_hyperparameters_in_one_line(
+    base, tmp_path, capsys, attack
+):
+    edit, message = RESUME_ATTACKS[attack]
+    out = edited(base, tmp_path, edit)
+    capsys.readouterr()
+    assert run(out, 3) == 2
+    err = one_error_line(capsys)
+    assert message in err and "step-000000002" in err, err
+    assert not (Path(step_path(str(out / "ckpt"), 3))).exists()  # nothing trained on
+
+
+# -- model.init_from: hf:DIR --------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_base(base, tmp_path_factory) -> Path:
+    hf = tmp_path_factory.mktemp("hf") / "hf"
+    export_hf(Checkpoint.open(step_path(str(base / "ckpt"), 2)), str(hf))
+    return hf
+
+
+def unblock_later(fifo: str, after: float = 8.0) -> None:
+    """Without the fix a reader blocks on the FIFO (safetensors holds the GIL while it
+    does): a separate process opens it for writing later, so such a run ends (failing the
+    time check) rather than hanging the suite; it gives up by itself after 20 s."""
+    subprocess.Popen(
+        ["timeout", "20", "sh", "-c", f"sleep {after}; : > '{fifo}'"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def _config(**kw):
+    def edit(hf: Path):
+        cfg = json.loads((hf / "config.json").read_text())
+        cfg.update(kw)
+        (hf / "config.json").write_text(json.dumps(cfg))
+
+    return edit
+
+
+def _config_fifo(hf: Path):
+    (hf / "config.json").unlink()
+    os.mkfifo(hf / "config.json")
+    unblock_later(str(hf / "config.json"))
+
+
+def _config_symlink_outside(hf: Path):
+    outside = hf.parent / "outside-config.json"
+    (hf / "config.json").rename(outside)
+    (hf / "config.json").symlink_to(outside)
+
+
+def _tensor(name, shape):
+    def edit(hf: Path):
+        import torch
+
+        t = load_file(hf / "model.safetensors")
+        t[name] = torch.zeros(shape)
+        save_file(t, hf / "model.safetensors", metadata={"format": "pt"})
+
+    return edit
+
+
+def _index(kind: str):
+    def edit(hf: Path):
+        keys = list(load_file(hf / "model.safetensors"))
+        if kind == "fifo":
+            os.mkfifo(hf / "pipe.safetensors")
+            unblock_later(str(hf / "pipe.safetensors"))
+            weight_map = dict.fromkeys(keys, "pipe.safetensors")
+        elif kind == "outside":
+            shutil.move(hf / "model.safetensors", hf.parent / "elsewhere.safetensors")
+            weight_map = dict.fromkeys(keys, "../elsewhere.safetensors")
+        else:
+            weight_map = dict.fromkeys(keys, 5)
+        (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+    return edit
+
+
+HF_ATTACKS = {
+    "config-fifo": (_config_fifo, "config.json is not a regular file"),
+    "config-symlink-outside": (_config_symlink_outside, "cannot open config.json"),
+    "n_positions-string": (_config(n_positions="32"), "n_positions '32' is not an integer"),
+    "n_positions-null": (_config(n_positions=None), "n_positions None is not an integer"),
+    "n_layer-float": (_config(n_layer=2.0), "n_layer is 2.0"),
+    "tie-string": (_config(tie_word_embeddings="yes"), "tie_word_embeddings is 'yes'"),
+    "wte-wrong-shape": (_tensor("transformer.wte.weight", (3, 3)), "needs a floating-point"),
+    "c_attn-3d": (_tensor("transformer.h.0.attn.c_attn.weight", (2, 2, 2)), "[2, 2, 2]"),
+    "wpe-short": (_tensor("transformer.wpe.weight", (4, 64)), "wpe.weight is F32 [4, 64]"),
+    "index-int": (_index("int"), "to 5, not a file name"),
+    "index-fifo": (_index("fifo"), "pipe.safetensors is not a regular file"),
+    "index-outside": (_index("outside"), "is not a plain file name inside the directory"),
+}
+
+
+@pytest.mark.parametrize("attack", list(HF_ATTACKS))
+def test_init_from_refuses_a_hostile_hugging_face_directory_in_one_line(
+    hf_base, tmp_path, capsys, attack
+):
+    edit, message = HF_ATTACKS[attack]
+    hf = tmp_path / "hf"
+    shutil.copytree(hf_base, hf)
+    edit(hf)
+    capsys.readouterr()
+    t0 = time.monotonic()
+    rc = run(tmp_path / "out", 1, f"model.init_from=hf:{hf}")
+    assert time.monotonic() - t0 < 6, "blocked on a FIFO"
+    assert rc == 2
+    err = one_error_line(capsys)
+    assert message in err, err
+
+
+# -- ckpt export --format hf ----------------------------------------------------------------
+
+
+def _model(**kw):
+    return lambda raw: raw["extra"]["model"].update(kw)
+
+
+def _shape(name, shape):
+    def edit(raw):
+        raw["tensors"][name] = {"kind": "model", "dtype": "float32", "shape": shape, "shards": []}
+
+    return edit
+
+
+EXPORT_ATTACKS = {
+    "layers-string": (_model(layers="2"), "layers '2' is not an integer"),
+    "layers-float": (_model(layers=2.0), "layers 2.0 is not an integer"),
+    "layers-negative": (_model(layers=-5), "layers -5 is not an integer in [1, 2^24]"),
+    "heads-not-dividing": (_model(heads=3), "hidden 64 is not a multiple of heads 3"),
+    "tie-string": (_model(tie_embeddings="no"), "tie_embeddings 'no' is not a boolean"),
+    "qkv-empty": (_shape("decoder.layers.0.attn.qkv.weight", [0]), "[0], the model"),
+    "fc1-3d": (_shape("decoder.layers.0.mlp.fc1.weight", [2, 0, 2]), "[2, 0, 2], the model"),
+}
+
+
+@pytest.mark.parametrize("attack", list(EXPORT_ATTACKS))
+def test_export_hf_refuses_a_hostile_model_record_or_tensor_shape_in_one_line(
+    base, tmp_path, attack
+):
+    edit, message = EXPORT_ATTACKS[attack]
+    out = edited(base, tmp_path, edit)
+    target = tmp_path / "hf"
+    with pytest.raises(TrainerConfigError) as info:
+        export_hf(Checkpoint.open(step_path(str(out / "ckpt"), 2)), str(target))
+    assert message in str(info.value) and len(str(info.value).splitlines()) == 1, info.value
+    assert not target.exists()  # nothing written
