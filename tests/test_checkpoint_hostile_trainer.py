@@ -172,10 +172,9 @@ def _config_fifo(hf: Path):
     unblock_later(str(hf / "config.json"))
 
 
-def _config_symlink_outside(hf: Path):
-    outside = hf.parent / "outside-config.json"
-    (hf / "config.json").rename(outside)
-    (hf / "config.json").symlink_to(outside)
+def _config_symlink_to_a_device(hf: Path):
+    (hf / "config.json").unlink()
+    (hf / "config.json").symlink_to("/dev/zero")
 
 
 def _tensor(name, shape):
@@ -208,7 +207,10 @@ def _index(kind: str):
 
 HF_ATTACKS = {
     "config-fifo": (_config_fifo, "config.json is not a regular file"),
-    "config-symlink-outside": (_config_symlink_outside, "cannot open config.json"),
+    "config-symlink-to-dev-zero": (
+        _config_symlink_to_a_device,
+        "config.json is not a regular file",
+    ),
     "n_positions-string": (_config(n_positions="32"), "n_positions '32' is not an integer"),
     "n_positions-null": (_config(n_positions=None), "n_positions None is not an integer"),
     "n_layer-float": (_config(n_layer=2.0), "n_layer is 2.0"),
@@ -237,6 +239,20 @@ def test_init_from_refuses_a_hostile_hugging_face_directory_in_one_line(
     assert rc == 2
     err = one_error_line(capsys)
     assert message in err, err
+
+
+def test_init_from_follows_the_symlinks_of_a_hub_cache_snapshot(hf_base, tmp_path, capsys):
+    """A Hugging Face hub cache keeps each file once in ``blobs/`` and links it from
+    ``snapshots/<revision>/``: such a directory is not hostile, and starts training."""
+    cache = tmp_path / "models--tiny"
+    (cache / "blobs").mkdir(parents=True)
+    snap = cache / "snapshots" / "0123abc"
+    snap.mkdir(parents=True)
+    for i, f in enumerate(sorted(hf_base.iterdir())):
+        shutil.copy(f, cache / "blobs" / f"blob{i}")
+        (snap / f.name).symlink_to(Path("..", "..", "blobs", f"blob{i}"))
+    rc = run(tmp_path / "out", 1, f"model.init_from=hf:{snap}")
+    assert rc == 0, capsys.readouterr().err[-2000:]
 
 
 # -- ckpt export --format hf ----------------------------------------------------------------

@@ -235,8 +235,10 @@ _FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 def _open_regular(path: str, name: str, where: str) -> int:
     """A descriptor of ``name`` in ``path``: a plain name (no ``/``, not ``.`` or ``..``),
-    opened with ``O_NOFOLLOW | O_NONBLOCK`` (a symlink is refused, a FIFO does not block),
-    and a regular file (``fstat``). Raises HFError."""
+    opened with ``O_NONBLOCK`` (a FIFO does not block) and a regular file (``fstat`` of the
+    descriptor): a FIFO or a device is refused, also behind a symlink. Symlinks are
+    followed: the user names this directory, and a Hugging Face hub cache's ``snapshots/``
+    directory is made of symlinks into ``blobs/``. Raises HFError."""
     if (
         not isinstance(name, str)
         or not name
@@ -245,14 +247,11 @@ def _open_regular(path: str, name: str, where: str) -> int:
         or name in (".", "..")
     ):
         raise HFError(f"{where}: {_brief(name)} is not a plain file name inside the directory")
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-    flags |= getattr(os, "O_CLOEXEC", 0)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     try:
         fd = os.open(os.path.join(path, name), flags)
     except OSError as exc:
-        raise HFError(
-            f"{where}: cannot open {name} ({exc.strerror}; a symlink is refused)"
-        ) from None
+        raise HFError(f"{where}: cannot open {name} ({exc.strerror})") from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise HFError(f"{where}: {name} is not a regular file")
