@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 import subprocess
 import time
 from pathlib import Path
@@ -133,6 +134,37 @@ def test_a_resume_refuses_hostile_rng_step_or_hyperparameters_in_one_line(
     err = one_error_line(capsys)
     assert message in err and "step-000000002" in err, err
     assert not (Path(step_path(str(out / "ckpt"), 3))).exists()  # nothing trained on
+
+
+def test_a_resume_refuses_an_rng_state_torch_refuses_on_every_rank_before_training(
+    base, tmp_path, capsys
+):
+    """The right size and dtype, correctly checksummed, but all zeros: torch's generator
+    refuses such a state. It is now tried on a generator of its own among the checks
+    before the ranks agree (the message says which check refused it); before, it passed
+    them and failed later, when the state was set, on its rank alone. One process here:
+    that the agreement then stops every rank is not exercised by this test."""
+    from checkpoint.stfile import block_crc32c
+
+    out = tmp_path / "out"
+    shutil.copytree(base, out)
+    raw = json.loads(manifest_path(out / "ckpt").read_text())
+    shard = raw["tensors"]["rank/0/rng/cpu"]["shards"][0]
+    path = Path(step_path(str(out / "ckpt"), 2)) / shard["file"]
+    data = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", data[:8])
+    begin, end = json.loads(data[8 : 8 + n])[shard["key"]]["data_offsets"]
+    data[8 + n + begin : 8 + n + end] = bytes(end - begin)
+    path.write_bytes(bytes(data))
+    shard["crc32c"] = block_crc32c(bytes(end - begin), shard["block_rows"])  # 1 byte a row
+    header = hashlib.sha256(bytes(data[: 8 + n])).hexdigest()
+    assert raw["files"][shard["file"]]["header_sha256"] == header  # the header is unchanged
+    reseal(out / "ckpt", raw)
+    capsys.readouterr()
+    assert run(out, 3) == 2
+    err = one_error_line(capsys)
+    assert "rng/cpu is refused by torch's generator" in err and "step-000000002" in err, err
+    assert not (Path(step_path(str(out / "ckpt"), 3))).exists()
 
 
 # -- model.init_from: hf:DIR --------------------------------------------------------------

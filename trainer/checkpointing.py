@@ -307,6 +307,17 @@ class Checkpointing:
                 raise CorruptCheckpointError(
                     f"{where}: {key} read back as {t.dtype} {list(t.shape)}"
                 )
+            # torch checks more than the size (an all-zero Mersenne Twister state is
+            # refused): try it on a generator of our own, before the ranks agree, so that
+            # every rank stops together instead of this one alone after the agreement.
+            try:
+                device = "cpu" if key == "rng/cpu" else self.trainer.device
+                torch.Generator(device=device).set_state(t)
+            except RuntimeError as exc:
+                first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                raise CorruptCheckpointError(
+                    f"{where}: {key} is refused by torch's generator ({_brief(first)})"
+                ) from None
             out[key] = t.contiguous()
         return out
 
