@@ -288,16 +288,19 @@ def gpt_ckpt(path: str) -> None:
 @pytest.mark.parametrize(
     "edit, says",
     [
-        (lambda raw: raw["extra"]["model"].update(layers="1"), "layers is '1'"),
-        (lambda raw: raw["extra"]["model"].update(layers=1.0), "layers is 1.0"),
-        (lambda raw: raw["extra"]["model"].update(layers=-5), "layers is -5"),
-        (lambda raw: raw["extra"]["model"].update(layers=1000), "more than the"),
+        (lambda raw: raw["extra"]["model"].update(layers="1"), "layers '1' is not an integer"),
+        (lambda raw: raw["extra"]["model"].update(layers=1.0), "layers 1.0 is not an integer"),
+        (lambda raw: raw["extra"]["model"].update(layers=-5), "layers -5 is not an integer"),
+        (
+            lambda raw: raw["extra"]["model"].update(layers=1 << 24),
+            "has no tensor decoder.layers.1.",
+        ),
         (
             lambda raw: raw["tensors"].__setitem__(
                 "decoder.layers.0.attn.qkv.weight",
                 {"kind": "model", "dtype": "float32", "shape": [0], "shards": []},
             ),
-            "needs a model float [3, 8, 8]",
+            "needs a floating-point [3, 8, 8]",
         ),
     ],
 )

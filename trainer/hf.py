@@ -159,8 +159,9 @@ def export_hf(ckpt, out: str, *, log: Callable[[str], None] | None = None) -> li
     check_model_record(cfg, f"{where}: extra.model")
     _dense(cfg, where)
     ckpt.check_files()  # refuse a bad file before writing anything
-    pairs = list(_pairs(cfg))
-    for ours, _hf, _how in pairs:  # every shape before any tensor is read
+    # Every shape before any tensor is read; through the generator, so that a recorded
+    # layer count far beyond the manifest's tensors stops at the first missing one.
+    for ours, _hf, _how in _pairs(cfg):
         entry = ckpt.manifest.tensors.get(ours)
         if entry is None:
             raise HFError(f"{where}: has no tensor {ours}, which GPT-2 needs")
@@ -171,7 +172,7 @@ def export_hf(ckpt, out: str, *, log: Callable[[str], None] | None = None) -> li
                 f"extra.model needs a floating-point {list(want)}"
             )
     tensors = {}
-    for ours, hf, how in pairs:
+    for ours, hf, how in _pairs(cfg):
         tensors[hf] = _to_hf(ckpt.read(ours), how)
     os.makedirs(out, exist_ok=True)
     save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})

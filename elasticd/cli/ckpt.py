@@ -289,7 +289,6 @@ def run_export(args: argparse.Namespace) -> int:
         from trainer.errors import TrainerConfigError
         from trainer.hf import export_hf
 
-        _check_hf_model(ckpt)
         try:
             files = export_hf(ckpt, args.out)
         except TrainerConfigError as exc:
@@ -298,86 +297,6 @@ def run_export(args: argparse.Namespace) -> int:
         files = export(ckpt, args.out, max_file_bytes=args.max_file_size)
     print(f"exported step {ckpt.step} to {args.out}: {', '.join(files)}")
     return 0
-
-
-_HF_INTS = ("layers", "hidden", "heads", "ffn_hidden", "vocab", "seq_len")
-
-
-def _check_hf_model(ckpt) -> None:
-    """Refuse (one line) an ``export --format hf`` whose recorded model settings
-    (``extra.model``) or model tensors do not describe a GPT-2 the conversion can write:
-    every size a positive integer, ``hidden`` a multiple of ``heads``, ``tie_embeddings`` a
-    boolean, ``dropout`` a number in [0, 1], and every tensor GPT-2 needs of the shape those
-    settings give it (before anything is read or written)."""
-    cfg = ckpt.manifest.extra.get("model")
-    where = f"ckpt export: {ckpt.path}: extra.model"
-    if not isinstance(cfg, dict):
-        return  # export_hf refuses a checkpoint that does not record it, with its reason
-    for key in _HF_INTS:
-        v = cfg.get(key)
-        if key in cfg and (type(v) is not int or not 1 <= v < 1 << 31):
-            raise UsageError(f"{where}.{key} is {_brief(v)}, not an integer in [1, 2^31)")
-    if any(k not in cfg for k in _HF_INTS):
-        return  # export_hf names what is missing
-    experts = cfg.get("experts")
-    if experts is not None and (type(experts) is not int or experts < 0):
-        raise UsageError(f"{where}.experts is {_brief(experts)}, not an integer >= 0")
-    if experts:
-        return  # export_hf refuses a mixture of experts, with its reason
-    if cfg["hidden"] % cfg["heads"]:
-        raise UsageError(
-            f"{where}: hidden {cfg['hidden']} is not a multiple of heads {cfg['heads']}"
-        )
-    if not isinstance(cfg.get("tie_embeddings"), bool):
-        raise UsageError(f"{where}.tie_embeddings is {_brief(cfg.get('tie_embeddings'))}, "
-                         "not true or false")  # fmt: skip
-    dropout = cfg.get("dropout")
-    if type(dropout) not in (int, float) or not 0 <= dropout <= 1:
-        raise UsageError(f"{where}.dropout is {_brief(dropout)}, not a number in [0, 1]")
-    tensors = ckpt.manifest.tensors
-    if 12 * cfg["layers"] > len(tensors):  # each layer has 12 tensors
-        raise UsageError(
-            f"{where}.layers is {cfg['layers']}, more than the checkpoint's "
-            f"{len(tensors)} tensors hold"
-        )
-    for name, shape in _gpt2_shapes(cfg).items():
-        t = tensors.get(name)
-        if t is None:
-            raise UsageError(f"ckpt export: {ckpt.path}: has no tensor {name}, which GPT-2 needs")
-        if t.kind != "model" or t.shape != shape or not t.dtype.is_floating_point:
-            raise UsageError(
-                f"ckpt export: {ckpt.path}: tensor {name} is {t.kind} {_brief(t.dtype)} "
-                f"{list(t.shape)}; GPT-2 of extra.model needs a model float {list(shape)}"
-            )
-
-
-def _gpt2_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Our model tensors of a dense GPT-2 of ``cfg`` (``extra.model``) and their shapes."""
-    h, f, v = cfg["hidden"], cfg["ffn_hidden"], cfg["vocab"]
-    out = {
-        "embedding.word_embeddings.weight": (v, h),
-        "embedding.position_embeddings.weight": (cfg["seq_len"], h),
-        "decoder.final_norm.weight": (h,),
-        "decoder.final_norm.bias": (h,),
-    }
-    for i in range(cfg["layers"]):
-        p = f"decoder.layers.{i}"
-        out.update({
-            f"{p}.ln1.weight": (h,), f"{p}.ln1.bias": (h,),
-            f"{p}.ln2.weight": (h,), f"{p}.ln2.bias": (h,),
-            f"{p}.attn.qkv.weight": (3, h, h), f"{p}.attn.qkv.bias": (3, h),
-            f"{p}.attn.proj.weight": (h, h), f"{p}.attn.proj.bias": (h,),
-            f"{p}.mlp.fc1.weight": (f, h), f"{p}.mlp.fc1.bias": (f,),
-            f"{p}.mlp.fc2.weight": (h, f), f"{p}.mlp.fc2.bias": (h,),
-        })  # fmt: skip
-    if not cfg["tie_embeddings"]:
-        out["output_layer.weight"] = (v, h)
-    return out
-
-
-def _brief(value: Any) -> str:
-    text = ascii(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def run_prune(args: argparse.Namespace) -> int:
