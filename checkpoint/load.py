@@ -9,8 +9,9 @@ blocks holding them. They are read (``pread``) in pieces of about a MiB into a p
 buffer, checked there, and only then copied into the local tensor, the same rows of
 strips side by side in one strided copy (a second thread that reads and checks the next
 piece while the first copies exists, :data:`THREADED`, off by default: slower with more
-ranks than cores). Without ``verify``, the chunks are viewed in a memory map of the
-file and only the pages of the overlap are read.
+ranks than cores). Without ``verify``, the same pieces are read and copied unchecked.
+No checkpoint file is memory-mapped: one truncated while it is read (by a concurrent
+writer, or on purpose) fails the load with an error, never with a SIGBUS.
 
 Nothing in a checkpoint is trusted before it is checked: the manifest is parsed and
 checked whole (:meth:`Manifest.from_json`), and each tensor file is opened only as a
@@ -19,12 +20,10 @@ regular file of the manifest's size, its header checked against that size.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import math
-import mmap
 import os
 import time
 import weakref
@@ -95,31 +94,18 @@ class LoadStats:
 
 
 class _OpenFile:
-    """A tensor file whose size and header were checked, open for reading (``pread``; a
-    memory map only for unverified reads, made when first asked for)."""
+    """A tensor file whose size and header were checked, open for reading (``pread``: never
+    memory-mapped, so a file truncated while it is read is an error, not a SIGBUS)."""
 
     def __init__(self, path: str, header: dict, data_start: int, fd: int) -> None:
         self.path = path
         self.header = header
         self.data_start = data_start
         self.fd = fd
-        self._mm: mmap.mmap | None = None
         self._closer = weakref.finalize(self, os.close, fd)
-
-    def mapping(self) -> mmap.mmap:
-        if self._mm is None:
-            # A private mapping: tensors viewing it are writable without copying the file.
-            self._mm = mmap.mmap(self.fd, 0, access=mmap.ACCESS_COPY)
-        return self._mm
 
     def close(self) -> None:
         self._closer()
-        if self._mm is not None:
-            # Unmapped now, unless a tensor still views it (then when that is dropped): a
-            # mapped page stays in the page cache whatever is asked of it.
-            with contextlib.suppress(BufferError):
-                self._mm.close()
-            self._mm = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,12 +141,21 @@ each strip): read, checked and copied out of a buffer small enough to stay in th
 cache in between."""
 
 
-class Checkpoint:
-    """One committed checkpoint, opened for reading."""
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 
-    def __init__(self, path: str, manifest: Manifest) -> None:
+
+class Checkpoint:
+    """One committed checkpoint, opened for reading.
+
+    It holds its step directory open (``dir_fd``) and opens every file in that very
+    directory: a step directory renamed, or replaced by a symlink to somewhere else, once
+    it was opened (a swap race) does not change what is read."""
+
+    def __init__(self, path: str, manifest: Manifest, dir_fd: int) -> None:
         self.path = path
         self.manifest = manifest
+        self.dir_fd = dir_fd
+        self._dir_closer = weakref.finalize(self, os.close, dir_fd)
         self.stats = LoadStats()
         self._handles: dict[str, _OpenFile] = {}
 
@@ -173,19 +168,44 @@ class Checkpoint:
             raise NoCheckpointError(
                 f"{path}: not a committed checkpoint directory (step-NNNNNNNNN)"
             )
-        if os.path.islink(path):
-            # Another job's step (or anything) linked in under a step's name: never followed.
-            raise CorruptCheckpointError(
-                f"{path}: a symlink, not a step directory: refused (only a real directory "
-                "inside the checkpoint directory is a checkpoint)"
-            )
-        if not os.path.isdir(path):
-            raise NoCheckpointError(f"{path}: no such checkpoint")
-        where = os.path.join(path, MANIFEST)
-        if not os.path.lexists(where):
-            raise NoCheckpointError(f"{path}: has no {MANIFEST}, so it was never committed")
-        raw = read_regular(where, max_bytes=MAX_MANIFEST_BYTES)
-        return cls(path, Manifest.from_json(raw, where=where))
+        try:
+            dir_fd = os.open(path, _DIR_FLAGS)
+        except OSError as exc:
+            if os.path.islink(path):
+                # Another job's step (or anything) linked in under a step's name: never
+                # followed.
+                raise CorruptCheckpointError(
+                    f"{path}: a symlink, not a step directory: refused (only a real "
+                    "directory inside the checkpoint directory is a checkpoint)"
+                ) from exc
+            if isinstance(exc, (FileNotFoundError, NotADirectoryError)):
+                raise NoCheckpointError(f"{path}: no such checkpoint") from exc
+            raise CheckpointError(f"{path}: cannot open: {exc.strerror}") from exc
+        try:
+            where = os.path.join(path, MANIFEST)
+            try:
+                os.stat(MANIFEST, dir_fd=dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                raise NoCheckpointError(
+                    f"{path}: has no {MANIFEST}, so it was never committed"
+                ) from None
+            raw = read_regular(where, max_bytes=MAX_MANIFEST_BYTES, dir_fd=dir_fd)
+            manifest = Manifest.from_json(raw, where=where)
+        except BaseException:
+            os.close(dir_fd)
+            raise
+        return cls(path, manifest, dir_fd)
+
+    def open_file(self, name: str) -> tuple[int, int]:
+        """``(fd, size)`` of the tensor file ``name`` of the manifest, opened in the step
+        directory, only if it is a regular file of the manifest's size (the caller closes
+        ``fd``)."""
+        path = os.path.join(self.path, name)
+        meta = self.manifest.files.get(name)
+        if meta is None:
+            raise CorruptCheckpointError(f"{path}: not listed in the manifest")
+        # The name is a plain one (Manifest checked it), so it names a file of this directory.
+        return open_regular(path, expect_bytes=meta.bytes, dir_fd=self.dir_fd)
 
     @property
     def step(self) -> int:
@@ -257,7 +277,7 @@ class Checkpoint:
         entry to the manifest, reading no tensor data. Raises CorruptCheckpointError."""
         for entry in self.manifest.tensors.values():
             for chunk in entry.chunks:
-                self._chunk_view(chunk, entry.dtype)
+                self._chunk_span(chunk, entry.dtype)
 
     def _entry(self, name: str):
         entry = self.manifest.tensors.get(name)
@@ -281,29 +301,18 @@ class Checkpoint:
                 )
             self.stats.bytes_needed += region.numel() * entry.dtype.itemsize
             ops = plan_reads(quoted(name), box, entry.chunks, global_shape=entry.shape)
-            if verify:
-                for group in _strip_groups(entry, ops):
-                    reads += self._plan_verified(entry, group, region)
-                continue
-            for op in ops:
-                if op.whole_chunk:
-                    region[op.dst].copy_(self._read_chunk(op.chunk, entry.dtype))
-                else:
-                    region[op.dst].copy_(self._read_slice(op.chunk, op.src, entry.dtype))
+            for group in _strip_groups(entry, ops):
+                reads += self._plan_verified(entry, group, region)
         if reads:
-            self._copy_verified(reads)
+            self._copy_verified(reads, check=verify)
 
     def _handle(self, file: str) -> _OpenFile:
         h = self._handles.get(file)
         if h is not None:
             return h
         path = os.path.join(self.path, file)
-        meta = self.manifest.files.get(file)
-        if meta is None:
-            raise CorruptCheckpointError(f"{path}: not listed in the manifest")
-        # The name is a plain one (Manifest checked it); the file must be a regular file
-        # of the manifest's size, checked on the descriptor that is then read and mapped.
-        fd, size = open_regular(path, expect_bytes=meta.bytes)
+        fd, size = self.open_file(file)
+        meta = self.manifest.files[file]
         try:
             header, parsed = read_header_checked(fd, size, path)
             self.stats.bytes_read += len(header)
@@ -362,9 +371,10 @@ class Checkpoint:
             out.append(_Read(parts, k * (hi - lo) * row, dtype, shape, src, into))
         return out
 
-    def _copy_verified(self, reads: list[_Read]) -> None:
+    def _copy_verified(self, reads: list[_Read], *, check: bool = True) -> None:
         """Carry out ``reads``: each piece is read into a private buffer and its blocks
-        checked against their checksums before a byte of it is copied out. With
+        checked against their checksums (unless not ``check``: ``verify=False``) before a
+        byte of it is copied out. With
         :data:`THREADED`, a second thread reads and checks the next piece while this one
         copies the last (both release the GIL), through two buffers."""
         crc = zlib.crc32 if self.manifest.version == 1 else crc32c.crc32c
@@ -377,6 +387,8 @@ class Checkpoint:
         def fetch(i: int) -> None:
             view = views[i % len(views)]
             _read_parts(reads[i].parts, view, cold if cold.pending else None, i)
+            if not check:
+                return
             at = 0
             for p in reads[i].parts:
                 if not blocks_match(view[at : at + p.nbytes], p.block, p.crc, crc):
@@ -406,19 +418,6 @@ class Checkpoint:
         self.stats.bytes_read += r.nbytes
         r.dest.copy_(buffer[: r.nbytes].view(r.dtype).view(r.shape)[r.src])
 
-    def _read_chunk(self, chunk: SavedChunk, dtype: torch.dtype) -> torch.Tensor:
-        """A whole chunk, viewed in place from the file's mapping (no copy), unchecked."""
-        _, view = self._chunk_view(chunk, dtype)
-        self.stats.bytes_read += len(view)
-        if not len(view):
-            return torch.empty(chunk.sizes, dtype=dtype)
-        return torch.frombuffer(view, dtype=dtype).view(chunk.sizes)
-
-    def _chunk_view(self, chunk: SavedChunk, dtype: torch.dtype) -> tuple[_OpenFile, memoryview]:
-        """The bytes of a chunk in the file's mapping (see :meth:`_chunk_span`)."""
-        f, begin, nbytes = self._chunk_span(chunk, dtype)
-        return f, memoryview(f.mapping())[begin : begin + nbytes]
-
     def _chunk_span(self, chunk: SavedChunk, dtype: torch.dtype) -> tuple[_OpenFile, int, int]:
         """Where a chunk lies in its file (offset, bytes), after its header entry (whose
         offsets were checked against the file when it was opened) matches the manifest."""
@@ -434,16 +433,6 @@ class Checkpoint:
                 f"{f.path}: {quoted(chunk.key)}: missing or not as the manifest says"
             )
         return f, f.data_start + info["data_offsets"][0], nbytes
-
-    def _read_slice(self, chunk: SavedChunk, src: tuple[slice, ...], dtype: torch.dtype):
-        """Only the ``src`` part of a chunk (unverified: ``verify=False``); the pages of the
-        mapping that are not touched are not read."""
-        _, view = self._chunk_view(chunk, dtype)
-        if not len(view):
-            return torch.empty(chunk.sizes, dtype=dtype)[src]
-        t = torch.frombuffer(view, dtype=dtype).view(chunk.sizes)[src]
-        self.stats.bytes_read += t.numel() * dtype.itemsize
-        return t
 
 
 def read_header_checked(fd: int, size: int, path: str) -> tuple[bytes, dict]:

@@ -38,22 +38,29 @@ _CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(o
 
 
 def open_regular(
-    path: str, *, error: type[CheckpointError], missing_ok: bool = False
+    path: str,
+    *,
+    error: type[CheckpointError],
+    missing_ok: bool = False,
+    dir_fd: int | None = None,
 ) -> tuple[int, os.stat_result] | None:
     """``(fd, fstat)`` of ``path`` opened for reading, only if it is a regular file: a
     symlink (``O_NOFOLLOW``), a FIFO (``O_NONBLOCK`` keeps its open from blocking), a device
     or a directory raises ``error``, one line naming the file; the type comes from ``fstat``
     of the very file opened. A missing file is None with ``missing_ok``, else ``error``.
-    The caller closes ``fd``."""
+    With ``dir_fd`` (an open directory), the last part of ``path`` is opened in that very
+    directory, whatever its name points to by now. The caller closes ``fd``."""
+    name = path if dir_fd is None else os.path.basename(path)
     try:
-        fd = os.open(path, _READ_FLAGS)
+        fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError as exc:
         if missing_ok:
             return None
         raise error(f"{path}: file is missing") from exc
     except OSError as exc:
-        if os.path.islink(path):
-            raise error(f"{path}: a symlink, not a regular file") from exc
+        with contextlib.suppress(OSError):
+            if stat.S_ISLNK(os.lstat(name, dir_fd=dir_fd).st_mode):
+                raise error(f"{path}: a symlink, not a regular file") from exc
         raise error(f"{path}: cannot open: {exc.strerror}") from exc
     try:
         st = os.fstat(fd)

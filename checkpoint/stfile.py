@@ -194,14 +194,22 @@ def write_all(fd: int, buf: memoryview | bytes) -> None:
         view = view[n:]
 
 
-def open_regular(path: str, *, expect_bytes: int | None = None, max_bytes: int | None = None):
+def open_regular(
+    path: str,
+    *,
+    expect_bytes: int | None = None,
+    max_bytes: int | None = None,
+    dir_fd: int | None = None,
+):
     """Open ``path`` for reading only if it is a regular file (not a symlink, a device or a
     FIFO) of the expected size; returns ``(fd, size)``; the caller closes ``fd``.
 
     ``O_NOFOLLOW`` refuses a symlink (say, to /dev/zero or out of the step directory) and
     ``O_NONBLOCK`` keeps the open of a FIFO from blocking; the file type and size then come
-    from ``fstat`` of the very file opened, so nothing is read before they are checked."""
-    fd, st = smallfile.open_regular(path, error=CorruptCheckpointError)
+    from ``fstat`` of the very file opened, so nothing is read before they are checked.
+    With ``dir_fd``, the file is opened in that open directory (the step directory a
+    :class:`checkpoint.load.Checkpoint` holds), not through the path's directories."""
+    fd, st = smallfile.open_regular(path, error=CorruptCheckpointError, dir_fd=dir_fd)
     try:
         if expect_bytes is not None and st.st_size != expect_bytes:
             raise CorruptCheckpointError(
@@ -215,9 +223,9 @@ def open_regular(path: str, *, expect_bytes: int | None = None, max_bytes: int |
     return fd, st.st_size
 
 
-def read_regular(path: str, *, max_bytes: int) -> bytes:
+def read_regular(path: str, *, max_bytes: int, dir_fd: int | None = None) -> bytes:
     """The whole of a small regular file (see :func:`open_regular`)."""
-    fd, size = open_regular(path, max_bytes=max_bytes)
+    fd, size = open_regular(path, max_bytes=max_bytes, dir_fd=dir_fd)
     try:
         return read_exact(fd, 0, size, path)
     finally:
@@ -302,21 +310,17 @@ def read_header(path: str) -> tuple[bytes, dict]:
         os.close(fd)
 
 
-def file_sha256(path: str, *, expect_bytes: int | None = None, block: int = 8 << 20):
-    """sha256 and size of a whole regular file (refused unless it has ``expect_bytes``)."""
-    fd, size = open_regular(path, expect_bytes=expect_bytes)
+def fd_sha256(fd: int, size: int, path: str, *, block: int = 8 << 20) -> str:
+    """sha256 of the ``size`` bytes of the open file ``fd`` (``pread``: a file truncated
+    meanwhile is CorruptCheckpointError, never a SIGBUS)."""
     h = hashlib.sha256()
-    done = 0
-    try:
-        with open(fd, "rb", buffering=0, closefd=True) as f:
-            buf = bytearray(block)
-            mv = memoryview(buf)
-            while done < size and (n := f.readinto(buf)):
-                h.update(mv[: min(n, size - done)])
-                done += n
-    except OSError as exc:
-        raise CorruptCheckpointError(f"{path}: cannot read: {exc.strerror}") from exc
-    return h.hexdigest(), size
+    buf = bytearray(min(block, size))
+    view = memoryview(buf)
+    for at in range(0, size, block):
+        part = view[: min(block, size - at)]
+        pread_into(fd, part, at, path)
+        h.update(part)
+    return h.hexdigest()
 
 
 def fsync_dir(path: str) -> None:

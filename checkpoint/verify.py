@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 import os
 from collections.abc import Callable
 
@@ -14,11 +13,7 @@ from checkpoint.errors import CheckpointError, CorruptCheckpointError
 from checkpoint.load import Checkpoint, read_header_checked
 from checkpoint.manifest import quoted, st_code
 from checkpoint.planner import row_bytes
-from checkpoint.stfile import (
-    block_crc32c,
-    file_sha256,
-    open_regular,
-)
+from checkpoint.stfile import block_crc32c, fd_sha256, pread_into
 
 
 def verify(ckpt: Checkpoint) -> list[str]:
@@ -40,18 +35,19 @@ def verify(ckpt: Checkpoint) -> list[str]:
     for name, meta in sorted(ckpt.manifest.files.items()):
         path = os.path.join(ckpt.path, name)
         try:
-            if ckpt.manifest.version == 1:
-                # Refused unless a regular file of the manifest's size, before anything is read.
-                sha, _ = file_sha256(path, expect_bytes=meta.bytes)
-                fd, size = open_regular(path, expect_bytes=meta.bytes)
-                try:
+            # Refused unless a regular file of the manifest's size, before anything is read.
+            fd, size = ckpt.open_file(name)
+            try:
+                if ckpt.manifest.version == 1:
                     _, headers[name] = read_header_checked(fd, size, path)
-                finally:
-                    os.close(fd)
-                if sha != meta.sha256:
-                    problems.append(f"{path}: sha256 mismatch (corrupted)")
-            else:
-                headers[name] = _verify_v2_file(path, meta, by_file.get(name, {}), problems)
+                    if fd_sha256(fd, size, path) != meta.sha256:
+                        problems.append(f"{path}: sha256 mismatch (corrupted)")
+                else:
+                    headers[name] = _verify_v2_file(
+                        fd, size, path, meta, by_file.get(name, {}), problems
+                    )
+            finally:
+                os.close(fd)
         except CheckpointError as exc:
             problems.append(str(exc))
     for tname, entry in sorted(ckpt.manifest.tensors.items()):
@@ -69,44 +65,48 @@ def verify(ckpt: Checkpoint) -> list[str]:
     return problems
 
 
+READ_BYTES = 8 << 20
+"""Most bytes ``verify`` reads at a time (whole verify blocks of one chunk)."""
+
+
 def _verify_v2_file(
-    path: str, meta, chunks: dict[str, tuple[int, str]], problems: list[str]
+    fd: int, size: int, path: str, meta, chunks: dict[str, tuple[int, str]], problems: list[str]
 ) -> dict:
-    fd, size = open_regular(path, expect_bytes=meta.bytes)
-    try:
-        header, parsed = read_header_checked(fd, size, path)
-        if hashlib.sha256(header).hexdigest() != meta.header_sha256:
-            problems.append(f"{path}: header checksum mismatch")
-            return parsed
-        entries = {k: v for k, v in parsed.items() if k != "__metadata__"}
-        if set(entries) != set(chunks):
-            problems.append(f"{path}: its tensors are not the manifest's chunks of this file")
-            return parsed
-        at = 0
-        for begin, end in sorted(v["data_offsets"] for v in entries.values()):
-            if begin != at:
-                problems.append(f"{path}: bytes {at}..{begin} of its data belong to no tensor")
-                return parsed
-            at = end
-        if at != size - len(header):
-            problems.append(f"{path}: bytes after {at} of its data belong to no tensor")
-            return parsed
-        with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mm:
-            view = memoryview(mm)
-            try:
-                for key, (block, crc) in sorted(chunks.items()):
-                    begin, end = entries[key]["data_offsets"]
-                    part = view[len(header) + begin : len(header) + end]
-                    if block_crc32c(part, block) != crc:
-                        problems.append(
-                            f"{path}: {quoted(key)}: checksum mismatch (corrupted data)"
-                        )
-                    part.release()
-            finally:
-                view.release()
+    header, parsed = read_header_checked(fd, size, path)
+    if hashlib.sha256(header).hexdigest() != meta.header_sha256:
+        problems.append(f"{path}: header checksum mismatch")
         return parsed
-    finally:
-        os.close(fd)
+    entries = {k: v for k, v in parsed.items() if k != "__metadata__"}
+    if set(entries) != set(chunks):
+        problems.append(f"{path}: its tensors are not the manifest's chunks of this file")
+        return parsed
+    at = 0
+    for begin, end in sorted(v["data_offsets"] for v in entries.values()):
+        if begin != at:
+            problems.append(f"{path}: bytes {at}..{begin} of its data belong to no tensor")
+            return parsed
+        at = end
+    if at != size - len(header):
+        problems.append(f"{path}: bytes after {at} of its data belong to no tensor")
+        return parsed
+    # Read (pread, never a memory map: a file truncated meanwhile is a problem reported,
+    # not a SIGBUS) in pieces of whole blocks.
+    buf = memoryview(bytearray(min(READ_BYTES, size)))
+    for key, (block, crc) in sorted(chunks.items()):
+        begin, end = entries[key]["data_offsets"]
+        if begin == end:
+            sums = [block_crc32c(b"", block)]
+        else:  # block > 0: the chunk has bytes
+            step = max(block, READ_BYTES // block * block)
+            sums = []
+            for lo in range(begin, end, step):
+                n = min(step, end - lo)
+                part = buf[:n] if n <= len(buf) else memoryview(bytearray(n))
+                pread_into(fd, part, len(header) + lo, path)
+                sums.append(block_crc32c(part, block))
+        if "".join(sums) != crc:
+            problems.append(f"{path}: {quoted(key)}: checksum mismatch (corrupted data)")
+    return parsed
 
 
 def export(
