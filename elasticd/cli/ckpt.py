@@ -18,7 +18,7 @@ from elasticd.errors import ElasticdError, UsageError
 
 
 class CheckpointCheckFailed(ElasticdError):
-    """`ckpt verify` found problems (already printed, one per line)."""
+    """`ckpt verify` found problems (one line: how many, and the first few)."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -265,17 +265,23 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+VERIFY_SHOWN = 3
+"""Problems ``ckpt verify`` names in its one line (it counts them all)."""
+
+
 def run_verify(args: argparse.Namespace) -> int:
     from checkpoint import verify
 
     ckpt = _open(args)
     problems = verify(ckpt)
-    if len(problems) == 1:  # one line, as every other refusal
-        raise CheckpointCheckFailed(f"{ckpt.path}: 1 problem found: {problems[0]}")
-    for p in problems:
-        print(p, file=sys.stderr)
-    if problems:
-        raise CheckpointCheckFailed(f"{ckpt.path}: {len(problems)} problems found")
+    if problems:  # one line, as every other refusal: the count and the first few
+        shown = "; ".join(problems[:VERIFY_SHOWN])
+        more = len(problems) - VERIFY_SHOWN
+        raise CheckpointCheckFailed(
+            f"{ckpt.path}: {len(problems)} problem{'s' if len(problems) > 1 else ''} found: "
+            + shown
+            + (f" (and {more} more)" if more > 0 else "")
+        )
     m = ckpt.manifest
     print(f"{ckpt.path}: ok ({len(m.files)} files, {len(m.tensors)} tensors, {_mb(m.total_bytes)})")
     return 0
