@@ -228,3 +228,84 @@ def test_a_step_directory_that_is_a_symlink_is_skipped_by_a_load_and_refused_by_
     assert recover_replaced(ckpt) == []
     assert not os.path.lexists(step_path(ckpt, 5)) and os.path.islink(aside)
     assert os.path.isdir(step_path(theirs, 3))
+
+
+@pytest.mark.parametrize("swap", ["symlink", "directory"])
+def test_a_step_directory_swapped_after_it_was_opened_is_not_what_is_read(tmp_path, swap):
+    """The swap race: the step directory passed the checks when it was opened, then its
+    name was pointed at another checkpoint before the tensor files were opened. What is
+    read and verified is still the directory that was opened."""
+    from checkpoint import Checkpoint, verify
+
+    ckpt = save(str(tmp_path / "ckpt"))
+    theirs = save(str(tmp_path / "another-job"), step=3, scale=-1.0)
+    step = step_path(ckpt, 3)
+    opened = Checkpoint.open(step)
+    os.rename(step, str(tmp_path / "moved-away"))
+    if swap == "symlink":
+        os.symlink(step_path(theirs, 3), step)
+    else:
+        os.rename(step_path(theirs, 3), step)
+    assert torch.equal(opened.read("w"), W)  # ours, not what the name now points at
+    got = model()
+    opened.load_into(got)
+    assert torch.equal(got["w"][0], W)
+    assert verify(opened) == []
+    opened.close()
+
+
+def test_verify_of_a_file_truncated_while_it_is_read_reports_it_and_does_not_die(tmp_path):
+    """A tensor file truncated by someone else while `verify` reads it: a problem named
+    in one line, not a SIGBUS (a memory map of the file would raise one)."""
+    ckpt = tmp_path / "ckpt"
+    saver = Saver(str(ckpt), group=None, options=SaveOptions(async_=False, chunk_min_bytes=1024))
+    big = torch.arange(1 << 20, dtype=torch.float32).reshape(1024, 1024)
+    saver.save(step=3, consumed_samples=12, model={
+        n: (big + i, ShardInfo.whole(n, (1024, 1024))) for i, n in enumerate("abc")
+    })  # fmt: skip
+    saver.close()
+    code = f"""
+import os, sys
+import checkpoint.verify
+from checkpoint import Checkpoint
+v = sys.modules["checkpoint.verify"]  # the package's `verify` is the function
+real = v.block_crc32c
+cut = []
+def truncating(buf, block):
+    if not cut:  # the first piece is read: now the file shrinks under the reader
+        for f in sorted(os.listdir(ck.path)):
+            if f.endswith(".safetensors"):
+                os.truncate(os.path.join(ck.path, f), 4096)
+                cut.append(f)
+    return real(buf, block)
+v.block_crc32c = truncating
+ck = Checkpoint.open({str(step_path(str(ckpt), 3))!r})
+problems = v.verify(ck)
+print(len(cut), "|".join(problems))
+"""
+    p = run_py(code)
+    assert p.returncode == 0, (p.returncode, p.stderr[-3000:])  # -7: SIGBUS
+    cut, problems = one_line(p).split(" ", 1)
+    assert cut == "1" and "truncated" in problems, p.stdout
+
+
+def test_verify_names_several_problems_in_one_line(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    saver = Saver(str(ckpt), group=None, options=SaveOptions(async_=False, chunk_min_bytes=1024))
+    saver.save(step=3, consumed_samples=12, model={
+        n: (W + i, ShardInfo.whole(n, (64, 16))) for i, n in enumerate("abcde")
+    })  # fmt: skip
+    saver.close()
+    step = step_path(str(ckpt), 3)
+    files = sorted(f for f in os.listdir(step) if f.endswith(".safetensors"))
+    with open(os.path.join(step, files[0]), "r+b") as f:
+        size = f.seek(0, 2)
+        for at in range(size - 4 * 1024, size, 1024):  # 4 chunks' last bytes flipped
+            f.seek(at)
+            f.write(b"\xff")
+    code = main(["ckpt", "verify", str(ckpt)])
+    out = capsys.readouterr()
+    err = out.err.strip().splitlines()
+    assert code == 2 and len(err) == 1, out
+    assert "4 problems found" in err[0] and "checksum mismatch" in err[0], err
+    assert "(and 1 more)" in err[0], err

@@ -287,6 +287,34 @@ def test_init_from_follows_the_symlinks_of_a_hub_cache_snapshot(hf_base, tmp_pat
     assert rc == 0, capsys.readouterr().err[-2000:]
 
 
+def test_init_from_reads_the_weight_files_it_checked_and_survives_their_truncation(
+    hf_base, tmp_path
+):
+    """A weights file replaced under its name after it was checked is not what is read (it
+    is read through the descriptor that was checked), and one truncated while it is read
+    is one error, not a SIGBUS (it is never memory-mapped)."""
+    import torch
+
+    from trainer.hf import HFError, _WeightFiles
+
+    hf = tmp_path / "hf"
+    shutil.copytree(hf_base, hf)
+    name = "transformer.wte.weight"
+    theirs = load_file(hf / "model.safetensors")
+    wte = theirs[name]
+    files = _WeightFiles(str(hf), "where")
+    save_file({k: v * 0 + 7 for k, v in theirs.items()}, hf / "swap.tmp")
+    os.replace(hf / "swap.tmp", hf / "model.safetensors")
+    assert torch.equal(files.get(name, tuple(wte.shape)), wte)
+    files.close()
+
+    files = _WeightFiles(str(hf), "where")  # the new file: 7s
+    os.truncate(hf / "model.safetensors", 1024)
+    with pytest.raises(HFError, match="truncated"):
+        files.get(name, tuple(wte.shape))
+    files.close()
+
+
 # -- ckpt export --format hf ----------------------------------------------------------------
 
 

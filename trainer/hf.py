@@ -26,9 +26,10 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from checkpoint.errors import CheckpointError
+from checkpoint.stfile import pread_into, read_header_fd
 from trainer.errors import TrainerConfigError
 
 MODEL_FIELDS = ("layers", "hidden", "heads", "ffn_hidden", "vocab", "seq_len", "experts",
@@ -216,15 +217,17 @@ def read_hf(path: str, model_cfg) -> dict[str, torch.Tensor]:
     if not isinstance(tied, bool) or tied != bool(cfg["tie_embeddings"]):
         raise HFError(f"{where}: tie_word_embeddings is {_brief(tied)}, model.tie_embeddings is "
                       f"{cfg['tie_embeddings']}")  # fmt: skip
-    files = _weight_files(path, where)
-    out = {}
-    for ours, hf, how in _pairs(cfg):
-        shape = _hf_shape(ours, how, cfg, positions)
-        t = _get(files, hf, shape, where)
-        if ours == "embedding.position_embeddings.weight":
-            t = t[: cfg["seq_len"]]
-        out[ours] = _from_hf(t, how, _our_shape(ours, cfg)).clone()
-    return out
+    files = _WeightFiles(path, where)
+    try:
+        out = {}
+        for ours, hf, how in _pairs(cfg):
+            t = files.get(hf, _hf_shape(ours, how, cfg, positions))
+            if ours == "embedding.position_embeddings.weight":
+                t = t[: cfg["seq_len"]]
+            out[ours] = _from_hf(t, how, _our_shape(ours, cfg)).clone()
+        return out
+    finally:
+        files.close()
 
 
 CONFIG_MAX_BYTES = 1 << 20
@@ -322,62 +325,100 @@ def _our_shape(name: str, cfg: Mapping[str, Any]) -> tuple[int, ...]:
     return (h,)
 
 
-def _weight_files(path: str, where: str) -> dict[str, str]:
-    """HF tensor name -> file holding it."""
-    index = "model.safetensors.index.json"
-    if os.path.lexists(os.path.join(path, index)):
-        raw = _read_json(path, index, INDEX_MAX_BYTES, where)
-        weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
-        if not isinstance(weight_map, dict):
-            raise HFError(f"{where}: {index} has no weight_map object")
-        for key, name in weight_map.items():
-            if not isinstance(name, str):
+_TORCH_DTYPES = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+                 "F64": torch.float64}  # fmt: skip
+
+
+class _WeightFiles:
+    """A directory's safetensors weights, each file opened once (:func:`_open_regular`)
+    and read only through that descriptor: its header checked against the file's size
+    (:func:`checkpoint.stfile.read_header_fd`: offsets in range, bytes matching dtype and
+    shape), then each tensor asked for read with ``pread``. A file is never opened again
+    by name after its checks (a file swapped in meanwhile is not what is read), nor
+    memory-mapped (one truncated while read is an error, not a SIGBUS)."""
+
+    def __init__(self, path: str, where: str) -> None:
+        self.path, self.where = path, where
+        self._open: dict[str, tuple[int, int, dict]] = {}  # name -> (fd, data start, header)
+        self.files: dict[str, str] = {}  # tensor -> file name
+        try:
+            self._list()
+        except BaseException:
+            self.close()
+            raise
+
+    def _list(self) -> None:
+        index = "model.safetensors.index.json"
+        if os.path.lexists(os.path.join(self.path, index)):
+            raw = _read_json(self.path, index, INDEX_MAX_BYTES, self.where)
+            weight_map = raw.get("weight_map") if isinstance(raw, dict) else None
+            if not isinstance(weight_map, dict):
+                raise HFError(f"{self.where}: {index} has no weight_map object")
+            for key, name in weight_map.items():
+                if not isinstance(name, str):
+                    raise HFError(f"{self.where}: {index} maps {_brief(key)} to "
+                                  f"{_brief(name)}, not a file name")  # fmt: skip
+            for name in sorted(set(weight_map.values())):
+                self._file(name, f"{self.where}: {index}")
+            self.files = dict(weight_map)
+            return
+        single = "model.safetensors"
+        if not os.path.lexists(os.path.join(self.path, single)):
+            raise HFError(
+                f"{self.where}: has no model.safetensors (only safetensors weights are read)"
+            )
+        header = self._file(single, self.where)[2]
+        self.files = dict.fromkeys((k for k in header if k != "__metadata__"), single)
+
+    def _file(self, name: str, where: str) -> tuple[int, int, dict]:
+        got = self._open.get(name)
+        if got is None:
+            fd = _open_regular(self.path, name, where)
+            try:
+                size = os.fstat(fd).st_size
+                raw, header = read_header_fd(fd, size, os.path.join(self.path, name))
+            except (CheckpointError, ValueError, OSError) as exc:
+                os.close(fd)
+                raise HFError(f"{where}: {name}: {_one_line(exc)}") from None
+            got = self._open[name] = (fd, len(raw), header)
+        return got
+
+    def get(self, hf: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """Tensor ``hf`` (checked to be a floating-point ``shape`` before it is read)."""
+        # Hub GPT-2 files name the base model's tensors without the ``transformer.`` prefix.
+        for key in (hf, hf.removeprefix("transformer.")):
+            if key not in self.files:
+                continue
+            name = self.files[key]
+            fd, start, header = self._file(name, self.where)
+            info = header.get(key)
+            if info is None:
+                raise HFError(f"{self.where}: {name} has no tensor {key}")
+            got, dtype = tuple(info["shape"]), _TORCH_DTYPES.get(info["dtype"])
+            if got != shape or dtype is None:
                 raise HFError(
-                    f"{where}: {index} maps {_brief(key)} to {_brief(name)}, not a file name"
+                    f"{self.where}: {name}: {key} is {info['dtype']} {list(got)}, the job's "
+                    f"model needs a floating-point {list(shape)}"
                 )
-        for name in set(weight_map.values()):
-            os.close(_open_regular(path, name, f"{where}: {index}"))
-        return {k: os.path.join(path, v) for k, v in weight_map.items()}
-    single = "model.safetensors"
-    if not os.path.lexists(os.path.join(path, single)):
-        raise HFError(f"{where}: has no model.safetensors (only safetensors weights are read)")
-    os.close(_open_regular(path, single, where))
-    single = os.path.join(path, single)
-    try:
-        with safe_open(single, framework="pt") as f:
-            return dict.fromkeys(f.keys(), single)
-    except (SafetensorError, OSError) as exc:
-        raise HFError(f"{where}: model.safetensors: {_one_line(exc)}") from exc
+            t = torch.empty(shape, dtype=dtype)
+            if t.numel():
+                view = memoryview(t.view(-1).view(torch.uint8).numpy())
+                try:
+                    pread_into(fd, view, start + info["data_offsets"][0], name)
+                except CheckpointError as exc:
+                    raise HFError(f"{self.where}: {_one_line(exc)}") from None
+            return t.float()
+        raise HFError(f"{self.where}: has no tensor {hf}")
+
+    def close(self) -> None:
+        for fd, _, _ in self._open.values():
+            os.close(fd)
+        self._open.clear()
 
 
 def _one_line(exc: BaseException) -> str:
     text = str(exc).splitlines()
     return text[0] if text else type(exc).__name__
-
-
-def _get(files: dict[str, str], hf: str, shape: tuple[int, ...], where: str) -> torch.Tensor:
-    """Tensor ``hf`` (checked to be a floating-point ``shape`` before it is read)."""
-    # Hub GPT-2 files name the base model's tensors without the ``transformer.`` prefix.
-    for key in (hf, hf.removeprefix("transformer.")):
-        if key in files:
-            name = os.path.basename(files[key])
-            # Checked again here: the file may have been replaced since it was listed.
-            os.close(_open_regular(os.path.dirname(files[key]), name, where))
-            try:
-                with safe_open(files[key], framework="pt") as f:
-                    if key not in set(f.keys()):
-                        raise HFError(f"{where}: {name} has no tensor {key}")
-                    part = f.get_slice(key)
-                    got, dtype = tuple(part.get_shape()), part.get_dtype()
-                    if got != shape or dtype not in _FLOAT_DTYPES:
-                        raise HFError(
-                            f"{where}: {name}: {key} is {dtype} {list(got)}, the job's model "
-                            f"needs a floating-point {list(shape)}"
-                        )
-                    return f.get_tensor(key).float()
-            except (SafetensorError, OSError) as exc:
-                raise HFError(f"{where}: {name}: {_one_line(exc)}") from exc
-    raise HFError(f"{where}: has no tensor {hf}")
 
 
 def init_from_hf(trainer, path: str) -> None:
