@@ -59,6 +59,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -697,6 +699,55 @@ def _hold_until_done(work: Any, group: Any) -> None:
         held.clear()
 
     threading.Thread(target=hold, name="elasticd-abandoned", daemon=True).start()
+
+
+def wait_transfer(work: Any, group: Any = None) -> None:
+    """Wait for ``work``, an asynchronous *send or receive* of the current round over
+    ``group`` (the pipeline's point-to-point transfers), abandoning it as
+    :func:`wait_collective` abandons a collective: :class:`RoundAborted` once the round has
+    ended :data:`ABANDON_AFTER` ago and it is still pending. Call it from the thread that
+    runs the round, once per work.
+
+    A timed wait on a gloo send or receive fails its whole group, so it is never waited
+    for in slices: the untimed ``work.wait()`` runs on a waiter thread of its own, and this
+    thread waits for *that* in slices. An abandoned transfer keeps the waiter thread (and,
+    through it, the work and its group) until gloo ends it; the next transfer gets a new
+    waiter. Elsewhere (no in-process round, or another backend) this is ``work.wait()``."""
+    control = _current
+    if control is None or not control._begun:
+        work.wait()
+        return
+    import torch.distributed as dist
+
+    if dist.get_backend(group) != "gloo":
+        work.wait()
+        return
+    global _waiter
+    round_ = control.round
+    if _waiter is None:
+        _waiter = ThreadPoolExecutor(1, thread_name_prefix="elasticd-transfer")
+    # The group rides with the call, so that it is dropped on the waiter thread when an
+    # abandoned transfer ends there (its destructor joins gloo's threads).
+    done = _waiter.submit(lambda w=work, g=group: w.wait())
+    while True:
+        try:
+            done.result(timeout=WAIT_SLICE)
+            return
+        except FutureTimeout:
+            if done.done():  # its own TimeoutError: raise it
+                done.result()
+        since = control.ended_for(round_)
+        if since is not None and since >= ABANDON_AFTER:
+            _waiter.shutdown(wait=False)
+            _waiter = None
+            raise RoundAborted(
+                f"round {round_} ended {since:.1f} s ago and a transfer of it is still "
+                "pending (gloo left it waiting): abandoned"
+            )
+
+
+_waiter: ThreadPoolExecutor | None = None
+"""The thread :func:`wait_transfer` waits on (a new one after an abandoned transfer)."""
 
 
 def _open_round(

@@ -798,6 +798,10 @@ TRAINER_PENDING_SCRIPT = textwrap.dedent(
             p = torch.ones(4)
             p.grad = torch.ones(4)
             global_grad_norm([p], groups=[slot], replicas=[1])
+        elif name == "pipeline-recv":  # a stage's receive of activations, posted and waited
+            from trainer.parallel.pipeline import _Posted
+            works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, torch.empty(4), 1, slot.group)])
+            _Posted(works=list(works), sending=[], group=slot.group).wait()
         else:
             raise SystemExit(f"unknown case {name}")
 
@@ -816,7 +820,7 @@ TRAINER_PENDING_SCRIPT = textwrap.dedent(
 )
 
 TRAINER_COLLECTIVES = ["tp-forward", "tp-backward", "sp-gather", "cross-entropy",
-                       "moe-all-to-all", "grad-norm"]  # fmt: skip
+                       "moe-all-to-all", "grad-norm", "pipeline-recv"]  # fmt: skip
 
 
 def test_the_trainers_collectives_are_abandoned_when_their_round_ends(tmp_path):
@@ -824,9 +828,9 @@ def test_the_trainers_collectives_are_abandoned_when_their_round_ends(tmp_path):
     all-reduce of its backward, with a peer that also survived, 10 s after the round
     ended, in 2 of 24 runs (gloo left it waiting once the round's connections shut), and the
     stuck-worker exit then restarted it from the checkpoint. Every collective of the
-    trainer's step now waits through wait_collective: here the peer never joins, and each
-    is abandoned about 0.3 s after its round ends instead of lasting the 60 s group
-    timeout."""
+    trainer's step now waits through wait_collective, and the pipeline's receives through
+    wait_transfer: here the peer never joins, and each is abandoned about 0.3 s after its
+    round ends instead of lasting the 60 s group timeout."""
     control = str(tmp_path / "control.json")
     procs = _gloo_pair(tmp_path, TRAINER_PENDING_SCRIPT, control, ",".join(TRAINER_COLLECTIVES))
     lines: list[str] = []

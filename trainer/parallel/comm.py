@@ -12,9 +12,10 @@ abandoned 0.3 s after its round ended (``RoundAborted``) and the worker recovers
 like its peers. Outside an in-process round, and on NCCL, the wait is ``work.wait()``, the
 same as the synchronous call.
 
-Point-to-point transfers (the pipeline's sends and receives) are not here: a timed wait on
-one makes gloo fail its whole group, so they keep the blocking wait, and the stuck-worker
-exit stays their net.
+Point-to-point transfers (the pipeline's sends and receives) are posted by the pipeline
+and waited for through :func:`elasticd.inprocess.wait_transfer` (re-exported here): a timed
+wait on one makes gloo fail its whole group, so the untimed wait runs on a waiter thread,
+and the round's thread waits for that in slices, abandoning it like a collective.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from elasticd.inprocess import wait_collective
+from elasticd.inprocess import wait_transfer as wait_transfer  # the pipeline's waits
 
 # torch 2.13 renamed the flat collectives (the old names warn); older torch has only those.
 all_gather_base = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -107,11 +107,13 @@ class _Posted:
 
     works: list[dist.Work | None]
     sending: list[torch.Tensor]  # kept alive until the sends are waited for
+    group: dist.ProcessGroup | None = None
 
     def wait_one(self, index: int) -> None:
         work, self.works[index] = self.works[index], None
         if work is not None:
-            work.wait()
+            # Abandoned, not waited out, when an in-process round ends under it.
+            comm.wait_transfer(work, self.group)
 
     def wait(self) -> None:
         for i in range(len(self.works)):
@@ -247,7 +249,7 @@ def _exchange(
             recvs.append((key, buf, len(ops)))
             ops.append(dist.P2POp(dist.irecv, buf, peer, wire.group))
     works = list(dist.batch_isend_irecv(ops))
-    out = _Posted(works=works, sending=sending)
+    out = _Posted(works=works, sending=sending, group=wire.group)
     per_op = len(works) == len(ops)
     for key, buf, i in recvs:
         received[key] = (buf, out, i if per_op else None)
