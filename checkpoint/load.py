@@ -376,17 +376,21 @@ class Checkpoint:
         checked against their checksums (unless not ``check``: ``verify=False``) before a
         byte of it is copied out. With
         :data:`THREADED`, a second thread reads and checks the next piece while this one
-        copies the last (both release the GIL), through two buffers."""
+        copies the last (both release the GIL), through two buffers.
+
+        The pieces are read in file order (by file, then offset; each fills its own part
+        of a tensor, so the order is free): a load from disk then goes through each file
+        front to back, which the kernel's readahead turns into large reads ahead of the
+        loader (docs/checkpoint-format.md, Speed)."""
         crc = zlib.crc32 if self.manifest.version == 1 else crc32c.crc32c
+        reads = sorted(reads, key=_file_order)
         size = max(r.nbytes for r in reads)
         buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(min(2, len(reads)))]
         views = [memoryview(b.numpy()) for b in buffers]
 
-        cold = _ColdStart(reads)
-
         def fetch(i: int) -> None:
             view = views[i % len(views)]
-            _read_parts(reads[i].parts, view, cold if cold.pending else None, i)
+            _read_parts(reads[i].parts, view)
             if not check:
                 return
             at = 0
@@ -445,9 +449,6 @@ def read_header_checked(fd: int, size: int, path: str) -> tuple[bytes, dict]:
         raise CorruptCheckpointError(f"{path}: header is not valid JSON ({text[:200]})") from None
 
 
-PREFETCH = True
-"""Whether a verified load that finds its bytes not in the page cache asks the kernel for
-all of them at once (:class:`_ColdStart`)."""
 THREADED = False
 """Whether a verified load reads and checks the next piece on a second thread while the
 first copies (else one thread does both in turn)."""
@@ -485,58 +486,26 @@ def _strips_view(region: torch.Tensor, ops: list[ReadOp]) -> torch.Tensor:
     return where.unflatten(1, (len(ops), width)).transpose(0, 1)
 
 
-def _read_parts(
-    parts: tuple[_Part, ...], view: memoryview, cold: _ColdStart | None, index: int
-) -> None:
+def _file_order(r: _Read) -> tuple[str, int]:
+    """Where a piece starts: its file, then its offset there (a piece's parts, the same
+    blocks of strips of one region, lie in one file in increasing order)."""
+    return r.parts[0].f.path, r.parts[0].offset
+
+
+def _read_parts(parts: tuple[_Part, ...], view: memoryview) -> None:
     """Read ``parts`` one after another into ``view``; parts that follow each other in one
-    file are read in one call. With ``cold``, a read first asks only for what the page
-    cache holds (``RWF_NOWAIT``): if that falls short, the files are not in memory, and
-    ``cold`` asks the kernel for every piece from ``index`` on before this one waits."""
+    file are read in one call. Plain reads, nothing asked of the kernel ahead: its
+    readahead, following each file front to back, reads ahead better than
+    ``posix_fadvise(WILLNEED)`` of every range did (see :meth:`Checkpoint._copy_verified`)."""
     at, i = 0, 0
     while i < len(parts):
         p, n, j = parts[i], parts[i].nbytes, i + 1
         while j < len(parts) and parts[j].f is p.f and parts[j].offset == p.offset + n:
             n += parts[j].nbytes
             j += 1
-        got = 0
-        if cold is not None and cold.pending:
-            try:
-                got = os.preadv(p.f.fd, [view[at : at + n]], p.offset, _NOWAIT)
-            except OSError:  # BlockingIOError: none of it is in memory
-                got = 0
-            if got < n:
-                cold.start(index)
-        if got < n:
-            pread_into(p.f.fd, view[at + got : at + n], p.offset + got, p.f.path)
+        pread_into(p.f.fd, view[at : at + n], p.offset, p.f.path)
         at += n
         i = j
-
-
-_NOWAIT = getattr(os, "RWF_NOWAIT", 0)
-
-
-class _ColdStart:
-    """Once a verified load finds its bytes not in the page cache, every piece still to
-    read is asked of the kernel at once (``posix_fadvise(WILLNEED)``, which does not wait;
-    in file order, adjacent ranges in one call), so the disk gets them all queued while the pieces before
-    are checked and copied; a load from memory never pays for it."""
-
-    def __init__(self, reads: list[_Read]) -> None:
-        self.reads = reads
-        self.pending = bool(_NOWAIT) and PREFETCH
-
-    def start(self, index: int) -> None:
-        self.pending = False
-        spans: list[list[int]] = []  # [fd, offset, end], in file order
-        for fd, begin, n in sorted(
-            (p.f.fd, p.offset, p.nbytes) for r in self.reads[index:] for p in r.parts
-        ):
-            if spans and spans[-1][0] == fd and spans[-1][2] >= begin:
-                spans[-1][2] = max(spans[-1][2], begin + n)
-            else:
-                spans.append([fd, begin, begin + n])
-        for fd, begin, end in spans:
-            os.posix_fadvise(fd, begin, end - begin, os.POSIX_FADV_WILLNEED)
 
 
 def load_latest(

@@ -284,32 +284,53 @@ def test_a_corrupted_strip_of_a_run_is_named_and_none_of_its_piece_is_copied(tmp
     assert torch.isnan(local).all()
 
 
-def test_a_load_from_disk_asks_for_every_piece_ahead_once(tmp_path, monkeypatch):
-    """When the first read finds its bytes not in memory (a cold load; simulated), the
-    loader asks the kernel for every range it will read, merged in file order, once."""
+def test_a_verified_load_reads_each_file_front_to_back(tmp_path, monkeypatch):
+    """Pieces are read in file order whatever order the tensors are asked in (the kernel's
+    readahead then reads ahead of a load from disk), with nothing asked of the kernel
+    ahead (posix_fadvise)."""
     import checkpoint.load as load
 
     monkeypatch.setattr(load, "PIECE_BYTES", 1024)
     ckpt = str(tmp_path)
-    save(ckpt)
-    real_preadv = os.preadv
-    asked = []
-
-    def preadv(fd, buffers, offset, flags=0):
-        if flags:
-            raise BlockingIOError(11, "not cached")
-        return real_preadv(fd, buffers, offset)
-
-    monkeypatch.setattr(load.os, "preadv", preadv)
-    monkeypatch.setattr(
-        load.os, "posix_fadvise", lambda fd, begin, n, advice: asked.append((begin, n, advice))
+    other = FULL.flip(0).contiguous()
+    saver = Saver(ckpt, group=None, options=SaveOptions(async_=False, **OPTIONS))
+    saver.save(
+        step=1,
+        consumed_samples=1,
+        model={
+            "a": (FULL.clone(), ShardInfo.whole("a", (ROWS, COLS))),
+            "b": (other.clone(), ShardInfo.whole("b", (ROWS, COLS))),
+        },
     )
-    local, info = part(0, 1, 2)  # rows 128..255: the second half of every strip
-    with Checkpoint.open(step_path(ckpt, 1)) as ck:
-        ck.load_into({"w": (local, info)})
-    assert torch.equal(local, FULL[128:])
+    saver.close()
+    real_preadv = os.preadv
+
+    def fadvise(*args):
+        raise AssertionError("posix_fadvise called")
+
+    monkeypatch.setattr(load.os, "posix_fadvise", fadvise)
     head = header_bytes(data_path(ckpt))
-    strip = ROWS * 16
-    assert asked == [
-        (head + i * strip + strip // 2, strip // 2, os.POSIX_FADV_WILLNEED) for i in range(16)
-    ]
+    seen = []
+    for names in (("a", "b"), ("b", "a")):
+        offsets = []
+
+        def preadv(fd, buffers, offset, flags=0, offsets=offsets):
+            offsets.append(offset)
+            return real_preadv(fd, buffers, offset, flags)
+
+        monkeypatch.setattr(load.os, "preadv", preadv)
+        wanted = {}
+        for name in names:
+            info = ShardInfo.split(name, (ROWS, COLS), 0, 1, 2)  # the second half of each strip
+            wanted[name] = (torch.full(info.sizes, float("nan")), info)
+        with Checkpoint.open(step_path(ckpt, 1)) as ck:
+            ck.load_into(wanted)
+        assert torch.equal(wanted["a"][0], FULL[128:])
+        assert torch.equal(wanted["b"][0], other[128:])
+        data = [o for o in offsets if o >= head]
+        # 2 tensors x 2 pieces (1 KiB: one block of each of the 16 strips) x 16 strips
+        assert len(data) == 2 * 2 * 16
+        starts = data[::16]
+        assert starts == sorted(starts)
+        seen.append(data)
+    assert seen[0] == seen[1]
