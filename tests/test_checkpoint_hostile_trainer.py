@@ -144,13 +144,24 @@ def test_a_resume_refuses_an_rng_state_torch_refuses_on_every_rank_before_traini
     before the ranks agree (the message says which check refused it); before, it passed
     them and failed later, when the state was set, on its rank alone. One process here:
     that the agreement then stops every rank is not exercised by this test."""
-    from checkpoint.stfile import block_crc32c
-
     out = tmp_path / "out"
     shutil.copytree(base, out)
-    raw = json.loads(manifest_path(out / "ckpt").read_text())
-    shard = raw["tensors"]["rank/0/rng/cpu"]["shards"][0]
-    path = Path(step_path(str(out / "ckpt"), 2)) / shard["file"]
+    zero_rng_state(out / "ckpt", rank=0)
+    capsys.readouterr()
+    assert run(out, 3) == 2
+    err = one_error_line(capsys)
+    assert "rng/cpu is refused by torch's generator" in err and "step-000000002" in err, err
+    assert not (Path(step_path(str(out / "ckpt"), 3))).exists()
+
+
+def zero_rng_state(ckpt: Path, *, rank: int) -> None:
+    """Set ``rank``'s saved CPU RNG state to zeros at step 2, checksums and manifest
+    re-sealed: a well-formed state that torch's generator refuses."""
+    from checkpoint.stfile import block_crc32c
+
+    raw = json.loads(manifest_path(ckpt).read_text())
+    shard = raw["tensors"][f"rank/{rank}/rng/cpu"]["shards"][0]
+    path = Path(step_path(str(ckpt), 2)) / shard["file"]
     data = bytearray(path.read_bytes())
     (n,) = struct.unpack("<Q", data[:8])
     begin, end = json.loads(data[8 : 8 + n])[shard["key"]]["data_offsets"]
@@ -159,11 +170,46 @@ def test_a_resume_refuses_an_rng_state_torch_refuses_on_every_rank_before_traini
     shard["crc32c"] = block_crc32c(bytes(end - begin), shard["block_rows"])  # 1 byte a row
     header = hashlib.sha256(bytes(data[: 8 + n])).hexdigest()
     assert raw["files"][shard["file"]]["header_sha256"] == header  # the header is unchanged
-    reseal(out / "ckpt", raw)
-    capsys.readouterr()
-    assert run(out, 3) == 2
-    err = one_error_line(capsys)
-    assert "rng/cpu is refused by torch's generator" in err and "step-000000002" in err, err
+    reseal(ckpt, raw)
+
+
+def test_an_rng_state_torch_refuses_on_one_rank_stops_every_rank_in_one_line(tmp_path):
+    """Two ranks (dp2): only rank 1's saved RNG state is refused by torch. The check runs
+    before the ranks agree, so rank 0, whose own state is fine, stops too, at once and in
+    one line, instead of training on or waiting in a collective for its timeout."""
+    import sys
+
+    from trainer.launch import free_port
+
+    out = tmp_path / "out"
+
+    def ranks(steps: int) -> list[tuple[int, str]]:
+        port = str(free_port())
+        args = [sys.executable, "-m", "trainer", str(TINY), "--set", f"output_dir={out}",
+                "--set", f"train.steps={steps}"]  # fmt: skip
+        env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=port)  # fmt: skip
+        procs = [
+            subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), cwd=REPO)
+            for r in (0, 1)
+        ]  # fmt: skip
+        try:
+            return [(p.wait(timeout=120), p.communicate()[1]) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+
+    assert [rc for rc, _ in ranks(2)] == [0, 0]
+    zero_rng_state(out / "ckpt", rank=1)
+    for rank, (rc, err) in enumerate(ranks(3)):
+        assert rc == 2, (rank, err[-2000:])
+        assert "Traceback" not in err, err[-2000:]
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("trainer: error: ") and "step-000000002" in last, last
+        assert "rank 1" in last and "refused by torch's generator" in last, (rank, last)
     assert not (Path(step_path(str(out / "ckpt"), 3))).exists()
 
 

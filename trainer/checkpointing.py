@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import Fence, SaveOptions, Saver, ShardInfo, committed_steps, load_latest
+from checkpoint.comm import all_gather_json_small
 from checkpoint.errors import CorruptCheckpointError
 from trainer.errors import TrainerConfigError
 from trainer.parallel import comm
@@ -327,8 +328,12 @@ class Checkpointing:
         if dist.is_initialized():
             flag = torch.tensor([1 if error else 0], dtype=torch.int64)
             comm.all_reduce(flag, self.group, op=dist.ReduceOp.MAX)
-            if int(flag[0]) and not error:
-                error = f"{where}: another rank refused its saved state (see its error)"
+            if int(flag[0]):
+                # Every rank says the same: the first refusal, which names its rank.
+                errors = all_gather_json_small(error[:1000], self.group)()
+                error = next((e for e in errors if e), "") or (
+                    f"{where}: another rank refused its saved state (see its error)"
+                )
         if error:
             raise CorruptCheckpointError(error)
 
