@@ -39,6 +39,7 @@ from checkpoint import Fence, SaveOptions, Saver, ShardInfo, committed_steps, lo
 from checkpoint.comm import all_gather_json_small
 from checkpoint.errors import CorruptCheckpointError
 from trainer.errors import TrainerConfigError
+from trainer.errors import brief as _brief
 from trainer.parallel import comm
 
 log = logging.getLogger("trainer.checkpointing")
@@ -444,12 +445,6 @@ def _is_int(value: Any) -> bool:
 
 def _is_real(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _brief(value: Any) -> str:
-    """A value from a checkpoint, quoted on one line and short."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _check_value(key: str, value: Any, now: Any, where: str) -> None:

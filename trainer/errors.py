@@ -6,6 +6,8 @@ training starts: the entry point prints its one-line message and exits with code
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class TrainerError(Exception):
     """Root of every error the trainer raises on purpose."""
@@ -17,3 +19,10 @@ class TrainerConfigError(TrainerError):
 
 class DataError(TrainerConfigError):
     """A token file that is missing, malformed or does not fit the model."""
+
+
+def brief(value: Any) -> str:
+    """A value from a file the user gave (a checkpoint, a Hugging Face config), for an
+    error message: its ``repr``, on one line and at most 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

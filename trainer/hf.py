@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 from checkpoint.errors import CheckpointError
 from checkpoint.stfile import pread_into, read_header_fd
 from trainer.errors import TrainerConfigError
+from trainer.errors import brief as _brief
 
 MODEL_FIELDS = ("layers", "hidden", "heads", "ffn_hidden", "vocab", "seq_len", "experts",
                 "tie_embeddings", "dropout")  # fmt: skip
@@ -52,11 +53,6 @@ MAX_DIM = 1 << 24
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _brief(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def check_model_record(cfg: Mapping[str, Any], where: str) -> None:
