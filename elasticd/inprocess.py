@@ -54,12 +54,13 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import socket
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -710,9 +711,9 @@ def wait_transfer(work: Any, group: Any = None) -> None:
 
     A timed wait on a gloo send or receive fails its whole group, so it is never waited
     for in slices: the untimed ``work.wait()`` runs on a waiter thread of its own, and this
-    thread waits for *that* in slices. An abandoned transfer keeps the waiter thread (and,
-    through it, the work and its group) until gloo ends it; the next transfer gets a new
-    waiter. Elsewhere (no in-process round, or another backend) this is ``work.wait()``."""
+    thread waits for *that* in slices. An abandoned transfer keeps the waiter thread (a
+    daemon; and through it the work and its group) until gloo ends it; the next transfer
+    gets a new waiter. Elsewhere (no in-process round, or another backend) this is ``work.wait()``."""
     control = _current
     if control is None or not control._begun:
         work.wait()
@@ -725,10 +726,8 @@ def wait_transfer(work: Any, group: Any = None) -> None:
     global _waiter
     round_ = control.round
     if _waiter is None:
-        _waiter = ThreadPoolExecutor(1, thread_name_prefix="elasticd-transfer")
-    # The group rides with the call, so that it is dropped on the waiter thread when an
-    # abandoned transfer ends there (its destructor joins gloo's threads).
-    done = _waiter.submit(lambda w=work, g=group: w.wait())
+        _waiter = _Waiter()
+    done = _waiter.submit(work, group)
     while True:
         try:
             done.result(timeout=WAIT_SLICE)
@@ -738,15 +737,41 @@ def wait_transfer(work: Any, group: Any = None) -> None:
                 done.result()
         since = control.ended_for(round_)
         if since is not None and since >= ABANDON_AFTER:
-            _waiter.shutdown(wait=False)
-            _waiter = None
+            _waiter = None  # that one stays blocked in gloo; the next transfer gets another
             raise RoundAborted(
                 f"round {round_} ended {since:.1f} s ago and a transfer of it is still "
                 "pending (gloo left it waiting): abandoned"
             )
 
 
-_waiter: ThreadPoolExecutor | None = None
+class _Waiter:
+    """A daemon thread that waits for the works handed to it, one after another (a daemon:
+    one blocked in gloo for good never holds up the interpreter's exit, as a
+    ``ThreadPoolExecutor``'s thread would). Each work's group is handed over with it, so
+    that it is dropped on this thread, not the round's (its destructor joins gloo's
+    threads)."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="elasticd-transfer", daemon=True).start()
+
+    def submit(self, work: Any, group: Any) -> Future:
+        done: Future = Future()
+        self._jobs.put((work, group, done))
+        return done
+
+    def _run(self) -> None:
+        while True:
+            work, group, done = self._jobs.get()
+            try:
+                work.wait()
+                done.set_result(None)
+            except BaseException as exc:  # handed to the waiting thread
+                done.set_exception(exc)
+            del work, group, done
+
+
+_waiter: _Waiter | None = None
 """The thread :func:`wait_transfer` waits on (a new one after an abandoned transfer)."""
 
 
