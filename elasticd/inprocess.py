@@ -713,7 +713,8 @@ def wait_transfer(work: Any, group: Any = None) -> None:
     for in slices: the untimed ``work.wait()`` runs on a waiter thread of its own, and this
     thread waits for *that* in slices. An abandoned transfer keeps the waiter thread (a
     daemon; and through it the work and its group) until gloo ends it; the next transfer
-    gets a new waiter. Elsewhere (no in-process round, or another backend) this is ``work.wait()``."""
+    gets a new waiter. Not thread-safe: one thread (the round's) calls it. Elsewhere (no
+    in-process round, or another backend) this is ``work.wait()``."""
     control = _current
     if control is None or not control._begun:
         work.wait()
@@ -725,6 +726,8 @@ def wait_transfer(work: Any, group: Any = None) -> None:
         return
     global _waiter
     round_ = control.round
+    if group is None:  # the waiter holds the group itself, so it is dropped there
+        group = dist.distributed_c10d._get_default_group()
     if _waiter is None:
         _waiter = _Waiter()
     done = _waiter.submit(work, group)
@@ -737,7 +740,9 @@ def wait_transfer(work: Any, group: Any = None) -> None:
                 done.result()
         since = control.ended_for(round_)
         if since is not None and since >= ABANDON_AFTER:
-            _waiter = None  # that one stays blocked in gloo; the next transfer gets another
+            # That one stays blocked in gloo, then ends; the next transfer gets another.
+            _waiter.retire()
+            _waiter = None
             raise RoundAborted(
                 f"round {round_} ended {since:.1f} s ago and a transfer of it is still "
                 "pending (gloo left it waiting): abandoned"
@@ -760,15 +765,19 @@ class _Waiter:
         self._jobs.put((work, group, done))
         return done
 
+    def retire(self) -> None:
+        """End the thread once the work it waits for now ends (its transfer abandoned)."""
+        self._jobs.put(None)
+
     def _run(self) -> None:
-        while True:
-            work, group, done = self._jobs.get()
+        while (job := self._jobs.get()) is not None:
+            work, group, done = job
             try:
                 work.wait()
                 done.set_result(None)
             except BaseException as exc:  # handed to the waiting thread
                 done.set_exception(exc)
-            del work, group, done
+            del job, work, group, done
 
 
 _waiter: _Waiter | None = None

@@ -946,3 +946,85 @@ def test_a_worker_blocked_in_a_collective_of_an_ended_round_exits_and_no_other_d
     else:
         assert proc.returncode == 0 and "left round 3" in out, out + err[-2000:]
         assert "exiting" not in err, err[-2000:]
+
+
+WAITER_SCRIPT = textwrap.dedent(
+    """
+    import sys, threading, time
+    import torch.distributed as dist
+    from elasticd.agent.launch import write_control
+    from elasticd import inprocess
+
+    control_path = sys.argv[1]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+    class Work:  # a transfer gloo has not ended: wait() blocks until released
+        def __init__(self, error=None):
+            self.release, self.error = threading.Event(), error
+        def wait(self):
+            self.release.wait()
+            if self.error:
+                raise self.error
+
+    def waiters():
+        return sum(t.name == "elasticd-transfer" for t in threading.enumerate())
+
+    inprocess._current = control = inprocess._Control(control_path, 0, {"ELASTICD_ROUND": "3"})
+    control.begin(3)
+    w = Work()
+    threading.Timer(0.3, w.release.set).start()
+    inprocess.wait_transfer(w)
+    print("healthy", waiters(), flush=True)
+    w = Work(RuntimeError("connection closed by peer"))
+    w.release.set()
+    try:
+        inprocess.wait_transfer(w)
+    except RuntimeError as exc:
+        print("raised", exc, flush=True)
+    stuck = []
+    for round_ in (3, 4, 5):  # each round ends with a transfer still pending
+        if round_ > 3:
+            control.begin(round_)
+        stuck.append(Work())
+        threading.Timer(0.2, write_control, (control_path,),
+                        {"round_": round_, "state": "abort"}).start()
+        start = time.monotonic()
+        try:
+            inprocess.wait_transfer(stuck[-1])
+        except inprocess.RoundAborted:
+            print(f"abandoned after {time.monotonic() - start:.1f} s, waiters {waiters()}",
+                  flush=True)
+    control.begin(6)
+    w = Work()
+    w.release.set()
+    inprocess.wait_transfer(w)
+    print("after", waiters(), flush=True)
+    for w in stuck[:2]:  # gloo ends two at last: their waiters end too
+        w.release.set()
+    time.sleep(0.5)
+    print("released", waiters(), flush=True)
+    sys.exit(0)  # a normal exit, the third still blocked: its waiter must not hold it up
+    """
+)
+
+
+def test_transfers_wait_on_a_daemon_waiter_that_is_retired_when_abandoned(tmp_path):
+    """wait_transfer (the pipeline's sends and receives): a healthy transfer completes
+    through the waiter thread, a transfer's error reaches the caller, one still pending
+    0.3 s after its round ended is abandoned, the next one gets a fresh waiter, and the
+    abandoned waiters end once gloo ends their transfers: none piles up over rounds, and a
+    waiter still blocked never holds up the process's exit."""
+    script = tmp_path / "waiter.py"
+    script.write_text(WAITER_SCRIPT)
+    control = str(tmp_path / "control.json")
+    p = subprocess.run([sys.executable, str(script), control], capture_output=True,
+                       text=True, timeout=60)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = p.stdout.splitlines()
+    assert lines[0] == "healthy 1" and lines[1] == "raised connection closed by peer", lines
+    abandoned = [ln for ln in lines if ln.startswith("abandoned after")]
+    assert len(abandoned) == 3, lines
+    for ln in abandoned:
+        assert float(ln.split()[2]) < 2, ln  # within ABANDON_AFTER and a slice, give or take
+    # Blocked ones: one per abandoned transfer (each still waiting), and the new one.
+    assert lines[-2] == "after 4" and lines[-1] == "released 2", lines
