@@ -141,7 +141,12 @@ each strip): read, checked and copied out of a buffer small enough to stay in th
 cache in between."""
 
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+_DIR_FLAGS = (
+    getattr(os, "O_PATH", os.O_RDONLY)  # Linux: a handle to open files in, no read right needed
+    | os.O_DIRECTORY
+    | os.O_NOFOLLOW
+    | getattr(os, "O_CLOEXEC", 0)
+)
 
 
 class Checkpoint:
@@ -189,6 +194,8 @@ class Checkpoint:
                 raise NoCheckpointError(
                     f"{path}: has no {MANIFEST}, so it was never committed"
                 ) from None
+            except OSError as exc:
+                raise CheckpointError(f"{where}: cannot open: {exc.strerror}") from None
             raw = read_regular(where, max_bytes=MAX_MANIFEST_BYTES, dir_fd=dir_fd)
             manifest = Manifest.from_json(raw, where=where)
         except BaseException:
@@ -212,9 +219,13 @@ class Checkpoint:
         return self.manifest.step
 
     def close(self) -> None:
+        """Close every file, the step directory's handle too: a read after this is one
+        CorruptCheckpointError ("cannot open")."""
         for h in self._handles.values():
             h.close()
         self._handles.clear()
+        self._dir_closer()
+        self.dir_fd = -1  # never a number the process may reuse for another file
 
     def __enter__(self) -> Checkpoint:
         return self

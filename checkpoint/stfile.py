@@ -250,13 +250,18 @@ ITEMSIZE = {
 MAX_HEADER_BYTES = 100 << 20
 
 
-def read_header_fd(fd: int, size: int, path: str) -> tuple[bytes, dict]:
+def read_header_fd(
+    fd: int, size: int, path: str, *, unknown_dtypes: bool = False
+) -> tuple[bytes, dict]:
     """The raw header bytes (length prefix included) and the parsed, checked header of an
     open safetensors file of ``size`` bytes.
 
     Every entry is checked against the file before anything trusts it: a known dtype, a
     shape, and ``data_offsets`` with ``0 <= begin <= end <= data length`` and
-    ``end - begin`` the bytes of that dtype and shape."""
+    ``end - begin`` the bytes of that dtype and shape. With ``unknown_dtypes`` (a Hugging
+    Face file may hold a tensor of a dtype this store never writes, say ``F8_E4M3``), an
+    entry of another dtype passes with its offsets in range, for the caller to refuse if
+    it needs that tensor."""
     if size < 8:
         raise CorruptCheckpointError(f"{path}: truncated safetensors header")
     (n,) = struct.unpack("<Q", read_exact(fd, 0, 8, path))
@@ -275,17 +280,17 @@ def read_header_fd(fd: int, size: int, path: str) -> tuple[bytes, dict]:
     for key, info in parsed.items():
         if key == "__metadata__":
             continue
-        problem = _entry_problem(info, data_len)
+        problem = _entry_problem(info, data_len, unknown_dtypes)
         if problem:
             raise CorruptCheckpointError(f"{path}: header entry {key!r}: {problem}")
     return struct.pack("<Q", n) + text, parsed
 
 
-def _entry_problem(info: object, data_len: int) -> str | None:
+def _entry_problem(info: object, data_len: int, unknown_dtypes: bool = False) -> str | None:
     if not isinstance(info, dict):
         return "not a JSON object"
     dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if dtype not in ITEMSIZE:
+    if dtype not in ITEMSIZE and not (unknown_dtypes and isinstance(dtype, str)):
         return f"unknown dtype {dtype!r}"
     if not isinstance(shape, list) or not all(type(x) is int and x >= 0 for x in shape):
         return f"shape {shape!r} is not a list of integers >= 0"
@@ -296,7 +301,7 @@ def _entry_problem(info: object, data_len: int) -> str | None:
         or not 0 <= offs[0] <= offs[1] <= data_len
     ):
         return f"data_offsets {offs!r} are not within the {data_len} bytes of data"
-    if offs[1] - offs[0] != math.prod(shape) * ITEMSIZE[dtype]:
+    if dtype in ITEMSIZE and offs[1] - offs[0] != math.prod(shape) * ITEMSIZE[dtype]:
         return f"data_offsets {offs!r} do not hold a {dtype} tensor of shape {shape}"
     return None
 

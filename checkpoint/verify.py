@@ -7,6 +7,7 @@ import json
 import os
 from collections.abc import Callable
 
+import crc32c
 from safetensors.torch import save_file
 
 from checkpoint.errors import CheckpointError, CorruptCheckpointError
@@ -90,23 +91,37 @@ def _verify_v2_file(
         problems.append(f"{path}: bytes after {at} of its data belong to no tensor")
         return parsed
     # Read (pread, never a memory map: a file truncated meanwhile is a problem reported,
-    # not a SIGBUS) in pieces of whole blocks.
+    # not a SIGBUS), at most READ_BYTES at a time.
     buf = memoryview(bytearray(min(READ_BYTES, size)))
     for key, (block, crc) in sorted(chunks.items()):
         begin, end = entries[key]["data_offsets"]
-        if begin == end:
-            sums = [block_crc32c(b"", block)]
-        else:  # block > 0: the chunk has bytes
-            step = max(block, READ_BYTES // block * block)
-            sums = []
-            for lo in range(begin, end, step):
-                n = min(step, end - lo)
-                part = buf[:n] if n <= len(buf) else memoryview(bytearray(n))
-                pread_into(fd, part, len(header) + lo, path)
-                sums.append(block_crc32c(part, block))
-        if "".join(sums) != crc:
+        if _chunk_sums(fd, len(header) + begin, end - begin, block, buf, path) != crc:
             problems.append(f"{path}: {quoted(key)}: checksum mismatch (corrupted data)")
     return parsed
+
+
+def _chunk_sums(fd: int, at: int, nbytes: int, block: int, buf: memoryview, path: str) -> str:
+    """The block checksums of the ``nbytes`` at ``at`` (see :func:`block_crc32c`), read
+    into ``buf``: whole blocks per read when a block fits it, else each block's CRC carried
+    across reads (a version 2 chunk is one block, of any size)."""
+    if not nbytes:
+        return block_crc32c(b"", block)
+    if block <= len(buf):
+        step, sums = len(buf) // block * block, []
+        for lo in range(0, nbytes, step):
+            part = buf[: min(step, nbytes - lo)]
+            pread_into(fd, part, at + lo, path)
+            sums.append(block_crc32c(part, block))
+        return "".join(sums)
+    sums = []
+    for first in range(0, nbytes, block):
+        last, value = min(first + block, nbytes), 0
+        for lo in range(first, last, len(buf)):
+            part = buf[: min(len(buf), last - lo)]
+            pread_into(fd, part, at + lo, path)
+            value = crc32c.crc32c(part, value)
+        sums.append(f"{value & 0xFFFFFFFF:08x}")
+    return "".join(sums)
 
 
 def export(

@@ -309,3 +309,18 @@ def test_verify_names_several_problems_in_one_line(tmp_path, capsys):
     assert code == 2 and len(err) == 1, out
     assert "4 problems found" in err[0] and "checksum mismatch" in err[0], err
     assert "(and 1 more)" in err[0], err
+
+
+def test_closing_a_checkpoint_closes_its_directory_and_a_later_read_is_one_error(tmp_path):
+    from checkpoint import Checkpoint, CorruptCheckpointError
+
+    ckpt = save(str(tmp_path / "ckpt"))
+    opened = Checkpoint.open(step_path(ckpt, 3))
+    fd = opened.dir_fd
+    assert torch.equal(opened.read("w"), W)
+    opened.close()
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed now, not when the object is collected
+    with pytest.raises(CorruptCheckpointError, match="cannot open"):
+        opened.read("w")
+    opened.close()  # twice is fine

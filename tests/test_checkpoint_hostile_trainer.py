@@ -333,12 +333,33 @@ def test_init_from_follows_the_symlinks_of_a_hub_cache_snapshot(hf_base, tmp_pat
     assert rc == 0, capsys.readouterr().err[-2000:]
 
 
+def test_init_from_ignores_a_tensor_of_another_dtype_it_does_not_need(hf_base, tmp_path, capsys):
+    """A hub file may carry tensors of dtypes a checkpoint never holds (float8 here): one
+    the model does not need is skipped, with its offsets still checked; one it needs is
+    refused in one line."""
+    import torch
+
+    hf = tmp_path / "hf"
+    shutil.copytree(hf_base, hf)
+    t = load_file(hf / "model.safetensors")
+    t["extra.scale"] = torch.ones(4, 4).to(torch.float8_e4m3fn)
+    save_file(t, hf / "model.safetensors", metadata={"format": "pt"})
+    assert run(tmp_path / "out", 1, f"model.init_from=hf:{hf}") == 0, capsys.readouterr().err
+    t["transformer.ln_f.bias"] = t["transformer.ln_f.bias"].to(torch.float8_e4m3fn)
+    save_file(t, hf / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    assert run(tmp_path / "out2", 1, f"model.init_from=hf:{hf}") == 2
+    err = one_error_line(capsys)
+    assert "ln_f.bias is F8_E4M3" in err and "needs a floating-point" in err, err
+
+
 def test_init_from_reads_the_weight_files_it_checked_and_survives_their_truncation(
     hf_base, tmp_path
 ):
     """A weights file replaced under its name after it was checked is not what is read (it
-    is read through the descriptor that was checked), and one truncated while it is read
-    is one error, not a SIGBUS (it is never memory-mapped)."""
+    is read through the descriptor that was checked), and one truncated after it was
+    checked is one error when the tensor is read (it is never memory-mapped, so a
+    truncation in the middle of a read cannot be a SIGBUS either)."""
     import torch
 
     from trainer.hf import HFError, _WeightFiles

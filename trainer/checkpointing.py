@@ -36,7 +36,6 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import Fence, SaveOptions, Saver, ShardInfo, committed_steps, load_latest
-from checkpoint.comm import all_gather_json_small
 from checkpoint.errors import CorruptCheckpointError
 from trainer.errors import TrainerConfigError
 from trainer.errors import brief as _brief
@@ -220,6 +219,14 @@ class Checkpointing:
             group=self.group,
             broadcast=self.job.checkpoint.load_broadcast,
         )
+        try:
+            self._resume_from(ckpt)
+        finally:
+            ckpt.close()
+        return True
+
+    def _resume_from(self, ckpt) -> None:
+        """Restore what a loaded checkpoint holds besides the tensors (checked first)."""
         self.trainer.main_to_model()
         state = self.trainer.state
         same_layout = ckpt.manifest.layout == self.layout
@@ -280,8 +287,6 @@ class Checkpointing:
             )
             if changed:
                 print(f"optimizer changed since step {state.step}: {changed}", flush=True)
-        ckpt.close()
-        return True
 
     def _saved_rng(self, ckpt) -> dict[str, torch.Tensor]:
         """This rank's saved generator states, checked: ``rng/cpu`` present, a 1-D uint8
@@ -324,15 +329,15 @@ class Checkpointing:
         return out
 
     def _agree(self, error: str, where: str) -> None:
-        """Raise on every rank if any rank refused its saved state (one collective), so no
-        rank trains on while another has stopped."""
+        """Raise on every rank if any rank refused its saved state, so no rank trains on
+        while another has stopped: one all-reduce of a flag, and only when it is set an
+        all-gather of the messages, so that every rank's one line is the first refusal
+        (which names its rank). Both wait through ``wait_collective``."""
         if dist.is_initialized():
             flag = torch.tensor([1 if error else 0], dtype=torch.int64)
             comm.all_reduce(flag, self.group, op=dist.ReduceOp.MAX)
             if int(flag[0]):
-                # Every rank says the same: the first refusal, which names its rank.
-                errors = all_gather_json_small(error[:1000], self.group)()
-                error = next((e for e in errors if e), "") or (
+                error = _first_error(error, self.group) or (
                     f"{where}: another rank refused its saved state (see its error)"
                 )
         if error:
@@ -445,6 +450,25 @@ def _is_int(value: Any) -> bool:
 
 def _is_real(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+ERROR_BYTES = 1024
+"""The most bytes of a rank's refusal that :func:`_first_error` passes to the others."""
+
+
+def _first_error(error: str, group) -> str:
+    """The first non-empty ``error`` of the ranks of ``group`` (a collective)."""
+    mine = torch.zeros(ERROR_BYTES, dtype=torch.uint8)
+    data = error.encode("utf-8", "replace")[:ERROR_BYTES]
+    if data:
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    out = torch.empty(ERROR_BYTES * dist.get_world_size(group), dtype=torch.uint8)
+    comm.all_gather_single(out, mine, group)
+    for row in out.view(-1, ERROR_BYTES):
+        text = bytes(row.numpy()).rstrip(b"\0").decode("utf-8", "replace")
+        if text:
+            return text
+    return ""
 
 
 def _check_value(key: str, value: Any, now: Any, where: str) -> None:

@@ -230,7 +230,6 @@ CONFIG_MAX_BYTES = 1 << 20
 """``config.json`` above this is refused unread."""
 INDEX_MAX_BYTES = 64 << 20
 """``model.safetensors.index.json`` above this is refused unread."""
-_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
 
 
 def _open_regular(path: str, name: str, where: str) -> int:
@@ -372,10 +371,12 @@ class _WeightFiles:
             fd = _open_regular(self.path, name, where)
             try:
                 size = os.fstat(fd).st_size
-                raw, header = read_header_fd(fd, size, os.path.join(self.path, name))
-            except (CheckpointError, ValueError, OSError) as exc:
+                raw, header = read_header_fd(fd, size, name, unknown_dtypes=True)
+            except BaseException as exc:
                 os.close(fd)
-                raise HFError(f"{where}: {name}: {_one_line(exc)}") from None
+                if isinstance(exc, (CheckpointError, ValueError, OSError)):
+                    raise HFError(f"{where}: {_one_line(exc)}") from None
+                raise
             got = self._open[name] = (fd, len(raw), header)
         return got
 
