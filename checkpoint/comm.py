@@ -87,3 +87,57 @@ def broadcast_json(obj: Any, group: dist.ProcessGroup | None) -> Any:
         buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     dist.broadcast(buf, src=src, group=group)
     return json.loads(bytes(buf.numpy()))
+
+
+def gather_json_to_root(obj: Any, group: dist.ProcessGroup | None, *, cap: int) -> list[Any] | None:
+    """Every rank's ``obj`` on group rank 0, in group-rank order (None elsewhere): one
+    ``gather`` of fixed-size buffers, ``cap`` bytes of JSON each, which every rank must
+    pass alike. Each rank sends straight to rank 0, where :func:`all_gather_json`'s two
+    rings pass every message through every rank (on 4 gloo ranks sharing 2 cores, about
+    2 ms instead of 8 for 55 KB each). A message longer than ``cap`` raises ValueError
+    before anything is sent; the caller keeps its messages within the cap."""
+    data = json.dumps(obj, separators=(",", ":")).encode()
+    if len(data) > cap:
+        raise ValueError(f"a message of {len(data)} bytes does not fit the cap of {cap}")
+    if group_size(group) == 1:
+        return [json.loads(data)]
+    buf = torch.zeros(8 + cap, dtype=torch.uint8)
+    buf[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    if data:
+        buf[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    root = group_rank(group) == 0
+    bufs = [torch.zeros(8 + cap, dtype=torch.uint8) for _ in range(group_size(group))]
+    dst = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.gather(buf, bufs if root else None, dst=dst, group=group)
+    if not root:
+        return None
+    out = []
+    for b in bufs:
+        n = int(b[:8].view(torch.int64).item())
+        out.append(json.loads(bytes(b[8 : 8 + n].numpy())))
+    return out
+
+
+def broadcast_json_small(obj: Any, group: dist.ProcessGroup | None, *, cap: int = 4088) -> Any:
+    """:func:`broadcast_json` in one collective when rank 0's message fits ``cap`` bytes
+    (a fixed-size buffer carrying its length); a longer one follows in a second broadcast,
+    which every rank then makes alike (they all read the length)."""
+    if group_size(group) == 1:
+        return json.loads(json.dumps(obj))
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    me = group_rank(group)
+    data = json.dumps(obj, separators=(",", ":")).encode() if me == 0 else b""
+    buf = torch.zeros(8 + cap, dtype=torch.uint8)
+    if me == 0:
+        buf[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+        if data and len(data) <= cap:
+            buf[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    dist.broadcast(buf, src=src, group=group)
+    n = int(buf[:8].view(torch.int64).item())
+    if n <= cap:
+        return json.loads(bytes(buf[8 : 8 + n].numpy()))
+    rest = torch.zeros(n, dtype=torch.uint8)
+    if me == 0:
+        rest[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    dist.broadcast(rest, src=src, group=group)
+    return json.loads(bytes(rest.numpy()))

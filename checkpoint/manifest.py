@@ -196,7 +196,7 @@ class Manifest:
             "commit": self.commit,
         }
         body["checksum"] = _self_checksum(body)
-        return json.dumps(body, indent=1, sort_keys=False).encode()
+        return _dumps_lines(body)
 
     @classmethod
     def from_json(cls, data: bytes, *, where: str) -> Manifest:
@@ -486,6 +486,24 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
         version=version,
         commit=_int(raw.get("commit", 0), "commit"),
     )
+
+
+def _dumps_lines(body: dict[str, Any]) -> bytes:
+    """``body`` as JSON with one line per top-level field and per file and tensor entry.
+
+    Readable enough in a pager, and every line is made by the C encoder (``json.dumps``
+    with ``indent`` runs the pure-Python one: about 3.5 ms instead of 0.8 for the
+    benchmark's 315 KB manifest, on the commit's critical path)."""
+
+    enc = json.dumps  # ", " and ": " between items, as indented output had
+    lines = []
+    for key, value in body.items():
+        if key in ("files", "tensors") and isinstance(value, dict) and value:
+            inner = ",\n".join(f" {enc(k)}: {enc(v)}" for k, v in value.items())
+            lines.append(f"{enc(key)}: {{\n{inner}\n}}")
+        else:
+            lines.append(f"{enc(key)}: {enc(value)}")
+    return ("{\n" + ",\n".join(lines) + "\n}\n").encode()
 
 
 def _self_checksum(body: dict[str, Any]) -> str:

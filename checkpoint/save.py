@@ -34,7 +34,8 @@ from checkpoint import store
 from checkpoint.comm import (
     all_gather_json,
     all_gather_json_small,
-    broadcast_json,
+    broadcast_json_small,
+    gather_json_to_root,
     group_rank,
     group_size,
 )
@@ -109,6 +110,8 @@ class Saver:
         self._tidying: Future[None] | None = None
         self._inflight: Future[SaveResult] | None = None
         self._staging: torch.Tensor | None = None
+        self._report_caps: tuple[SavePlan, int] | None = None
+        """(a plan, the size its reports are gathered in): see :meth:`_report_cap`."""
         self._plan_cache: tuple[str, SavePlan, str] | None = None
         """(every rank's entry digests, the plan, this rank's digest) of the last save."""
         self.last: SaveResult | None = None
@@ -389,12 +392,13 @@ class Saver:
                 }
         except Exception as exc:  # reported to every rank, then raised below
             report = {"ok": False, "error": f"rank {self.rank}: {exc}"}
-        reports = all_gather_json(report, self.group)
-        status: dict[str, Any] = {
-            "committed": False,
-            "error": "; ".join(r["error"] for r in reports if not r["ok"]),
-        }
+        # Only rank 0 needs the reports (it commits, then tells every rank the outcome),
+        # in one gather of buffers sized from the plan.
+        cap = self._report_cap(plan)
+        reports = gather_json_to_root(_fit_report(report, cap, self.rank), self.group, cap=cap)
+        status: dict[str, Any] = {"committed": False, "error": ""}
         if self.rank == 0:
+            status["error"] = "; ".join(r["error"] for r in reports if not r["ok"])
             if not status["error"]:
                 try:
                     self._wait_tidy()  # retention and leftovers, before the commit number
@@ -410,7 +414,7 @@ class Saver:
                     status = {"committed": False, "error": f"rank 0: commit: {exc}"}
             if not status["committed"]:
                 shutil.rmtree(tmp, ignore_errors=True)  # this save's own directory only
-        status = broadcast_json(status, self.group)
+        status = broadcast_json_small(status, self.group)
         if "fenced" in status:
             raise self._fenced_from_json(status["fenced"])
         if not status["committed"]:
@@ -423,6 +427,30 @@ class Saver:
             total_s=total,
             bytes_written=written,
         )
+
+    def _report_cap(self, plan: SavePlan) -> int:
+        """The bytes of JSON every rank's report of a save with ``plan`` fits in (the same
+        on every rank: it comes from the plan alone): the longest file's report, whose
+        checksums are 8 hex digits per verify block, plus room for an error instead."""
+        if self._report_caps is not None and self._report_caps[0] is plan:
+            return self._report_caps[1]
+        longest = 0
+        for f in plan.files.values():
+            template = {
+                "ok": True,
+                "file": {
+                    "name": f.name,
+                    "bytes": 10**19,
+                    "header_sha256": "0" * 64,
+                    "chunks": {
+                        s.key: "0" * 8 * _blocks(s.end - s.begin, s.block_bytes) for s in f.slots
+                    },
+                },
+            }
+            longest = max(longest, len(json.dumps(template, separators=(",", ":"))))
+        cap = max(longest + 512, 4096)
+        self._report_caps = (plan, cap)
+        return cap
 
     def _commit(self, plan: SavePlan, reports: list[dict[str, Any]], head: dict[str, Any]) -> None:
         step = head["step"]
@@ -488,3 +516,20 @@ class Saver:
             commit=manifest.commit,
             defer=self._defer,
         )
+
+
+def _blocks(nbytes: int, block_bytes: int) -> int:
+    """How many checksums :func:`checkpoint.stfile.block_crc32c` gives ``nbytes``."""
+    return 1 if not block_bytes or nbytes <= block_bytes else -(-nbytes // block_bytes)
+
+
+def _fit_report(report: dict[str, Any], cap: int, rank: int) -> dict[str, Any]:
+    """``report``, or an error report that fits ``cap`` bytes of JSON when it does not (a
+    long error message is cut; a file's report never outgrows its plan's cap)."""
+    size = len(json.dumps(report, separators=(",", ":")))
+    if size <= cap:
+        return report
+    if report.get("ok"):
+        return {"ok": False, "error": f"rank {rank}: a report of {size} bytes, over {cap}"}
+    # At most 6 bytes of JSON per character (\uXXXX), and the cap is at least 4096.
+    return {"ok": False, "error": report["error"][: cap // 8] + " ..."}

@@ -10,6 +10,7 @@ the commit numbers in the manifests, not by the step numbers nor by `latest` (a 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -213,10 +214,30 @@ def commit_numbers(ckpt_dir: str) -> dict[int, int]:
         out[step] = 0
         path = os.path.join(step_path(ckpt_dir, step), MANIFEST)
         with contextlib.suppress(CheckpointError):
-            raw = _manifest_json(path)
-            n = raw.get("commit", 0) if isinstance(raw, dict) else 0
-            out[step] = n if type(n) is int and n >= 0 else 0
+            out[step] = _commit_number(path)
     return out
+
+
+_COMMIT_CACHE: dict[str, tuple[bytes, int]] = {}
+"""Manifest path -> (sha256 of the bytes read there, their commit number): every commit
+reads the commit numbers of all kept steps, and parsing a manifest under a load's bounds
+costs about 1.5 ms per 300 KB on the commit's critical path; hashing it, 0.2 ms. Keyed by
+the bytes themselves, so a manifest rewritten in place is parsed again."""
+
+
+def _commit_number(path: str) -> int:
+    data = read_regular(path, max_bytes=MAX_MANIFEST_BYTES)
+    digest = hashlib.sha256(data).digest()
+    hit = _COMMIT_CACHE.get(path)
+    if hit is not None and hit[0] == digest:
+        return hit[1]
+    raw = parse_json(data, path, max_bytes=MAX_MANIFEST_BYTES, error=CheckpointError)
+    n = raw.get("commit", 0) if isinstance(raw, dict) else 0
+    n = n if type(n) is int and n >= 0 else 0
+    if len(_COMMIT_CACHE) >= 64:
+        _COMMIT_CACHE.clear()
+    _COMMIT_CACHE[path] = (digest, n)
+    return n
 
 
 def next_commit(ckpt_dir: str) -> int:
