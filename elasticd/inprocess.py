@@ -655,13 +655,8 @@ def wait_collective(work: Any, group: Any = None) -> None:
     connection that closes mid-message leaves it waiting for the whole group timeout.
     Elsewhere (no in-process round, or another backend, where an abort ends the work) this
     is ``work.wait()``."""
-    control = _current
-    if control is None or not control._begun:
-        work.wait()
-        return
-    import torch.distributed as dist
-
-    if dist.get_backend(group) != "gloo":
+    control = _gloo_round(group)
+    if control is None:
         work.wait()
         return
     round_ = control.round
@@ -702,6 +697,17 @@ def _hold_until_done(work: Any, group: Any) -> None:
     threading.Thread(target=hold, name="elasticd-abandoned", daemon=True).start()
 
 
+def _gloo_round(group: Any) -> _Control | None:
+    """The in-process round under way, when ``group`` is a gloo group of it (then a
+    pending work of it may have to be abandoned); else None."""
+    control = _current
+    if control is None or not control._begun:
+        return None
+    import torch.distributed as dist
+
+    return control if dist.get_backend(group) == "gloo" else None
+
+
 def wait_transfer(work: Any, group: Any = None) -> None:
     """Wait for ``work``, an asynchronous *send or receive* of the current round over
     ``group`` (the pipeline's point-to-point transfers), abandoning it as
@@ -715,18 +721,15 @@ def wait_transfer(work: Any, group: Any = None) -> None:
     daemon; and through it the work and its group) until gloo ends it; the next transfer
     gets a new waiter. Not thread-safe: one thread (the round's) calls it. Elsewhere (no
     in-process round, or another backend) this is ``work.wait()``."""
-    control = _current
-    if control is None or not control._begun:
-        work.wait()
-        return
-    import torch.distributed as dist
-
-    if dist.get_backend(group) != "gloo":
+    control = _gloo_round(group)
+    if control is None:
         work.wait()
         return
     global _waiter
     round_ = control.round
     if group is None:  # the waiter holds the group itself, so it is dropped there
+        import torch.distributed as dist
+
         group = dist.distributed_c10d._get_default_group()
     if _waiter is None:
         _waiter = _Waiter()
