@@ -324,3 +324,41 @@ def test_closing_a_checkpoint_closes_its_directory_and_a_later_read_is_one_error
     with pytest.raises(CorruptCheckpointError, match="cannot open"):
         opened.read("w")
     opened.close()  # twice is fine
+
+
+@pytest.mark.parametrize("verified", [True, False])
+def test_a_load_of_a_file_truncated_while_it_is_read_is_one_error_not_a_sigbus(tmp_path, verified):
+    """A load (verified or not) reads with pread, never through a memory map: a tensor
+    file truncated between two of its reads fails the load with a 'truncated' error."""
+    ckpt = tmp_path / "ckpt"
+    saver = Saver(str(ckpt), group=None, options=SaveOptions(async_=False, chunk_min_bytes=1024))
+    big = torch.arange(1 << 20, dtype=torch.float32).reshape(1024, 1024)
+    saver.save(step=3, consumed_samples=12, model={
+        n: (big + i, ShardInfo.whole(n, (1024, 1024))) for i, n in enumerate("abc")
+    })  # fmt: skip
+    saver.close()
+    code = f"""
+import os, sys, torch
+import checkpoint.load as load
+from checkpoint import Checkpoint, CorruptCheckpointError, ShardInfo
+real = load._read_parts
+cut = []
+def truncating(parts, view):
+    real(parts, view)
+    if not cut:  # the first piece is in: now the file shrinks under the reader
+        path = parts[0].f.path
+        os.truncate(path, 4096)
+        cut.append(path)
+load._read_parts = truncating
+ck = Checkpoint.open({str(step_path(str(ckpt), 3))!r})
+want = {{n: (torch.zeros(1024, 1024), ShardInfo.whole(n, (1024, 1024))) for n in "abc"}}
+try:
+    ck.load_into(want, verify={verified})
+    print(len(cut), "loaded")
+except CorruptCheckpointError as exc:
+    print(len(cut), exc)
+"""
+    p = run_py(code)
+    assert p.returncode == 0, (p.returncode, p.stderr[-3000:])  # -7: SIGBUS
+    cut, message = one_line(p).split(" ", 1)
+    assert cut == "1" and "truncated" in message, p.stdout
