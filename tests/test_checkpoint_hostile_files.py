@@ -254,16 +254,22 @@ def test_a_step_directory_swapped_after_it_was_opened_is_not_what_is_read(tmp_pa
     opened.close()
 
 
-def test_verify_of_a_file_truncated_while_it_is_read_reports_it_and_does_not_die(tmp_path):
-    """A tensor file truncated by someone else while `verify` reads it: a problem named
-    in one line, not a SIGBUS (a memory map of the file would raise one)."""
-    ckpt = tmp_path / "ckpt"
+def save_big(ckpt: Path) -> Path:
+    """Step 3 of three 4 MiB tensors in one file: several pieces to read, so a file can be
+    cut short between two of them."""
     saver = Saver(str(ckpt), group=None, options=SaveOptions(async_=False, chunk_min_bytes=1024))
     big = torch.arange(1 << 20, dtype=torch.float32).reshape(1024, 1024)
     saver.save(step=3, consumed_samples=12, model={
         n: (big + i, ShardInfo.whole(n, (1024, 1024))) for i, n in enumerate("abc")
     })  # fmt: skip
     saver.close()
+    return ckpt
+
+
+def test_verify_of_a_file_truncated_while_it_is_read_reports_it_and_does_not_die(tmp_path):
+    """A tensor file truncated by someone else while `verify` reads it: a problem named
+    in one line, not a SIGBUS (a memory map of the file would raise one)."""
+    ckpt = save_big(tmp_path / "ckpt")
     code = f"""
 import os, sys
 import checkpoint.verify
@@ -330,13 +336,7 @@ def test_closing_a_checkpoint_closes_its_directory_and_a_later_read_is_one_error
 def test_a_load_of_a_file_truncated_while_it_is_read_is_one_error_not_a_sigbus(tmp_path, verified):
     """A load (verified or not) reads with pread, never through a memory map: a tensor
     file truncated between two of its reads fails the load with a 'truncated' error."""
-    ckpt = tmp_path / "ckpt"
-    saver = Saver(str(ckpt), group=None, options=SaveOptions(async_=False, chunk_min_bytes=1024))
-    big = torch.arange(1 << 20, dtype=torch.float32).reshape(1024, 1024)
-    saver.save(step=3, consumed_samples=12, model={
-        n: (big + i, ShardInfo.whole(n, (1024, 1024))) for i, n in enumerate("abc")
-    })  # fmt: skip
-    saver.close()
+    ckpt = save_big(tmp_path / "ckpt")
     code = f"""
 import os, sys, torch
 import checkpoint.load as load
