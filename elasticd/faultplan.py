@@ -11,9 +11,11 @@ start; they pass it on to their workers).
 
 - ``step`` in a phase fault is the step *in progress* (1-based, as ``progress`` reports it
   once done); for ``checkpoint-save`` it is the step being saved.
-- Phases: ``forward``, ``backward``, ``optimizer``, ``checkpoint-save``.
-- Who fires: the target rank for kill-worker, hang-worker and raise-error (it SIGKILLs or
-  SIGSTOPs itself, or raises :class:`InjectedFault`); the first rank of the target node to
+- Phases: ``forward``, ``backward``, ``optimizer``, ``update`` (the step's last collective
+  done, its optimizer update not applied), ``step-end``, ``checkpoint-save``.
+- Who fires: the target rank for kill-worker, hang-worker, raise-error and fail-collective
+  (it SIGKILLs or SIGSTOPs itself, or raises :class:`InjectedFault` or
+  :class:`InjectedCollectiveFault`); the first rank of the target node to
   get there for kill-node, term-node and freeze-node; rank 0 for add-node and the etcd
   faults. The firing rank creates ``fired-<id>`` (exclusively: a fault fires once, even if
   a recovery trains that step again) and, for a fault the cluster carries out, waits in the
@@ -21,6 +23,12 @@ start; they pass it on to their workers).
   not a later one.
 - ``raise-error=RANK@step=S`` without a phase raises when rank RANK reports step S done
   (inside its training loop): it tests the script's own error handling.
+- ``fail-collective=RANK@step=S`` is what rank RANK sees when a collective fails under it
+  (a peer died): an error counted as a communication failure, so in-process restart
+  recovers the rank in its process. It first waits (up to ACK_WAIT) until the node faults
+  planned for the same step and phase have been carried out: with
+  ``kill-node=1@step=5:phase=update`` beside it, the rank stops where a real fault can
+  leave one rank while its peers go on (they applied step 5, it did not).
 
 Everything here is the standard library: the worker imports it on every start.
 """
@@ -39,8 +47,10 @@ ENV_PLAN = "ELASTICD_FAULT_PLAN"
 """Path of the run's fault plan (set by the local cluster on its agents)."""
 ENV_NODE = "ELASTICD_NODE_ID"
 """The node id of the agent that started this worker (set by the local cluster)."""
-PHASES = ("forward", "backward", "optimizer", "step-end", "checkpoint-save")
-SELF_KINDS = frozenset({"kill-worker", "hang-worker", "raise-error"})
+PHASES = ("forward", "backward", "optimizer", "update", "step-end", "checkpoint-save")
+SELF_KINDS = frozenset({"kill-worker", "hang-worker", "raise-error", "fail-collective"})
+RAISING_KINDS = frozenset({"raise-error", "fail-collective"})
+"""Self faults that raise, and so may fire without a phase (when the step is reported)."""
 """Faults a worker carries out on itself."""
 NODE_KINDS = frozenset({"kill-node", "term-node", "freeze-node"})
 ACK_WAIT = 120.0
@@ -53,10 +63,16 @@ class InjectedFault(Exception):
     """Raised inside a rank's training step by a ``raise-error`` fault."""
 
 
+class InjectedCollectiveFault(ConnectionError):
+    """Raised inside a rank's training step by a ``fail-collective`` fault: a collective
+    failing under the rank, as when a peer dies (``elasticd.inprocess.is_comm_error``
+    counts it as one)."""
+
+
 def worker_side(fault: Any) -> bool:
     """Whether ``fault`` (a localcluster.Fault) is fired by the workers (it has a phase, or
     only a worker can do it) rather than by the cluster once a step completed."""
-    return fault.phase is not None or fault.kind == "raise-error"
+    return fault.phase is not None or fault.kind in RAISING_KINDS
 
 
 def write_plan(directory: str, faults: list[Any]) -> str:
@@ -107,6 +123,19 @@ class WorkerFaults:
             return self.node == f"node-{entry['target']}"
         return self.rank == 0
 
+    def _wait_node_faults(self, entry: Mapping[str, Any]) -> None:
+        """Wait until every node fault planned for ``entry``'s step and phase has been
+        carried out (up to ACK_WAIT)."""
+        others = [e for e in self.entries if e["kind"] in NODE_KINDS
+                  and (e["step"], e["phase"]) == (entry["step"], entry["phase"])]  # fmt: skip
+        deadline = time.monotonic() + ACK_WAIT
+        while not all(_acked(self.dir, e) for e in others):
+            if time.monotonic() > deadline:
+                print(f"elasticd: fault {entry['fault']}: the node faults beside it were not "
+                      f"carried out within {ACK_WAIT:g} s; going on", file=sys.stderr, flush=True)  # fmt: skip
+                return
+            time.sleep(0.005)
+
     def _fire(self, entry: Mapping[str, Any], preempted: Callable[[], bool] | None) -> None:
         name = os.path.join(self.dir, f"fired-{entry['id']}")
         try:
@@ -130,9 +159,13 @@ class WorkerFaults:
             return
         if kind == "raise-error":
             raise InjectedFault(f"injected fault {entry['fault']} (rank {self.rank}, {where})")
-        acked = os.path.join(self.dir, f"acked-{entry['id']}")
+        if kind == "fail-collective":
+            self._wait_node_faults(entry)
+            raise InjectedCollectiveFault(
+                f"injected fault {entry['fault']}: a collective failed (rank {self.rank}, {where})"
+            )
         deadline = time.monotonic() + ACK_WAIT
-        while not os.path.exists(acked):
+        while not _acked(self.dir, entry):
             if time.monotonic() > deadline:
                 print(f"elasticd: fault {entry['fault']}: the cluster did not carry it out "
                       f"within {ACK_WAIT:g} s; going on", file=sys.stderr, flush=True)  # fmt: skip
@@ -143,6 +176,10 @@ class WorkerFaults:
             deadline = time.monotonic() + TERM_WAIT
             while not preempted() and time.monotonic() < deadline:
                 time.sleep(0.005)
+
+
+def _acked(directory: str, entry: Mapping[str, Any]) -> bool:
+    return os.path.exists(os.path.join(directory, f"acked-{entry['id']}"))
 
 
 class PlanSource:
@@ -189,7 +226,8 @@ class PlanSource:
             self.seen.add(i)
             if fault.kind in SELF_KINDS:
                 verb = {"kill-worker": "SIGKILLed itself", "hang-worker": "SIGSTOPped itself",
-                        "raise-error": "raised InjectedFault"}[fault.kind]  # fmt: skip
+                        "raise-error": "raised InjectedFault",
+                        "fail-collective": "raised InjectedCollectiveFault"}[fault.kind]  # fmt: skip
                 phase = f" in {fault.phase}" if fault.phase else " after it"
                 record = {"fault": str(fault), "kind": fault.kind, "t": fired.get("t"),
                           "end": None, "step": fault.step, "pid": fired.get("pid"),

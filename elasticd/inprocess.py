@@ -618,7 +618,9 @@ def is_comm_error(exc: BaseException) -> bool:
     round's sockets were shut), rather than from the training code."""
     import torch.distributed as dist
 
-    if isinstance(exc, RoundAborted):
+    from elasticd.faultplan import InjectedCollectiveFault
+
+    if isinstance(exc, (RoundAborted, InjectedCollectiveFault)):
         return True
     dist_error = getattr(dist, "DistError", None)
     if dist_error is not None and isinstance(exc, dist_error):

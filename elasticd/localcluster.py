@@ -38,11 +38,11 @@ log = logging.getLogger("elasticd.localcluster")
 
 FAULT_KINDS = (
     "kill-node", "kill-worker", "hang-worker", "term-node", "add-node", "freeze-node",
-    "etcd-outage", "kill-etcd-member", "kill-etcd-leader", "raise-error",
+    "etcd-outage", "kill-etcd-member", "kill-etcd-leader", "raise-error", "fail-collective",
 )  # fmt: skip
 NODE_FAULTS = frozenset({"kill-node", "term-node", "freeze-node"})
 """Faults whose target is a node index."""
-RANK_FAULTS = frozenset({"kill-worker", "hang-worker", "raise-error"})
+RANK_FAULTS = frozenset({"kill-worker", "hang-worker", "raise-error", "fail-collective"})
 """Faults whose target is a global rank."""
 ETCD_MEMBER_FAULTS = frozenset({"kill-etcd-member", "kill-etcd-leader"})
 """Faults that need an etcd of several members."""
@@ -53,9 +53,9 @@ _NO_TARGET = frozenset({"add-node", "etcd-outage", "kill-etcd-leader"})
 MAX_FOR = 3600.0
 FAULT_SYNTAX = (
     "kill-node=I, term-node=I, freeze-node=I[:for=T], kill-worker=RANK, hang-worker=RANK, "
-    "raise-error=RANK, kill-etcd-member=I[:for=T] (each @step=S), or add-node@step=S, "
-    "etcd-outage@step=S[:for=T], kill-etcd-leader@step=S[:for=T]; any of them "
-    "[:phase=forward|backward|optimizer|step-end|checkpoint-save]"
+    "raise-error=RANK, fail-collective=RANK, kill-etcd-member=I[:for=T] (each @step=S), or "
+    "add-node@step=S, etcd-outage@step=S[:for=T], kill-etcd-leader@step=S[:for=T]; any of "
+    "them [:phase=forward|backward|optimizer|update|step-end|checkpoint-save]"
 )
 _FAULT_RE = re.compile(
     r"^(?P<kind>[a-z-]+)(?:=(?P<target>\d+))?@step=(?P<step>\d+)(?P<opts>(?::[a-z]+=[^:@=]+)*)$"
@@ -567,7 +567,7 @@ class LocalCluster:
 
     def _inject(self, fault: Fault, record: dict[str, Any]) -> str:
         kind, target, lasts = fault.kind, fault.target, fault.duration or 0.0
-        if kind == "raise-error":
+        if kind in ("raise-error", "fail-collective"):
             raise UsageError(f"{fault}: only the workers can raise (run_cluster's fault plan)")
         if kind in NODE_FAULTS:
             index = self._node(fault)

@@ -220,7 +220,7 @@ class WorkerChannel:
                  "checkpoint_save": (checkpoint_save, dict), "mfu": (mfu, float)}  # fmt: skip
         self._last.update({k: kind(v) for k, (v, kind) in given.items() if v is not None})
         self._write()
-        self._at(None, step)  # a raise-error fault with no phase: "after step S"
+        self._at(None, step)  # a raising fault with no phase: "after step S"
 
     def _write(self) -> None:
         if self._path is None:

@@ -217,10 +217,35 @@ def test_a_term_node_fault_holds_its_phase_until_the_workers_own_sigterm(tmp_pat
     assert flag.is_set() and time.monotonic() - t0 >= 0.25
 
 
+def test_a_fail_collective_fault_waits_for_the_node_faults_beside_it_then_fails_as_a_collective(
+    tmp_path,
+):
+    import threading
+    import time
+
+    from elasticd.faultplan import InjectedCollectiveFault
+    from elasticd.inprocess import is_comm_error
+
+    _, path = _plan(tmp_path, "kill-node=1@step=5:phase=update",
+                    "fail-collective=0@step=5:phase=update", "kill-node=1@step=6:phase=update")  # fmt: skip
+    faults = WorkerFaults({"ELASTICD_FAULT_PLAN": path, "RANK": "0", "ELASTICD_NODE_ID": "node-0"})
+    faults.at("optimizer", 5)  # not its phase: nothing happens
+    fired = tmp_path / "faults" / "fired"
+    # The cluster kills node 1 a moment later; step 6's fault is not waited for.
+    threading.Timer(0.3, lambda: (fired / "acked-0").write_text("{}")).start()
+    t0 = time.monotonic()
+    with pytest.raises(InjectedCollectiveFault, match="a collective failed") as info:
+        faults.at("update", 5)
+    assert time.monotonic() - t0 >= 0.25 and (fired / "fired-1").exists()
+    assert is_comm_error(info.value)  # in-process restart recovers it in its process
+    faults.at("update", 5)  # fired once
+
+
 def test_the_cluster_cannot_raise_inside_a_worker(tmp_path):
     cluster = LocalCluster(base_dir=str(tmp_path), nproc=1)
-    record = cluster.inject(parse_fault("raise-error=0@step=2"))
-    assert record["skipped"] and "only the workers can raise" in record["detail"]
+    for spec in ("raise-error=0@step=2", "fail-collective=0@step=2"):
+        record = cluster.inject(parse_fault(spec))
+        assert record["skipped"] and "only the workers can raise" in record["detail"]
 
 
 def test_rank_logs_come_in_round_order_and_leftovers_are_found_by_their_environment(tmp_path):
