@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -210,6 +211,25 @@ def test_a_sharded_layout_loses_a_node_and_the_survivors_reshard_from_memory(
     pids = round_pids(job)
     first, second = (pids[r] for r in sorted(pids))
     assert second < first and len(second) == (nodes - 1) * nproc
+
+
+def test_a_fault_that_splits_the_survivors_across_a_step_still_recovers_from_memory(tmp_path):
+    """ep2xdp2 -> ep2, where a fault parts the survivors at step 5: rank 1 applied its
+    update, rank 0 did not (its collective failed under it after the step's last one had
+    completed: ``fail-collective``, fired once node 1 is dead). Each survivor holds the only
+    live copy of one expert shard, so no step was covered (CI found this, 1 run in 3).
+    Rank 0 completes step 5 from its reduced gradients: source peers, 0 lost, the losses
+    those of one process, and step 5's record, which rank 0 never wrote, from rank 1's."""
+    job = make_job(tmp_path, "split", nproc=2, steps=10, parallel={"ep": 2},
+                   model={"experts": 4, "top_k": 2}, nodes={"min": 1, "max": 2}, batch=8)  # fmt: skip
+    faults = ["kill-node=1@step=5:phase=update", "fail-collective=0@step=5:phase=update"]
+    result = run(job, 2, faults)
+    records = check_inprocess(tmp_path, job, result, recoveries=1)
+    assert records[4]["round"] == 1 and records[5]["round"] == 2, story(job)
+    logs = glob.glob(os.path.join(job.out_dir, "logs", "**", "*.log"), recursive=True)
+    said = "".join(Path(p).read_text(encoding="utf-8", errors="replace") for p in logs)
+    assert "rank 0: in-process recovery: completed step 5's update" in said, story(job)
+    assert "rank 1: in-process recovery: completed" not in said, story(job)
 
 
 def test_a_tp_shard_with_no_live_holder_comes_back_from_its_in_memory_replica(tmp_path):

@@ -11,7 +11,10 @@ spare, survivor or newcomer, in the same order:
    named globally by its ShardInfo, exactly as in checkpoints; the live planner picks, for
    each region the new layout needs, a rank that holds it at one agreed step, and the
    bytes go rank to rank, CRC-checked. Survivors may differ by one step (a fault between
-   two ranks' optimizer steps): the newest step every region is held at wins;
+   two ranks' optimizer steps): a rank one behind that stopped after the step's last
+   collective completes the update first (``Trainer.complete_pending``: it holds the
+   reduced gradients and their norm), so it holds the newest step too; otherwise the
+   newest step every region is held at wins;
    Beside its live tensors a rank offers what ``checkpoint.memory_replicas`` kept
    (:mod:`trainer.replicas`): a snapshot of its own state and the replicas of other nodes'
    ranks, at the last replicated step; a TP or PP shard with no DP replica that died with
@@ -64,17 +67,20 @@ def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any, job: Any) -> str
     from trainer.checkpointing import reseed_value
 
     old = ctx.state.get("trainer")
+    group = transfer_group()
+    newest_t = torch.tensor([-1 if old is None else old.state.step], dtype=torch.int64)
+    if dist.is_initialized():
+        comm.all_reduce(newest_t, group, op=dist.ReduceOp.MAX)
+    newest = int(newest_t)
+    if old is not None and old.complete_pending(newest):
+        print(f"rank {ctx.rank}: in-process recovery: completed step {newest}'s update "
+              "(the fault stopped this rank after its last collective)", flush=True)  # fmt: skip
     # Read, not taken: if this round fails too, the next one still has them.
     old_replicas = ctx.state.get("replicator")
     extra = old_replicas.held() if old_replicas is not None else []
     have = holdings(old, create=True) if old is not None else None
     have_step = old.state.step if old is not None else None
     need = holdings(trainer, create=True) if trainer is not None else {}
-    group = transfer_group()
-    newest_t = torch.tensor([-1 if have_step is None else have_step], dtype=torch.int64)
-    if dist.is_initialized():
-        comm.all_reduce(newest_t, group, op=dist.ReduceOp.MAX)
-    newest = int(newest_t)
     source = "none"
     result = None
     if newest >= 0:

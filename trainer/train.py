@@ -196,6 +196,11 @@ class Trainer:
         fp32 run without ``parallel.zero``."""
         self.optimizer = build_optimizer(self.main.tensors, lr=t.lr, weight_decay=t.weight_decay)
         self.state = TrainState()
+        self.pending_norm: float | None = None
+        """Set between the last collective of step ``state.step + 1`` and its update: the
+        gradients are reduced and this is their global norm. A fault there leaves it set,
+        and in-process recovery completes the step with :meth:`complete_pending` when a
+        peer applied it (trainer/recovery.py)."""
         self._batch: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._losses: list[torch.Tensor] = []
 
@@ -312,10 +317,11 @@ class Trainer:
             loss /= self.ctx.dp_cp.size
         if self.pipeline is not None:
             loss = self.pipeline.share_loss(loss)
-        self.main.clip(norm=norm, max_norm=self.job.train.grad_clip)
-        self.optimizer.step()
-        self.state.step += 1
-        self.state.consumed_samples += self.job.train.global_batch
+        # The step's last collective is done; a peer may apply the update while this rank
+        # is stopped here (a fault), and recovery then completes it from these gradients.
+        self.pending_norm = norm
+        self._phase("update")
+        self._update(norm)
         self.main.to_model()  # the step is counted first: recovery reads the main params
         step_s = time.perf_counter() - started
         tokens = self.job.train.global_batch * self.job.model.seq_len
@@ -324,6 +330,27 @@ class Trainer:
         return StepResult(step=self.state.step, loss=float(loss), grad_norm=norm, lr=lr,
                           step_s=step_s, tokens_per_s=tokens / step_s, mfu=used,
                           mem_gb=mem_gb)  # fmt: skip
+
+    def _update(self, norm: float) -> None:
+        """Clip, step AdamW and count the step (no collective)."""
+        self.main.clip(norm=norm, max_norm=self.job.train.grad_clip)
+        self.optimizer.step()
+        self.state.step += 1
+        self.state.consumed_samples += self.job.train.global_batch
+        self.pending_norm = None
+
+    def complete_pending(self, step: int) -> bool:
+        """Apply step ``step``'s update if this rank stopped between that step's last
+        collective and its update (``pending_norm`` set, ``state.step`` one behind): its
+        reduced gradients and their norm are all the update needs, so the main parameters
+        and AdamW state become exactly those of a rank that applied it. Returns whether it
+        did. The model (bf16, or rows all-gathered under ZeRO-1) is not refreshed: recovery
+        rebuilds a new round's model from the main parameters."""
+        norm = self.pending_norm
+        if norm is None or self.state.step != step - 1:
+            return False
+        self._update(norm)
+        return True
 
     def _peak_memory_gb(self) -> float:
         """The largest peak memory of any active rank so far (a MAX over the model groups,
