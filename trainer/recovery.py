@@ -11,8 +11,8 @@ spare, survivor or newcomer, in the same order:
    named globally by its ShardInfo, exactly as in checkpoints; the live planner picks, for
    each region the new layout needs, a rank that holds it at one agreed step, and the
    bytes go rank to rank, CRC-checked. Survivors may differ by one step (a fault between
-   two ranks' optimizer steps): a rank one behind that stopped after the step's last
-   collective completes the update first (``Trainer.complete_pending``: it holds the
+   two ranks' optimizer steps): a rank one behind that stopped after the step's gradient
+   norm (in a later collective of the step, or before its update) completes the update first (``Trainer.complete_pending``: it holds the
    reduced gradients and their norm), so it holds the newest step too; otherwise the
    newest step every region is held at wins;
    Beside its live tensors a rank offers what ``checkpoint.memory_replicas`` kept
@@ -74,7 +74,7 @@ def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any, job: Any) -> str
     newest = int(newest_t)
     if old is not None and old.complete_pending(newest):
         print(f"rank {ctx.rank}: in-process recovery: completed step {newest}'s update "
-              "(the fault stopped this rank after its last collective)", flush=True)  # fmt: skip
+              "(the fault stopped this rank after its gradient norm)", flush=True)  # fmt: skip
     # Read, not taken: if this round fails too, the next one still has them.
     old_replicas = ctx.state.get("replicator")
     extra = old_replicas.held() if old_replicas is not None else []

@@ -197,10 +197,11 @@ class Trainer:
         self.optimizer = build_optimizer(self.main.tensors, lr=t.lr, weight_decay=t.weight_decay)
         self.state = TrainState()
         self.pending_norm: float | None = None
-        """Set between the last collective of step ``state.step + 1`` and its update: the
-        gradients are reduced and this is their global norm. A fault there leaves it set,
-        and in-process recovery completes the step with :meth:`complete_pending` when a
-        peer applied it (trainer/recovery.py)."""
+        """Set from the global norm of step ``state.step + 1`` until its update: the
+        gradients are reduced and this is their norm. A fault in the collectives after the
+        norm (the peak memory, the loss), which a peer may have completed and so applied the
+        step, leaves it set; in-process recovery then completes the step with
+        :meth:`complete_pending` (trainer/recovery.py)."""
         self._batch: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._losses: list[torch.Tensor] = []
 
@@ -306,6 +307,9 @@ class Trainer:
             tied = self.pipeline.tied_params(self.params, name=self._tied_name)
             sync_tied_grads([self.main.grad_of(q) for q in tied], group=self.pipeline.embedding)
         norm = self.main.grad_norm(groups=self.model_groups)
+        # From here this rank holds all its update needs: a fault in the collectives below
+        # (a peer that completed them applies the step) leaves it for recovery to complete.
+        self.pending_norm = norm
         mem_gb = self._peak_memory_gb()
         # Every collective of the step but the ZeRO-1 all-gather comes before the optimizer
         # step: a rank that applied it has nothing left to wait for, so a fault leaves each
@@ -317,10 +321,7 @@ class Trainer:
             loss /= self.ctx.dp_cp.size
         if self.pipeline is not None:
             loss = self.pipeline.share_loss(loss)
-        # The step's last collective is done; a peer may apply the update while this rank
-        # is stopped here (a fault), and recovery then completes it from these gradients.
-        self.pending_norm = norm
-        self._phase("update")
+        self._phase("update")  # the step's last collective done (faults keyed here)
         self._update(norm)
         self.main.to_model()  # the step is counted first: recovery reads the main params
         step_s = time.perf_counter() - started
@@ -340,8 +341,8 @@ class Trainer:
         self.pending_norm = None
 
     def complete_pending(self, step: int) -> bool:
-        """Apply step ``step``'s update if this rank stopped between that step's last
-        collective and its update (``pending_norm`` set, ``state.step`` one behind): its
+        """Apply step ``step``'s update if this rank stopped between that step's
+        gradient norm and its update (``pending_norm`` set, ``state.step`` one behind): its
         reduced gradients and their norm are all the update needs, so the main parameters
         and AdamW state become exactly those of a rank that applied it. Returns whether it
         did. The model (bf16, or rows all-gathered under ZeRO-1) is not refreshed: recovery
