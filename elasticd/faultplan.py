@@ -11,8 +11,9 @@ start; they pass it on to their workers).
 
 - ``step`` in a phase fault is the step *in progress* (1-based, as ``progress`` reports it
   once done); for ``checkpoint-save`` it is the step being saved.
-- Phases: ``forward``, ``backward``, ``optimizer``, ``update`` (the step's last collective
-  done, its optimizer update not applied), ``step-end``, ``checkpoint-save``.
+- Phases: ``forward``, ``backward``, ``optimizer``, ``update`` (every collective before
+  the step's optimizer update done, the update not applied; under ZeRO-1 the parameters'
+  all-gather comes after it), ``step-end``, ``checkpoint-save``.
 - Who fires: the target rank for kill-worker, hang-worker, raise-error and fail-collective
   (it SIGKILLs or SIGSTOPs itself, or raises :class:`InjectedFault` or
   :class:`InjectedCollectiveFault`); the first rank of the target node to
@@ -25,8 +26,9 @@ start; they pass it on to their workers).
   (inside its training loop): it tests the script's own error handling.
 - ``fail-collective=RANK@step=S`` is what rank RANK sees when a collective fails under it
   (a peer died): an error counted as a communication failure, so in-process restart
-  recovers the rank in its process. It first waits (up to ACK_WAIT) until the node faults
-  planned for the same step and phase have been carried out: with
+  recovers the rank in its process. With a phase, it first waits (up to ACK_WAIT) until
+  the node faults planned for the same step and phase have been carried out (without one
+  it raises when the step is reported done, and waits for nothing): with
   ``kill-node=1@step=5:phase=update`` beside it, the rank stops where a real fault can
   leave one rank while its peers go on (they applied step 5, it did not).
 
@@ -49,9 +51,9 @@ ENV_NODE = "ELASTICD_NODE_ID"
 """The node id of the agent that started this worker (set by the local cluster)."""
 PHASES = ("forward", "backward", "optimizer", "update", "step-end", "checkpoint-save")
 SELF_KINDS = frozenset({"kill-worker", "hang-worker", "raise-error", "fail-collective"})
+"""Faults a worker carries out on itself."""
 RAISING_KINDS = frozenset({"raise-error", "fail-collective"})
 """Self faults that raise, and so may fire without a phase (when the step is reported)."""
-"""Faults a worker carries out on itself."""
 NODE_KINDS = frozenset({"kill-node", "term-node", "freeze-node"})
 ACK_WAIT = 120.0
 """Seconds a firing worker waits in its phase for the cluster to carry the fault out."""

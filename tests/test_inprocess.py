@@ -213,15 +213,21 @@ def test_a_sharded_layout_loses_a_node_and_the_survivors_reshard_from_memory(
     assert second < first and len(second) == (nodes - 1) * nproc
 
 
-def test_a_fault_that_splits_the_survivors_across_a_step_still_recovers_from_memory(tmp_path):
+@pytest.mark.parametrize("every", [0, 5], ids=["no-save", "save-step"])
+def test_a_fault_that_splits_the_survivors_across_a_step_still_recovers_from_memory(
+    tmp_path, every
+):
     """ep2xdp2 -> ep2, where a fault parts the survivors at step 5: rank 1 applied its
     update, rank 0 did not (its collective failed under it after the step's last one had
     completed: ``fail-collective``, fired once node 1 is dead). Each survivor holds the only
     live copy of one expert shard, so no step was covered (CI found this, 1 run in 3).
     Rank 0 completes step 5 from its reduced gradients: source peers, 0 lost, the losses
-    those of one process, and step 5's record, which rank 0 never wrote, from rank 1's."""
+    those of one process, and step 5's record, which rank 0 never wrote, from rank 1's.
+    With a save at step 5, rank 1 is stopped in the save's first collective, before it
+    reports the step: it kept the record as soon as its update was applied."""
     job = make_job(tmp_path, "split", nproc=2, steps=10, parallel={"ep": 2},
-                   model={"experts": 4, "top_k": 2}, nodes={"min": 1, "max": 2}, batch=8)  # fmt: skip
+                   model={"experts": 4, "top_k": 2}, nodes={"min": 1, "max": 2}, batch=8,
+                   checkpoint={"every": every})  # fmt: skip
     faults = ["kill-node=1@step=5:phase=update", "fail-collective=0@step=5:phase=update"]
     result = run(job, 2, faults)
     records = check_inprocess(tmp_path, job, result, recoveries=1)

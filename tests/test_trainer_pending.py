@@ -27,10 +27,15 @@ def _stop_at_update(trainer, step: int) -> None:
     trainer.on_phase = on_phase
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_step_stopped_before_its_update_is_completed_bit_exactly(tmp_path, dtype):
+@pytest.mark.parametrize(
+    "settings",
+    [{"train.dtype": "float32"}, {"train.dtype": "bfloat16"},
+     {"train.dtype": "bfloat16", "parallel.zero": 1}],  # rows of a reduce-scatter's output
+    ids=["fp32", "bf16", "bf16-zero1"],
+)  # fmt: skip
+def test_a_step_stopped_before_its_update_is_completed_bit_exactly(tmp_path, settings):
     # A small clip so that the clipping, which needs the stored norm, really scales.
-    raw = _raw(tmp_path, {"train.dtype": dtype, "train.grad_clip": 0.05})
+    raw = _raw(tmp_path, {**settings, "train.grad_clip": 0.05})
     ref, stopped = _trainer(raw), _trainer(raw)
     for _ in range(2):
         assert ref.train_step().loss == stopped.train_step().loss

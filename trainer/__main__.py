@@ -245,6 +245,13 @@ def _train_round(ctx, *, job, layout, device) -> int:
 
             round_ = int(env.get("ELASTICD_ROUND", "0") or 0)
 
+            if ctx.inprocess:
+                from trainer.recovery import keep_record
+
+                # Kept once the update is applied (a fault in the ZeRO-1 all-gather or the
+                # save must not lose it), then again with the whole step's time.
+                trainer.on_updated = lambda r: keep_record(ctx, step_record(r, layout, round_))
+
             def after_step(r) -> None:
                 if ctx.inprocess:
                     from trainer.recovery import keep_record, replicate

@@ -143,8 +143,10 @@ RECORDS_KEPT = 16
 
 def keep_record(ctx: Any, record: dict) -> None:
     """Keep ``record`` (a metrics.jsonl record of a step this rank completed) among the
-    last RECORDS_KEPT (in-process restart)."""
+    last RECORDS_KEPT (in-process restart); it replaces one kept of the same step."""
     kept = ctx.state.setdefault("records", [])
+    if kept and kept[-1]["step"] == record["step"]:
+        kept.pop()
     kept.append(record)
     del kept[:-RECORDS_KEPT]
 

@@ -134,8 +134,14 @@ class Trainer:
         self.preempted = False
         self.on_phase: Callable[[str, int], None] | None = None
         """Told ``(phase, step)`` as each phase of a step begins (forward, backward,
-        optimizer, checkpoint-save): ``WorkerChannel.phase``, where faults keyed to a phase
-        fire (elasticd.testing)."""
+        optimizer, update, step-end, checkpoint-save): ``WorkerChannel.phase``, where
+        faults keyed to a phase fire (elasticd.testing)."""
+        self.on_updated: Callable[[StepResult], None] | None = None
+        """Told each step's result as soon as its update is applied, before the ZeRO-1
+        all-gather and the checkpoint save, which a fault can stop (``step_s`` then does not
+        count the all-gather): in-process restart keeps the metrics record there, so that a
+        step a peer completes in recovery (:meth:`complete_pending`) has a record somewhere
+        even if this rank never gets further."""
         self._backward_seen = False
         self.checkpointing = None
         """The run's Checkpointing once ``run`` started (its saver's last result is
@@ -321,14 +327,23 @@ class Trainer:
             loss /= self.ctx.dp_cp.size
         if self.pipeline is not None:
             loss = self.pipeline.share_loss(loss)
-        self._phase("update")  # the step's last collective done (faults keyed here)
+        # Every collective before the update is done (the ZeRO-1 all-gather comes after).
+        self._phase("update")
         self._update(norm)
+        done = {"loss": float(loss), "norm": norm, "lr": lr, "started": started, "mem_gb": mem_gb}
+        if self.on_updated is not None:
+            self.on_updated(self._result(**done))
         self.main.to_model()  # the step is counted first: recovery reads the main params
+        return self._result(**done)
+
+    def _result(
+        self, *, loss: float, norm: float, lr: float, started: float, mem_gb: float
+    ) -> StepResult:
         step_s = time.perf_counter() - started
         tokens = self.job.train.global_batch * self.job.model.seq_len
         used = mfu(flops=self._flops_per_step, seconds=step_s, ranks=self.layout.active,
                    peak=self._peak_flops)  # fmt: skip
-        return StepResult(step=self.state.step, loss=float(loss), grad_norm=norm, lr=lr,
+        return StepResult(step=self.state.step, loss=loss, grad_norm=norm, lr=lr,
                           step_s=step_s, tokens_per_s=tokens / step_s, mfu=used,
                           mem_gb=mem_gb)  # fmt: skip
 
