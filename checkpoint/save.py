@@ -323,7 +323,8 @@ class Saver:
         GPU), so the caller waits for nothing else. The strips of a region that are not
         contiguous there are gathered later, on the writer's side (:func:`write_file`)."""
         need = mine.data_bytes if mine else 0
-        on_gpu = any(t.is_cuda for t, _, _ in local.values())
+        gpus = {t.device for t, _, _ in local.values() if t.is_cuda}
+        on_gpu = bool(gpus)
         if self._staging is None or self._staging.numel() < need:
             self._staging = torch.empty(need, dtype=torch.uint8, pin_memory=on_gpu)
             self.staging_allocations += 1
@@ -334,8 +335,11 @@ class Saver:
             view = data[r.begin : r.end].view(r.dtype).view(r.box[1])
             view.copy_(src[relative(r.box, info.offsets)].detach(), non_blocking=on_gpu)
             held.append(view)
-        if on_gpu:
-            torch.cuda.synchronize()
+        # The copies ran on each device's current stream: wait for that stream only (a
+        # device-wide synchronize would also wait for other streams' work, such as a
+        # collective in flight on its own stream).
+        for device in gpus:
+            torch.cuda.current_stream(device).synchronize()
 
         def part(i: int) -> memoryview:
             c = mine.copies[i]

@@ -257,3 +257,28 @@ def test_bf16_mixed_precision_on_one_gpu_keeps_fp32_main_state_and_trains_as_the
         assert g["loss"] == pytest.approx(r["loss"], rel=BF16_LOSS_RTOL), (r, g)
         assert g["grad_norm"] == pytest.approx(r["grad_norm"], rel=BF16_NORM_RTOL), (r, g)
     assert got[-1]["loss"] < got[0]["loss"]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_an_async_save_of_cuda_tensors_holds_them_as_they_were_when_save_returned(tmp_path):
+    """The snapshot copies device to pinned memory and waits for the copies' stream only:
+    tensors changed on the GPU right after ``save`` returns (kernels queued behind the
+    copies on the same stream, the way the next step's would be) do not reach the file."""
+    from checkpoint import SaveOptions, Saver, ShardInfo, open_step
+
+    device = torch.device("cuda", 0)
+    big = torch.arange(1 << 22, dtype=torch.float32, device=device).view(1024, -1)
+    small = torch.full((7,), 3.0, device=device)
+    expected = {"big": big.cpu(), "small": small.cpu()}
+    saver = Saver(str(tmp_path), group=None, options=SaveOptions(async_=True))
+    saver.save(step=1, consumed_samples=1,
+               model={"big": (big, ShardInfo.whole("big", tuple(big.shape))),
+                      "small": (small, ShardInfo.whole("small", (7,)))})  # fmt: skip
+    big.mul_(-1.0)  # queued right behind the snapshot's copies
+    small.zero_()
+    saver.wait()
+    saver.close()
+    with open_step(str(tmp_path)) as ckpt:
+        for name, value in expected.items():
+            assert torch.equal(ckpt.read(name), value), name
