@@ -12,9 +12,10 @@ spare, survivor or newcomer, in the same order:
    each region the new layout needs, a rank that holds it at one agreed step, and the
    bytes go rank to rank, CRC-checked. Survivors may differ by one step (a fault between
    two ranks' optimizer steps): a rank one behind that stopped after the step's gradient
-   norm (in a later collective of the step, or before its update) completes the update first (``Trainer.complete_pending``: it holds the
-   reduced gradients and their norm), so it holds the newest step too; otherwise the
-   newest step every region is held at wins;
+   norm (in a later collective of the step, or before its update) completes the update
+   first (``Trainer.complete_pending``: it holds the reduced gradients and their norm),
+   so it holds the newest step too; otherwise the newest step every region is held at
+   wins;
    Beside its live tensors a rank offers what ``checkpoint.memory_replicas`` kept
    (:mod:`trainer.replicas`): a snapshot of its own state and the replicas of other nodes'
    ranks, at the last replicated step; a TP or PP shard with no DP replica that died with
