@@ -22,6 +22,25 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
+def _framed(data: bytes, cap: int) -> torch.Tensor:
+    """A fixed-size message of ``8 + cap`` bytes: ``len(data)``, then ``data`` when it
+    fits ``cap`` (a longer one travels another way; its length says so)."""
+    buf = torch.zeros(8 + cap, dtype=torch.uint8)
+    buf[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
+    if data and len(data) <= cap:
+        buf[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return buf
+
+
+def _length(buf: torch.Tensor) -> int:
+    return int(buf[:8].view(torch.int64).item())
+
+
+def _unframed(buf: torch.Tensor) -> Any:
+    """The JSON a :func:`_framed` buffer carries (its data fit the cap)."""
+    return json.loads(bytes(buf[8 : 8 + _length(buf)].numpy()))
+
+
 def all_gather_json(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
     """Every rank's ``obj``, in group-rank order."""
     if group_size(group) == 1:
@@ -52,23 +71,15 @@ def all_gather_json_small(
     if group_size(group) == 1:
         copy = json.loads(json.dumps(obj))
         return lambda: [copy]
-    data = json.dumps(obj, separators=(",", ":")).encode()
-    n = group_size(group)
-    buf = torch.zeros(8 + cap, dtype=torch.uint8)
-    buf[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
-    if data and len(data) <= cap:
-        buf[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    bufs = [torch.zeros(8 + cap, dtype=torch.uint8) for _ in range(n)]
+    buf = _framed(json.dumps(obj, separators=(",", ":")).encode(), cap)
+    bufs = [torch.zeros(8 + cap, dtype=torch.uint8) for _ in range(group_size(group))]
     work = dist.all_gather(bufs, buf, group=group, async_op=True)
 
     def finish() -> list[Any]:
         work.wait()
-        lengths = [int(b[:8].view(torch.int64).item()) for b in bufs]
-        if max(lengths) > cap:
+        if max(_length(b) for b in bufs) > cap:
             return all_gather_json(obj, group)
-        return [
-            json.loads(bytes(b[8 : 8 + ln].numpy())) for b, ln in zip(bufs, lengths, strict=True)
-        ]
+        return [_unframed(b) for b in bufs]
 
     return finish
 
@@ -77,15 +88,23 @@ def broadcast_json(obj: Any, group: dist.ProcessGroup | None) -> Any:
     """Group rank 0's ``obj`` on every rank (``obj`` is ignored elsewhere)."""
     if group_size(group) == 1:
         return json.loads(json.dumps(obj))
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    me = group_rank(group)
-    data = json.dumps(obj, separators=(",", ":")).encode() if me == 0 else b""
+    data = json.dumps(obj, separators=(",", ":")).encode() if group_rank(group) == 0 else b""
     length = torch.tensor([len(data)], dtype=torch.int64)
-    dist.broadcast(length, src=src, group=group)
-    buf = torch.zeros(int(length.item()), dtype=torch.uint8)
-    if me == 0 and data:
+    dist.broadcast(length, src=_root(group), group=group)
+    return _broadcast_bytes(data, int(length.item()), group)
+
+
+def _root(group: dist.ProcessGroup | None) -> int:
+    """The global rank of ``group``'s rank 0."""
+    return dist.get_global_rank(group, 0) if group is not None else 0
+
+
+def _broadcast_bytes(data: bytes, n: int, group: dist.ProcessGroup | None) -> Any:
+    """Rank 0's ``data`` (``n`` bytes of JSON, known to every rank) on every rank."""
+    buf = torch.zeros(n, dtype=torch.uint8)
+    if group_rank(group) == 0 and data:
         buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    dist.broadcast(buf, src=src, group=group)
+    dist.broadcast(buf, src=_root(group), group=group)
     return json.loads(bytes(buf.numpy()))
 
 
@@ -101,21 +120,10 @@ def gather_json_to_root(obj: Any, group: dist.ProcessGroup | None, *, cap: int) 
         raise ValueError(f"a message of {len(data)} bytes does not fit the cap of {cap}")
     if group_size(group) == 1:
         return [json.loads(data)]
-    buf = torch.zeros(8 + cap, dtype=torch.uint8)
-    buf[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
-    if data:
-        buf[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     root = group_rank(group) == 0
     bufs = [torch.zeros(8 + cap, dtype=torch.uint8) for _ in range(group_size(group))]
-    dst = dist.get_global_rank(group, 0) if group is not None else 0
-    dist.gather(buf, bufs if root else None, dst=dst, group=group)
-    if not root:
-        return None
-    out = []
-    for b in bufs:
-        n = int(b[:8].view(torch.int64).item())
-        out.append(json.loads(bytes(b[8 : 8 + n].numpy())))
-    return out
+    dist.gather(_framed(data, cap), bufs if root else None, dst=_root(group), group=group)
+    return [_unframed(b) for b in bufs] if root else None
 
 
 def broadcast_json_small(obj: Any, group: dist.ProcessGroup | None, *, cap: int = 4088) -> Any:
@@ -124,20 +132,8 @@ def broadcast_json_small(obj: Any, group: dist.ProcessGroup | None, *, cap: int 
     which every rank then makes alike (they all read the length)."""
     if group_size(group) == 1:
         return json.loads(json.dumps(obj))
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    me = group_rank(group)
-    data = json.dumps(obj, separators=(",", ":")).encode() if me == 0 else b""
-    buf = torch.zeros(8 + cap, dtype=torch.uint8)
-    if me == 0:
-        buf[:8] = torch.tensor([len(data)], dtype=torch.int64).view(torch.uint8)
-        if data and len(data) <= cap:
-            buf[8 : 8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    dist.broadcast(buf, src=src, group=group)
-    n = int(buf[:8].view(torch.int64).item())
-    if n <= cap:
-        return json.loads(bytes(buf[8 : 8 + n].numpy()))
-    rest = torch.zeros(n, dtype=torch.uint8)
-    if me == 0:
-        rest[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    dist.broadcast(rest, src=src, group=group)
-    return json.loads(bytes(rest.numpy()))
+    data = json.dumps(obj, separators=(",", ":")).encode() if group_rank(group) == 0 else b""
+    buf = _framed(data, cap)  # only rank 0's travels
+    dist.broadcast(buf, src=_root(group), group=group)
+    n = _length(buf)
+    return _unframed(buf) if n <= cap else _broadcast_bytes(data, n, group)
