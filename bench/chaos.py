@@ -63,6 +63,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
+import itertools
 import json
 import math
 import os
@@ -297,7 +298,7 @@ class ChaosPlan:
         fault = self._draw(view)
         if fault is None:
             return []
-        alive_after = self.alive + (fault.kind == "add-node") - (fault.kind in ("kill-node", "term-node"))  # fmt: skip
+        alive_after = self._alive_after(fault.kind)
         inj = Injected(n=k + 1, fault=fault, t=now, step=view.step, round=self.round,
                        world=self.world, alive_before=self.alive, alive_after=alive_after)  # fmt: skip
         self.alive = alive_after
@@ -307,6 +308,10 @@ class ChaosPlan:
                        f"world {self.world}, {inj.alive_before} nodes up)\n")  # fmt: skip
         self.out.flush()
         return [fault]
+
+    def _alive_after(self, kind: str) -> int:
+        """Nodes up once ``kind`` is injected (a frozen node comes back)."""
+        return self.alive + (kind == "add-node") - (kind in ("kill-node", "term-node"))
 
     def _gap(self, k: int) -> int:
         """New steps to train before fault ``k``: the steps left, less a tail for the last
@@ -337,7 +342,12 @@ class ChaosPlan:
                 return self.alive > NODES_MIN and len(up) >= self.alive
             return kind != "add-node" or self.alive < NODES_MAX
 
-        kind = next((k for k in self.bag if viable(k)), None)
+        # The first viable kind that leaves the rest of the bag injectable in some order
+        # (a freeze needs a node to spare, so it must come before the removal that leaves
+        # NODES_MIN), else the first viable one.
+        fits = [k for k in self.bag if viable(k)]
+        kind = next((k for k in fits if _bag_fits(self._alive_after(k), _without(self.bag, k))),
+                    fits[0] if fits else None)  # fmt: skip
         if kind is not None:
             self.bag.remove(kind)
         else:  # what is left in the bag does not fit the cluster now: draw outside it
@@ -498,6 +508,33 @@ def agent_alerts(cluster_dir: str, limit: int = 200) -> dict[str, Any]:
     return {"counts": dict(sorted(counts.items(), key=lambda kv: -kv[1])), "errors": examples}
 
 
+def _without(bag: list[str], kind: str) -> list[str]:
+    rest = list(bag)
+    rest.remove(kind)
+    return rest
+
+
+def _bag_fits(alive: int, bag: list[str]) -> bool:
+    """Whether the node faults in ``bag`` can all be injected in some order, starting with
+    ``alive`` nodes up: a removal needs more than NODES_MIN up (a freeze leaves the node to
+    come back), an add-node fewer than NODES_MAX."""
+    nodes = [k for k in bag if k in REMOVES or k == "add-node"]
+    for order in set(itertools.permutations(nodes)):
+        up = alive
+        for kind in order:
+            if kind in REMOVES:
+                if up <= NODES_MIN:
+                    break
+                up -= kind != "freeze-node"
+            elif up >= NODES_MAX:
+                break
+            else:
+                up += 1
+        else:
+            return True
+    return False
+
+
 # -- the report --------------------------------------------------------------------------------
 
 
@@ -543,7 +580,9 @@ def fault_report(inj: Injected, plan: ChaosPlan, t0: float, t_end: float) -> dic
         "parts": parts,
         "worlds": worlds,
         "failures": failures,
-        "steps_lost": inj.steps_lost,
+        # The agents' recovery records count steps trained again after a rollback, which
+        # metrics.jsonl (each step once) does not show.
+        "steps_lost": max(inj.steps_lost, sum(int(e.get("lost_steps") or 0) for e in recoveries)),
         "world_after": inj.world_after,
         "problem": inj.failed,
         "notes": notes,

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -115,6 +117,26 @@ def assert_soak_held(report: dict, *, faults: int) -> None:
     if uninterrupted["gating"]:
         assert uninterrupted["compared"] == uninterrupted["records"] > 0
         assert uninterrupted["mismatch_count"] == 0, uninterrupted["mismatches"]
+
+
+def test_the_bag_of_faults_is_drawn_so_that_every_kind_still_fits():
+    """Seed 7's in-process soak drew kill-node with only freeze-node left after it, at 3
+    nodes up: the freeze then never fit (it needs a node to spare) and a tenth kind was
+    drawn instead. Every kind must fit in some order, and the draw keeps it so."""
+    from chaos import NODES_START, ChaosPlan, _bag_fits
+
+    assert _bag_fits(NODES_START, ["kill-node", "term-node", "freeze-node", "add-node"])
+    assert not _bag_fits(2, ["freeze-node"]) and _bag_fits(3, ["freeze-node"])
+    assert not _bag_fits(2, ["kill-node", "freeze-node"])
+    assert _bag_fits(2, ["add-node", "kill-node", "freeze-node"])
+
+    view = SimpleNamespace(step=9, cluster=SimpleNamespace(alive_nodes=lambda: [0, 1, 2]))
+    plan = object.__new__(ChaosPlan)  # the draw's state alone
+    plan.alive, plan.world, plan.rng = 3, 3, random.Random(0)
+    plan.bag = ["kill-node", "freeze-node"]
+    assert plan._draw(view).kind == "freeze-node"  # the kill after it still fits
+    plan.bag = ["kill-node", "etcd-outage"]
+    assert plan._draw(view).kind == "kill-node"
 
 
 @pytest.mark.slow
