@@ -15,6 +15,7 @@ job's current one raises :class:`FencedError` on every rank and commits nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -23,6 +24,7 @@ import secrets
 import shutil
 import time
 from collections.abc import Callable, Mapping
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +58,13 @@ Sharded = tuple[torch.Tensor, ShardInfo]
 class SaveOptions:
     async_: bool = True
     """Return after the snapshot and write in the background."""
+    overlap_snapshot: bool = False
+    """With ``async_``: return before the snapshot's copies are done, too. They run in the
+    background (CPU tensors on a thread, CUDA tensors on a side stream of each device, into
+    pinned staging), overlapping what the caller does next, such as the next step's forward
+    and backward. The caller must call :meth:`Saver.wait_snapshot` before it changes any tensor it
+    saved (the trainer: before its optimizer step); :meth:`Saver.wait`, :meth:`Saver.close`
+    and the next save do so themselves."""
     keep: int = 3
     """Committed checkpoints to keep (`latest` is never deleted)."""
     job: str = ""
@@ -84,7 +93,8 @@ class SaveResult:
     step: int
     committed: bool
     stall_s: float
-    """Time the caller was blocked (snapshot, plus everything for a sync save)."""
+    """Time the caller was blocked (snapshot, plus everything for a sync save; with
+    ``overlap_snapshot``, ``save()`` and the waits in :meth:`Saver.wait_snapshot`)."""
     total_s: float
     bytes_written: int
     """Bytes this rank wrote."""
@@ -107,6 +117,14 @@ class Saver:
         self._hasher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-hash")
         # Retention's deletes run here, after the commit, off the save's critical path.
         self._janitor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-prune")
+        # The background snapshot's CPU copies (overlap_snapshot), and each device's side
+        # stream for its CUDA copies.
+        self._stager = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-stage")
+        self._side_streams: dict[torch.device, Any] = {}
+        self._staged: _Staged | None = None
+        """The snapshot in flight that the caller has not fenced yet."""
+        self._snapshot_wait_s = 0.0
+        """Time the caller spent in :meth:`wait_snapshot` for the save in flight."""
         self._tidying: Future[None] | None = None
         self._inflight: Future[SaveResult] | None = None
         self._staging: torch.Tensor | None = None
@@ -137,6 +155,7 @@ class Saver:
         global name; ``rank_state`` tensors belong to this rank only (RNG states)."""
         self.wait()  # the previous save must finish first; its failure surfaces here
         t0 = time.perf_counter()
+        self._snapshot_wait_s = 0.0
         local = self._local_tensors(model, optimizer or {}, rank_state or {})
         start: dict[str, Any] = {}
         if self.rank == 0:
@@ -159,16 +178,25 @@ class Saver:
                 own = os.path.basename(tmp)
                 self._defer(lambda: self._clean(step, own))
         direct = not self.options.async_ and not any(t.is_cuda for t, _, _ in local.values())
+        overlap = self.options.async_ and self.options.overlap_snapshot
         # A sync save on CPU writes straight from the tensors (nothing can change them
         # before it returns); an async one snapshots into staging first, while the plan's
-        # collective is in flight when the plan is likely the last one.
-        early = None if direct else (lambda p: self._snapshot(p.files.get(self.rank), local))
+        # collective is in flight when the plan is likely the last one (an overlapped one
+        # starts its copies once the plan is known, and returns).
+        early = (
+            None if direct or overlap else (lambda p: self._snapshot(p.files.get(self.rank), local))
+        )
         # A collective: it also orders rank 0's mkdir before every rank's write.
         plan, token, data = self._plan(step, local, start, early)
         tmp = self._tmp(step, token)
         mine = plan.files.get(self.rank)
+        staged = None
         if data is None:
-            data = self._direct_parts(mine, local) if direct else self._snapshot(mine, local)
+            if direct:
+                data = self._direct_parts(mine, local)
+            else:
+                data = self._snapshot(mine, local, background=overlap)
+                staged = self._staged
         head = {
             "step": step,
             "consumed_samples": int(consumed_samples),
@@ -181,7 +209,7 @@ class Saver:
         stall = time.perf_counter() - t0
         if self.options.async_:
             self._inflight = self._pool.submit(
-                self._write_and_commit, plan, mine, data, head, t0, stall
+                self._write_and_commit, plan, mine, data, head, t0, stall, staged
             )
         else:
             self.last = self._write_and_commit(plan, mine, data, head, t0, None)
@@ -191,18 +219,34 @@ class Saver:
         if self._inflight is not None and self._inflight.done():
             self.wait()
 
+    def wait_snapshot(self) -> None:
+        """Return once the tensors of the last save may change: with ``overlap_snapshot``,
+        its CPU copies are done, and each device's current stream waits for its CUDA copies
+        (a wait on the GPU, not here: work queued after this on that stream, such as the
+        optimizer step, runs after the copies). Cheap when there is nothing to wait for;
+        a failed copy does not raise here (it fails the save: :meth:`wait`)."""
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            t = time.perf_counter()
+            staged.wait_caller()
+            self._snapshot_wait_s += time.perf_counter() - t
+
     def wait(self) -> SaveResult | None:
         """Block until the save in flight is committed; raise SaveFailedError if it was not."""
+        self.wait_snapshot()
         fut, self._inflight = self._inflight, None
         if fut is None:
             return None
         try:
-            self.last = fut.result()
+            result = fut.result()
         except SaveFailedError:
             raise
         except Exception as exc:
             raise SaveFailedError(f"checkpoint save failed in the background: {exc}") from exc
-        return self.last
+        if self.options.async_ and self.options.overlap_snapshot:
+            result = dataclasses.replace(result, stall_s=result.stall_s + self._snapshot_wait_s)
+        self.last = result
+        return result
 
     def close(self) -> None:
         """Wait for the save in flight and its retention, then stop the writer threads."""
@@ -213,6 +257,7 @@ class Saver:
             self._pool.shutdown(wait=True)
             self._hasher.shutdown(wait=True)
             self._janitor.shutdown(wait=True)
+            self._stager.shutdown(wait=True)
 
     def _wait_tidy(self) -> None:
         fut, self._tidying = self._tidying, None
@@ -233,11 +278,18 @@ class Saver:
 
     def abandon(self) -> None:
         """Stop without waiting (an error path: peers of an in-flight save may be gone).
-        The uncommitted step stays a `.tmp` leftover for the next save to clean."""
+        The uncommitted step stays a `.tmp` leftover for the next save to clean. A snapshot
+        in flight is waited for first (local copies: they end without any peer), so the caller
+        may change the tensors once this returns."""
+        try:
+            self.wait_snapshot()
+        except Exception as exc:  # a broken device: nothing more to wait for
+            log.warning("checkpoint: waiting for the abandoned snapshot failed: %s", exc)
         self._inflight = None
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._hasher.shutdown(wait=False, cancel_futures=True)
         self._janitor.shutdown(wait=False, cancel_futures=True)
+        self._stager.shutdown(wait=False, cancel_futures=True)
 
     # -- snapshot ---------------------------------------------------------------------------
 
@@ -317,11 +369,16 @@ class Saver:
 
         return part
 
-    def _snapshot(self, mine: FilePlan | None, local):
+    def _snapshot(self, mine: FilePlan | None, local, *, background: bool = False):
         """Copy this rank's share into the staging buffer, reused across saves: each region
         whole, as it lies in its tensor (one contiguous copy, device to pinned memory on a
         GPU), so the caller waits for nothing else. The strips of a region that are not
-        contiguous there are gathered later, on the writer's side (:func:`write_file`)."""
+        contiguous there are gathered later, on the writer's side (:func:`write_file`).
+
+        ``background`` (``overlap_snapshot``): the copies are only started: CPU ones on the
+        stager thread, CUDA ones on each device's side stream (which first waits for the
+        device's current stream, so they copy what the caller's queued work leaves); the
+        caller waits for them (:meth:`wait_snapshot`), the writer waits for them (``_Staged.ready``)."""
         need = mine.data_bytes if mine else 0
         gpus = {t.device for t, _, _ in local.values() if t.is_cuda}
         on_gpu = bool(gpus)
@@ -329,23 +386,50 @@ class Saver:
             self._staging = torch.empty(need, dtype=torch.uint8, pin_memory=on_gpu)
             self.staging_allocations += 1
         data = self._staging[:need]
-        held = []
+        held, on_cpu = [], []
+        sides = {d: self._side_stream(d) for d in gpus} if background else {}
+        for device, side in sides.items():
+            side.wait_stream(torch.cuda.current_stream(device))
         for r in mine.regions if mine else ():
             src, info, _ = local[r.name]
+            src = src[relative(r.box, info.offsets)].detach()
             view = data[r.begin : r.end].view(r.dtype).view(r.box[1])
-            view.copy_(src[relative(r.box, info.offsets)].detach(), non_blocking=on_gpu)
             held.append(view)
-        # The copies ran on each device's current stream: wait for that stream only (a
-        # device-wide synchronize would also wait for other streams' work, such as a
-        # collective in flight on its own stream).
-        for device in gpus:
-            torch.cuda.current_stream(device).synchronize()
+            if not background:
+                view.copy_(src, non_blocking=on_gpu)
+            elif not src.is_cuda:
+                on_cpu.append((view, src))
+            else:
+                with torch.cuda.stream(sides[src.device]):
+                    view.copy_(src, non_blocking=True)
+                # The caching allocator must not hand the source's memory to other work on
+                # the current stream before the side stream's copy of it is done.
+                src.record_stream(sides[src.device])
+        if background:
+            events = {}
+            for device, side in sides.items():
+                events[device] = torch.cuda.Event()
+                events[device].record(side)
+            copied = self._stager.submit(_copy_pairs, on_cpu) if on_cpu else None
+            self._staged = _Staged(copied, events)
+        else:
+            # The copies ran on each device's current stream: wait for that stream only (a
+            # device-wide synchronize would also wait for other streams' work, such as a
+            # collective in flight on its own stream).
+            for device in gpus:
+                torch.cuda.current_stream(device).synchronize()
 
         def part(i: int) -> memoryview:
             c = mine.copies[i]
             return tensor_bytes(held[c.region][relative(c.box, mine.regions[c.region].box[0])])
 
         return part
+
+    def _side_stream(self, device: torch.device):
+        side = self._side_streams.get(device)
+        if side is None:
+            side = self._side_streams[device] = torch.cuda.Stream(device)
+        return side
 
     # -- write and commit (writer thread for async saves) --------------------------------
 
@@ -375,11 +459,13 @@ class Saver:
             current=Fence(**current) if current is not None else None,
         )
 
-    def _write_and_commit(self, plan, mine, data, head, t0, stall) -> SaveResult:
+    def _write_and_commit(self, plan, mine, data, head, t0, stall, staged=None) -> SaveResult:
         step, tmp = head["step"], head["tmp"]
         report: dict[str, Any] = {"ok": True}
         written = 0
         try:
+            if staged is not None:
+                staged.ready()  # the background snapshot's copies are done
             if mine is not None:
                 w = write_file(
                     os.path.join(tmp, mine.name),
@@ -520,6 +606,37 @@ class Saver:
             commit=manifest.commit,
             defer=self._defer,
         )
+
+
+class _Staged:
+    """A background snapshot's copies in flight (``overlap_snapshot``): the CPU ones as one
+    task of the stager thread, the CUDA ones as an event recorded on each device's side
+    stream after them."""
+
+    __slots__ = ("copied", "events")
+
+    def __init__(self, copied: Future[None] | None, events: dict[torch.device, Any]) -> None:
+        self.copied, self.events = copied, events
+
+    def wait_caller(self) -> None:
+        """The caller's side: return once the CPU copies are done, with each device's
+        current stream made to wait for that device's copies."""
+        if self.copied is not None:
+            futures.wait([self.copied])
+        for device, event in self.events.items():
+            torch.cuda.current_stream(device).wait_event(event)
+
+    def ready(self) -> None:
+        """The writer's side: block until every copy is done; a failed one raises."""
+        if self.copied is not None:
+            self.copied.result()
+        for event in self.events.values():
+            event.synchronize()
+
+
+def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for into, src in pairs:
+        into.copy_(src)
 
 
 def _blocks(nbytes: int, block_bytes: int) -> int:

@@ -122,7 +122,9 @@ class CheckpointConfig:
     keep: int = 3
     """Committed checkpoints kept; older ones are pruned, `latest` never."""
     async_: bool = True
-    """Write in the background after a snapshot to CPU (YAML key `async`)."""
+    """Write in the background after a snapshot to CPU (YAML key `async`). The built-in
+    trainer overlaps the snapshot's copies with the next step's forward and backward and
+    waits for them before its optimizer step (docs/checkpoint-format.md)."""
     resume: bool = True
     """Resume from the latest committed checkpoint when there is one."""
     load_broadcast: bool = False

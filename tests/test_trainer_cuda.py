@@ -261,21 +261,33 @@ def test_bf16_mixed_precision_on_one_gpu_keeps_fp32_main_state_and_trains_as_the
 
 @pytest.mark.gpu
 @needs_cuda
-def test_an_async_save_of_cuda_tensors_holds_them_as_they_were_when_save_returned(tmp_path):
+@pytest.mark.parametrize("overlap", [False, True], ids=["snapshot", "overlapped"])
+def test_an_async_save_of_cuda_tensors_holds_them_as_they_were_when_save_returned(
+    tmp_path, overlap
+):
     """The snapshot copies device to pinned memory and waits for the copies' stream only:
     tensors changed on the GPU right after ``save`` returns (kernels queued behind the
-    copies on the same stream, the way the next step's would be) do not reach the file."""
+    copies on the same stream, the way the next step's would be) do not reach the file.
+    Overlapped (``overlap_snapshot``), the copies run on a side stream while the current
+    stream computes, and ``wait_snapshot()`` (the trainer's, before its optimizer step)
+    orders the change after them."""
     from checkpoint import SaveOptions, Saver, ShardInfo, open_step
 
     device = torch.device("cuda", 0)
-    big = torch.arange(1 << 22, dtype=torch.float32, device=device).view(1024, -1)
+    big = torch.arange(1 << 24, dtype=torch.float32, device=device).view(4096, -1)
     small = torch.full((7,), 3.0, device=device)
     expected = {"big": big.cpu(), "small": small.cpu()}
-    saver = Saver(str(tmp_path), group=None, options=SaveOptions(async_=True))
+    options = SaveOptions(async_=True, overlap_snapshot=overlap)
+    saver = Saver(str(tmp_path), group=None, options=options)
     saver.save(step=1, consumed_samples=1,
                model={"big": (big, ShardInfo.whole("big", tuple(big.shape))),
                       "small": (small, ShardInfo.whole("small", (7,)))})  # fmt: skip
-    big.mul_(-1.0)  # queued right behind the snapshot's copies
+    if overlap:
+        x = torch.randn(4096, 4096, device=device)  # the next step's compute meanwhile
+        for _ in range(8):
+            x = torch.tanh(x @ x)
+        saver.wait_snapshot()
+    big.mul_(-1.0)  # queued right behind the snapshot's copies, or the wait for them
     small.zero_()
     saver.wait()
     saver.close()

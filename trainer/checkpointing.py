@@ -107,6 +107,9 @@ class Checkpointing:
             group=group,
             options=SaveOptions(
                 async_=cfg.async_,
+                # The snapshot's copies overlap the next step's forward and backward; the
+                # trainer waits for them before its optimizer step (wait_snapshot).
+                overlap_snapshot=cfg.async_,
                 keep=cfg.keep,
                 job=self.job.name,
                 fence=fence_from_env(os.environ if env is None else env),
@@ -395,6 +398,11 @@ class Checkpointing:
             layout=self.layout,
         )
         self.last_saved = state.step
+
+    def wait_snapshot(self) -> None:
+        """Return once the saved tensors may change: the trainer calls it before every
+        optimizer step (the last save's background copies, CPU or GPU, are done)."""
+        self.saver.wait_snapshot()
 
     def finish(self) -> None:
         """Save the final step if not saved yet, and wait until it is committed."""

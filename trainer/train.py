@@ -349,6 +349,8 @@ class Trainer:
 
     def _update(self, norm: float) -> None:
         """Clip, step AdamW and count the step (no collective)."""
+        if self.checkpointing is not None:  # the last save's snapshot may still be copying
+            self.checkpointing.wait_snapshot()
         self.main.clip(norm=norm, max_norm=self.job.train.grad_clip)
         self.optimizer.step()
         self.state.step += 1
