@@ -5,7 +5,11 @@
 Four gloo ranks in a tp2 x dp2 layout save a GPT-like state (model + AdamW moments, a few
 hundred MB) with: our sync save, our async save (twice: the second reuses the staging
 buffers), a raw write of the same bytes with fsync by the same writers (the physical
-limit), DCP `save` and DCP `async_save` (twice). Then they load it in the same layout and
+limit), DCP `save` and DCP `async_save` (twice). In the trainer's pattern, too: an async
+save, a fixed stand-in for the next step's forward and backward, then ``wait_snapshot()``
+before its optimizer step, with the snapshot inside ``save()`` and overlapped with that
+compute (``SaveOptions.overlap_snapshot``, the trainer's default for async saves), each
+against the compute alone. Then they load it in the same layout and
 resharded to tp4, with ours and with DCP, cold (the files evicted from the page cache
 with posix_fadvise DONTNEED first) and warm. Every time is the slowest rank's. Last, the
 bytes read per byte needed when every rank of tp8 loads a one-writer (tp1) checkpoint and
@@ -32,6 +36,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from checkpoint import Checkpoint, SaveOptions, Saver, ShardInfo, load_latest
 
 TP, DP = 2, 2
+COMPUTE_MATMULS = 400
+"""The stand-in for a training step's forward and backward: this many 256 x 256 matmuls
+per rank (about 0.2-0.3 s with 4 ranks on 2 cores: a step of a model this size takes
+seconds on a CPU, and its forward and backward leave a GPU's copy engine idle)."""
 
 
 def spec(
@@ -110,6 +118,12 @@ def timed(fn, group=None):
     return result, float(took.item())
 
 
+def slowest(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 def total(value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64)
     dist.all_reduce(t)
@@ -152,6 +166,34 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str
 
     saver = Saver(ours, group=group, options=SaveOptions(async_=True, keep=2))
     sync = Saver(ours, group=group, options=SaveOptions(async_=False, keep=2))
+    # The trainer's pattern, for an async save with the snapshot inside save() and one
+    # overlapped with the next step's compute (each into a directory of its own).
+    stepped = {
+        mode: Saver(
+            os.path.join(base, f"ours-{mode}"),
+            group=group,
+            options=SaveOptions(async_=True, overlap_snapshot=mode == "overlap", keep=2),
+        )
+        for mode in ("async", "overlap")
+    }
+    work = torch.randn(256, 256)
+
+    def compute() -> None:
+        """A stand-in for the next step's forward and backward: fixed CPU work."""
+        for _ in range(COMPUTE_MATMULS):
+            torch.mm(work, work)
+
+    def step_with_save(sv: Saver, s: int) -> tuple[float, float]:
+        """A save, the next step's compute, then the wait for the snapshot before its
+        optimizer step, as the trainer does; returns the time blocked in each call."""
+        t0 = time.perf_counter()
+        sv.save(step=s, consumed_samples=s, model=model, optimizer=optim)
+        t1 = time.perf_counter()
+        compute()
+        t2 = time.perf_counter()
+        sv.wait_snapshot()
+        return t1 - t0, time.perf_counter() - t2
+
     mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
     state = dtensor_state(model, optim, mesh, "tp")
     raw_dir = os.path.join(base, "raw")
@@ -197,11 +239,35 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str
         _, rest = timed(fut.result)
         rec("dcp_async_stall", stall)
         rec("dcp_async_total", stall + rest)
+    # The trainer's pattern, in rounds of its own after the others (its writes would
+    # otherwise leave the disk busy for the sync save and the raw write): the step's
+    # compute alone, then with each kind of save.
+    for rnd in range(args.rounds):
+        step = 2 * rnd + 1
+        _, took = timed(compute)
+        rec("compute", took)
+        for mode, sv in stepped.items():
+            (in_save, in_wait), took = timed(lambda sv=sv, s=step: step_with_save(sv, s))
+            rec(f"{mode}_step", took)
+            rec(f"{mode}_blocked", slowest(in_save + in_wait))
+            rec(f"{mode}_in_wait", slowest(in_wait))
+            timed(sv.wait)  # the write, outside the timing
     saver.close()
     sync.close()
+    for sv in stepped.values():
+        sv.close()
     r: dict[str, float] = {k: statistics.median(v) for k, v in runs.items()}
     r["async_first_stall"] = runs["async_stall"][0]
     r["dcp_async_first_stall"] = runs["dcp_async_stall"][0]
+    later = range(1, args.rounds) if args.rounds > 1 else range(args.rounds)
+    for mode in ("async", "overlap"):
+        added = [runs[f"{mode}_step"][i] - runs["compute"][i] for i in range(args.rounds)]
+        r[f"{mode}_first_added"] = added[0]
+        r[f"{mode}_first_blocked"] = runs[f"{mode}_blocked"][0]
+        r[f"{mode}_added"] = statistics.median(added[i] for i in later)
+        r[f"{mode}_blocked"] = statistics.median(runs[f"{mode}_blocked"][i] for i in later)
+        r[f"{mode}_first_in_wait"] = runs[f"{mode}_in_wait"][0]
+        r[f"{mode}_in_wait"] = statistics.median(runs[f"{mode}_in_wait"][i] for i in later)
     if args.rounds > 1:
         r["async_stall"] = statistics.median(runs["async_stall"][1:])
         r["dcp_async_stall"] = statistics.median(runs["dcp_async_stall"][1:])
@@ -319,6 +385,20 @@ def report(r: dict[str, float], state_bytes: int) -> None:
         ("DCP async_save, later", "dcp_async_stall"),
     ):
         print(f"  {label:<42} {r[key]:7.3f}")
+    print(
+        f"\nIN A TRAINING STEP: save, the next step's compute ({r['compute']:.3f} s alone), "
+        "then wait_snapshot()\nbefore its optimizer step        blocked  (in the wait)  step time added"
+    )
+    for label, mode in (
+        ("ours async, snapshot in save()", "async"),
+        ("ours async, snapshot overlapped", "overlap"),
+    ):
+        for when, pre in (("first", "_first"), ("later", "")):
+            blocked, added = r[f"{mode}{pre}_blocked"], r[f"{mode}{pre}_added"]
+            waited = r[f"{mode}{pre}_in_wait"]
+            print(f"  {label + ', ' + when:<42} {blocked:7.3f}  ({waited:6.3f})   {added:7.3f}")
+    print("  (step time added: with the save less the compute alone; it counts the")
+    print("  background writer's use of the CPU too)")
     for cache, what in (("cold", "page cache evicted first"), ("warm", "from the page cache")):
         print(f"\nLOAD, {what:<29} seconds   throughput   read/needed")
         for label, key in (
@@ -344,6 +424,8 @@ def report(r: dict[str, float], state_bytes: int) -> None:
     goal("sync save speed vs raw write (raw_s / ours_s)", v, ">= 0.9", v >= 0.9)
     v = r["async_stall"] / r["sync"]
     goal("async stall vs our sync save (stall_s / sync_s)", v, "<= 0.1", v <= 0.1)
+    v = r["overlap_blocked"] / r["sync"]
+    goal("async stall, overlapped, in a training step / sync_s", v, "<= 0.1", v <= 0.1)
     for cache in ("cold", "warm"):
         v = r[f"{cache}_dcp_load_reshard"] / r[f"{cache}_load_reshard"]
         goal(f"resharded load speed vs DCP resharded ({cache}; dcp_s / ours_s)", v, ">= 2", v >= 2)
