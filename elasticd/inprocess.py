@@ -107,6 +107,11 @@ all, so this only lets its own error (which names the cause) come first; a pendi
 collective is abandoned 0.3-0.4 s after the end. It was 1 s: in `bench/recovery.py --cases
 inproc-move`, about one run in 20 abandons one, and those took 1.5-1.8 s instead of
 0.6-0.8 s."""
+WAITING_MARK = 1.0
+"""Seconds a wait of :func:`wait_collective` or :func:`wait_transfer` lasts before the rank
+tells its agent that it is waiting on its peers (``WorkerChannel.waiting``): a peer that
+hangs is then the one its agent kills, not this rank (elasticd.agent.policy.WAITING_PATIENCE).
+Long enough that a step's ordinary waits (a slower peer) write nothing."""
 STUCK_EXIT = 10.0
 """Seconds a worker may stay in an ended round without using the CPU (every thread but
 the control watcher) before it prints its stacks and exits (:data:`EXIT_RECOVERY_FAILED`;
@@ -663,21 +668,47 @@ def wait_collective(work: Any, group: Any = None) -> None:
         return
     round_ = control.round
     slice_ = timedelta(seconds=WAIT_SLICE)
-    while True:
-        try:
-            work.wait(timeout=slice_)
-            return
-        except RuntimeError:
-            if work.is_completed():  # done meanwhile, or its own error: wait() says which
-                work.wait()
+    with _Waiting(control) as waiting:
+        while True:
+            try:
+                work.wait(timeout=slice_)
                 return
-        since = control.ended_for(round_)
-        if since is not None and since >= ABANDON_AFTER:
-            _hold_until_done(work, group)
-            raise RoundAborted(
-                f"round {round_} ended {since:.1f} s ago and a collective of it is still "
-                "pending (gloo left it waiting): abandoned"
-            )
+            except RuntimeError:
+                if work.is_completed():  # done meanwhile, or its own error: wait() says which
+                    work.wait()
+                    return
+            waiting.tick()
+            since = control.ended_for(round_)
+            if since is not None and since >= ABANDON_AFTER:
+                _hold_until_done(work, group)
+                raise RoundAborted(
+                    f"round {round_} ended {since:.1f} s ago and a collective of it is still "
+                    "pending (gloo left it waiting): abandoned"
+                )
+
+
+class _Waiting:
+    """Tells the agent, through the heartbeat, that this rank has been waiting on its peers
+    in a collective or transfer for :data:`WAITING_MARK` seconds, and again when the wait
+    ends (``WorkerChannel.waiting``): a waiting rank is not the one that hangs."""
+
+    def __init__(self, control: _Control) -> None:
+        self.channel = getattr(control, "channel", None)
+        self.start = time.monotonic()
+        self.marked = False
+
+    def __enter__(self) -> _Waiting:
+        return self
+
+    def tick(self) -> None:
+        if not self.marked and self.channel is not None:
+            if time.monotonic() - self.start >= WAITING_MARK:
+                self.channel.waiting(True)
+                self.marked = True
+
+    def __exit__(self, *exc: object) -> None:
+        if self.marked:
+            self.channel.waiting(False)
 
 
 def _hold_until_done(work: Any, group: Any) -> None:
@@ -736,22 +767,24 @@ def wait_transfer(work: Any, group: Any = None) -> None:
     if _waiter is None:
         _waiter = _Waiter()
     done = _waiter.submit(work, group)
-    while True:
-        try:
-            done.result(timeout=WAIT_SLICE)
-            return
-        except FutureTimeout:
-            if done.done():  # its own TimeoutError: raise it
-                done.result()
-        since = control.ended_for(round_)
-        if since is not None and since >= ABANDON_AFTER:
-            # That one stays blocked in gloo, then ends; the next transfer gets another.
-            _waiter.retire()
-            _waiter = None
-            raise RoundAborted(
-                f"round {round_} ended {since:.1f} s ago and a transfer of it is still "
-                "pending (gloo left it waiting): abandoned"
-            )
+    with _Waiting(control) as waiting:
+        while True:
+            try:
+                done.result(timeout=WAIT_SLICE)
+                return
+            except FutureTimeout:
+                if done.done():  # its own TimeoutError: raise it
+                    done.result()
+            waiting.tick()
+            since = control.ended_for(round_)
+            if since is not None and since >= ABANDON_AFTER:
+                # That one stays blocked in gloo, then ends; the next transfer gets another.
+                _waiter.retire()
+                _waiter = None
+                raise RoundAborted(
+                    f"round {round_} ended {since:.1f} s ago and a transfer of it is still "
+                    "pending (gloo left it waiting): abandoned"
+                )
 
 
 class _Waiter:

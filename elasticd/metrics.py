@@ -74,8 +74,9 @@ class AgentMetrics:
         )  # fmt: skip
         self.heartbeat_age = Gauge(
             "elasticd_worker_heartbeat_age_seconds",
-            "Seconds since this agent's stalest worker of the job last reported progress "
-            "(aggregate with max).", [j], registry=r,
+            "Seconds since the worker of this agent nearest to being judged hung last "
+            "reported progress (one waiting on its peers in a collective has twice the "
+            "bound; aggregate with max).", [j], registry=r,
         )  # fmt: skip
         self.in_world = Gauge(
             "elasticd_job_node_in_world",

@@ -195,6 +195,19 @@ class WorkerChannel:
         self._last["fault"] = {"t": self._clock(), "error": error[:500]}
         self._write()
 
+    def waiting(self, on: bool) -> None:
+        """In-process restart: this rank has been blocked for a while in a collective or a
+        transfer of its round, waiting on its peers (``on``), or no longer is. Its agent
+        counts a waiting worker hung only after ``WAITING_PATIENCE`` times
+        restart.hang_timeout (elasticd.agent.policy): a peer that hangs is killed first,
+        which fails this rank's wait at once, and this rank recovers in-process with its
+        state. A world where every rank waits (a deadlock) still ends, later."""
+        if on:
+            self._last["waiting"] = {"t": self._clock()}
+        elif self._last.pop("waiting", None) is None:
+            return
+        self._write()
+
     def recovered(self, **info: Any) -> None:
         """In-process restart: how this round's state was recovered (``source``,
         ``resume_step``, ``lost_steps``); rank 0's goes into the job's recovery record."""

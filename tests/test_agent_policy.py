@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import urllib.request
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from elasticd.agent.policy import (
+    WAITING_PATIENCE,
     Observation,
     Outcome,
     WorkerEnvInputs,
@@ -21,6 +23,7 @@ from elasticd.agent.policy import (
     worker_argv,
     worker_envs,
 )
+from elasticd.agent.workers import Staleness
 from elasticd.errors import UsageError
 from elasticd.jobs import JobState
 from elasticd.localcluster import parse_fault
@@ -69,8 +72,6 @@ def test_the_round_begin_bound_is_at_least_the_hang_timeout():
     (a step or a synchronous save with no collective to notice the abort): it is judged
     stuck only past ``max(ROUND_BEGIN_TIMEOUT, hang_timeout)``, and only in a round that
     carried workers and has not stepped."""
-    from types import SimpleNamespace
-
     from elasticd.agent.runner import ROUND_BEGIN_TIMEOUT, JobRunner
 
     runner = object.__new__(JobRunner)
@@ -91,6 +92,34 @@ def test_a_stale_heartbeat_past_the_hang_timeout_is_a_hang():
         Outcome.WORKER_HUNG
     )
     assert decide(Observation(exit_codes=(None,), stalest_heartbeat=4.9, hang_timeout=5)) is None
+
+
+def test_a_worker_waiting_on_its_peers_gets_longer_before_it_counts_as_hung():
+    """In-process restart: the hung peer is killed first (its sockets close and fail the
+    waiting ranks' collectives); the waiting ranks keep their state."""
+    waiting = {"exit_codes": (None,), "hang_timeout": 5, "stalest_waiting": True}
+    assert decide(Observation(stalest_heartbeat=9.9, **waiting)) is None
+    assert decide(Observation(stalest_heartbeat=5 * WAITING_PATIENCE + 0.1, **waiting)) == (
+        Outcome.WORKER_HUNG
+    )
+    # The worker judged is the one nearest its bound: a stopped one 5.5 s stale before a
+    # waiting one 7 s stale.
+    w = SimpleNamespace(rank=0)
+    assert Staleness(w, 5.5, False).share > Staleness(w, 7.0, True).share
+    assert Staleness(w, 9.0, False).share == Staleness(w, 9.0 * WAITING_PATIENCE, True).share
+
+
+def test_the_channel_says_when_a_rank_waits_on_its_peers_and_when_it_no_longer_does(tmp_path):
+    path = str(tmp_path / "hb.json")
+    ch = WorkerChannel(path=path, rank=1, clock=lambda: 50.0)
+    ch.progress(step=3)
+    ch.waiting(True)
+    assert read_heartbeat(path)["waiting"] == {"t": 50.0}
+    ch.waiting(False)
+    assert "waiting" not in read_heartbeat(path)
+    ch.waiting(True)
+    ch.progress(step=4)  # progress ends a wait too
+    assert "waiting" not in read_heartbeat(path) and read_heartbeat(path)["step"] == 4
 
 
 def test_scale_up_is_immediate_or_waits_for_the_next_committed_checkpoint():

@@ -124,10 +124,10 @@ def test_dp3_loses_a_node_then_a_newcomer_joins_the_survivors_all_in_process(tmp
     assert newcomer_pid not in first
 
 
-def run_cli(tmp_path, name: str, steps: int, fault: str) -> tuple[Any, dict, str]:
+def run_cli(tmp_path, name: str, steps: int, fault: str, **extra) -> tuple[Any, dict, str]:
     """``elasticd run --json`` of a 2-node in-process job with ``fault``: the job, the
     final status it printed as one object, and its stderr."""
-    job = make_job(tmp_path, name, steps=steps)
+    job = make_job(tmp_path, name, steps=steps, **extra)
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(job.to_dict()))
     r = subprocess.run(
@@ -151,6 +151,24 @@ def test_a_killed_worker_is_replaced_and_its_peers_go_on_in_process(tmp_path):
     # (restart.standby, default 1), not a process started after the kill.
     (replacement,) = second - first
     assert replacement in standby_pids(job), story(job)
+
+
+def test_a_hung_worker_is_killed_and_its_peer_waiting_on_it_goes_on_in_process(tmp_path):
+    """Rank 1 hangs (SIGSTOP) after step 5; rank 0 waits for it in the next step's
+    collectives, with no progress either. Only the hung worker is killed after
+    restart.hang_timeout: rank 0 said it waits on its peers, so its agent gives it longer,
+    and the kill fails its collective at once. It keeps its process and its state, and the
+    hung rank's replacement receives it: nothing trained twice. (Before, both agents saw no
+    progress for hang_timeout and killed both: the state was gone.)"""
+    restart = {"mode": "inprocess", "scale_up": "immediate", "hang_timeout": 4}
+    job, result, _ = run_cli(tmp_path, "hw", 16, "hang-worker=1@step=5", restart=restart)
+    check_inprocess(tmp_path, job, result, recoveries=1)
+    pids = round_pids(job)
+    first, second = (pids[r] for r in sorted(pids))
+    assert len(first & second) == 1 and len(second) == 2, story(job)  # rank 0 went on
+    failures = [e for e in result["status"]["history"] if e["kind"] == "failure"]
+    assert any("rank 1: no progress" in e.get("detail", "") for e in failures), failures
+    assert not any("rank 0: no progress" in e.get("detail", "") for e in failures), failures
 
 
 def test_rank_0_killed_after_a_steps_collectives_leaves_no_gap_in_the_metrics(tmp_path):

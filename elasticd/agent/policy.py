@@ -103,7 +103,10 @@ class Observation:
     fenced: bool = False
     """A write on behalf of our round was refused: a newer world exists."""
     stalest_heartbeat: float | None = None
-    """Age in seconds of the oldest heartbeat among live workers (None: none yet)."""
+    """Age in seconds of the heartbeat of the live worker nearest to being hung (the
+    oldest, a waiting one's counted against its longer bound; None: none yet)."""
+    stalest_waiting: bool = False
+    """That worker said it waits on its peers in a collective (in-process restart)."""
     hang_timeout: float = 300.0
     """restart.hang_timeout."""
     scale_up_policy: str = "checkpoint"
@@ -144,7 +147,9 @@ def decide(obs: Observation) -> Outcome | None:
         return Outcome.COLLECTIVE_FAILED
     if any(c == obs.preempted_code for c in codes):
         return Outcome.PEER_PREEMPTED
-    if obs.stalest_heartbeat is not None and obs.stalest_heartbeat > obs.hang_timeout:
+    if obs.stalest_heartbeat is not None and obs.stalest_heartbeat > hang_bound(
+        obs.hang_timeout, waiting=obs.stalest_waiting
+    ):
         return Outcome.WORKER_HUNG
     if obs.not_begun:
         return Outcome.WORKER_HUNG
@@ -155,6 +160,21 @@ def decide(obs: Observation) -> Outcome | None:
         if now is not None and (before is None or now > before):
             return Outcome.SCALE_UP
     return None
+
+
+WAITING_PATIENCE = 2.0
+"""How many restart.hang_timeouts a worker that waits on its peers in a collective of its
+round (in-process restart: its heartbeat says ``waiting``) may go without progress before
+it counts as hung. The peer that really hangs (stopped, stuck outside a collective) is
+killed at one hang_timeout; its closed sockets fail the waiting ranks' collectives at once,
+and they recover in-process with their state. Were they killed with it, the state they
+held would be gone (a chaos soak lost 16 steps so). A world where every rank waits (a
+deadlock) still ends, at twice the bound."""
+
+
+def hang_bound(hang_timeout: float, *, waiting: bool) -> float:
+    """Seconds without progress after which a worker counts as hung."""
+    return hang_timeout * (WAITING_PATIENCE if waiting else 1.0)
 
 
 USER_ERROR_EXIT_CODE = 2

@@ -46,6 +46,7 @@ from elasticd.agent.policy import (
     Outcome,
     backoff,
     decide,
+    hang_bound,
     latest_checkpoint_step,
     stop_plan,
 )
@@ -590,7 +591,8 @@ class JobRunner:
                 waiting=tuple(sorted(waiting)),
                 exit_codes=tuple(w.returncode for w in rnd.workers.workers),
                 preempted_code=PREEMPTED_EXIT_CODE,
-                stalest_heartbeat=stalest[1] if stalest else None,
+                stalest_heartbeat=stalest.age if stalest else None,
+                stalest_waiting=bool(stalest and stalest.waiting),
                 hang_timeout=job.restart.hang_timeout,
                 scale_up_policy=job.restart.scale_up,
                 checkpoint_at_waiting=ckpt_at_waiting,
@@ -645,7 +647,8 @@ class JobRunner:
         if outcome == Outcome.FENCED:
             return f"round {rnd.number} is no longer current"
         if outcome == Outcome.WORKER_HUNG and stalest:
-            return f"rank {stalest[0].rank}: no progress for {stalest[1]:.1f} s"
+            waits = " (waiting on its peers in a collective)" if stalest.waiting else ""
+            return f"rank {stalest.worker.rank}: no progress for {stalest.age:.1f} s{waits}"
         if outcome == Outcome.COLLECTIVE_FAILED:
             beats = rnd.workers.heartbeats()
             faults = [f"rank {w.rank}: {beats[w.local_rank]['fault'].get('error', '')}"
@@ -668,7 +671,7 @@ class JobRunner:
         m = self._metrics
         m.set_worker_states(self.name, rnd.workers.states())
         stalest = rnd.workers.stalest_progress(now)
-        m.heartbeat_age.labels(self.name).set(stalest[1] if stalest else 0.0)
+        m.heartbeat_age.labels(self.name).set(stalest.age if stalest else 0.0)
         lead = beats.get(0)
         if lead is None or "step" not in lead:
             return
@@ -756,13 +759,15 @@ class JobRunner:
         live ones are handed to the next round. A hung worker is killed (it may be
         SIGSTOPped and cannot recover)."""
         w = rnd.workers
-        # Every hung worker: the stalest first, until none is past the timeout.
+        # Every hung worker: the stalest first, until none is past its bound (a worker
+        # waiting on its peers has a longer one: the kill of the hung peer frees it).
         while outcome == Outcome.WORKER_HUNG:
             stalest = w.stalest_progress(self._clock())
-            if stalest is None or stalest[1] <= self.job.restart.hang_timeout:
+            timeout = self.job.restart.hang_timeout
+            if stalest is None or stalest.age <= hang_bound(timeout, waiting=stalest.waiting):
                 break
-            stalest[0].proc.kill()
-            stalest[0].proc.wait(timeout=10)
+            stalest.worker.proc.kill()
+            stalest.worker.proc.wait(timeout=10)
         write_control(control_path(self._node.state_dir, self.record.run_id),
                       round_=rnd.number, state="abort")  # fmt: skip
         self._kept = w

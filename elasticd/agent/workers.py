@@ -27,7 +27,9 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
+from elasticd.agent.policy import hang_bound
 from elasticd.worker import ENV_HEARTBEAT, PREEMPTED_EXIT_CODE, read_heartbeat
 
 
@@ -398,13 +400,15 @@ class WorkerGroup:
                 and not (w.env_ready and not os.path.exists(w.env_ready))
                 and read_heartbeat(w.heartbeat_path) is None]  # fmt: skip
 
-    def stalest_progress(self, now: float) -> tuple[Worker, float] | None:
-        """The live worker whose last heartbeat is oldest, and its age in seconds.
+    def stalest_progress(self, now: float) -> Staleness | None:
+        """The live worker nearest to being hung, with its heartbeat's age in seconds and
+        whether it waits on its peers (a waiting worker's age counts against
+        :func:`hang_bound`'s longer bound: compared by age over bound).
 
         Only workers that reported a completed step are judged: a command that never calls
         the heartbeat, and a spare rank that idles without steps, are not declared hung
         (docs/agent.md)."""
-        worst: tuple[Worker, float] | None = None
+        worst: Staleness | None = None
         for w in self.workers:
             if w.proc.poll() is not None:
                 continue
@@ -415,9 +419,23 @@ class WorkerGroup:
                 age = now - os.stat(w.heartbeat_path).st_mtime
             except OSError:
                 continue
-            if worst is None or age > worst[1]:
-                worst = (w, age)
+            seen = Staleness(w, age, "waiting" in beat)
+            if worst is None or seen.share > worst.share:
+                worst = seen
         return worst
+
+
+class Staleness(NamedTuple):
+    worker: Worker
+    age: float
+    """Seconds since its heartbeat was last written."""
+    waiting: bool
+    """Its heartbeat says it waits on its peers in a collective of its round."""
+
+    @property
+    def share(self) -> float:
+        """Its age over its hang bound (per second of restart.hang_timeout)."""
+        return self.age / hang_bound(1.0, waiting=self.waiting)
 
 
 def prints_stacks(pid: int) -> bool:
