@@ -109,9 +109,11 @@ inproc-move`, about one run in 20 abandons one, and those took 1.5-1.8 s instead
 0.6-0.8 s."""
 WAITING_MARK = 1.0
 """Seconds a wait of :func:`wait_collective` or :func:`wait_transfer` lasts before the rank
-tells its agent that it is waiting on its peers (``WorkerChannel.waiting``): a peer that
-hangs is then the one its agent kills, not this rank (elasticd.agent.policy.WAITING_PATIENCE).
-Long enough that a step's ordinary waits (a slower peer) write nothing."""
+tells its agent that it is waiting on its peers (``WorkerChannel.waiting``), and between
+refreshes of that mark: a peer that hangs is then the one its agent kills, not this rank
+(elasticd.agent.policy.WAITING_PATIENCE). Long enough that a step's ordinary waits (a
+slower peer) write nothing. Only where these waits run: gloo groups of an in-process
+round. On NCCL a rank blocks in a device synchronisation (``.item()``), unmarked."""
 STUCK_EXIT = 10.0
 """Seconds a worker may stay in an ended round without using the CPU (every thread but
 the control watcher) before it prints its stacks and exits (:data:`EXIT_RECOVERY_FAILED`;
@@ -689,22 +691,22 @@ def wait_collective(work: Any, group: Any = None) -> None:
 
 class _Waiting:
     """Tells the agent, through the heartbeat, that this rank has been waiting on its peers
-    in a collective or transfer for :data:`WAITING_MARK` seconds, and again when the wait
-    ends (``WorkerChannel.waiting``): a waiting rank is not the one that hangs."""
+    in a collective or transfer for :data:`WAITING_MARK` seconds (refreshed every
+    :data:`WAITING_MARK` seconds while it lasts), and again when the wait ends
+    (``WorkerChannel.waiting``): a waiting rank is not the one that hangs."""
 
     def __init__(self, control: _Control) -> None:
         self.channel = getattr(control, "channel", None)
-        self.start = time.monotonic()
+        self.last = time.monotonic()  # the wait's start, then the last mark
         self.marked = False
 
     def __enter__(self) -> _Waiting:
         return self
 
     def tick(self) -> None:
-        if not self.marked and self.channel is not None:
-            if time.monotonic() - self.start >= WAITING_MARK:
-                self.channel.waiting(True)
-                self.marked = True
+        if self.channel is not None and time.monotonic() - self.last >= WAITING_MARK:
+            self.channel.waiting(True)
+            self.marked, self.last = True, time.monotonic()
 
     def __exit__(self, *exc: object) -> None:
         if self.marked:

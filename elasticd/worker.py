@@ -197,16 +197,20 @@ class WorkerChannel:
 
     def waiting(self, on: bool) -> None:
         """In-process restart: this rank has been blocked for a while in a collective or a
-        transfer of its round, waiting on its peers (``on``), or no longer is. Its agent
+        transfer of its round, waiting on its peers (``on``; called again about every
+        second while the wait lasts, to keep the mark fresh), or no longer is. Its agent
         counts a waiting worker hung only after ``WAITING_PATIENCE`` times
         restart.hang_timeout (elasticd.agent.policy): a peer that hangs is killed first,
         which fails this rank's wait at once, and this rank recovers in-process with its
-        state. A world where every rank waits (a deadlock) still ends, later."""
+        state. A mark not refreshed for ``WAITING_FRESH`` seconds is ignored (a process
+        stopped while it waited is not waiting). These writes keep the heartbeat's
+        mtime, the agent's clock of progress. A world where every rank waits (a deadlock)
+        still ends, later."""
         if on:
             self._last["waiting"] = {"t": self._clock()}
         elif self._last.pop("waiting", None) is None:
             return
-        self._write()
+        self._write(keep_mtime=True)
 
     def recovered(self, **info: Any) -> None:
         """In-process restart: how this round's state was recovered (``source``,
@@ -237,7 +241,9 @@ class WorkerChannel:
         self._write()
         self._at(None, step)  # a raising fault with no phase: "after step S"
 
-    def _write(self) -> None:
+    def _write(self, *, keep_mtime: bool = False) -> None:
+        """Replace the heartbeat file with the current record; ``keep_mtime``: with the
+        mtime of the file it replaces (a write that is not progress)."""
         if self._path is None:
             return
         record = {
@@ -251,6 +257,13 @@ class WorkerChannel:
         try:
             with open(tmp, "w", encoding="utf-8") as fh:
                 json.dump(record, fh, separators=(",", ":"))
+            if keep_mtime:
+                try:
+                    old = os.stat(self._path)
+                except FileNotFoundError:
+                    pass
+                else:
+                    os.utime(tmp, ns=(old.st_atime_ns, old.st_mtime_ns))
             os.replace(tmp, self._path)
         except OSError:
             # A full or vanished state dir must not kill training; the agent sees a stale

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
 from elasticd.agent.policy import (
+    WAITING_FRESH,
     WAITING_PATIENCE,
     Observation,
     Outcome,
@@ -23,7 +24,7 @@ from elasticd.agent.policy import (
     worker_argv,
     worker_envs,
 )
-from elasticd.agent.workers import Staleness
+from elasticd.agent.workers import Staleness, waiting_now
 from elasticd.errors import UsageError
 from elasticd.jobs import JobState
 from elasticd.localcluster import parse_fault
@@ -120,6 +121,22 @@ def test_the_channel_says_when_a_rank_waits_on_its_peers_and_when_it_no_longer_d
     ch.waiting(True)
     ch.progress(step=4)  # progress ends a wait too
     assert "waiting" not in read_heartbeat(path) and read_heartbeat(path)["step"] == 4
+    # The marks are not progress: they keep the file's mtime, the agent's clock of it.
+    os.utime(path, (1000.0, 1000.0))
+    ch.waiting(True)
+    ch.waiting(True)  # refreshed while the wait lasts
+    ch.waiting(False)
+    assert os.stat(path).st_mtime == 1000.0
+    ch.progress(step=5)
+    assert os.stat(path).st_mtime > 1000.0
+
+
+def test_a_waiting_mark_counts_only_while_it_is_refreshed():
+    """A process stopped while it waited keeps its mark: once stale, it is ignored."""
+    assert waiting_now({"waiting": {"t": 100.0}}, 100.0 + WAITING_FRESH)
+    assert not waiting_now({"waiting": {"t": 100.0}}, 100.1 + WAITING_FRESH)
+    assert not waiting_now({}, 100.0) and not waiting_now({"waiting": {"t": "x"}}, 100.0)
+    assert not waiting_now({"waiting": True}, 100.0)
 
 
 def test_scale_up_is_immediate_or_waits_for_the_next_committed_checkpoint():

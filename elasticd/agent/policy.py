@@ -169,7 +169,15 @@ it counts as hung. The peer that really hangs (stopped, stuck outside a collecti
 killed at one hang_timeout; its closed sockets fail the waiting ranks' collectives at once,
 and they recover in-process with their state. Were they killed with it, the state they
 held would be gone (a chaos soak lost 16 steps so). A world where every rank waits (a
-deadlock) still ends, at twice the bound."""
+deadlock) still ends, at twice the bound. The mark is written only where the in-process
+waits run in slices, on gloo groups; on NCCL a waiting rank blocks in a device
+synchronisation and is not marked, so there both are killed, as before."""
+
+
+WAITING_FRESH = 5.0
+"""Seconds a worker's ``waiting`` mark counts after it was last refreshed (the worker
+refreshes it every second while it waits): a process stopped while it waited keeps a mark
+that goes stale, and is judged by the plain bound."""
 
 
 def hang_bound(hang_timeout: float, *, waiting: bool) -> float:

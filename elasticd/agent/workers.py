@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from elasticd.agent.policy import hang_bound
+from elasticd.agent.policy import WAITING_FRESH, hang_bound
 from elasticd.worker import ENV_HEARTBEAT, PREEMPTED_EXIT_CODE, read_heartbeat
 
 
@@ -419,10 +419,22 @@ class WorkerGroup:
                 age = now - os.stat(w.heartbeat_path).st_mtime
             except OSError:
                 continue
-            seen = Staleness(w, age, "waiting" in beat)
+            seen = Staleness(w, age, waiting_now(beat, now))
             if worst is None or seen.share > worst.share:
                 worst = seen
         return worst
+
+
+def waiting_now(beat: Mapping, now: float) -> bool:
+    """Whether a heartbeat's ``waiting`` mark (the worker waits on its peers in a
+    collective) was refreshed within WAITING_FRESH seconds."""
+    mark = beat.get("waiting")
+    if not isinstance(mark, dict):
+        return False
+    try:
+        return now - float(mark.get("t", 0.0)) <= WAITING_FRESH
+    except (TypeError, ValueError):
+        return False
 
 
 class Staleness(NamedTuple):
@@ -430,7 +442,8 @@ class Staleness(NamedTuple):
     age: float
     """Seconds since its heartbeat was last written."""
     waiting: bool
-    """Its heartbeat says it waits on its peers in a collective of its round."""
+    """Its heartbeat says it waits on its peers in a collective of its round, a mark
+    refreshed within WAITING_FRESH seconds (:func:`waiting_now`)."""
 
     @property
     def share(self) -> float:
