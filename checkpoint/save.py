@@ -93,8 +93,9 @@ class SaveResult:
     step: int
     committed: bool
     stall_s: float
-    """Time the caller was blocked (snapshot, plus everything for a sync save; with
-    ``overlap_snapshot``, ``save()`` and the waits in :meth:`Saver.wait_snapshot`)."""
+    """Time the caller was blocked on the host (snapshot, plus everything for a sync save;
+    with ``overlap_snapshot``, ``save()`` and :meth:`Saver.wait_snapshot`, whose wait for
+    CUDA copies is the device's, not counted here)."""
     total_s: float
     bytes_written: int
     """Bytes this rank wrote."""
@@ -390,28 +391,34 @@ class Saver:
         sides = {d: self._side_stream(d) for d in gpus} if background else {}
         for device, side in sides.items():
             side.wait_stream(torch.cuda.current_stream(device))
-        for r in mine.regions if mine else ():
-            src, info, _ = local[r.name]
-            src = src[relative(r.box, info.offsets)].detach()
-            view = data[r.begin : r.end].view(r.dtype).view(r.box[1])
-            held.append(view)
-            if not background:
-                view.copy_(src, non_blocking=on_gpu)
-            elif not src.is_cuda:
-                on_cpu.append((view, src))
-            else:
-                with torch.cuda.stream(sides[src.device]):
-                    view.copy_(src, non_blocking=True)
-                # The caching allocator must not hand the source's memory to other work on
-                # the current stream before the side stream's copy of it is done.
-                src.record_stream(sides[src.device])
+        try:
+            for r in mine.regions if mine else ():
+                src, info, _ = local[r.name]
+                src = src[relative(r.box, info.offsets)].detach()
+                view = data[r.begin : r.end].view(r.dtype).view(r.box[1])
+                held.append(view)
+                if not background:
+                    view.copy_(src, non_blocking=on_gpu)
+                elif not src.is_cuda:
+                    on_cpu.append((view, src))
+                else:
+                    with torch.cuda.stream(sides[src.device]):
+                        view.copy_(src, non_blocking=True)
+                    # The caching allocator must not hand the source's memory to other
+                    # work on the current stream before the side stream's copy is done.
+                    src.record_stream(sides[src.device])
+        finally:
+            if background:
+                # Recorded even when a copy failed to start: the ones queued before it
+                # are still waited for (wait_snapshot, abandon) before staging is reused.
+                events = {}
+                for device, side in sides.items():
+                    events[device] = torch.cuda.Event(blocking=True)  # a waiter sleeps
+                    events[device].record(side)
+                self._staged = _Staged(None, events)
         if background:
-            events = {}
-            for device, side in sides.items():
-                events[device] = torch.cuda.Event()
-                events[device].record(side)
-            copied = self._stager.submit(_copy_pairs, on_cpu) if on_cpu else None
-            self._staged = _Staged(copied, events)
+            if on_cpu:
+                self._staged.copied = self._stager.submit(_copy_pairs, on_cpu)
         else:
             # The copies ran on each device's current stream: wait for that stream only (a
             # device-wide synchronize would also wait for other streams' work, such as a
@@ -627,11 +634,14 @@ class _Staged:
             torch.cuda.current_stream(device).wait_event(event)
 
     def ready(self) -> None:
-        """The writer's side: block until every copy is done; a failed one raises."""
-        if self.copied is not None:
-            self.copied.result()
-        for event in self.events.values():
-            event.synchronize()
+        """The writer's side: block until every copy is done; a failed one raises (after
+        the device copies are done too: the staging may be reused once this returns)."""
+        try:
+            if self.copied is not None:
+                self.copied.result()
+        finally:
+            for event in self.events.values():
+                event.synchronize()
 
 
 def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
