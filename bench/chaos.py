@@ -342,12 +342,14 @@ class ChaosPlan:
                 return self.alive > NODES_MIN and len(up) >= self.alive
             return kind != "add-node" or self.alive < NODES_MAX
 
-        # The first viable kind that leaves the rest of the bag injectable in some order
-        # (a freeze needs a node to spare, so it must come before the removal that leaves
-        # NODES_MIN), else the first viable one.
-        fits = [k for k in self.bag if viable(k)]
-        kind = next((k for k in fits if _bag_fits(self._alive_after(k), _without(self.bag, k))),
-                    fits[0] if fits else None)  # fmt: skip
+        # The first viable kind after which most of the bag's other node faults can still
+        # be injected (a freeze needs a node to spare, so it must come before the removal
+        # that leaves NODES_MIN). Not every bag fits whole: each leaves one node fewer.
+        def injectable(k: str) -> int:  # with k first
+            node = k in REMOVES or k == "add-node"
+            return node + _injectable(self._alive_after(k), _without(self.bag, k))
+
+        kind = max((k for k in self.bag if viable(k)), key=injectable, default=None)
         if kind is not None:
             self.bag.remove(kind)
         else:  # what is left in the bag does not fit the cluster now: draw outside it
@@ -514,25 +516,24 @@ def _without(bag: list[str], kind: str) -> list[str]:
     return rest
 
 
-def _bag_fits(alive: int, bag: list[str]) -> bool:
-    """Whether the node faults in ``bag`` can all be injected in some order, starting with
-    ``alive`` nodes up: a removal needs more than NODES_MIN up (a freeze leaves the node to
-    come back), an add-node fewer than NODES_MAX."""
+def _injectable(alive: int, bag: list[str]) -> int:
+    """How many of the node faults in ``bag`` can be injected, in the best order, starting
+    with ``alive`` nodes up: a removal needs more than NODES_MIN up (a freeze leaves the
+    node to come back), an add-node fewer than NODES_MAX."""
     nodes = [k for k in bag if k in REMOVES or k == "add-node"]
+    best = 0
     for order in set(itertools.permutations(nodes)):
-        up = alive
+        up, done = alive, 0
         for kind in order:
-            if kind in REMOVES:
-                if up <= NODES_MIN:
-                    break
+            if kind in REMOVES and up > NODES_MIN:
                 up -= kind != "freeze-node"
-            elif up >= NODES_MAX:
-                break
-            else:
+            elif kind == "add-node" and up < NODES_MAX:
                 up += 1
-        else:
-            return True
-    return False
+            else:
+                continue  # skipped: this order goes on without it
+            done += 1
+        best = max(best, done)
+    return best
 
 
 # -- the report --------------------------------------------------------------------------------
@@ -549,6 +550,8 @@ def fault_report(inj: Injected, plan: ChaosPlan, t0: float, t_end: float) -> dic
                 if e.get("kind") == "failure"]  # fmt: skip
     recoveries = [e for e in window if e.get("kind") == "recovery"]
     first = recoveries[0] if recoveries else {}
+    ours = [e for e in recoveries if e.get("round") in inj.rounds]
+    recorded_lost = sum(int(e.get("lost_steps") or 0) for e in ours)
     parts = {k: round(v, 3) for k, v in first.get("parts", {}).items()}
     # Detection ends when the first round broken by the fault is known to be broken.
     known = [float(e["t"]) for e in window if e.get("kind") == "failure"]
@@ -582,7 +585,7 @@ def fault_report(inj: Injected, plan: ChaosPlan, t0: float, t_end: float) -> dic
         "failures": failures,
         # The agents' recovery records count steps trained again after a rollback, which
         # metrics.jsonl (each step once) does not show.
-        "steps_lost": max(inj.steps_lost, sum(int(e.get("lost_steps") or 0) for e in recoveries)),
+        "steps_lost": max(inj.steps_lost, recorded_lost),
         "world_after": inj.world_after,
         "problem": inj.failed,
         "notes": notes,

@@ -122,13 +122,15 @@ def assert_soak_held(report: dict, *, faults: int) -> None:
 def test_the_bag_of_faults_is_drawn_so_that_every_kind_still_fits():
     """Seed 7's in-process soak drew kill-node with only freeze-node left after it, at 3
     nodes up: the freeze then never fit (it needs a node to spare) and a tenth kind was
-    drawn instead. Every kind must fit in some order, and the draw keeps it so."""
-    from chaos import NODES_START, ChaosPlan, _bag_fits
+    drawn instead. The draw takes the kind after which most node faults still fit."""
+    from chaos import KINDS, NODES_START, ChaosPlan, _injectable
 
-    assert _bag_fits(NODES_START, ["kill-node", "term-node", "freeze-node", "add-node"])
-    assert not _bag_fits(2, ["freeze-node"]) and _bag_fits(3, ["freeze-node"])
-    assert not _bag_fits(2, ["kill-node", "freeze-node"])
-    assert _bag_fits(2, ["add-node", "kill-node", "freeze-node"])
+    assert _injectable(NODES_START, ["kill-node", "term-node", "freeze-node", "add-node"]) == 4
+    assert _injectable(2, ["freeze-node"]) == 0 and _injectable(3, ["freeze-node"]) == 1
+    assert _injectable(2, ["kill-node", "freeze-node"]) == 0
+    assert _injectable(2, ["add-node", "kill-node", "freeze-node"]) == 3
+    # A bag leaves one node fewer than it found, so the second bag does not fit whole.
+    assert _injectable(2, list(KINDS)) == 3
 
     view = SimpleNamespace(step=9, cluster=SimpleNamespace(alive_nodes=lambda: [0, 1, 2]))
     plan = object.__new__(ChaosPlan)  # the draw's state alone
@@ -137,6 +139,8 @@ def test_the_bag_of_faults_is_drawn_so_that_every_kind_still_fits():
     assert plan._draw(view).kind == "freeze-node"  # the kill after it still fits
     plan.bag = ["kill-node", "etcd-outage"]
     assert plan._draw(view).kind == "kill-node"
+    plan.bag = ["kill-node", "term-node", "freeze-node"]  # the kill and the term cannot both
+    assert plan._draw(view).kind == "freeze-node"
 
 
 @pytest.mark.slow
