@@ -692,7 +692,7 @@ def wait_collective(work: Any, group: Any = None) -> None:
 class _Waiting:
     """Tells the agent, through the heartbeat, that this rank has been waiting on its peers
     in a collective or transfer for :data:`WAITING_MARK` seconds (refreshed every
-    :data:`WAITING_MARK` seconds while it lasts), and again when the wait ends
+    :data:`WAITING_MARK` seconds while it lasts), and again when the wait completes
     (``WorkerChannel.waiting``): a waiting rank is not the one that hangs."""
 
     def __init__(self, control: _Control) -> None:
@@ -708,8 +708,11 @@ class _Waiting:
             self.channel.waiting(True)
             self.marked, self.last = True, time.monotonic()
 
-    def __exit__(self, *exc: object) -> None:
-        if self.marked:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        # A wait that failed keeps its mark until it goes stale: the rank leaves its round
+        # (shutting its sockets can take a while) before it writes its fault, and must not
+        # look hung meanwhile.
+        if self.marked and exc_type is None:
             self.channel.waiting(False)
 
 

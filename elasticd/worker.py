@@ -198,19 +198,21 @@ class WorkerChannel:
     def waiting(self, on: bool) -> None:
         """In-process restart: this rank has been blocked for a while in a collective or a
         transfer of its round, waiting on its peers (``on``; called again about every
-        second while the wait lasts, to keep the mark fresh), or no longer is. Its agent
-        counts a waiting worker hung only after ``WAITING_PATIENCE`` times
-        restart.hang_timeout (elasticd.agent.policy): a peer that hangs is killed first,
-        which fails this rank's wait at once, and this rank recovers in-process with its
-        state. A mark not refreshed for ``WAITING_FRESH`` seconds is ignored (a process
-        stopped while it waited is not waiting). These writes keep the heartbeat's
-        mtime, the agent's clock of progress. A world where every rank waits (a deadlock)
-        still ends, later."""
+        second while the wait lasts, to keep the mark fresh), or its wait ended with the
+        work done (off). Its agent counts a waiting worker hung only after
+        ``WAITING_PATIENCE`` times restart.hang_timeout (elasticd.agent.policy): a peer
+        that hangs is killed first, which fails this rank's wait at once, and this rank
+        recovers in-process with its state. A mark not refreshed for ``WAITING_FRESH``
+        seconds is ignored (a process stopped while it waited is not waiting). The marks
+        keep the heartbeat's mtime, the agent's clock of progress; the end of a wait that
+        completed moves it (the rank went on). A wait that failed leaves its mark to go
+        stale: the rank is leaving its round, and the fault it reports comes next. A world
+        where every rank waits (a deadlock) still ends, later."""
         if on:
             self._last["waiting"] = {"t": self._clock()}
-        elif self._last.pop("waiting", None) is None:
-            return
-        self._write(keep_mtime=True)
+            self._write(keep_mtime=True)
+        elif self._last.pop("waiting", None) is not None:
+            self._write()
 
     def recovered(self, **info: Any) -> None:
         """In-process restart: how this round's state was recovered (``source``,

@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -1028,3 +1029,27 @@ def test_transfers_wait_on_a_daemon_waiter_that_is_retired_when_abandoned(tmp_pa
         assert float(ln.split()[2]) < 2, ln  # within ABANDON_AFTER and a slice, give or take
     # Blocked ones: one per abandoned transfer (each still waiting), and the new one.
     assert lines[-2] == "after 4" and lines[-1] == "released 2", lines
+
+
+def test_a_wait_marks_after_a_second_refreshes_and_unmarks_only_when_it_completed(monkeypatch):
+    """The waiting mark (a rank blocked on its peers is not the one that hangs): set after
+    WAITING_MARK, refreshed as often, cleared when the wait completes; a wait that failed
+    keeps it until it goes stale (the rank leaves its round before writing its fault, and
+    must not look hung meanwhile)."""
+    from elasticd import inprocess
+
+    now = [100.0]
+    monkeypatch.setattr(inprocess.time, "monotonic", lambda: now[0])
+    calls = []
+    control = SimpleNamespace(channel=SimpleNamespace(waiting=calls.append))
+    with inprocess._Waiting(control) as w:
+        for t in (100.5, 101.0, 101.5, 102.0):
+            now[0] = t
+            w.tick()
+    assert calls == [True, True, False]
+    calls.clear()
+    with pytest.raises(RuntimeError), inprocess._Waiting(control) as w:
+        now[0] += inprocess.WAITING_MARK
+        w.tick()
+        raise RuntimeError("Connection closed by peer")
+    assert calls == [True]
