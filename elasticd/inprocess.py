@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from elasticd.worker import ENV_HEARTBEAT, WorkerChannel
+from elasticd.worker import ENV_HEARTBEAT, PREEMPTED_EXIT_CODE, WorkerChannel
 
 log = logging.getLogger("elasticd.inprocess")
 
@@ -136,6 +136,12 @@ class RoundAborted(Exception):
     """The round ended under this worker (raised by :meth:`Context.check`)."""
 
 
+class PeerPreempted(RoundAborted):
+    """Raised by :meth:`Context.leave_for_preemption`: another node is being preempted,
+    the step is saved, and this rank leaves the round with its state for the next one.
+    :func:`run` takes it as the end of the round, not as a failure."""
+
+
 @dataclass(kw_only=True)
 class Context:
     """One round, as the training function sees it."""
@@ -197,6 +203,18 @@ class Context:
     def mark(self, phase: str) -> None:
         """Tell the agent a phase of this round ended (``pg_ready``, ``state_loaded``)."""
         self.channel.mark(phase)
+
+    def leave_for_preemption(self) -> None:
+        """Every rank agreed to stop for a preemption (``WorkerChannel.preempt_agreed``)
+        and saved the step. If the node being preempted is another one (this worker was
+        not told to stop), leave this round with this process's state and take the next
+        one, without that node: raises :class:`PeerPreempted`. Otherwise (this node is
+        going, or no in-process restart) it returns, and the caller exits with
+        ``PREEMPTED_EXIT_CODE`` as before."""
+        if self._control is None or self.channel.preempt_requested():
+            return
+        self.channel.peer_preempted()
+        raise PeerPreempted(f"round {self.round}: a peer node is being preempted")
 
     def sync_state(self, tensors: Mapping[str, Any], *, step: int | None) -> int | None:
         """Make every rank's ``tensors`` (whole, data-parallel-replicated tensors: a DDP
@@ -614,6 +632,8 @@ class _Control:
                         return handed
                 if os.getppid() != parent:
                     raise SystemExit(EXIT_RECOVERY_FAILED)  # the agent is gone
+                if self.channel.preempt_requested():  # our node is going: no round comes
+                    raise SystemExit(PREEMPTED_EXIT_CODE)
                 self.cond.wait(0.5)
 
 
@@ -1086,6 +1106,15 @@ def run(
                 warming = None
             result = train(ctx)
         except BaseException as exc:
+            if control is not None and isinstance(exc, PeerPreempted):
+                # Not a failure: every rank completed the step and its save. The preempted
+                # node's workers exit; ours wait for the world without it, state in hand.
+                _close_round(abort=False)
+                control.left(round_)
+                control.aborted_at = time.time()
+                env = control.next_round(round_)
+                lived += 1
+                continue
             if control is None or not (control.aborted(round_) or is_comm_error(exc)):
                 _close_round(abort=True)
                 if control is not None:
@@ -1137,6 +1166,7 @@ __all__ = [
     "ENV_WARM_READY",
     "STANDBY_LOCAL_RANK",
     "Context",
+    "PeerPreempted",
     "RoundAborted",
     "first_round_env",
     "is_comm_error",

@@ -195,6 +195,15 @@ class WorkerChannel:
         self._last["fault"] = {"t": self._clock(), "error": error[:500]}
         self._write()
 
+    def peer_preempted(self) -> None:
+        """In-process restart: another node is being preempted. Every rank agreed and saved
+        the step (the emergency checkpoint); this rank, whose node stays, leaves the round
+        with its state and waits for the next one instead of exiting. Its agent re-forms
+        the world without the preempted node and keeps this process
+        (``Outcome.PEER_PREEMPTED``, as when a worker exits with PREEMPTED_EXIT_CODE)."""
+        self._last["peer_preempted"] = {"t": self._clock()}
+        self._write()
+
     def waiting(self, on: bool) -> None:
         """In-process restart: this rank has been blocked for a while in a collective or a
         transfer of its round, waiting on its peers (``on``; called again about every

@@ -58,6 +58,27 @@ def test_the_preemption_exit_code_re_forms_without_counting_a_failure():
     assert out == Outcome.PEER_PREEMPTED and not out.counts_as_failure and out.reforms
 
 
+def test_workers_that_left_their_round_for_a_peers_preemption_are_kept_for_the_next():
+    """restart.mode inprocess: a peer node is preempted, every rank saved the step, and our
+    live workers left the round with their state (their heartbeats say so). The world
+    re-forms without counting a failure, and the processes go on into the next round."""
+    out = decide(Observation(exit_codes=(None, None), peer_preempted=True))
+    assert out == Outcome.PEER_PREEMPTED and out.keeps_workers and out.reforms
+    assert not out.counts_as_failure and not out.is_evidence
+    # Our own preemption and a real failure still come first.
+    assert decide(Observation(preempting=True, peer_preempted=True)) == Outcome.PREEMPTED
+    assert decide(Observation(exit_codes=(1, None), peer_preempted=True)) == Outcome.WORKER_FAILED
+
+
+def test_a_worker_channel_says_it_left_for_a_peers_preemption(tmp_path):
+    path = tmp_path / "hb.json"
+    ch = WorkerChannel(path=str(path), rank=1, clock=lambda: 42.0)
+    ch.progress(step=7)
+    ch.peer_preempted()
+    hb = read_heartbeat(str(path))
+    assert hb["peer_preempted"] == {"t": 42.0} and hb["step"] == 7
+
+
 def test_a_non_zero_exit_is_a_failure_that_counts():
     out = decide(Observation(exit_codes=(0, -9)))
     assert out == Outcome.WORKER_FAILED and out.counts_as_failure

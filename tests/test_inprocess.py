@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 from test_agent_trainer import reference_losses, run
 
+from checkpoint.manifest import step_dirname
 from elasticd.jobspec import parse_job
 
 
@@ -280,6 +281,31 @@ def test_without_replicas_a_lost_tp_shard_falls_back_to_the_checkpoint(tmp_path)
                    nodes={"min": 2, "max": 3}, checkpoint={"every": 4})  # fmt: skip
     result = run(job, 3, ["kill-node=1@step=6"])
     check_inprocess(tmp_path, job, result, recoveries=1, source="checkpoint", lost=3)
+
+
+@pytest.mark.parametrize(
+    ("parallel", "source"), [({}, "peers"), ({"tp": 2}, "checkpoint")], ids=["dp", "tp"]
+)
+def test_a_preempted_node_leaves_and_the_survivors_go_on_in_process(tmp_path, parallel, source):
+    """SIGTERM of node 1's agent (a preemption) at step 5: every rank agrees, the step is
+    saved (the emergency checkpoint), node 1's workers exit, and the survivors leave the
+    round with their state and take the next one in the same processes (before, they
+    exited too and the world restarted every process from the checkpoint). dp3 -> dp2:
+    their memory covers the new layout (source peers). tp2 on three nodes, the third a
+    spare: node 1 held a TP shard nobody else holds, so they resume from the emergency
+    checkpoint, at the step they stopped at. Either way nothing is lost or trained twice."""
+    job = make_job(tmp_path, "term", steps=12, parallel=parallel, nodes={"min": 2, "max": 3})
+    result = run(job, 3, ["term-node=1@step=5"])
+    records = check_inprocess(tmp_path, job, result, recoveries=1, source=source)
+    # The ranks stop at the end of the first step after the signal reached node 1's worker.
+    stop = sum(1 for r in records if r["round"] == 1)
+    assert 5 <= stop < 12 and {r["round"] for r in records[stop:]} == {2}, story(job)
+    (rec,) = [e for e in result["status"]["history"] if e["kind"] == "recovery"]
+    assert rec["reason"] == "preempted" and rec["lost_steps"] == 0, rec
+    assert os.path.isdir(os.path.join(job.ckpt_dir, step_dirname(stop))), os.listdir(job.ckpt_dir)
+    pids = round_pids(job)
+    first, second = (pids[r] for r in sorted(pids))
+    assert second < first and len(second) == 2, story(job)  # the survivors' processes
 
 
 def test_a_frozen_node_is_left_behind_in_process_and_comes_back_as_a_newcomer(tmp_path):

@@ -294,6 +294,8 @@ def _train_round(ctx, *, job, layout, device) -> int:
     if preempted:
         from elasticd.worker import PREEMPTED_EXIT_CODE
 
+        # In-process, a rank whose node stays takes the next round with its state.
+        ctx.leave_for_preemption()
         return PREEMPTED_EXIT_CODE  # the agent re-forms; this is not a failure
     return 0
 

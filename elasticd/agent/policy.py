@@ -31,7 +31,9 @@ class Outcome(enum.StrEnum):
     PEER_LOST = "peer_lost"
     """A member of our world vanished or re-joined: re-form at once."""
     PEER_PREEMPTED = "peer_preempted"
-    """Our workers stopped with the preemption code (another node is being preempted)."""
+    """Another node is being preempted and every rank saved the step: our workers stopped
+    with the preemption code, or (restart.mode inprocess) left the round with their state
+    to take the next one (their heartbeats say ``peer_preempted``)."""
     WORKER_FAILED = "worker_failed"
     """A local worker exited non-zero."""
     WORKER_HUNG = "worker_hung"
@@ -63,7 +65,7 @@ class Outcome(enum.StrEnum):
         """restart.mode inprocess: whether the live workers go on into the next round."""
         return self in (
             Outcome.PEER_LOST, Outcome.WORKER_FAILED, Outcome.WORKER_HUNG, Outcome.SCALE_UP,
-            Outcome.COLLECTIVE_FAILED,
+            Outcome.COLLECTIVE_FAILED, Outcome.PEER_PREEMPTED,
         )  # fmt: skip
 
     @property
@@ -117,6 +119,9 @@ class Observation:
     """Latest committed checkpoint step now."""
     faulted: bool = False
     """A local in-process worker reported a failed collective in this round."""
+    peer_preempted: bool = False
+    """Every live local in-process worker left this round for another node's preemption,
+    after the step's save (``WorkerChannel.peer_preempted``)."""
     not_begun: bool = False
     """A local worker carried into this in-process round has not taken it within the
     runner's ROUND_BEGIN_TIMEOUT: it is stuck in the round before."""
@@ -145,7 +150,7 @@ def decide(obs: Observation) -> Outcome | None:
         return Outcome.WORKER_FAILED
     if obs.faulted:
         return Outcome.COLLECTIVE_FAILED
-    if any(c == obs.preempted_code for c in codes):
+    if obs.peer_preempted or any(c == obs.preempted_code for c in codes):
         return Outcome.PEER_PREEMPTED
     if obs.stalest_heartbeat is not None and obs.stalest_heartbeat > hang_bound(
         obs.hang_timeout, waiting=obs.stalest_waiting

@@ -600,6 +600,7 @@ class JobRunner:
                 user_error_code=USER_ERROR_EXIT_CODE,
                 fenced=self._report.fenced,
                 faulted=self._faulted(beats),
+                peer_preempted=self._peer_preempted(rnd, beats),
                 not_begun=bool(not_begun := self._not_begun(rnd, now)),
             )
             self._observe_progress(rnd, now, force=False, due=now >= next_status, beats=beats)
@@ -640,6 +641,14 @@ class JobRunner:
         if self.job.restart.mode != "inprocess":
             return False
         return any("fault" in beat for beat in beats.values())
+
+    def _peer_preempted(self, rnd: Round, beats: dict[int, dict]) -> bool:
+        """Whether every live local in-process worker left this round for another node's
+        preemption (each saved the step first)."""
+        if self.job.restart.mode != "inprocess":
+            return False
+        live = [w for w in rnd.workers.workers if w.proc.poll() is None]
+        return bool(live) and all("peer_preempted" in beats.get(w.local_rank, {}) for w in live)
 
     def _detail(self, outcome: Outcome, rnd: Round, obs: Observation, stalest: Any) -> str:
         if outcome in (Outcome.WORKER_FAILED, Outcome.USER_ERROR):
@@ -744,6 +753,8 @@ class JobRunner:
         node's event during a recovery (a peer lost, a node waiting) keeps them."""
         if self.job.restart.mode != "inprocess" or not outcome.keeps_workers:
             return False
+        if outcome == Outcome.PEER_PREEMPTED and not rnd.workers.alive():
+            return False  # they exited with the preemption code: nothing to carry
         own = outcome in (Outcome.WORKER_FAILED, Outcome.WORKER_HUNG)
         if own and rnd.carried and not rnd.first_step_seen:
             log.warning(
