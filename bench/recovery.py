@@ -40,6 +40,12 @@ under torchrun of the smaller world). One run measures, side by side:
 - ``inproc-pp``: in-process, 4 nodes × 1 worker, pp2 × dp2 → pp2 × dp1 + 1 spare, the node
   of rank 0 (stage 0) killed: the surviving stage-0 and stage-1 ranks send activations and
   gradients to each other point to point, which no timed wait can abandon.
+- ``inproc-term`` and ``process-term``: the dp3 → dp2 job of ``inproc-dp`` and ``process``,
+  its node *preempted* instead of killed: SIGTERM of its agent once step S completed. Every
+  rank stops at the same step and commits it (the emergency checkpoint); in-process the
+  survivors keep their processes and recover from memory, in process mode every worker
+  exits and the new world loads that checkpoint. The time runs from the SIGTERM; each is
+  compared with the other (``process/x`` of ``inproc-term`` is against ``process-term``).
 
 For elasticd the parts come from the recovery record in the job's status history (what
 the agent of rank 0 recorded: abort, rendezvous, pg_init, state_transfer, first_step in
@@ -75,8 +81,8 @@ from elasticd.localcluster import descendants
 
 JOB = "bench"
 CASES = ("inproc-dp", "inproc-move", "inproc-ckpt", "inproc-replica", "process", "torchrun",
-         "newcomer", "replace-standby", "replace-cold", "inproc-pp")  # fmt: skip
-KILL_CASES = CASES[:6]
+         "newcomer", "replace-standby", "replace-cold", "inproc-pp", "inproc-term",
+         "process-term")  # fmt: skip
 WORKER_CASES = {"replace-standby", "replace-cold"}
 """Cases that kill one worker process, not its node."""
 REPLICA_CASES = {"inproc-replica"}
@@ -94,7 +100,11 @@ SETUPS: dict[str, tuple[int, int, dict, str, int]] = {
     "replace-standby": (2, 1, {}, "inprocess", 1),
     "replace-cold": (2, 1, {}, "inprocess", 1),
     "inproc-pp": (4, 1, {"pp": 2}, "inprocess", 0),
+    "inproc-term": (3, 1, {}, "inprocess", 1),
+    "process-term": (3, 1, {}, "process", 1),
 }
+TERM_CASES = {"inproc-term", "process-term"}
+"""Cases that preempt a node (SIGTERM of its agent) instead of killing it."""
 PARTS = ("detect", "abort", "stop", "rendezvous", "spawn", "pg_init", "state_transfer",
          "ckpt_load", "first_step", "rest")  # fmt: skip
 
@@ -239,7 +249,10 @@ def run_elasticd(base: str, case: str, *, steps: int, kill_step: int, limit: flo
                 if victim is None:
                     return {"error": f"no node holds rank {victim_rank}"}
                 started = time.time()
-                cluster.kill_node(victim)
+                if case in TERM_CASES:
+                    cluster.term_node(victim)
+                else:
+                    cluster.kill_node(victim)
                 hit = first_record(metrics, lambda r: r["round"] > old_round, limit)
             if hit is None:
                 return {"error": f"no step in a new world within {limit:g} s"}
@@ -373,11 +386,15 @@ def summarize(results: dict[str, list[dict]]) -> list[dict]:
         rows.append(row)
     for row in rows:
         for base in ("torchrun", "process"):
-            # The newcomer's time measures a join, and a worker's kill is not a node's: no ratio.
+            # The newcomer's time measures a join, and a worker's kill is not a node's: no
+            # ratio. A preemption is compared with a preemption.
             kind = row["case"].split("@")[0]
-            if ("median" in row and base in medians and kind != base
+            against = base
+            if kind in TERM_CASES:
+                against = "process-term" if base == "process" else ""
+            if ("median" in row and against in medians and kind != against
                     and kind != "newcomer" and kind not in WORKER_CASES):  # fmt: skip
-                row[f"vs_{base}"] = medians[base] / row["median"]
+                row[f"vs_{base}"] = medians[against] / row["median"]
     return rows
 
 
@@ -424,7 +441,8 @@ def main() -> int:
     cases = list(variants)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     print(f"recovery: SIGKILL of a node at step {args.kill_step} -> first step of the re-formed "
-          "world, seconds (newcomer: its agent started -> first step of the larger world)")  # fmt: skip
+          "world, seconds (newcomer: its agent started -> first step of the larger world; "
+          "-term: SIGTERM of the node's agent)")  # fmt: skip
     print(f"{'case':<12} {'run':>3} {'seconds':>8}  {'mode':<9} {'source':<10} {'lost':>4}  parts")
     results: dict[str, list[dict]] = {c: [] for c in cases}
     for rep in range(args.repeats):  # cases interleaved: a load spike hits them alike

@@ -213,7 +213,6 @@ class Context:
         ``PREEMPTED_EXIT_CODE`` as before."""
         if self._control is None or self.channel.preempt_requested():
             return
-        self.channel.peer_preempted()
         raise PeerPreempted(f"round {self.round}: a peer node is being preempted")
 
     def sync_state(self, tensors: Mapping[str, Any], *, step: int | None) -> int | None:
@@ -1112,6 +1111,9 @@ def run(
                 _close_round(abort=False)
                 control.left(round_)
                 control.aborted_at = time.time()
+                # Told once out of the round: the agent's abort that follows finds no
+                # socket of it left to shut.
+                control.channel.peer_preempted()
                 env = control.next_round(round_)
                 lived += 1
                 continue

@@ -284,18 +284,23 @@ def test_without_replicas_a_lost_tp_shard_falls_back_to_the_checkpoint(tmp_path)
 
 
 @pytest.mark.parametrize(
-    ("parallel", "source"), [({}, "peers"), ({"tp": 2}, "checkpoint")], ids=["dp", "tp"]
+    ("parallel", "node", "source"),
+    [({}, 1, "peers"), ({}, 0, "peers"), ({"tp": 2}, 1, "checkpoint")],
+    ids=["dp", "dp-rank0", "tp"],
 )
-def test_a_preempted_node_leaves_and_the_survivors_go_on_in_process(tmp_path, parallel, source):
+def test_a_preempted_node_leaves_and_the_survivors_go_on_in_process(
+    tmp_path, parallel, node, source
+):
     """SIGTERM of node 1's agent (a preemption) at step 5: every rank agrees, the step is
     saved (the emergency checkpoint), node 1's workers exit, and the survivors leave the
     round with their state and take the next one in the same processes (before, they
     exited too and the world restarted every process from the checkpoint). dp3 -> dp2:
     their memory covers the new layout (source peers). tp2 on three nodes, the third a
     spare: node 1 held a TP shard nobody else holds, so they resume from the emergency
-    checkpoint, at the step they stopped at. Either way nothing is lost or trained twice."""
+    checkpoint, at the step they stopped at. Either way nothing is lost or trained twice.
+    Node 0 preempted takes rank 0 (the metrics writer, the round's store) with it."""
     job = make_job(tmp_path, "term", steps=12, parallel=parallel, nodes={"min": 2, "max": 3})
-    result = run(job, 3, ["term-node=1@step=5"])
+    result = run(job, 3, [f"term-node={node}@step=5"])
     records = check_inprocess(tmp_path, job, result, recoveries=1, source=source)
     # The ranks stop at the end of the first step after the signal reached node 1's worker.
     stop = sum(1 for r in records if r["round"] == 1)
