@@ -32,6 +32,11 @@ async checkpoint writer, runs on the default group)::
 
 ``preempt_agreed()`` on the default group works too, on any backend: the flag is put on
 the device that group's backend needs (the current CUDA device for NCCL).
+
+Under in-process restart (``elasticd.inprocess.run``), call ``ctx.leave_for_preemption()``
+after the save and before the exit: a rank whose own node is not the one going then
+leaves the round with its state and takes the next one in the same process, instead of
+exiting (the built-in trainer does).
 """
 
 from __future__ import annotations
