@@ -1084,7 +1084,9 @@ def run(
         if control is not None:
             control.begin(round_)
             os.environ.update(env)
-            control.channel = WorkerChannel.from_env(env)
+            # One preemption flag for every round's channel: a SIGTERM caught by an earlier
+            # round's handler (the next one is installed by ``train``) is not lost.
+            control.channel = WorkerChannel.from_env(env, preempt=control.channel.preempt_flag)
             if control.aborted_at is not None:  # the agent times the recovery's parts
                 control.channel.mark("aborted", at=control.aborted_at)
             # This round's first heartbeat: a worker carried into a round that never
@@ -1108,11 +1110,14 @@ def run(
             if control is not None and isinstance(exc, PeerPreempted):
                 # Not a failure: every rank completed the step and its save. The preempted
                 # node's workers exit; ours wait for the world without it, state in hand.
-                _close_round(abort=False)
+                # Left first: an abort from the agent meanwhile (the preempted node's
+                # lease revoked) must not shut the sockets the group is tearing down.
                 control.left(round_)
+                _close_round(abort=False)
                 control.aborted_at = time.time()
-                # Told once out of the round: the agent's abort that follows finds no
-                # socket of it left to shut.
+                print(f"elasticd.inprocess: round {round_} ended (a peer node is preempted; "
+                      "the step is saved); waiting for the next one", file=sys.stderr,
+                      flush=True)  # fmt: skip
                 control.channel.peer_preempted()
                 env = control.next_round(round_)
                 lived += 1

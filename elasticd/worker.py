@@ -33,8 +33,9 @@ async checkpoint writer, runs on the default group)::
 ``preempt_agreed()`` on the default group works too, on any backend: the flag is put on
 the device that group's backend needs (the current CUDA device for NCCL).
 
-Under in-process restart (``elasticd.inprocess.run``), call ``ctx.leave_for_preemption()``
-after the save and before the exit: a rank whose own node is not the one going then
+Under in-process restart (``elasticd.inprocess.run``), use ``ctx.channel`` (its
+preemption flag is shared by every round's channel of the process) and call
+``ctx.leave_for_preemption()`` after the save and before the exit: a rank whose own node is not the one going then
 leaves the round with its state and takes the next one in the same process, instead of
 exiting (the built-in trainer does).
 """
@@ -77,11 +78,23 @@ class WorkerChannel:
         self._metrics_path: str | None = None
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> WorkerChannel:
+    def from_env(
+        cls, env: Mapping[str, str] | None = None, *, preempt: threading.Event | None = None
+    ) -> WorkerChannel:
+        """``preempt``: the flag to share with earlier channels of this process (in-process
+        restart: one per round), so that a SIGTERM caught by any of their handlers, also
+        between two rounds, is this channel's too."""
         env = os.environ if env is None else env
         channel = cls(path=env.get(ENV_HEARTBEAT) or None, rank=int(env.get("RANK", "0") or 0))
         channel._env = dict(env)
+        if preempt is not None:
+            channel._preempt = preempt
         return channel
+
+    @property
+    def preempt_flag(self) -> threading.Event:
+        """The flag :meth:`install_preemption_handler`'s SIGTERM handler sets."""
+        return self._preempt
 
     @property
     def supervised(self) -> bool:

@@ -79,6 +79,18 @@ def test_a_worker_channel_says_it_left_for_a_peers_preemption(tmp_path):
     assert hb["peer_preempted"] == {"t": 42.0} and hb["step"] == 7
 
 
+def test_each_rounds_channel_shares_the_processs_preemption_flag(tmp_path):
+    """In-process restart makes a channel per round: a SIGTERM caught by the handler an
+    earlier round installed (between two rounds, or before the next one installs its
+    own) must still count in the next round."""
+    env = {"ELASTICD_HEARTBEAT_FILE": str(tmp_path / "hb.json"), "RANK": "0"}
+    first = WorkerChannel.from_env(env)
+    second = WorkerChannel.from_env(env, preempt=first.preempt_flag)
+    first.request_preemption()  # what the first round's handler does on SIGTERM
+    assert second.preempt_requested()
+    assert not WorkerChannel.from_env(env).preempt_requested()  # unshared: its own
+
+
 def test_a_non_zero_exit_is_a_failure_that_counts():
     out = decide(Observation(exit_codes=(0, -9)))
     assert out == Outcome.WORKER_FAILED and out.counts_as_failure

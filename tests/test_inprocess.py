@@ -284,12 +284,13 @@ def test_without_replicas_a_lost_tp_shard_falls_back_to_the_checkpoint(tmp_path)
 
 
 @pytest.mark.parametrize(
-    ("parallel", "node", "source"),
-    [({}, 1, "peers"), ({}, 0, "peers"), ({"tp": 2}, 1, "checkpoint")],
-    ids=["dp", "dp-rank0", "tp"],
-)
+    ("nodes", "nproc", "parallel", "node", "source"),
+    [(3, 1, {}, 1, "peers"), (3, 1, {}, 0, "peers"), (2, 2, {}, 1, "peers"),
+     (3, 1, {"tp": 2}, 1, "checkpoint")],
+    ids=["dp", "dp-rank0", "dp-2-per-node", "tp"],
+)  # fmt: skip
 def test_a_preempted_node_leaves_and_the_survivors_go_on_in_process(
-    tmp_path, parallel, node, source
+    tmp_path, nodes, nproc, parallel, node, source
 ):
     """SIGTERM of node 1's agent (a preemption) at step 5: every rank agrees, the step is
     saved (the emergency checkpoint), node 1's workers exit, and the survivors leave the
@@ -298,10 +299,19 @@ def test_a_preempted_node_leaves_and_the_survivors_go_on_in_process(
     their memory covers the new layout (source peers). tp2 on three nodes, the third a
     spare: node 1 held a TP shard nobody else holds, so they resume from the emergency
     checkpoint, at the step they stopped at. Either way nothing is lost or trained twice.
-    Node 0 preempted takes rank 0 (the metrics writer, the round's store) with it."""
-    job = make_job(tmp_path, "term", steps=12, parallel=parallel, nodes={"min": 2, "max": 3})
-    result = run(job, 3, [f"term-node={node}@step=5"])
+    Node 0 preempted takes rank 0 (the metrics writer, the round's store) with it; with
+    two workers a node, each node's pair leaves together. The preempted node's workers
+    exit with 75 on their own (not killed after restart.grace_period), the others wait."""
+    job = make_job(tmp_path, "term", nproc=nproc, steps=12, parallel=parallel,
+                   nodes={"min": 1 if nproc > 1 else 2, "max": nodes},
+                   batch=8 if nproc > 1 else 12)  # fmt: skip
+    result = run(job, nodes, [f"term-node={node}@step=5"])
     records = check_inprocess(tmp_path, job, result, recoveries=1, source=source)
+    logs = glob.glob(os.path.join(job.out_dir, "logs", "**", "*.log"), recursive=True)
+    said = "".join(Path(p).read_text(encoding="utf-8", errors="replace") for p in logs)
+    assert said.count("preempted; the step is saved, exiting with 75") == nproc, story(job)
+    waited = said.count("(a peer node is preempted; the step is saved); waiting")
+    assert waited == (nodes - 1) * nproc, story(job)
     # The ranks stop at the end of the first step after the signal reached node 1's worker.
     stop = sum(1 for r in records if r["round"] == 1)
     assert 5 <= stop < 12 and {r["round"] for r in records[stop:]} == {2}, story(job)
@@ -310,7 +320,7 @@ def test_a_preempted_node_leaves_and_the_survivors_go_on_in_process(
     assert os.path.isdir(os.path.join(job.ckpt_dir, step_dirname(stop))), os.listdir(job.ckpt_dir)
     pids = round_pids(job)
     first, second = (pids[r] for r in sorted(pids))
-    assert second < first and len(second) == 2, story(job)  # the survivors' processes
+    assert second < first and len(second) == (nodes - 1) * nproc, story(job)  # the survivors
 
 
 def test_a_frozen_node_is_left_behind_in_process_and_comes_back_as_a_newcomer(tmp_path):

@@ -298,15 +298,17 @@ def _train_round(ctx, *, job, layout, device) -> int:
 
         # In-process, a rank whose node stays takes the next round with its state.
         ctx.leave_for_preemption()
+        print(f"rank {ctx.rank}: preempted; the step is saved, exiting with "
+              f"{PREEMPTED_EXIT_CODE}", flush=True)  # fmt: skip
         return PREEMPTED_EXIT_CODE  # the agent re-forms; this is not a failure
     return 0
 
 
 def exit_now(code: int | None) -> NoReturn:
     """Leave the process at once with ``code``, skipping the interpreter's teardown, once
-    what this process wrote is flushed. Everything durable is done by then: checkpoints are
-    committed (fsynced) before ``main`` returns, and the heartbeat and metrics files are
-    whole files. The teardown collects every module's objects (torch's, its compiler's
+    what this process wrote is flushed. Nothing that must last is left by then: a save
+    ``main`` waited for is committed (fsynced), one abandoned on an error path would be
+    refused at its commit anyway, and the heartbeat and metrics files are whole files. The teardown collects every module's objects (torch's, its compiler's
     imported by the warm start): 1.2-1.6 s of CPU on the 2-core box, with no Python frame
     left to run, and a node's agent waits for its workers' exit before it leaves the world:
     a preempted node's re-form, and every job's end, waited for it. Nothing here needs

@@ -753,8 +753,12 @@ class JobRunner:
         node's event during a recovery (a peer lost, a node waiting) keeps them."""
         if self.job.restart.mode != "inprocess" or not outcome.keeps_workers:
             return False
-        if outcome == Outcome.PEER_PREEMPTED and not rnd.workers.alive():
-            return False  # they exited with the preemption code: nothing to carry
+        if outcome == Outcome.PEER_PREEMPTED and not self._peer_preempted(
+            rnd, rnd.workers.heartbeats()
+        ):
+            # Some exited with the preemption code: the others may be on their way out
+            # too (a script that exits with it on a peer's preemption). Stopped as ever.
+            return False
         own = outcome in (Outcome.WORKER_FAILED, Outcome.WORKER_HUNG)
         if own and rnd.carried and not rnd.first_step_seen:
             log.warning(
