@@ -323,6 +323,22 @@ def test_a_preempted_node_leaves_and_the_survivors_go_on_in_process(
     assert second < first and len(second) == (nodes - 1) * nproc, story(job)  # the survivors
 
 
+def test_a_preempted_spare_leaves_at_once_and_the_active_ranks_go_on_in_process(tmp_path):
+    """tp2 on three nodes: node 2 holds the spare rank, which takes no part in the active
+    ranks' agreement. Preempted, it leaves at once with 75 (it used to wait for
+    restart.grace_period's SIGKILL), and the active ranks re-form without it, in their
+    processes, with their state."""
+    job = make_job(tmp_path, "spare", steps=12, parallel={"tp": 2}, nodes={"min": 2, "max": 3})
+    result = run(job, 3, ["term-node=2@step=5"])
+    check_inprocess(tmp_path, job, result, recoveries=1)
+    logs = glob.glob(os.path.join(job.out_dir, "logs", "**", "*.log"), recursive=True)
+    said = "".join(Path(p).read_text(encoding="utf-8", errors="replace") for p in logs)
+    assert "rank 2: preempted; a spare, leaving, exiting with 75" in said, story(job)
+    pids = round_pids(job)
+    first, second = (pids[r] for r in sorted(pids))
+    assert second < first and len(second) == 2, story(job)
+
+
 def test_a_frozen_node_is_left_behind_in_process_and_comes_back_as_a_newcomer(tmp_path):
     """SIGSTOP of a whole node: the survivors' collectives block on it until its lease
     expires (rendezvous.ttl); then their agents end the round, the workers shut the round's

@@ -198,6 +198,7 @@ def _train_round(ctx, *, job, layout, device) -> int:
     store = dist.distributed_c10d._get_default_store()
     trainer = None
     preempted = False
+    left_early = False  # a spare whose own node is preempted
     try:
         if groups.is_spare:
             if ctx.inprocess:  # our memory may hold what the active ranks need
@@ -207,8 +208,14 @@ def _train_round(ctx, *, job, layout, device) -> int:
             print(f"rank {rank}: spare in a world of {world}; idling until the end", flush=True)
             # Poll the store rather than sit in a collective, which would time out.
             while not store.check([DONE_KEY]):
+                if channel.preempt_requested():
+                    # Our node is going. A spare takes no part in the active ranks'
+                    # agreement and they need nothing of it to go on: leave now, not at
+                    # restart.grace_period's SIGKILL. The world re-forms without us.
+                    left_early = True
+                    break
                 time.sleep(0.2)
-            preempted = store.get(DONE_KEY) == b"preempted"
+            preempted = left_early or store.get(DONE_KEY) == b"preempted"
         else:
             torch.manual_seed(job.train.seed + groups.index("dp"))
             pctx = ParallelContext.from_groups(groups)
@@ -284,7 +291,8 @@ def _train_round(ctx, *, job, layout, device) -> int:
             if rank == 0:
                 store.set(DONE_KEY, "preempted" if trainer.preempted else "1")
             preempted = trainer.preempted
-        comm.barrier()
+        if not left_early:
+            comm.barrier()
     finally:
         if trainer is not None:
             trainer.close()
@@ -298,8 +306,9 @@ def _train_round(ctx, *, job, layout, device) -> int:
 
         # In-process, a rank whose node stays takes the next round with its state.
         ctx.leave_for_preemption()
-        print(f"rank {ctx.rank}: preempted; the step is saved, exiting with "
-              f"{PREEMPTED_EXIT_CODE}", flush=True)  # fmt: skip
+        what = "a spare, leaving" if left_early else "the step is saved"
+        print(f"rank {ctx.rank}: preempted; {what}, exiting with {PREEMPTED_EXIT_CODE}",
+              flush=True)  # fmt: skip
         return PREEMPTED_EXIT_CODE  # the agent re-forms; this is not a failure
     return 0
 
