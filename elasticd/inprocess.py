@@ -1112,8 +1112,11 @@ def run(
                 # node's workers exit; ours wait for the world without it, state in hand.
                 # Left first: an abort from the agent meanwhile (the preempted node's
                 # lease revoked) must not shut the sockets the group is tearing down.
+                # Torn down as an aborted round (the same on gloo): on NCCL the
+                # preempted peers' communicators are going, and only the abort is
+                # bounded (a watchdog) without them.
                 control.left(round_)
-                _close_round(abort=False)
+                _close_round(abort=True)
                 control.aborted_at = time.time()
                 print(f"elasticd.inprocess: round {round_} ended (a peer node is preempted; "
                       "the step is saved); waiting for the next one", file=sys.stderr,
