@@ -9,8 +9,10 @@
   long as it trains, and holds ``{"job", "run_id", "host", "pid"}`` of the holder. A second
   run of the same job while the first still holds it is refused, naming the holder, unless
   both are the same run (a previous round's process of this run, still on its way out: the
-  commit fence orders those). On a file system without ``flock`` the claim goes on without
-  the lock, and says so.
+  commit fence orders those); such a claim takes the lock over once the holder lets go
+  (:meth:`Claim.retake`, before each save). A run id that does not tell runs apart (none,
+  or torchrun's default ``none``, which every plain torchrun run has) is never the same
+  run. On a file system without ``flock`` the claim goes on without the lock, and says so.
 
 Standard library only, like :mod:`checkpoint.fence`. Format: docs/checkpoint-format.md,
 "Ownership".
@@ -25,7 +27,8 @@ import json
 import os
 import socket
 import stat
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from checkpoint import smallfile
@@ -34,6 +37,13 @@ from checkpoint.errors import OwnershipError
 OWNER_FILE = "owner.json"
 LOCK_FILE = "lock"
 _NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
+ANONYMOUS_RUNS = frozenset({"", "none"})
+"""Run ids that do not tell one run from another: none at all, and torchrun's default
+``--rdzv-id`` (``none``). Two processes with one of these are never taken for one run."""
+CONTENTION_S = 0.5
+"""How long a claim retries a held lock before it names the holder: a look by
+:func:`held_by` (``ckpt prune``, ``submit --fresh``, ``ckpt inspect``) holds it for a
+moment, and must not turn a job away."""
 
 
 @dataclass(slots=True)
@@ -46,9 +56,28 @@ class Claim:
     fd: int | None
     """The descriptor holding the flock; None when none is held (no flock there, or the
     same run holds it already)."""
+    pending: bool = False
+    """The same run's earlier process held the lock at the claim: :meth:`retake` takes it
+    over once that one lets go."""
+
+    def retake(self) -> bool:
+        """Take the lock if the claim is waiting for it (``pending``) and it is free now;
+        whether this claim holds it afterwards. Cheap (one non-blocking ``flock``): the
+        trainer asks before each save, so a run whose first round found its previous
+        round's process still holding the lock does not stay unlocked for good."""
+        if self.fd is None and self.pending:
+            try:
+                fd = _try_lock(self.ckpt_dir)
+            except (OSError, OwnershipError):
+                return False  # asked again at the next save
+            if fd is not None:
+                _write_record(fd, job=self.job, run_id=self.run_id)
+                self.fd, self.pending = fd, False
+        return self.fd is not None
 
     def release(self) -> None:
         fd, self.fd = self.fd, None
+        self.pending = False
         if fd is not None:
             os.close(fd)  # closing the descriptor releases the flock
 
@@ -66,7 +95,7 @@ def claim(
     ``newest_job()`` names the job of the newest committed manifest, asked only when there
     is no ``owner.json`` yet."""
     os.makedirs(ckpt_dir, exist_ok=True)
-    fd = _lock(ckpt_dir, job=job, run_id=run_id, warn=warn)
+    fd, pending = _lock(ckpt_dir, job=job, run_id=run_id, warn=warn)
     try:
         owner = read_owner(ckpt_dir)
         if owner is None:
@@ -87,7 +116,7 @@ def claim(
         if fd is not None:
             os.close(fd)
         raise
-    return Claim(ckpt_dir=ckpt_dir, job=job, run_id=run_id, fd=fd)
+    return Claim(ckpt_dir=ckpt_dir, job=job, run_id=run_id, fd=fd, pending=pending)
 
 
 def held_by(ckpt_dir: str) -> dict | None:
@@ -111,6 +140,41 @@ def held_by(ckpt_dir: str) -> dict | None:
     return None
 
 
+@contextlib.contextmanager
+def holding(ckpt_dir: str, *, what: str, job: str = "") -> Iterator[dict | None]:
+    """Hold the directory's lock for the work inside (``ckpt prune``, ``submit --fresh``'s
+    deletes), so that no run claims the directory between the look and the deletes.
+    Yields None when the work may go on (the lock is held, or cannot be: no flock there, or
+    a lock file this process may not write, where only a look is possible), else the
+    holder's record: the caller refuses and does nothing. While held, the lock's record
+    names ``what`` (``elasticd ckpt prune``) as the run, so a claim turned away names it."""
+    deadline = time.monotonic() + CONTENTION_S
+    fd = None
+    while True:
+        try:
+            fd = _try_lock(ckpt_dir)
+        except OSError as exc:
+            if exc.errno not in _NO_LOCKS:
+                holder = held_by(ckpt_dir)  # read-only here: look, and let the work fail
+                if holder is not None:
+                    yield holder
+                    return
+            break
+        if fd is not None:
+            _write_record(fd, job=job, run_id=what)
+            break
+        holder = held_by(ckpt_dir)
+        if holder is not None or time.monotonic() >= deadline:
+            yield holder or {}
+            return
+        time.sleep(0.02)  # held for a moment by a look
+    try:
+        yield None
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
 def read_owner(ckpt_dir: str) -> dict | None:
     """The parsed ``owner.json``, or None when there is none. An unreadable one refuses:
     anything but a small regular file (a symlink, a FIFO, a device: opened without
@@ -125,37 +189,63 @@ def read_owner(ckpt_dir: str) -> dict | None:
     return obj
 
 
-def _lock(ckpt_dir: str, *, job: str, run_id: str, warn: Callable[[str], None]) -> int | None:
+def _lock(
+    ckpt_dir: str, *, job: str, run_id: str, warn: Callable[[str], None]
+) -> tuple[int | None, bool]:
+    """``(descriptor holding the lock, pending)``; pending when the same run holds it."""
     path = os.path.join(ckpt_dir, LOCK_FILE)
-    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    fd = os.open(path, flags, 0o644)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OwnershipError(f"{path}: not a regular file, so it cannot be the lock")
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _holder(fd)
-        os.close(fd)
-        if run_id and holder.get("run_id") == run_id and holder.get("job") == job:
-            return None  # this run's own earlier process; the commit fence orders us
+    deadline = time.monotonic() + CONTENTION_S
+    while True:
+        try:
+            fd = _try_lock(ckpt_dir)
+        except OSError as exc:
+            if exc.errno in _NO_LOCKS:
+                warn(f"{path}: this file system has no flock ({exc.strerror}); not locked")
+                return None, False
+            raise
+        if fd is not None:
+            _write_record(fd, job=job, run_id=run_id)
+            return fd, False
+        # None: let go meanwhile, or held for a moment by a look (held_by, shared).
+        holder = held_by(ckpt_dir) or {}
+        same_run = run_id not in ANONYMOUS_RUNS and holder.get("run_id") == run_id
+        if same_run and holder.get("job") == job:
+            return None, True  # this run's own earlier process; the commit fence orders us
+        if time.monotonic() < deadline:
+            time.sleep(0.02)
+            continue
         raise OwnershipError(
             f"checkpoint directory {ckpt_dir} is in use by run {holder.get('run_id') or '?'} "
             f"of job {holder.get('job') or '?'} (pid {holder.get('pid', '?')} on "
             f"{holder.get('host', '?')}); wait for it to end or give this job another "
             "checkpoint.dir"
-        ) from None
-    except OSError as exc:
+        )
+
+
+def _try_lock(ckpt_dir: str) -> int | None:
+    """The lock file's descriptor with the exclusive flock taken, or None when somebody
+    holds it. Raises OSError (``_NO_LOCKS``: no flock on this file system) and
+    :class:`OwnershipError` (the lock file is not a regular file)."""
+    path = os.path.join(ckpt_dir, LOCK_FILE)
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    fd = os.open(path, flags, 0o644)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OwnershipError(f"{path}: not a regular file, so it cannot be the lock")
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
         os.close(fd)
-        if exc.errno in _NO_LOCKS:
-            warn(f"{path}: this file system has no flock ({exc.strerror}); not locked")
-            return None
+        return None
+    except BaseException:
+        os.close(fd)
         raise
-    record = {"job": job, "run_id": run_id, "host": socket.gethostname(), "pid": os.getpid()}
-    data = json.dumps(record).encode()
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, data, 0)
     return fd
+
+
+def _write_record(fd: int, *, job: str, run_id: str) -> None:
+    record = {"job": job, "run_id": run_id, "host": socket.gethostname(), "pid": os.getpid()}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(record).encode(), 0)
 
 
 def _holder(fd: int) -> dict:

@@ -130,7 +130,15 @@ def commit_step(
         aside = f"{final}.{token}.replaced.tmp"
         os.replace(final, aside)
         hook("replaced-moved-aside")
-    os.replace(tmp, final)  # the commit point
+    try:
+        os.replace(tmp, final)  # the commit point
+    except BaseException:
+        if aside is not None:
+            _put_back(ckpt_dir, aside, final)
+            # A stale writer whose directory the current world deleted as a leftover
+            # fails here: the fence says why, and the step it moved aside is back.
+            check(f"checkpoint step {step} was not committed (the step it displaced is put back)")
+        raise
     hook("renamed")
     _warn_on_error(warn, f"checkpoint step {step} is committed, but fsync of {ckpt_dir}",
                    lambda: fsync_dir(ckpt_dir))  # fmt: skip
@@ -155,6 +163,16 @@ def commit_step(
         defer(tidy_warned)  # the deletes are off the save's critical path
     else:
         tidy_warned()
+
+
+def _put_back(ckpt_dir: str, aside: str, final: str) -> None:
+    """Undo a move aside whose own rename failed: the committed step goes back to ``final``
+    (unless something is there now), and is never lost either way (a ``.replaced.tmp``
+    with ``final`` missing is put back by :func:`recover_replaced`)."""
+    with contextlib.suppress(OSError):
+        if not os.path.lexists(final):
+            os.replace(aside, final)
+            fsync_dir(ckpt_dir)
 
 
 def _warn_on_error(warn: Callable[[str], None], what: str, func: Callable[[], None]) -> None:
@@ -351,6 +369,9 @@ def write_probe(ckpt_dir: str) -> str:
     try:
         write_all(fd, b"elasticd storage probe\n")
         os.fsync(fd)
+    except BaseException:
+        _unlink(path)  # a full disk leaves no empty probe behind
+        raise
     finally:
         os.close(fd)
     fsync_dir(ckpt_dir)
@@ -415,8 +436,18 @@ def remove_leftovers(ckpt_dir: str, *, spare: str = "") -> list[str]:
     caller's own save in progress); call only when no other save of this job is in flight
     in this directory (the owner's lock and the fence see to that)."""
     recover_replaced(ckpt_dir)
-    removed = [p for p in leftovers(ckpt_dir) if not spare or os.path.basename(p) != spare]
-    for path in removed:
+    removed = []
+    for path in leftovers(ckpt_dir):
+        name = os.path.basename(path)
+        if spare and name == spare:
+            continue
+        m = _REPLACED_RE.match(name)
+        if m and not os.path.lexists(step_path(ckpt_dir, int(m.group(1)))):
+            # Moved aside since recover_replaced looked (a stale writer's commit racing
+            # this clean-up): a committed step with nothing in its place, never deleted.
+            recover_replaced(ckpt_dir)
+            continue
+        removed.append(path)
         if _real_dir(path):
             shutil.rmtree(path, ignore_errors=True)
         else:
@@ -476,7 +507,7 @@ def start_over(ckpt_dir: str, *, job: str) -> list[int]:
     another job (``owner.json``, or the newest manifest where there is none) or a run
     holds its lock (it is training there)."""
     from checkpoint.errors import OwnershipError
-    from checkpoint.owner import OWNER_FILE, held_by, read_owner
+    from checkpoint.owner import OWNER_FILE, holding, read_owner
 
     if not os.path.isdir(ckpt_dir):
         return []
@@ -488,12 +519,20 @@ def start_over(ckpt_dir: str, *, job: str) -> list[int]:
             f"checkpoint directory {ckpt_dir} belongs to job {theirs!r} ({where}), "
             f"not {job!r}: nothing deleted"
         )
-    holder = held_by(ckpt_dir)
-    if holder is not None:
-        raise OwnershipError(
-            f"checkpoint directory {ckpt_dir} is in use by run {holder.get('run_id') or '?'} "
-            f"(pid {holder.get('pid', '?')} on {holder.get('host', '?')}): nothing deleted"
-        )
+    # Held while deleting: no run claims the directory meanwhile.
+    with holding(ckpt_dir, what="elasticd submit --fresh", job=job) as holder:
+        if holder is not None:
+            raise OwnershipError(
+                f"checkpoint directory {ckpt_dir} is in use by run "
+                f"{holder.get('run_id') or '?'} (pid {holder.get('pid', '?')} on "
+                f"{holder.get('host', '?')}): nothing deleted"
+            )
+        steps = _delete_all(ckpt_dir)
+    return steps
+
+
+def _delete_all(ckpt_dir: str) -> list[int]:
+    """:func:`start_over`'s deletes, its checks passed and the lock held."""
     steps = committed_steps(ckpt_dir)
     names = [n for n in os.listdir(ckpt_dir) if parse_step_dirname(n) is not None]
     for name in names:

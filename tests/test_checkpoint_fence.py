@@ -280,6 +280,49 @@ def test_a_writer_refused_at_the_commit_point_touches_nothing(tmp_path):
     assert committed_bytes(ckpt) == before
 
 
+def test_a_stale_writer_whose_save_was_cleaned_away_puts_back_the_step_it_moved_aside(tmp_path):
+    """A writer frozen after its check at the commit point, whose ``.tmp`` the current
+    world's clean-up deleted meanwhile, thaws: it moves the current world's step aside,
+    then its own rename fails. The step goes back, and the fence says why it stopped."""
+    ckpt = str(tmp_path)
+    fake_step(step_path(ckpt, 4), "current world")
+    fake_step(step_path(ckpt, 6), "current world")
+    Path(ckpt, "latest").write_text("step-000000006\n")
+    check, _ = refuse_at(2)  # the first check passed before the freeze
+    with pytest.raises(FencedError, match=r"not committed \(the step it displaced is put back"):
+        commit_step(ckpt, step=6, tmp=step_path(ckpt, 6) + ".gone.tmp", token="t", keep=3,
+                    check=check)  # fmt: skip
+    assert Path(step_path(ckpt, 6), "manifest.json").read_text() == "current world"
+    assert committed_steps(ckpt) == [4, 6] and load_order(ckpt) == [6, 4]
+    assert leftovers(ckpt) == []
+    # Not fenced (an I/O error on its own rename): the original error, the step back too.
+    with pytest.raises(FileNotFoundError):
+        commit_step(ckpt, step=6, tmp=step_path(ckpt, 6) + ".gone.tmp", token="t", keep=3,
+                    check=lambda what: None)  # fmt: skip
+    assert Path(step_path(ckpt, 6), "manifest.json").read_text() == "current world"
+
+
+def test_a_clean_up_never_deletes_a_step_moved_aside_after_it_looked(tmp_path, monkeypatch):
+    """``remove_leftovers`` puts back what was moved aside, then deletes leftovers; a step
+    moved aside in between (a stale writer's commit racing it) is put back, not deleted."""
+    from checkpoint import store
+
+    ckpt = str(tmp_path)
+    fake_step(step_path(ckpt, 6), "current world")
+    fake_step(step_path(ckpt, 8) + ".dead.tmp", "a save that died")
+    first = store.recover_replaced
+
+    def racing(d):  # the first look finds nothing; the move aside happens right after
+        monkeypatch.setattr(store, "recover_replaced", first)
+        os.replace(step_path(d, 6), step_path(d, 6) + ".beef.replaced.tmp")
+        return []
+
+    monkeypatch.setattr(store, "recover_replaced", racing)
+    assert remove_leftovers(ckpt) == [step_path(ckpt, 8) + ".dead.tmp"]
+    assert Path(step_path(ckpt, 6), "manifest.json").read_text() == "current world"
+    assert committed_steps(ckpt) == [6] and leftovers(ckpt) == []
+
+
 # -- the fence file ---------------------------------------------------------------------------
 
 

@@ -158,3 +158,72 @@ def test_ckpt_prune_refuses_a_directory_a_run_is_using_in_one_line(tmp_path, cap
     finally:
         held.release()
     assert main(["ckpt", "prune", ckpt, "--keep", "1"]) == 0
+
+
+def test_runs_whose_id_does_not_tell_them_apart_are_never_the_same_run(tmp_path):
+    """Plain torchrun gives every run the id ``none`` (its default --rdzv-id): a second run
+    of the job must be refused, not let in as "this run's earlier process"."""
+    ckpt = str(tmp_path / "ckpt")
+    for anonymous in ("none", ""):
+        held = claim(ckpt, job="tiny", run_id=anonymous)
+        try:
+            with pytest.raises(OwnershipError, match="in use by run"):
+                claim(ckpt, job="tiny", run_id=anonymous)
+        finally:
+            held.release()
+
+
+def test_a_claim_made_while_its_earlier_round_held_the_lock_takes_it_over_later(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    old_round = claim(ckpt, job="tiny", run_id="tiny-1")
+    new_round = claim(ckpt, job="tiny", run_id="tiny-1")
+    assert new_round.fd is None and new_round.pending
+    assert not new_round.retake()  # the earlier round's process still holds it
+    old_round.release()  # it has gone
+    assert new_round.retake() and new_round.fd is not None
+    try:
+        with pytest.raises(OwnershipError, match=rf"in use by run tiny-1 .*pid {os.getpid()}"):
+            claim(ckpt, job="tiny", run_id="tiny-2")  # the directory did not stay unlocked
+    finally:
+        new_round.release()
+
+
+def test_a_look_at_the_lock_does_not_turn_a_starting_job_away(tmp_path):
+    """``held_by`` (ckpt inspect, prune, submit --fresh) takes the lock shared for a moment;
+    a claim in that moment waits for it rather than naming a stale holder."""
+    import fcntl
+    import threading
+
+    ckpt = str(tmp_path / "ckpt")
+    claim(ckpt, job="tiny", run_id="tiny-1").release()  # a run that ended: its record stays
+    fd = os.open(os.path.join(ckpt, "lock"), os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    threading.Timer(0.2, os.close, args=(fd,)).start()  # the look ends
+    claim(ckpt, job="tiny", run_id="tiny-2").release()
+
+
+def test_prune_and_fresh_hold_the_lock_while_they_delete(tmp_path):
+    from checkpoint.owner import holding
+    from checkpoint.store import start_over
+
+    ckpt = str(tmp_path / "ckpt")
+    saver = Saver(ckpt, group=None, options=SaveOptions(async_=False, keep=5, job="tiny"))
+    for step in (1, 2):
+        saver.save(step=step, consumed_samples=step,
+                   model={"w": (torch.ones(4), ShardInfo.whole("w", (4,)))})  # fmt: skip
+    saver.close()
+    with holding(ckpt, what="elasticd ckpt prune") as holder:
+        assert holder is None
+        # A job starting meanwhile is refused, naming what holds the directory.
+        with pytest.raises(OwnershipError, match="in use by run elasticd ckpt prune"):
+            claim(ckpt, job="tiny", run_id="tiny-3")
+        with holding(ckpt, what="elasticd submit --fresh") as other:
+            assert other is not None and other["run_id"] == "elasticd ckpt prune"
+    running = claim(ckpt, job="tiny", run_id="tiny-3")
+    try:
+        with pytest.raises(OwnershipError, match=r"in use by run tiny-3 .*nothing deleted"):
+            start_over(ckpt, job="tiny")
+    finally:
+        running.release()
+    assert start_over(ckpt, job="tiny") == [1, 2]
+    claim(ckpt, job="tiny", run_id="tiny-4").release()  # free once start_over is done

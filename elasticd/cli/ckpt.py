@@ -307,18 +307,20 @@ def run_export(args: argparse.Namespace) -> int:
 
 def run_prune(args: argparse.Namespace) -> int:
     from checkpoint import prune
-    from checkpoint.owner import held_by
+    from checkpoint.owner import holding
 
     if args.keep < 1:
         raise UsageError(f"ckpt prune: --keep must be at least 1, got {args.keep}")
-    holder = held_by(args.dir)
-    if holder is not None:  # its own retention is running there; do not race it
-        raise UsageError(
-            f"ckpt prune: {args.dir} is in use by run {holder.get('run_id') or '?'} of job "
-            f"{holder.get('job') or '?'} (pid {holder.get('pid', '?')} on "
-            f"{holder.get('host', '?')}); prune it when that run has ended"
-        )
-    removed = prune(args.dir, keep=args.keep)
+    # Held while pruning: a run's own retention works there, and no run may claim the
+    # directory between the look and the deletes.
+    with holding(args.dir, what="elasticd ckpt prune") as holder:
+        if holder is not None:
+            raise UsageError(
+                f"ckpt prune: {args.dir} is in use by run {holder.get('run_id') or '?'} of "
+                f"job {holder.get('job') or '?'} (pid {holder.get('pid', '?')} on "
+                f"{holder.get('host', '?')}); prune it when that run has ended"
+            )
+        removed = prune(args.dir, keep=args.keep)
     print(
         f"removed {len(removed)} step(s)" + (f": {', '.join(map(str, removed))}" if removed else "")
     )
