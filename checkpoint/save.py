@@ -172,12 +172,17 @@ class Saver:
                 # the newer one) never writes into or deletes this save's directory.
                 start["token"] = secrets.token_hex(4)
                 tmp = self._tmp(step, start["token"])
-                os.makedirs(tmp)
-                # The previous save's retention and the leftovers' deletes run on the
-                # janitor thread, while this save snapshots and writes; the commit waits
-                # for them (rank 0, _write_and_commit).
-                own = os.path.basename(tmp)
-                self._defer(lambda: self._clean(step, own))
+                try:
+                    os.makedirs(tmp)
+                except OSError as exc:  # no inode left, a read-only file system, ...
+                    # Told to every rank in the plan's collective, like a refusal.
+                    start["error"] = f"checkpoint step {step} was not saved: {tmp}: {exc.strerror}"
+                else:
+                    # The previous save's retention and the leftovers' deletes run on the
+                    # janitor thread, while this save snapshots and writes; the commit
+                    # waits for them (rank 0, _write_and_commit).
+                    own = os.path.basename(tmp)
+                    self._defer(lambda: self._clean(step, own))
         direct = not self.options.async_ and not any(t.is_cuda for t, _, _ in local.values())
         overlap = self.options.async_ and self.options.overlap_snapshot
         # A sync save on CPU writes straight from the tensors (nothing can change them
@@ -341,6 +346,8 @@ class Saver:
         start = gathered[0]["start"]
         if "fenced" in start:
             raise self._fenced_from_json(start["fenced"])
+        if "error" in start:
+            raise SaveFailedError(start["error"])
         steps = {g["step"] for g in gathered}
         if steps != {step}:
             raise CheckpointError(f"ranks are saving different steps: {sorted(steps)}")

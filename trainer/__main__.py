@@ -27,6 +27,9 @@ EXIT_USER_ERROR = 2
 EXIT_FENCED = 76
 """A stale worker: its checkpoint commit was fenced (sysexits' EX_PROTOCOL, next to the
 agent's 75 for a preempted worker)."""
+EXIT_SAVE_FAILED = 74
+"""A checkpoint save that failed (a full disk, an I/O error): one line, sysexits' EX_IOERR.
+Nothing committed is lost; the agent counts it as any failure."""
 DONE_KEY = "elasticd/trainer/done"
 
 
@@ -95,6 +98,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         FencedError,
         FormatError,
         LayoutMismatchError,
+        SaveFailedError,
     )
 
     try:
@@ -103,6 +107,10 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         # A newer world owns the checkpoint directory; nothing was committed or lost.
         print(f"trainer: error: {exc}", file=sys.stderr)
         return EXIT_FENCED
+    except SaveFailedError as exc:
+        # The disk, not the job: the steps committed before stay; said in one line.
+        print(f"trainer: error: {exc}", file=sys.stderr)
+        return EXIT_SAVE_FAILED
     except (CorruptCheckpointError, FormatError, LayoutMismatchError, TrainerConfigError) as exc:
         # Nothing in the checkpoint directory loads into this model (every rank agreed):
         # a changed model, or every step corrupted. One line names each step and why.

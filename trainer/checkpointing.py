@@ -151,7 +151,7 @@ class Checkpointing:
         job's directory, or one locked by another run, is refused), then every rank looks
         for a probe file rank 0 wrote there, so that a directory that is not shared by all
         nodes stops the job here, in one line, rather than at the first save."""
-        from checkpoint import OwnershipError, store
+        from checkpoint import CheckpointError, OwnershipError, store
         from checkpoint.comm import broadcast_json, group_rank
         from checkpoint.owner import claim
         from checkpoint.shared import blind_ranks
@@ -172,7 +172,10 @@ class Checkpointing:
             error = broadcast_json(error, self.group)
         if error:
             raise TrainerConfigError(f"checkpoint.dir: {error}")
-        blind, probe = blind_ranks(self.dir, self.group)
+        try:
+            blind, probe = blind_ranks(self.dir, self.group)
+        except CheckpointError as exc:  # every rank: rank 0 could not write the probe
+            raise TrainerConfigError(f"checkpoint.dir: {exc}") from None
         if blind:
             raise TrainerConfigError(
                 f"checkpoint.dir: {self.dir} is not one directory shared by every node: "
@@ -379,6 +382,10 @@ class Checkpointing:
         state = self.trainer.state
         if self.last_saved == state.step:
             return
+        if self.claim is not None:
+            # A claim made while this run's previous round still held the lock takes it
+            # over once that process has gone: the directory is not left unlocked.
+            self.claim.retake()
         opt = self.trainer.optimizer
         scalars: dict[str, Any] = {
             "type": type(opt).__name__,

@@ -1,0 +1,112 @@
+"""A disk that refuses the checkpoint's writes: every rank says why in one line, no rank is
+left waiting in a collective, and nothing committed is lost.
+
+Real failures, no patched calls: a file-size limit (``RLIMIT_FSIZE``: writes past it fail
+with EFBIG, as with a full disk; Python ignores the SIGXFSZ that comes with it) and a
+checkpoint directory that has become a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from checkpoint import CheckpointError, SaveFailedError, SaveOptions, Saver, ShardInfo
+from checkpoint.store import PROBE_PREFIX, committed_steps
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "examples" / "tiny.yaml"
+
+
+def _limited(max_bytes: int):
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, max_bytes))
+
+    return apply
+
+
+def trainer(tmp_path: Path, steps: int, max_bytes: int | None = None):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    args = [sys.executable, "-m", "trainer", str(TINY), "--set", f"output_dir={tmp_path / 'out'}",
+            "--set", f"train.steps={steps}"]  # fmt: skip
+    return subprocess.run(args, env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path,
+                          preexec_fn=_limited(max_bytes) if max_bytes else None)  # fmt: skip
+
+
+def test_a_save_the_disk_refuses_is_one_line_and_the_committed_step_stays(tmp_path):
+    first = trainer(tmp_path, steps=10)
+    assert first.returncode == 0, first.stderr[-2000:]
+    ckpt = tmp_path / "out" / "ckpt"
+    assert committed_steps(str(ckpt)) == [10]
+    # The tiny model's checkpoint file is about 1.4 MB: a 256 KiB limit refuses the next.
+    full = trainer(tmp_path, steps=20, max_bytes=256 * 1024)
+    assert full.returncode == 74, full.stderr[-2000:]
+    assert "Traceback" not in full.stderr
+    err = full.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("trainer: error: checkpoint step 20 was not "), err
+    assert "File too large" in err[0]
+    assert committed_steps(str(ckpt)) == [10]
+    assert [n for n in os.listdir(ckpt) if n.endswith(".tmp")] == []  # its own leftovers gone
+    again = trainer(tmp_path, steps=20)  # room again: it resumes from the step committed
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resumed from" in again.stdout and "at step 10" in again.stdout
+
+
+def test_a_probe_the_disk_refuses_leaves_no_file_behind(tmp_path):
+    code = (
+        "import resource; resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))\n"
+        "from checkpoint.store import write_probe\n"
+        f"write_probe({str(tmp_path)!r})\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, cwd=REPO)  # fmt: skip
+    assert run.returncode != 0 and "File too large" in run.stderr
+    assert [n for n in os.listdir(tmp_path) if n.startswith(PROBE_PREFIX)] == []
+
+
+def _worker(rank: int, store: str, root: str) -> None:
+    from checkpoint.shared import blind_ranks
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))  # fmt: skip
+    ckpt = os.path.join(root, "ckpt")
+    saver = Saver(ckpt, group=None, options=SaveOptions(async_=False, job="tiny"))
+    info = ShardInfo.split("w", (8, 4), 0, rank, 2)
+    model = {"w": (torch.full(info.sizes, float(rank)), info)}
+    saver.save(step=1, consumed_samples=1, model=model)
+    dist.barrier()
+    if rank == 0:  # the directory is gone from under the job: a file stands there now
+        shutil.rmtree(ckpt)
+        Path(ckpt).write_text("not a directory")
+    dist.barrier()
+    said = {}
+    try:
+        saver.save(step=2, consumed_samples=2, model=model)
+    except SaveFailedError as exc:
+        said["save"] = str(exc)
+    try:
+        blind_ranks(ckpt, None)
+    except CheckpointError as exc:
+        said["probe"] = str(exc)
+    Path(root, f"said.{rank}").write_text(json.dumps(said))
+    saver.abandon()
+    dist.destroy_process_group()
+
+
+def test_when_rank_0_cannot_write_every_rank_says_why_rather_than_wait(tmp_path):
+    mp.start_processes(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=2,
+                       start_method="spawn")  # fmt: skip
+    said = [json.loads((tmp_path / f"said.{r}").read_text()) for r in range(2)]
+    assert said[0] == said[1], said  # the same words on every rank, from rank 0
+    assert said[0]["save"].startswith("checkpoint step 2 was not saved: "), said
+    assert said[0]["probe"].startswith("cannot write a probe file into "), said
