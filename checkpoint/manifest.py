@@ -143,6 +143,10 @@ class Manifest:
     """The commit's number in its checkpoint directory (1 + the highest before it), so that
     commit order, not the step number, says which step is newest; 0 in manifests written
     before it was recorded."""
+    writer: dict[str, Any] | None = None
+    """The fence the commit was made under, ``{"run_id": ..., "round": ...}``: which run and
+    rendezvous round wrote the step (None: an unfenced writer, plain torchrun or a process
+    alone, or a manifest from before it was recorded)."""
 
     @property
     def checksum_key(self) -> str:
@@ -194,6 +198,7 @@ class Manifest:
             "optimizer": self.optimizer,
             "extra": self.extra,
             "commit": self.commit,
+            **({"writer": self.writer} if self.writer is not None else {}),
         }
         body["checksum"] = _self_checksum(body)
         return _dumps_lines(body)
@@ -472,6 +477,12 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
     created = raw.get("created_unix", 0.0)
     if type(created) not in (int, float) or not math.isfinite(created):
         raise _Bad(f"created_unix: {quoted(created)} is not a number")
+    writer = raw.get("writer")
+    if writer is not None:
+        _dict(writer, "writer")
+        if set(writer) != {"run_id", "round"} or not isinstance(writer["run_id"], str):
+            raise _Bad(f"writer: {quoted(writer)} is not a run id and a round")
+        writer = {"run_id": writer["run_id"], "round": _int(writer["round"], "writer.round")}
     return cls(
         step=_int(raw["step"], "step"),
         consumed_samples=_int(raw["consumed_samples"], "consumed_samples"),
@@ -485,6 +496,7 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
         created_unix=float(created),
         version=version,
         commit=_int(raw.get("commit", 0), "commit"),
+        writer=writer,
     )
 
 

@@ -597,6 +597,11 @@ class Saver:
             extra=head["extra"],
             created_unix=time.time(),
             commit=store.next_commit(self.ckpt_dir),
+            writer=(
+                {"run_id": self.options.fence.run_id, "round": self.options.fence.round}
+                if self.options.fence is not None
+                else None
+            ),
         )
         tmp, token = head["tmp"], head["token"]
         path = os.path.join(tmp, MANIFEST)

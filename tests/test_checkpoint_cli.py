@@ -60,6 +60,20 @@ def test_inspect_shows_tensors_shapes_layout_and_sizes(tmp_path, capsys):
     code, out, _ = run(capsys, "inspect", str(tmp_path), "--json")
     info = json.loads(out)
     assert info["step"] == 4 and info["tensors"]["optimizer/exp_avg/w"]["kind"] == "optimizer"
+    assert info["commit"] == 2 and info["writer"] is None  # unfenced: no round to name
+
+
+def test_inspect_names_the_round_that_wrote_a_fenced_commit(tmp_path, capsys):
+    from checkpoint import Fence
+
+    fence = Fence(run_id="tiny-0a1b2c3d", round=3)
+    saver = Saver(str(tmp_path), group=None, options=SaveOptions(async_=False, fence=fence))
+    saver.save(step=5, consumed_samples=5, model={"b": (B, ShardInfo.whole("b", (8,)))})
+    saver.close()
+    code, out, _ = run(capsys, "inspect", str(tmp_path))
+    assert code == 0 and "commit 1  written by round 3 of run tiny-0a1b2c3d" in out
+    code, out, _ = run(capsys, "inspect", str(tmp_path), "--json")
+    assert json.loads(out)["writer"] == {"run_id": "tiny-0a1b2c3d", "round": 3}
 
 
 def test_verify_passes_a_sound_checkpoint_and_names_a_corrupted_file_with_exit_2(tmp_path, capsys):

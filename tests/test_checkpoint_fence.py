@@ -121,6 +121,9 @@ def test_a_commit_from_the_current_round_succeeds_on_every_rank(tmp_path):
     model, optim = state(0, 1, 0)
     assert load_latest(ckpt, model=model, optimizer=optim).step == 6
     assert torch.all(model["w2"][0] == 602)
+    # The commit carries its writer's round, for anyone who reads it afterwards.
+    manifest = json.loads(Path(step_path(ckpt, 6), "manifest.json").read_text())
+    assert manifest["writer"] == {"run_id": RUN, "round": 4}
 
 
 def test_a_save_from_an_older_round_is_refused_on_every_rank_and_the_newer_commit_stays(
@@ -179,6 +182,8 @@ def test_without_a_fence_file_commits_are_not_fenced(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     commit(ckpt, 3, Fence(run_id=RUN, round=7))
     assert read_latest(ckpt) == 3 and read_fence(ckpt) is None
+    commit(ckpt, 4, None)  # an unfenced writer's manifest names none
+    assert "writer" not in json.loads(Path(step_path(ckpt, 4), "manifest.json").read_text())
 
 
 def test_a_saver_without_a_fence_commits_whatever_the_fence_file_says(tmp_path):

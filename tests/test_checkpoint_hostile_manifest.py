@@ -313,3 +313,13 @@ def test_export_hf_checks_the_recorded_model_before_converting(tmp_path, edit, s
     reseal(ck, raw)
     refused(cli("export", ck, str(tmp_path / "hf"), "--format", "hf"), says)
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize(
+    "writer", ["round 4", {"run_id": "r"}, {"run_id": 7, "round": 1}, {"run_id": "r", "round": -1}]
+)
+def test_a_writer_record_that_is_not_a_run_and_a_round_is_refused(ckpt, writer):
+    raw = manifest(ckpt)
+    raw["writer"] = writer
+    reseal(ckpt, raw)
+    refused(cli("inspect", ckpt), "writer")

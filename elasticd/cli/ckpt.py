@@ -232,6 +232,8 @@ def run_inspect(args: argparse.Namespace) -> int:
                     "bytes": m.total_bytes,
                     "optimizer": m.optimizer,
                     "extra": m.extra,
+                    "commit": m.commit,
+                    "writer": m.writer,
                     "tensors": {
                         n: {
                             "kind": t.kind,
@@ -250,6 +252,12 @@ def run_inspect(args: argparse.Namespace) -> int:
         f"world {m.world}"
     )
     print(f"size {_mb(m.total_bytes)} in {len(m.files)} files")
+    writer = (
+        f"round {m.writer['round']} of run {_shown(m.writer['run_id'] or '-')}"
+        if m.writer is not None
+        else "unfenced"
+    )
+    print(f"commit {m.commit}  written by {writer}")
     for line in _layout_lines(m.layout):
         print(_shown(line))
     for line in _optimizer_lines(m.optimizer):
