@@ -28,7 +28,7 @@ import os
 import time
 import weakref
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -163,6 +163,10 @@ class Checkpoint:
         self._dir_closer = weakref.finalize(self, os.close, dir_fd)
         self.stats = LoadStats()
         self._handles: dict[str, _OpenFile] = {}
+        self._files: dict[tuple[int, int], str] = {}
+        """(device, inode) -> the name it was opened as: each name is a file of its own."""
+        self.rank_tensors: dict[str, torch.Tensor] = {}
+        """The tensors of ``load_latest(rank_tensors=...)`` this step holds, read, checked."""
 
     @classmethod
     def open(cls, path: str) -> Checkpoint:
@@ -212,7 +216,13 @@ class Checkpoint:
         if meta is None:
             raise CorruptCheckpointError(f"{path}: not listed in the manifest")
         # The name is a plain one (Manifest checked it), so it names a file of this directory.
-        return open_regular(path, expect_bytes=meta.bytes, dir_fd=self.dir_fd)
+        fd, size = open_regular(path, expect_bytes=meta.bytes, dir_fd=self.dir_fd)
+        st = os.fstat(fd)
+        seen = self._files.setdefault((st.st_dev, st.st_ino), name)
+        if seen != name:  # a save writes every file anew: one listed twice is hostile
+            os.close(fd)
+            raise CorruptCheckpointError(f"{path}: the same file as {seen} (a hard link)")
+        return fd, size
 
     @property
     def step(self) -> int:
@@ -528,8 +538,13 @@ def load_latest(
     verify: bool = True,
     warn: Callable[[str], None] = log.warning,
     broadcast: bool = False,
+    rank_tensors: Sequence[str] = (),
 ) -> Checkpoint:
     """Load the newest loadable committed checkpoint into the given tensors.
+
+    ``rank_tensors``: names of this rank's own tensors (its RNG states) to read with the
+    step where it holds them, into ``Checkpoint.rank_tensors``: a corrupted one fails the step
+    like any tensor, so the ranks fall back to an older one rather than stop on it.
 
     With ``broadcast``, a region that several ranks of ``group`` ask for alike (the same
     tensor, offsets and sizes: DP replicas) is read from disk by one of them only (the
@@ -569,6 +584,9 @@ def load_latest(
         try:
             ckpt = Checkpoint.open(path)
             ckpt.load_into(read_model, read_optimizer, verify=verify)
+            for name in rank_tensors:
+                if name in ckpt.manifest.tensors:
+                    ckpt.rank_tensors[name] = ckpt.read(name)
         except Exception as exc:
             error = str(exc) if isinstance(exc, (CheckpointError, OSError)) else repr(exc)
             # A model that does not fit the step (changed shapes or names) is not the

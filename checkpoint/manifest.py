@@ -35,7 +35,10 @@ and verify."""
 READ_VERSIONS = (1, 2, 3)
 MANIFEST = "manifest.json"
 LATEST = "latest"
-STEP_RE = re.compile(r"^step-(\d{9})$")
+STEP_RE = re.compile(r"step-([0-9]{9})")
+"""A committed step's directory name, matched whole (``fullmatch``) and in ASCII digits
+only: ``\\d`` takes any Unicode digit and ``$`` a trailing newline, and a name that parses
+to a step but is not that step's own name would be listed and never found."""
 KINDS = ("model", "optimizer", "rank")
 
 # safetensors dtype codes for the torch dtypes a trainer keeps.
@@ -75,7 +78,7 @@ def step_dirname(step: int) -> str:
 
 
 def parse_step_dirname(name: str) -> int | None:
-    m = STEP_RE.match(name)
+    m = STEP_RE.fullmatch(name)
     return int(m.group(1)) if m else None
 
 
@@ -391,6 +394,8 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
     )  # fmt: skip
     for name, t in raw_tensors.items():
         shown = quoted(name)
+        if name == "__metadata__":  # an export names its tensors so: safetensors' own entry
+            raise _Bad(f"tensor {shown}: the name is reserved by safetensors")
         t = _dict(t, f"tensor {shown}")
         kind = t["kind"]
         if kind not in KINDS:

@@ -303,6 +303,12 @@ ITEMSIZE = {
     "U8": 1, "BOOL": 1,
 }  # fmt: skip
 MAX_HEADER_BYTES = 100 << 20
+MAX_SHAPE_DIMS = 8
+"""Dimensions a tensor in a header may have (as in a manifest): a shape of thousands of
+huge dimensions would make even multiplying them out take minutes."""
+HEADER_CONTAINER_BYTES = 16
+"""At most one JSON list or object per this many bytes of a header (an entry has three in
+about 50 bytes): a header of nothing but ``[]`` would cost 30 times its size in memory."""
 
 
 def read_header_fd(
@@ -325,6 +331,12 @@ def read_header_fd(
             f"{path}: header length {n} does not fit a file of {size} bytes"
         )
     text = read_exact(fd, 8, n, path)
+    containers = text.count(b"[") + text.count(b"{")  # an upper bound: strings count too
+    if containers > n // HEADER_CONTAINER_BYTES + 64:
+        raise CorruptCheckpointError(
+            f"{path}: header has {containers} JSON lists or objects in {n} bytes, more than "
+            f"one per {HEADER_CONTAINER_BYTES} bytes"
+        )
     try:
         parsed = json.loads(text)
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, 5000 digits
@@ -337,7 +349,7 @@ def read_header_fd(
             continue
         problem = _entry_problem(info, data_len, unknown_dtypes)
         if problem:
-            raise CorruptCheckpointError(f"{path}: header entry {key!r}: {problem}")
+            raise CorruptCheckpointError(f"{path}: header entry {_short(key)}: {problem}")
     return struct.pack("<Q", n) + text, parsed
 
 
@@ -346,19 +358,40 @@ def _entry_problem(info: object, data_len: int, unknown_dtypes: bool = False) ->
         return "not a JSON object"
     dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if dtype not in ITEMSIZE and not (unknown_dtypes and isinstance(dtype, str)):
-        return f"unknown dtype {dtype!r}"
-    if not isinstance(shape, list) or not all(type(x) is int and x >= 0 for x in shape):
-        return f"shape {shape!r} is not a list of integers >= 0"
+        return f"unknown dtype {_short(dtype)}"
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_SHAPE_DIMS
+        or not all(type(x) is int and 0 <= x < 1 << 63 for x in shape)
+    ):
+        return (
+            f"shape {_short(shape)} is not a list of at most {MAX_SHAPE_DIMS} integers >= 0 "
+            "and < 2^63"
+        )
     if (
         not isinstance(offs, list)
         or len(offs) != 2
         or not all(type(x) is int for x in offs)
         or not 0 <= offs[0] <= offs[1] <= data_len
     ):
-        return f"data_offsets {offs!r} are not within the {data_len} bytes of data"
+        return f"data_offsets {_short(offs)} are not within the {data_len} bytes of data"
     if dtype in ITEMSIZE and offs[1] - offs[0] != math.prod(shape) * ITEMSIZE[dtype]:
-        return f"data_offsets {offs!r} do not hold a {dtype} tensor of shape {shape}"
+        return f"data_offsets {offs} do not hold a {dtype} tensor of shape {shape}"
     return None
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters: a hostile header's values go into
+    one-line messages."""
+    if isinstance(value, list) and len(value) > 8:
+        text = repr(value[:8])[:-1] + f", ... ({len(value)} items)]"
+    elif isinstance(value, dict) and len(value) > 8:
+        text = f"{{... {len(value)} keys}}"
+    elif isinstance(value, str) and len(value) > limit:
+        text = repr(value[:limit])
+    else:
+        text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def read_header(path: str) -> tuple[bytes, dict]:

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from checkpoint import smallfile
 from checkpoint.errors import CheckpointError
 from checkpoint.manifest import (
+    INT_LIMIT,
     LATEST,
     MANIFEST,
     MAX_MANIFEST_BYTES,
@@ -251,7 +252,7 @@ def _commit_number(path: str) -> int:
         return hit[1]
     raw = parse_json(data, path, max_bytes=MAX_MANIFEST_BYTES, error=CheckpointError)
     n = raw.get("commit", 0) if isinstance(raw, dict) else 0
-    n = n if type(n) is int and n >= 0 else 0
+    n = n if type(n) is int and 0 <= n < INT_LIMIT else 0  # as a load reads it
     if len(_COMMIT_CACHE) >= 64:
         _COMMIT_CACHE.clear()
     _COMMIT_CACHE[path] = (digest, n)
@@ -259,7 +260,18 @@ def _commit_number(path: str) -> int:
 
 
 def next_commit(ckpt_dir: str) -> int:
-    return 1 + max(commit_numbers(ckpt_dir).values(), default=0)
+    """1 + the highest commit number in ``ckpt_dir``. Raises :class:`CheckpointError`
+    rather than number a commit past what a manifest may hold (a manifest there claiming
+    the largest number: written by hand, or hostile), which no load would read."""
+    numbers = commit_numbers(ckpt_dir)
+    n = 1 + max(numbers.values(), default=0)
+    if n >= INT_LIMIT:
+        step = max(numbers, key=lambda s: numbers[s])
+        raise CheckpointError(
+            f"{step_path(ckpt_dir, step)} claims commit number {n - 1}, the largest a "
+            "manifest may hold: no commit after it can be numbered; move that step away"
+        )
+    return n
 
 
 def lineage(ckpt_dir: str, numbers: dict[int, int] | None = None) -> tuple[list[int], list[int]]:
@@ -283,9 +295,20 @@ def read_unloadable(ckpt_dir: str) -> dict[int, int]:
     path = os.path.join(ckpt_dir, UNLOADABLE)
     try:
         raw = _read_json(path)
-        return {int(k): int(v["commit"]) for k, v in raw.items()}
-    except (CheckpointError, ValueError, TypeError, KeyError, AttributeError):
+    except CheckpointError:
         return {}
+    if not isinstance(raw, dict):
+        return {}
+    out = {}
+    for key, value in raw.items():  # anything but a step and a commit number is skipped
+        commit = value.get("commit") if isinstance(value, dict) else None
+        if _STEP_KEY.fullmatch(key) and type(commit) is int and 0 <= commit < INT_LIMIT:
+            out[int(key)] = commit
+    return out
+
+
+_STEP_KEY = re.compile(r"[0-9]{1,18}")
+"""A step number as a key of ``unloadable.json`` (ASCII digits: ``"²".isdigit()``)."""
 
 
 def _read_json(path: str) -> object:
@@ -311,7 +334,7 @@ def mark_unloadable(ckpt_dir: str, step: int, error: str, *, commit: int | None 
             raw = {}
     except CheckpointError:
         raw = {}
-    raw = {k: v for k, v in raw.items() if k.isdigit() and int(k) in numbers}
+    raw = {k: v for k, v in raw.items() if _STEP_KEY.fullmatch(k) and int(k) in numbers}
     raw[str(step)] = {"commit": numbers[step], "error": error[:500]}
     write_atomic(path, json.dumps(raw, sort_keys=True).encode())
 
@@ -411,9 +434,10 @@ def recover_replaced(ckpt_dir: str) -> list[int]:
     return back
 
 
-_REPLACED_RE = re.compile(r"^step-(\d{9})\.[0-9a-f]+\.replaced\.tmp$")
+# ASCII digits, and \Z (not $, which passes a trailing newline), as for step names.
+_REPLACED_RE = re.compile(r"^step-([0-9]{9})\.[0-9a-f]+\.replaced\.tmp\Z")
 _LEFTOVER_RE = re.compile(
-    r"^(step-\d{9}\..+\.tmp|latest(\.[0-9a-f]{16})?\.tmp|unloadable\.json\.[0-9a-f]{16}\.tmp)$"
+    r"^(step-[0-9]{9}\..+\.tmp|latest(\.[0-9a-f]{16})?\.tmp|unloadable\.json\.[0-9a-f]{16}\.tmp)\Z"
 )
 
 

@@ -323,3 +323,111 @@ def test_a_writer_record_that_is_not_a_run_and_a_round_is_refused(ckpt, writer):
     raw["writer"] = writer
     reseal(ckpt, raw)
     refused(cli("inspect", ckpt), "writer")
+
+
+def test_a_header_entry_of_100k_huge_dimensions_is_refused_at_once_in_a_short_line(ckpt, tmp_path):
+    """Multiplying the dimensions out took minutes (and the message held all of them)."""
+    raw = manifest(ckpt)
+
+    def edit(header):
+        header["zz"] = {"dtype": "F32", "shape": [1 << 62] * 100_000, "data_offsets": [0, 0]}
+        return json.dumps(header).encode()
+
+    rewrite_header(ckpt, raw, edit)
+    reseal(ckpt, raw)
+    for result in four(ckpt, tmp_path)[:3]:
+        refused(result, "is not a list of at most 8 integers", within=20)
+        assert len(result[2]) < 600, result[2][:600]
+
+
+def test_a_header_of_empty_lists_is_refused_before_it_is_parsed(ckpt, tmp_path):
+    raw = manifest(ckpt)
+
+    def edit(header):
+        header["__metadata__"]["x"] = "PAD"
+        return json.dumps(header).encode().replace(b'"PAD"', b"[" + b"[]," * 300_000 + b"[]]")
+
+    rewrite_header(ckpt, raw, edit)
+    reseal(ckpt, raw)
+    for result in four(ckpt, tmp_path)[:3]:
+        refused(result, "JSON lists or objects")
+
+
+def test_one_file_listed_under_two_names_is_refused(ckpt, tmp_path):
+    """A save writes every file anew: two names of one file (a hard link) are hostile,
+    and each would be read (and its header parsed) again."""
+    raw = manifest(ckpt)
+    (name,) = raw["files"]
+    step = Path(step_path(ckpt, STEP))
+    os.link(step / name, step / "again.safetensors")
+    raw["files"]["again.safetensors"] = dict(raw["files"][name])
+    (tname,) = raw["tensors"]
+    raw["tensors"]["v"] = json.loads(json.dumps(raw["tensors"][tname]))
+    for shard in raw["tensors"]["v"]["shards"]:
+        shard["file"] = "again.safetensors"
+    reseal(ckpt, raw)
+    for result in four(ckpt, tmp_path)[:3]:
+        refused(result, "(a hard link)")
+
+
+def test_a_tensor_named_like_the_safetensors_metadata_is_refused(ckpt, tmp_path):
+    raw = manifest(ckpt)
+    raw["tensors"]["__metadata__"] = raw["tensors"].pop("w")
+    reseal(ckpt, raw)
+    for result in four(ckpt, tmp_path)[:3]:
+        refused(result, "the name is reserved by safetensors")
+
+
+def test_a_commit_number_at_the_limit_fails_the_next_save_in_one_line_losing_nothing(ckpt):
+    """A manifest claiming the largest commit number: the next save would have written a
+    number no load reads (and later resumes silently went back past every newer step)."""
+    from checkpoint import SaveFailedError, committed_steps, load_latest
+
+    raw = manifest(ckpt)
+    raw["commit"] = (1 << 63) - 1
+    reseal(ckpt, raw)
+    saver = Saver(ckpt, group=None, options=SaveOptions(async_=False))
+    with pytest.raises(SaveFailedError, match="claims commit number 9223372036854775807"):
+        saver.save(step=STEP + 1, consumed_samples=16,
+                   model={"w": (W.clone(), ShardInfo.whole("w", (64, 16)))})  # fmt: skip
+    saver.abandon()
+    assert committed_steps(ckpt) == [STEP]
+    out = {"w": (torch.zeros(64, 16), ShardInfo.whole("w", (64, 16)))}
+    assert load_latest(ckpt, model=out).step == STEP
+    # Past what a manifest may hold (or 4300 digits): not a commit number at all.
+    for junk in ("9" * 4300, str(1 << 63)):
+        raw = manifest(ckpt)
+        raw["commit"] = "JUNK"
+        reseal(ckpt, raw, ("JUNK", junk))
+        from checkpoint.store import next_commit
+
+        assert next_commit(ckpt) == 1
+
+
+def test_hostile_step_names_and_unloadable_records_are_skipped(ckpt):
+    from checkpoint import committed_steps, load_latest
+    from checkpoint.store import read_unloadable
+
+    ckpt_dir = Path(ckpt)
+    for stray in (
+        "step-\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0669",
+        "step-000000009\n",
+    ):
+        (ckpt_dir / stray).mkdir()
+        (ckpt_dir / stray / "manifest.json").write_text("{}")
+    assert committed_steps(ckpt) == [STEP]
+    (ckpt_dir / "unloadable.json").write_text(
+        '{"3": {"commit": 1e999}, "\u00b2": {"commit": 1}, "3x": {"commit": 1}}'
+    )
+    assert read_unloadable(ckpt) == {}
+    out = {"w": (torch.zeros(64, 16), ShardInfo.whole("w", (64, 16)))}
+    assert load_latest(ckpt, model=out).step == STEP
+
+
+def test_inspect_shows_a_layout_or_optimizer_of_odd_values_as_read(ckpt):
+    raw = manifest(ckpt)
+    raw["layout"] = {"world": 1, "spares": 5}
+    raw["optimizer"] = {"type": "AdamW", "param_groups": 1.5}
+    reseal(ckpt, raw)
+    code, out, err, _ = cli("inspect", ckpt)
+    assert code == 0 and "spares -" in out, err[-2000:]

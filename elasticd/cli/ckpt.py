@@ -189,9 +189,11 @@ def _layout_lines(layout: dict[str, Any] | None) -> list[str]:
         return ["layout at save: -"]
     dims = " ".join(f"{k}{layout[k]}" for k in ("tp", "pp", "vpp", "cp", "dp", "ep", "etp")
                     if layout.get(k) is not None)  # fmt: skip
-    spares = layout.get("spares") or []
+    # Shown as read: a hand-edited (or hostile) layout may hold anything JSON can.
+    spares = layout.get("spares")
+    spares = len(spares) if isinstance(spares, list) else "-"
     out = [f"layout at save: world {layout.get('world', '-')}  active {layout.get('active', '-')}"
-           f"  spares {len(spares)}  {dims}  order {layout.get('order', '-')}"]  # fmt: skip
+           f"  spares {spares}  {dims}  order {layout.get('order', '-')}"]  # fmt: skip
     batch = [
         f"{k} {layout[k]}" for k in ("global_batch", "micro_batch", "grad_accum") if k in layout
     ]
@@ -206,7 +208,8 @@ def _optimizer_lines(optimizer: dict[str, Any] | None) -> list[str]:
         return []
     out = [f"optimizer: {optimizer.get('type', '-')}"]
     shown = ("lr", "betas", "eps", "weight_decay")
-    for i, group in enumerate(optimizer.get("param_groups") or []):
+    groups = optimizer.get("param_groups")
+    for i, group in enumerate(groups if isinstance(groups, list) else []):
         if not isinstance(group, dict):
             continue
         facts = "  ".join(f"{k} {group[k]}" for k in shown if k in group)
