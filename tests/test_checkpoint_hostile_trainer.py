@@ -120,6 +120,9 @@ RESUME_ATTACKS = {
         "is not a list of groups",
     ),
     "train-lr-string": (_train_lr, "extra train_lr 'fast' is not a finite number"),
+    # An integer too large for a float (math.isfinite raised OverflowError).
+    "lr-of-400-digits": (groups(lr=10**400), "is not a finite number >= 0"),
+    "betas-of-400-digits": (groups(betas=[10**400, 0.9]), "is not two numbers in [0, 1)"),
 }
 
 
@@ -266,6 +269,26 @@ def _tensor(name, shape):
     return edit
 
 
+def _header_entry(**entry):
+    """A header entry added to model.safetensors as raw JSON (no tensor behind it)."""
+
+    def edit(hf: Path):
+        path = hf / "model.safetensors"
+        blob = path.read_bytes()
+        (n,) = struct.unpack("<Q", blob[:8])
+        header = json.loads(blob[8 : 8 + n])
+        header["zz"] = entry
+        text = json.dumps(header).encode()
+        text += b" " * (-len(text) % 8)
+        path.write_bytes(struct.pack("<Q", len(text)) + text + blob[8 + n :])
+
+    return edit
+
+
+def _index_of_empty_lists(hf: Path):
+    (hf / "model.safetensors.index.json").write_text("[" + "[]," * 400_000 + "[]]")
+
+
 def _index(kind: str):
     def edit(hf: Path):
         keys = list(load_file(hf / "model.safetensors"))
@@ -299,6 +322,19 @@ HF_ATTACKS = {
     "index-int": (_index("int"), "to 5, not a file name"),
     "index-fifo": (_index("fifo"), "pipe.safetensors is not a regular file"),
     "index-outside": (_index("outside"), "is not a plain file name inside the directory"),
+    # Settings that change the math: a model that computes otherwise is refused.
+    "layer-norm-eps": (_config(layer_norm_epsilon=0.5), "layer_norm_epsilon is 0.5"),
+    "unscaled-attention": (_config(scale_attn_weights=False), "scale_attn_weights is False"),
+    "scaled-by-layer": (
+        _config(scale_attn_by_inverse_layer_idx=True),
+        "scale_attn_by_inverse_layer_idx is True",
+    ),
+    # Multiplying out 100,000 huge dimensions took minutes; refused before.
+    "header-shape-of-100k-dims": (
+        _header_entry(dtype="F32", shape=[1 << 62] * 100_000, data_offsets=[0, 0]),
+        "is not a list of at most 8 integers",
+    ),
+    "index-of-empty-lists": (_index_of_empty_lists, "JSON lists or objects"),
 }
 
 
@@ -418,3 +454,29 @@ def test_export_hf_refuses_a_hostile_model_record_or_tensor_shape_in_one_line(
         export_hf(Checkpoint.open(step_path(str(out / "ckpt"), 2)), str(target))
     assert message in str(info.value) and len(str(info.value).splitlines()) == 1, info.value
     assert not target.exists()  # nothing written
+
+
+def test_a_corrupted_rng_state_falls_back_to_the_step_before_like_any_corrupted_tensor(
+    base, tmp_path, capsys, caplog
+):
+    """The RNG state's bytes are checksummed like a parameter's: one flipped bit in the
+    newest step's is a damaged step, and the resume falls back to the step before (it
+    stopped there before, with every restart)."""
+    out = tmp_path / "out"
+    shutil.copytree(base, out)
+    assert run(out, 3) == 0  # steps 2 and 3 committed
+    ckpt = Checkpoint.open(step_path(str(out / "ckpt"), 3))
+    (chunk,) = ckpt.manifest.tensors["rank/0/rng/cpu"].chunks
+    ckpt.close()
+    path = Path(step_path(str(out / "ckpt"), 3)) / chunk.file
+    blob = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", blob[:8])
+    begin = json.loads(blob[8 : 8 + n])[chunk.key]["data_offsets"][0]
+    blob[8 + n + begin + 100] ^= 0x10
+    path.write_bytes(bytes(blob))
+    capsys.readouterr()
+    assert run(out, 4) == 0, capsys.readouterr().err[-2000:]
+    said = capsys.readouterr()
+    warned = [r.getMessage() for r in caplog.records if "cannot be loaded" in r.getMessage()]
+    assert len(warned) == 1 and "checkpoint step 3" in warned[0] and "rng/cpu" in warned[0]
+    assert "resumed from " + step_path(str(out / "ckpt"), 2) + " at step 2" in said.out

@@ -224,6 +224,9 @@ class Checkpointing:
             optimizer=self._optimizer(create=True),
             group=self.group,
             broadcast=self.job.checkpoint.load_broadcast,
+            # Read (and checked) while the step is chosen: corrupted bytes there fall
+            # back to an older step, as a corrupted parameter does.
+            rank_tensors=[f"rank/{self.rank}/{k}" for k in ("rng/cpu", "rng/cuda")],
         )
         try:
             self._resume_from(ckpt)
@@ -315,7 +318,8 @@ class Checkpointing:
                     f"{where}: {key} is a {entry.kind} {entry.dtype} tensor of shape "
                     f"{list(entry.shape)}, torch's generator needs uint8 [{numel}]"
                 )
-            t = ckpt.read(f"rank/{self.rank}/{key}")
+            name = f"rank/{self.rank}/{key}"
+            t = ckpt.rank_tensors[name] if name in ckpt.rank_tensors else ckpt.read(name)
             if t.dtype != torch.uint8 or tuple(t.shape) != (numel,):
                 raise CorruptCheckpointError(
                     f"{where}: {key} read back as {t.dtype} {list(t.shape)}"
@@ -464,7 +468,13 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite number that converts to a float (an integer of 400 digits does not)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
 
 
 ERROR_BYTES = 1024

@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import save_file
 
 from checkpoint.errors import CheckpointError
+from checkpoint.manifest import parse_json
 from checkpoint.stfile import pread_into, read_header_fd
 from trainer.errors import TrainerConfigError
 from trainer.errors import brief as _brief
@@ -209,6 +210,13 @@ def read_hf(path: str, model_cfg) -> dict[str, torch.Tensor]:
     if not _is_int(positions) or not cfg["seq_len"] <= positions <= MAX_DIM:
         raise HFError(f"{where}: config.json n_positions {_brief(positions)} is not an integer "
                       f"from model.seq_len {cfg['seq_len']} to 2^24")  # fmt: skip
+    # Settings that change the math of a GPT-2 (transformers' defaults are ours): a model
+    # that computes otherwise is refused, not loaded into ours to train on as if the same.
+    for key, ours in _SAME_MATH.items():
+        value = hf_cfg.get(key, ours)
+        if type(value) is not type(ours) or value != ours:
+            raise HFError(f"{where}: config.json {key} is {_brief(value)}; this trainer's GPT "
+                          f"computes with {ours}")  # fmt: skip
     tied = hf_cfg.get("tie_word_embeddings", True)
     if not isinstance(tied, bool) or tied != bool(cfg["tie_embeddings"]):
         raise HFError(f"{where}: tie_word_embeddings is {_brief(tied)}, model.tie_embeddings is "
@@ -225,6 +233,13 @@ def read_hf(path: str, model_cfg) -> dict[str, torch.Tensor]:
     finally:
         files.close()
 
+
+_SAME_MATH = {
+    "layer_norm_epsilon": 1e-5,  # trainer.model.LayerNorm's
+    "scale_attn_weights": True,  # scores divided by sqrt(head size)
+    "scale_attn_by_inverse_layer_idx": False,  # and not, in addition, by the layer's number
+}
+"""``config.json`` settings a GPT-2 must have as they are here, and their values."""
 
 CONFIG_MAX_BYTES = 1 << 20
 """``config.json`` above this is refused unread."""
@@ -281,10 +296,9 @@ def _read_json(path: str, name: str, cap: int, where: str) -> Any:
         raise HFError(f"{where}: cannot read {name} ({exc.strerror})") from None
     finally:
         os.close(fd)
-    try:
-        return json.loads(b"".join(chunks).decode("utf-8"))
-    except (ValueError, RecursionError) as exc:
-        raise HFError(f"{where}: {name} is not JSON ({str(exc).splitlines()[0]})") from None
+    # Bounded as a manifest is (lists and objects per byte, depth): an index of nothing
+    # but [] would cost 30 times its size in memory.
+    return parse_json(b"".join(chunks), f"{where}: {name}", max_bytes=cap, error=HFError)
 
 
 def _hf_shape(ours: str, how: str, cfg: Mapping[str, Any], positions: int) -> tuple[int, ...]:
@@ -335,6 +349,7 @@ class _WeightFiles:
     def __init__(self, path: str, where: str) -> None:
         self.path, self.where = path, where
         self._open: dict[str, tuple[int, int, dict]] = {}  # name -> (fd, data start, header)
+        self._inodes: dict[tuple[int, int], str] = {}  # (device, inode) -> the name opened
         self.files: dict[str, str] = {}  # tensor -> file name
         try:
             self._list()
@@ -369,8 +384,14 @@ class _WeightFiles:
         got = self._open.get(name)
         if got is None:
             fd = _open_regular(self.path, name, where)
+            st = os.fstat(fd)
+            same = self._inodes.setdefault((st.st_dev, st.st_ino), name)
+            if same != name:  # names linked to one file (a cache's blobs): parsed once
+                os.close(fd)
+                got = self._open[name] = self._open[same]
+                return got
             try:
-                size = os.fstat(fd).st_size
+                size = st.st_size
                 raw, header = read_header_fd(fd, size, name, unknown_dtypes=True)
             except BaseException as exc:
                 os.close(fd)
@@ -408,9 +429,10 @@ class _WeightFiles:
         raise HFError(f"{self.where}: has no tensor {hf}")
 
     def close(self) -> None:
-        for fd, _, _ in self._open.values():
+        for fd in {fd for fd, _, _ in self._open.values()}:  # names may share one
             os.close(fd)
         self._open.clear()
+        self._inodes.clear()
 
 
 def _one_line(exc: BaseException) -> str:
