@@ -538,13 +538,15 @@ def load_latest(
     verify: bool = True,
     warn: Callable[[str], None] = log.warning,
     broadcast: bool = False,
-    rank_tensors: Sequence[str] = (),
+    rank_tensors: Callable[[Manifest], Sequence[str]] | None = None,
 ) -> Checkpoint:
     """Load the newest loadable committed checkpoint into the given tensors.
 
-    ``rank_tensors``: names of this rank's own tensors (its RNG states) to read with the
-    step where it holds them, into ``Checkpoint.rank_tensors``: a corrupted one fails the step
-    like any tensor, so the ranks fall back to an older one rather than stop on it.
+    ``rank_tensors(manifest)``: names of this rank's own tensors (its RNG states) that it
+    will use from that step, read with the step where it holds them, into
+    ``Checkpoint.rank_tensors``: a corrupted one fails the step like any tensor, so the
+    ranks fall back to an older one rather than stop on it. A step whose layout differs
+    (the states are not used then) names none.
 
     With ``broadcast``, a region that several ranks of ``group`` ask for alike (the same
     tensor, offsets and sizes: DP replicas) is read from disk by one of them only (the
@@ -584,7 +586,7 @@ def load_latest(
         try:
             ckpt = Checkpoint.open(path)
             ckpt.load_into(read_model, read_optimizer, verify=verify)
-            for name in rank_tensors:
+            for name in rank_tensors(ckpt.manifest) if rank_tensors else ():
                 if name in ckpt.manifest.tensors:
                     ckpt.rank_tensors[name] = ckpt.read(name)
         except Exception as exc:

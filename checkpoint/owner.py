@@ -44,6 +44,11 @@ CONTENTION_S = 0.5
 """How long a claim retries a held lock before it names the holder: a look by
 :func:`held_by` (``ckpt prune``, ``submit --fresh``, ``ckpt inspect``) holds it for a
 moment, and must not turn a job away."""
+TOOL_PREFIX = "elasticd "
+"""The run id a tool's :func:`holding` records (``elasticd ckpt prune``)."""
+TOOL_WAIT_S = 300.0
+"""How long a claim waits for a tool that holds the lock (its deletes take as long as the
+disk needs): a prune that lands between two rounds of a run must not fail the job."""
 
 
 @dataclass(slots=True)
@@ -68,10 +73,11 @@ class Claim:
         if self.fd is None and self.pending:
             try:
                 fd = _try_lock(self.ckpt_dir)
+                if fd is not None:
+                    _write_record(fd, job=self.job, run_id=self.run_id)  # closes fd on failure
             except (OSError, OwnershipError):
                 return False  # asked again at the next save
             if fd is not None:
-                _write_record(fd, job=self.job, run_id=self.run_id)
                 self.fd, self.pending = fd, False
         return self.fd is not None
 
@@ -161,7 +167,10 @@ def holding(ckpt_dir: str, *, what: str, job: str = "") -> Iterator[dict | None]
                     return
             break
         if fd is not None:
-            _write_record(fd, job=job, run_id=what)
+            try:
+                _write_record(fd, job=job, run_id=what)
+            except OSError:
+                fd = None  # closed: no record can be written (a full disk); go on unlocked
             break
         holder = held_by(ckpt_dir)
         if holder is not None or time.monotonic() >= deadline:
@@ -194,7 +203,9 @@ def _lock(
 ) -> tuple[int | None, bool]:
     """``(descriptor holding the lock, pending)``; pending when the same run holds it."""
     path = os.path.join(ckpt_dir, LOCK_FILE)
-    deadline = time.monotonic() + CONTENTION_S
+    start = time.monotonic()
+    deadline = start + CONTENTION_S
+    waited = False
     while True:
         try:
             fd = _try_lock(ckpt_dir)
@@ -211,6 +222,14 @@ def _lock(
         same_run = run_id not in ANONYMOUS_RUNS and holder.get("run_id") == run_id
         if same_run and holder.get("job") == job:
             return None, True  # this run's own earlier process; the commit fence orders us
+        tool = str(holder.get("run_id", "")).startswith(TOOL_PREFIX)
+        if tool and time.monotonic() < start + TOOL_WAIT_S:
+            if not waited:
+                warn(f"{path}: held by {holder['run_id']} (pid {holder.get('pid', '?')}); "
+                     "waiting for it to finish")  # fmt: skip
+                waited = True
+            time.sleep(0.1)
+            continue
         if time.monotonic() < deadline:
             time.sleep(0.02)
             continue
@@ -243,9 +262,15 @@ def _try_lock(ckpt_dir: str) -> int | None:
 
 
 def _write_record(fd: int, *, job: str, run_id: str) -> None:
+    """Write the holder's record into the lock file ``fd`` holds; on failure (a full disk)
+    close ``fd``, so the lock is not left held by a descriptor nobody owns, and raise."""
     record = {"job": job, "run_id": run_id, "host": socket.gethostname(), "pid": os.getpid()}
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(record).encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(record).encode(), 0)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _holder(fd: int) -> dict:

@@ -466,7 +466,12 @@ def remove_leftovers(ckpt_dir: str, *, spare: str = "") -> list[str]:
         if spare and name == spare:
             continue
         m = _REPLACED_RE.match(name)
-        if m and not os.path.lexists(step_path(ckpt_dir, int(m.group(1)))):
+        if (
+            m
+            and not os.path.lexists(step_path(ckpt_dir, int(m.group(1))))
+            and _real_dir(path)
+            and os.path.isfile(os.path.join(path, MANIFEST))
+        ):
             # Moved aside since recover_replaced looked (a stale writer's commit racing
             # this clean-up): a committed step with nothing in its place, never deleted.
             recover_replaced(ckpt_dir)

@@ -246,6 +246,13 @@ def test_the_latest_committed_checkpoint_is_read_from_the_pointer_or_the_manifes
     assert latest_checkpoint_step(str(tmp_path)) == 10
     (tmp_path / "latest").write_text("step-000000005\n")
     assert latest_checkpoint_step(str(tmp_path)) == 5
+    # Hostile hints are no hints: not UTF-8, Unicode digits, a trailing newline in a name.
+    (tmp_path / "latest").write_bytes(b"\xff\xfe" * 1000)
+    assert latest_checkpoint_step(str(tmp_path)) == 10
+    (tmp_path / "latest").write_text("step-\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0660\u0669")
+    (tmp_path / "step-00000009\u0669").mkdir()
+    (tmp_path / "step-00000009\u0669" / "manifest.json").write_text("{}")
+    assert latest_checkpoint_step(str(tmp_path)) == 10
 
 
 def test_the_worker_channel_writes_whole_heartbeats_and_turns_sigterm_into_a_flag(tmp_path):

@@ -326,6 +326,11 @@ def test_a_clean_up_never_deletes_a_step_moved_aside_after_it_looked(tmp_path, m
     assert remove_leftovers(ckpt) == [step_path(ckpt, 8) + ".dead.tmp"]
     assert Path(step_path(ckpt, 6), "manifest.json").read_text() == "current world"
     assert committed_steps(ckpt) == [6] and leftovers(ckpt) == []
+    # What cannot be put back (a symlink planted under such a name, a directory without
+    # a manifest) is a leftover like any other, not kept for ever.
+    os.symlink(ckpt, step_path(ckpt, 9) + ".beef.replaced.tmp")
+    os.makedirs(step_path(ckpt, 10) + ".beef.replaced.tmp")
+    assert len(remove_leftovers(ckpt)) == 2 and leftovers(ckpt) == []
 
 
 # -- the fence file ---------------------------------------------------------------------------

@@ -431,3 +431,17 @@ def test_inspect_shows_a_layout_or_optimizer_of_odd_values_as_read(ckpt):
     reseal(ckpt, raw)
     code, out, err, _ = cli("inspect", ckpt)
     assert code == 0 and "spares -" in out, err[-2000:]
+
+
+def test_a_header_whose_metadata_holds_json_in_a_string_is_not_taken_for_a_dense_one(tmp_path):
+    """Brackets inside strings are no lists: a real file may keep its config, JSON, as a
+    metadata string (3,000 small lists in 15 KB, far past one per 16 bytes)."""
+    from safetensors.torch import save_file
+
+    from checkpoint.stfile import read_header
+
+    path = str(tmp_path / "model.safetensors")
+    config = json.dumps({"layers": [[1]] * 3000, "quote": 'a "quoted" \\ word'})
+    save_file({"w": torch.ones(4)}, path, metadata={"config": config})
+    _, header = read_header(path)
+    assert json.loads(header["__metadata__"]["config"]) == json.loads(config)

@@ -456,6 +456,32 @@ def test_export_hf_refuses_a_hostile_model_record_or_tensor_shape_in_one_line(
     assert not target.exists()  # nothing written
 
 
+def _flip_a_bit_of_the_rng_state(out: Path, step: int) -> None:
+    ckpt = Checkpoint.open(step_path(str(out / "ckpt"), step))
+    (chunk,) = ckpt.manifest.tensors["rank/0/rng/cpu"].chunks
+    ckpt.close()
+    path = Path(step_path(str(out / "ckpt"), step)) / chunk.file
+    blob = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", blob[:8])
+    begin = json.loads(blob[8 : 8 + n])[chunk.key]["data_offsets"][0]
+    blob[8 + n + begin + 100] ^= 0x10
+    path.write_bytes(bytes(blob))
+
+
+def test_a_corrupted_rng_state_is_not_read_when_the_layout_changed(base, tmp_path, capsys):
+    """Reseeded, not restored, after a layout change: its bytes are not read, so they
+    cannot fail the step (a resize would have lost the newest step for nothing)."""
+    out = tmp_path / "out"
+    shutil.copytree(base, out)
+    assert run(out, 3) == 0
+    _flip_a_bit_of_the_rng_state(out, 3)
+    capsys.readouterr()
+    assert run(out, 4, "train.micro_batch=1") == 0, capsys.readouterr().err[-2000:]
+    said = capsys.readouterr().out
+    assert "resumed from " + step_path(str(out / "ckpt"), 3) + " at step 3" in said
+    assert "layout changed, RNG reseeded" in said
+
+
 def test_a_corrupted_rng_state_falls_back_to_the_step_before_like_any_corrupted_tensor(
     base, tmp_path, capsys, caplog
 ):
@@ -465,15 +491,7 @@ def test_a_corrupted_rng_state_falls_back_to_the_step_before_like_any_corrupted_
     out = tmp_path / "out"
     shutil.copytree(base, out)
     assert run(out, 3) == 0  # steps 2 and 3 committed
-    ckpt = Checkpoint.open(step_path(str(out / "ckpt"), 3))
-    (chunk,) = ckpt.manifest.tensors["rank/0/rng/cpu"].chunks
-    ckpt.close()
-    path = Path(step_path(str(out / "ckpt"), 3)) / chunk.file
-    blob = bytearray(path.read_bytes())
-    (n,) = struct.unpack("<Q", blob[:8])
-    begin = json.loads(blob[8 : 8 + n])[chunk.key]["data_offsets"][0]
-    blob[8 + n + begin + 100] ^= 0x10
-    path.write_bytes(bytes(blob))
+    _flip_a_bit_of_the_rng_state(out, 3)
     capsys.readouterr()
     assert run(out, 4) == 0, capsys.readouterr().err[-2000:]
     said = capsys.readouterr()

@@ -150,6 +150,9 @@ def test_ckpt_prune_refuses_a_directory_a_run_is_using_in_one_line(tmp_path, cap
     from elasticd.cli import main
 
     ckpt = str(tmp_path / "ckpt")
+    saver = Saver(ckpt, group=None, options=SaveOptions(async_=False, job="tiny"))
+    saver.save(step=1, consumed_samples=1, model={"w": (torch.ones(4), ShardInfo.whole("w", (4,)))})
+    saver.close()
     held = claim(ckpt, job="tiny", run_id="tiny-7")
     try:
         code = main(["ckpt", "prune", ckpt, "--keep", "1"])
@@ -212,13 +215,29 @@ def test_prune_and_fresh_hold_the_lock_while_they_delete(tmp_path):
         saver.save(step=step, consumed_samples=step,
                    model={"w": (torch.ones(4), ShardInfo.whole("w", (4,)))})  # fmt: skip
     saver.close()
+    import threading
+
     with holding(ckpt, what="elasticd ckpt prune") as holder:
         assert holder is None
-        # A job starting meanwhile is refused, naming what holds the directory.
-        with pytest.raises(OwnershipError, match="in use by run elasticd ckpt prune"):
-            claim(ckpt, job="tiny", run_id="tiny-3")
         with holding(ckpt, what="elasticd submit --fresh") as other:
             assert other is not None and other["run_id"] == "elasticd ckpt prune"
+    # A round of a run starting meanwhile (a prune between two rounds) waits for the
+    # tool, saying so, rather than fail the job; another run is still refused after.
+    said = []
+    entered, release = threading.Event(), threading.Event()
+
+    def prune_for_a_while():
+        with holding(ckpt, what="elasticd ckpt prune"):
+            entered.set()
+            release.wait(10)
+
+    tool = threading.Thread(target=prune_for_a_while)
+    tool.start()
+    entered.wait(10)
+    threading.Timer(1.0, release.set).start()
+    claim(ckpt, job="tiny", run_id="tiny-3", warn=said.append).release()
+    tool.join()
+    assert len(said) == 1 and "held by elasticd ckpt prune" in said[0], said
     running = claim(ckpt, job="tiny", run_id="tiny-3")
     try:
         with pytest.raises(OwnershipError, match=r"in use by run tiny-3 .*nothing deleted"):
@@ -227,3 +246,10 @@ def test_prune_and_fresh_hold_the_lock_while_they_delete(tmp_path):
         running.release()
     assert start_over(ckpt, job="tiny") == [1, 2]
     claim(ckpt, job="tiny", run_id="tiny-4").release()  # free once start_over is done
+
+
+def test_prune_of_a_directory_without_checkpoints_leaves_nothing_there(tmp_path, capsys):
+    from elasticd.cli import main
+
+    assert main(["ckpt", "prune", str(tmp_path), "--keep", "1"]) == 0
+    assert list(tmp_path.iterdir()) == []

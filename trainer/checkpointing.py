@@ -226,7 +226,7 @@ class Checkpointing:
             broadcast=self.job.checkpoint.load_broadcast,
             # Read (and checked) while the step is chosen: corrupted bytes there fall
             # back to an older step, as a corrupted parameter does.
-            rank_tensors=[f"rank/{self.rank}/{k}" for k in ("rng/cpu", "rng/cuda")],
+            rank_tensors=self._rng_to_read,
         )
         try:
             self._resume_from(ckpt)
@@ -296,6 +296,16 @@ class Checkpointing:
             )
             if changed:
                 print(f"optimizer changed since step {state.step}: {changed}", flush=True)
+
+    def _rng_to_read(self, manifest) -> list[str]:
+        """The saved generator states this rank restores from a step: its own, when the
+        step's layout is this one (else they are reseeded, and not read at all)."""
+        if manifest.layout != self.layout:
+            return []
+        keys = ["rng/cpu"]
+        if torch.cuda.is_available() and self.trainer.device.type == "cuda":
+            keys.append("rng/cuda")
+        return [f"rank/{self.rank}/{k}" for k in keys]
 
     def _saved_rng(self, ckpt) -> dict[str, torch.Tensor]:
         """This rank's saved generator states, checked: ``rng/cpu`` present, a 1-D uint8

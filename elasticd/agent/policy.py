@@ -429,7 +429,8 @@ def worker_argv(command: Sequence[str] | None, job_path: str, python: str) -> li
     return [python, "-m", "trainer", job_path]
 
 
-_STEP_DIR = re.compile(r"^step-(\d{9})$")
+_STEP_DIR = re.compile(r"step-([0-9]{9})")
+"""A step directory's name, matched whole (``fullmatch``) in ASCII digits, as the store's."""
 
 
 def latest_checkpoint_step(ckpt_dir: str) -> int | None:
@@ -445,12 +446,13 @@ def latest_checkpoint_step(ckpt_dir: str) -> int | None:
         if os.path.islink(latest):
             name = os.path.basename(os.readlink(latest).rstrip("/"))
         elif os.path.isfile(latest):
-            with open(latest, encoding="utf-8") as fh:
-                name = os.path.basename(fh.read().strip().rstrip("/"))
-    except OSError:
+            with open(latest, "rb") as fh:  # a hint of one line: its first bytes only
+                text = fh.read(256).decode("utf-8")
+            name = os.path.basename(text.strip().rstrip("/"))
+    except (OSError, ValueError):  # unreadable, or not UTF-8: no hint
         name = None
     if name:
-        m = _STEP_DIR.match(name)
+        m = _STEP_DIR.fullmatch(name)
         if m:
             return int(m.group(1))
     try:
@@ -460,6 +462,7 @@ def latest_checkpoint_step(ckpt_dir: str) -> int | None:
     steps = [
         int(m.group(1))
         for n in names
-        if (m := _STEP_DIR.match(n)) and os.path.exists(os.path.join(ckpt_dir, n, "manifest.json"))
+        if (m := _STEP_DIR.fullmatch(n))
+        and os.path.exists(os.path.join(ckpt_dir, n, "manifest.json"))
     ]
     return max(steps) if steps else None

@@ -317,11 +317,14 @@ def run_export(args: argparse.Namespace) -> int:
 
 
 def run_prune(args: argparse.Namespace) -> int:
-    from checkpoint import prune
+    from checkpoint import committed_steps, prune
     from checkpoint.owner import holding
 
     if args.keep < 1:
         raise UsageError(f"ckpt prune: --keep must be at least 1, got {args.keep}")
+    if not committed_steps(args.dir):  # not a checkpoint directory: leave no lock file there
+        print("removed 0 step(s)")
+        return 0
     # Held while pruning: a run's own retention works there, and no run may claim the
     # directory between the look and the deletes.
     with holding(args.dir, what="elasticd ckpt prune") as holder:
