@@ -201,7 +201,7 @@ def test_a_look_at_the_lock_does_not_turn_a_starting_job_away(tmp_path):
     claim(ckpt, job="tiny", run_id="tiny-1").release()  # a run that ended: its record stays
     fd = os.open(os.path.join(ckpt, "lock"), os.O_RDONLY)
     fcntl.flock(fd, fcntl.LOCK_SH)
-    threading.Timer(0.2, os.close, args=(fd,)).start()  # the look ends
+    threading.Timer(0.1, os.close, args=(fd,)).start()  # the look ends (claims retry 0.5 s)
     claim(ckpt, job="tiny", run_id="tiny-2").release()
 
 
