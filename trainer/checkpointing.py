@@ -299,13 +299,26 @@ class Checkpointing:
 
     def _rng_to_read(self, manifest) -> list[str]:
         """The saved generator states this rank restores from a step: its own, when the
-        step's layout is this one (else they are reseeded, and not read at all)."""
+        step's layout is this one (else they are reseeded, and not read at all), and only
+        entries shaped like one (a 1-D uint8 rank tensor of at most 1 MiB: anything else
+        is refused by :meth:`_saved_rng` from the manifest, before a byte is read)."""
         if manifest.layout != self.layout:
             return []
         keys = ["rng/cpu"]
         if torch.cuda.is_available() and self.trainer.device.type == "cuda":
             keys.append("rng/cuda")
-        return [f"rank/{self.rank}/{k}" for k in keys]
+        out = []
+        for key in keys:
+            entry = manifest.tensors.get(f"rank/{self.rank}/{key}")
+            if (
+                entry is not None
+                and entry.kind == "rank"
+                and entry.dtype == torch.uint8
+                and len(entry.shape) == 1
+                and entry.shape[0] <= 1 << 20
+            ):
+                out.append(f"rank/{self.rank}/{key}")
+        return out
 
     def _saved_rng(self, ckpt) -> dict[str, torch.Tensor]:
         """This rank's saved generator states, checked: ``rng/cpu`` present, a 1-D uint8
