@@ -303,15 +303,22 @@ def _depth(value: Any) -> int:
     return deepest
 
 
-def quoted(name: Any) -> str:
-    """A name from checkpoint input, shown in a message on one line: as it is when it is
-    a printable string (no newline, no lone surrogate), else as Python writes it
-    (``ascii``); shortened past 300 characters."""
+def quoted(name: Any, limit: int = 300) -> str:
+    """A name or value from checkpoint input, shown in a message on one line: as it is
+    when it is a printable string (no newline, no lone surrogate), else as Python writes
+    it (``ascii``); shortened past ``limit`` characters. A long list or object is cut
+    before it is written out (a hostile header's shape may have millions of items)."""
     if isinstance(name, str) and name.isprintable() and name.strip() == name and name:
-        text = name
+        text = name[: limit + 1]
+    elif isinstance(name, str):
+        text = ascii(name[: limit + 1])
+    elif isinstance(name, list) and len(name) > 8:
+        text = repr(name[:8])[:-1] + f", ... ({len(name)} items)]"
+    elif isinstance(name, dict) and len(name) > 8:
+        text = f"{{... {len(name)} keys}}"
     else:
-        text = ascii(name) if isinstance(name, str) else repr(name)
-    return text if len(text) <= 300 else text[:297] + "..."
+        text = repr(name)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class _Bad(Exception):

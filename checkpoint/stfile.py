@@ -28,7 +28,7 @@ import torch
 
 from checkpoint import smallfile
 from checkpoint.errors import CorruptCheckpointError
-from checkpoint.manifest import st_code
+from checkpoint.manifest import quoted, st_code
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,7 +350,7 @@ def read_header_fd(
             continue
         problem = _entry_problem(info, data_len, unknown_dtypes)
         if problem:
-            raise CorruptCheckpointError(f"{path}: header entry {_short(key)}: {problem}")
+            raise CorruptCheckpointError(f"{path}: header entry {quoted(key)}: {problem}")
     return struct.pack("<Q", n) + text, parsed
 
 
@@ -374,14 +374,14 @@ def _entry_problem(info: object, data_len: int, unknown_dtypes: bool = False) ->
         return "not a JSON object"
     dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if dtype not in ITEMSIZE and not (unknown_dtypes and isinstance(dtype, str)):
-        return f"unknown dtype {_short(dtype)}"
+        return f"unknown dtype {quoted(dtype)}"
     if (
         not isinstance(shape, list)
         or len(shape) > MAX_SHAPE_DIMS
         or not all(type(x) is int and 0 <= x < 1 << 63 for x in shape)
     ):
         return (
-            f"shape {_short(shape)} is not a list of at most {MAX_SHAPE_DIMS} integers >= 0 "
+            f"shape {quoted(shape)} is not a list of at most {MAX_SHAPE_DIMS} integers >= 0 "
             "and < 2^63"
         )
     if (
@@ -390,24 +390,10 @@ def _entry_problem(info: object, data_len: int, unknown_dtypes: bool = False) ->
         or not all(type(x) is int for x in offs)
         or not 0 <= offs[0] <= offs[1] <= data_len
     ):
-        return f"data_offsets {_short(offs)} are not within the {data_len} bytes of data"
+        return f"data_offsets {quoted(offs)} are not within the {data_len} bytes of data"
     if dtype in ITEMSIZE and offs[1] - offs[0] != math.prod(shape) * ITEMSIZE[dtype]:
         return f"data_offsets {offs} do not hold a {dtype} tensor of shape {shape}"
     return None
-
-
-def _short(value: object, limit: int = 80) -> str:
-    """``repr(value)``, cut to ``limit`` characters: a hostile header's values go into
-    one-line messages."""
-    if isinstance(value, list) and len(value) > 8:
-        text = repr(value[:8])[:-1] + f", ... ({len(value)} items)]"
-    elif isinstance(value, dict) and len(value) > 8:
-        text = f"{{... {len(value)} keys}}"
-    elif isinstance(value, str) and len(value) > limit:
-        text = repr(value[:limit])
-    else:
-        text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def read_header(path: str) -> tuple[bytes, dict]:

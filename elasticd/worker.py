@@ -35,9 +35,9 @@ the device that group's backend needs (the current CUDA device for NCCL).
 
 Under in-process restart (``elasticd.inprocess.run``), use ``ctx.channel`` (its
 preemption flag is shared by every round's channel of the process) and call
-``ctx.leave_for_preemption()`` after the save and before the exit: a rank whose own node is not the one going then
-leaves the round with its state and takes the next one in the same process, instead of
-exiting (the built-in trainer does).
+``ctx.leave_for_preemption()`` after the save and before the exit: a rank whose own node
+is not the one going then leaves the round with its state and takes the next one in the
+same process, instead of exiting (the built-in trainer does).
 """
 
 from __future__ import annotations

@@ -325,11 +325,12 @@ def exit_now(code: int | None) -> NoReturn:
     """Leave the process at once with ``code``, skipping the interpreter's teardown, once
     what this process wrote is flushed. Nothing that must last is left by then: a save
     ``main`` waited for is committed (fsynced), one abandoned on an error path would be
-    refused at its commit anyway, and the heartbeat and metrics files are whole files. The teardown collects every module's objects (torch's, its compiler's
-    imported by the warm start): 1.2-1.6 s of CPU on the 2-core box, with no Python frame
-    left to run, and a node's agent waits for its workers' exit before it leaves the world:
-    a preempted node's re-form, and every job's end, waited for it. Nothing here needs
-    the teardown: no torch.compile workers, no multiprocessing children."""
+    refused at its commit anyway, and the heartbeat and metrics files are whole files.
+    The teardown collects every module's objects (torch's, its compiler's imported by the
+    warm start): 1.2-1.6 s of CPU on the 2-core box, with no Python frame left to run, and
+    a node's agent waits for its workers' exit before it leaves the world: a preempted
+    node's re-form, and every job's end, waited for it. Nothing here needs the teardown:
+    no torch.compile workers, no multiprocessing children."""
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
