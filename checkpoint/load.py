@@ -71,6 +71,7 @@ from checkpoint.planner import (
 from checkpoint.shards import ShardInfo
 from checkpoint.stfile import (
     blocks_match,
+    header_crcs,
     open_regular,
     pread_into,
     read_header_fd,
@@ -295,10 +296,11 @@ class Checkpoint:
     def check_files(self) -> None:
         """Open every tensor file as a load would (a regular file of the manifest's size, its
         header checked against that size and its checksum) and match every chunk's header
-        entry to the manifest, reading no tensor data. Raises CorruptCheckpointError."""
+        entry (and, in format version 4, its block checksums) to the manifest, reading no
+        tensor data. Raises CorruptCheckpointError."""
         for entry in self.manifest.tensors.values():
             for chunk in entry.chunks:
-                self._chunk_span(chunk, entry.dtype)
+                self._crcs(entry, chunk, self._chunk_span(chunk, entry.dtype)[0])
 
     def _entry(self, name: str):
         entry = self.manifest.tensors.get(name)
@@ -361,7 +363,7 @@ class Checkpoint:
         rows = op.src[0] if sizes else slice(0, 1)
         wanted = blocks_for_rows(rows, per)
         step = max(1, PIECE_BYTES // (k * per * row))  # blocks per piece (of each chunk)
-        crcs = [entry.crc32[o.chunk.key] for o in ops]
+        crcs = [self._crcs(entry, o.chunk, f) for o, (f, _, _) in zip(ops, spans, strict=True)]
         whole = self.manifest.version < 3
         dest = region[op.dst] if k == 1 else _strips_view(region, ops)
         out = []
@@ -442,6 +444,14 @@ class Checkpoint:
         """Copy a piece, read and checked into ``buffer``, to where it goes."""
         self.stats.bytes_read += r.nbytes
         r.dest.copy_(buffer[: r.nbytes].view(r.dtype).view(r.shape)[r.src])
+
+    def _crcs(self, entry: TensorEntry, chunk: SavedChunk, f: _OpenFile) -> str:
+        """The checksums of ``chunk``'s blocks: from the manifest up to format version 3,
+        from its file's header (checked against the manifest's ``header_sha256`` when the
+        file was opened) in version 4."""
+        if self.manifest.version < 4:
+            return entry.crc32[chunk.key]
+        return header_crcs(f.header, chunk.key, entry.blocks(chunk), f.path)
 
     def _chunk_span(self, chunk: SavedChunk, dtype: torch.dtype) -> tuple[_OpenFile, int, int]:
         """Where a chunk lies in its file (offset, bytes), after its header entry (whose

@@ -26,13 +26,16 @@ from checkpoint.planner import (
 )
 
 FORMAT_NAME = "elasticd-checkpoint"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 """The version this build writes. Version 3 checks each chunk with a CRC-32C per block
 of whole rows (``block_rows``, ``crc32c`` one 8-digit checksum per block), so a load that
-needs part of a chunk reads and checks only its blocks. Version 2 (one CRC-32C per chunk)
-and version 1 (zlib's CRC-32 per chunk, ``crc32``, and a whole-file ``sha256``) still load
+needs part of a chunk reads and checks only its blocks. Version 4 checks the same blocks,
+but keeps their checksums in each tensor file's header (``checkpoint.stfile.CRC_META``,
+covered by the manifest's ``header_sha256``), not in the manifest: a manifest's size then
+grows with its chunks, not with the checkpoint's bytes. Versions 3, 2 (one CRC-32C per
+chunk) and 1 (zlib's CRC-32 per chunk, ``crc32``, and a whole-file ``sha256``) still load
 and verify."""
-READ_VERSIONS = (1, 2, 3)
+READ_VERSIONS = (1, 2, 3, 4)
 MANIFEST = "manifest.json"
 LATEST = "latest"
 STEP_RE = re.compile(r"step-([0-9]{9})")
@@ -92,21 +95,21 @@ class TensorEntry:
     shape: tuple[int, ...]
     chunks: tuple[SavedChunk, ...]
     crc32: dict[str, str] = field(default_factory=dict)
-    """Checksums of each chunk's bytes, by safetensors key (checked by every load): in
-    version 3 the CRC-32C of each block of ``block_rows[key]`` rows, 8 hex digits each,
-    concatenated; in version 2 one CRC-32C of the whole chunk, in version 1 zlib's CRC-32."""
+    """Checksums of each chunk's bytes, by safetensors key (checked by every load), in
+    versions 1 to 3: in version 3 the CRC-32C of each block of ``block_rows[key]`` rows, 8
+    hex digits each, concatenated; in version 2 one CRC-32C of the whole chunk, in version 1
+    zlib's CRC-32. Empty in version 4: the chunk's file header holds them."""
     block_rows: dict[str, int] = field(default_factory=dict)
-    """Rows per verify block of each chunk, by key (version 3; older versions check each
-    chunk whole: :meth:`rows_per_block` says so)."""
+    """Rows per verify block of each chunk, by key (versions 3 and 4; older versions check
+    each chunk whole: :meth:`rows_per_block` says so)."""
 
     def rows_per_block(self, chunk: SavedChunk) -> int:
         """Rows per verify block of ``chunk`` (all its rows in versions 1 and 2)."""
         return self.block_rows.get(chunk.key) or max(1, chunk_rows(chunk.sizes))
 
-    def block_crcs(self, chunk: SavedChunk) -> list[str]:
-        """The checksum of each verify block of ``chunk``, in order."""
-        text = self.crc32[chunk.key]
-        return [text[i : i + 8] for i in range(0, len(text), 8)]
+    def blocks(self, chunk: SavedChunk) -> int:
+        """How many verify blocks ``chunk`` has (so how many checksums)."""
+        return block_count(chunk.sizes, self.rows_per_block(chunk))
 
     @property
     def nbytes(self) -> int:
@@ -141,7 +144,8 @@ class Manifest:
     extra: dict[str, Any]
     created_unix: float
     version: int = FORMAT_VERSION
-    """The format version read (1 or 2); what the chunk checksums are says it."""
+    """The format version read (1 to 4); what the chunk checksums are, and where they are
+    kept, says it."""
     commit: int = 0
     """The commit's number in its checkpoint directory (1 + the highest before it), so that
     commit order, not the step number, says which step is newest; 0 in manifests written
@@ -191,7 +195,7 @@ class Manifest:
                             "offsets": list(c.offsets),
                             "sizes": list(c.sizes),
                             **({"block_rows": t.block_rows[c.key]} if self.version >= 3 else {}),
-                            self.checksum_key: t.crc32[c.key],
+                            **({self.checksum_key: t.crc32[c.key]} if self.version <= 3 else {}),
                         }
                         for c in t.chunks
                     ],
@@ -332,13 +336,13 @@ def _int(value: Any, what: str, *, lo: int = 0) -> int:
 
 
 def _hex(value: Any, what: str, digits: int) -> str:
-    if not isinstance(value, str) or len(value) != digits or not _lower_hex(value):
+    if not isinstance(value, str) or len(value) != digits or not lower_hex(value):
         shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
         raise _Bad(f"{what}: {shown} is not {digits} hex digits")
     return value
 
 
-def _lower_hex(text: str) -> bool:
+def lower_hex(text: str) -> bool:
     """Whether ``text`` is lowercase hex digits and nothing else (``fromhex`` also takes
     upper case and spaces, which the round trip then tells apart)."""
     try:
@@ -451,8 +455,9 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
                 if type(per) is not int or not 1 <= per < INT_LIMIT:
                     _int(per, f"tensor {shown}: block_rows", lo=1)
                 rows[key] = per
-                # Its length (8 digits per block) is checked below, with the bytes.
-                crc[key] = s[crc_key]
+                if version == 3:
+                    # Its length (8 digits per block) is checked below, with the bytes.
+                    crc[key] = s[crc_key]
             else:
                 crc[key] = _hex(s[crc_key], f"tensor {shown}: {crc_key}", 8)
             held[file] += math.prod(chunk.sizes) * dtype.itemsize
@@ -476,9 +481,9 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
                 "bytes the manifest gives the file"
             )
     for name, t in tensors.items():
-        for c in t.chunks if version >= 3 else ():
+        for c in t.chunks if version == 3 else ():
             n, text = block_count(c.sizes, t.block_rows[c.key]), t.crc32[c.key]
-            if not isinstance(text, str) or len(text) != 8 * n or not _lower_hex(text):
+            if not isinstance(text, str) or len(text) != 8 * n or not lower_hex(text):
                 _hex(text, f"tensor {quoted(name)}: {crc_key} of {quoted(c.key)}", 8 * n)
     layout = raw.get("layout")
     if layout is not None:

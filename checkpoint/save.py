@@ -43,7 +43,7 @@ from checkpoint.comm import (
 )
 from checkpoint.errors import CheckpointError, FencedError, SaveFailedError
 from checkpoint.fence import Fence, check_fence
-from checkpoint.manifest import MANIFEST, FileEntry, Manifest, TensorEntry
+from checkpoint.manifest import MANIFEST, MAX_MANIFEST_BYTES, FileEntry, Manifest, TensorEntry
 from checkpoint.planner import relative
 from checkpoint.saveplan import FilePlan, LocalEntry, SavePlan, build_save_plan
 from checkpoint.shards import ShardInfo
@@ -129,7 +129,6 @@ class Saver:
         self._tidying: Future[None] | None = None
         self._inflight: Future[SaveResult] | None = None
         self._staging: torch.Tensor | None = None
-        self._report_caps: tuple[SavePlan, int] | None = None
         """(a plan, the size its reports are gathered in): see :meth:`_report_cap`."""
         self._plan_cache: tuple[str, SavePlan, str] | None = None
         """(every rank's entry digests, the plan, this rank's digest) of the last save."""
@@ -488,11 +487,11 @@ class Saver:
                     hasher_pool=self._hasher,
                 )
                 written = w.bytes
+                # The chunks' checksums stay in the file's header (format version 4).
                 report["file"] = {
                     "name": mine.name,
                     "bytes": w.bytes,
                     "header_sha256": w.header_sha256,
-                    "chunks": w.chunk_crc32,
                 }
         except Exception as exc:  # reported to every rank, then raised below
             report = {"ok": False, "error": f"rank {self.rank}: {exc}"}
@@ -532,33 +531,17 @@ class Saver:
             bytes_written=written,
         )
 
-    def _report_cap(self, plan: SavePlan) -> int:
+    @staticmethod
+    def _report_cap(plan: SavePlan) -> int:
         """The bytes of JSON every rank's report of a save with ``plan`` fits in (the same
-        on every rank: it comes from the plan alone): the longest file's report, whose
-        checksums are 8 hex digits per verify block, plus room for an error instead."""
-        if self._report_caps is not None and self._report_caps[0] is plan:
-            return self._report_caps[1]
-        longest = 0
-        for f in plan.files.values():
-            template = {
-                "ok": True,
-                "file": {
-                    "name": f.name,
-                    "bytes": 10**19,
-                    "header_sha256": "0" * 64,
-                    "chunks": {
-                        s.key: "0" * 8 * _blocks(s.end - s.begin, s.block_bytes) for s in f.slots
-                    },
-                },
-            }
-            longest = max(longest, len(json.dumps(template, separators=(",", ":"))))
-        cap = max(longest + 512, 4096)
-        self._report_caps = (plan, cap)
-        return cap
+        on every rank: it comes from the plan alone): the longest file's report (its name,
+        size and header checksum), plus room for an error instead."""
+        longest = max((len(f.name) for f in plan.files.values()), default=0)
+        return longest + 4096
 
     def _commit(self, plan: SavePlan, reports: list[dict[str, Any]], head: dict[str, Any]) -> None:
         step = head["step"]
-        files, chunk_crc = {}, {}
+        files = {}
         rows = {
             (f.name, slot.key): slot.block_rows for f in plan.files.values() for slot in f.slots
         }
@@ -572,7 +555,6 @@ class Saver:
                     header_sha256=f["header_sha256"],
                     rank=rank,
                 )
-                chunk_crc.update({(f["name"], k): v for k, v in f["chunks"].items()})
         tensors = {
             t.name: TensorEntry(
                 name=t.name,
@@ -580,7 +562,6 @@ class Saver:
                 dtype=t.dtype,
                 shape=t.shape,
                 chunks=t.chunks,
-                crc32={c.key: chunk_crc[(c.file, c.key)] for c in t.chunks},
                 block_rows={c.key: rows[(c.file, c.key)] for c in t.chunks},
             )
             for t in plan.tensors.values()
@@ -603,11 +584,18 @@ class Saver:
                 else None
             ),
         )
+        body = manifest.to_json()
+        if len(body) > MAX_MANIFEST_BYTES:
+            # Every load would refuse it: never commit a step that cannot be loaded.
+            raise CheckpointError(
+                f"the manifest of {sum(len(t.chunks) for t in tensors.values())} chunks would "
+                f"take {len(body)} bytes, more than the {MAX_MANIFEST_BYTES} a load reads"
+            )
         tmp, token = head["tmp"], head["token"]
         path = os.path.join(tmp, MANIFEST)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            write_all(fd, manifest.to_json())
+            write_all(fd, body)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -659,11 +647,6 @@ class _Staged:
 def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     for into, src in pairs:
         into.copy_(src)
-
-
-def _blocks(nbytes: int, block_bytes: int) -> int:
-    """How many checksums :func:`checkpoint.stfile.block_crc32c` gives ``nbytes``."""
-    return 1 if not block_bytes or nbytes <= block_bytes else -(-nbytes // block_bytes)
 
 
 def _fit_report(report: dict[str, Any], cap: int, rank: int) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from checkpoint.errors import CheckpointError, CorruptCheckpointError
 from checkpoint.load import Checkpoint, read_header_checked
 from checkpoint.manifest import quoted, st_code
 from checkpoint.planner import row_bytes
-from checkpoint.stfile import block_crc32c, fd_sha256, pread_into
+from checkpoint.stfile import block_crc32c, fd_sha256, header_crcs, pread_into
 
 
 def verify(ckpt: Checkpoint) -> list[str]:
@@ -27,12 +27,15 @@ def verify(ckpt: Checkpoint) -> list[str]:
     Then, for both, every chunk's header entry against the manifest."""
     problems: list[str] = []
     headers: dict[str, dict] = {}
-    by_file: dict[str, dict[str, tuple[int, str]]] = {}
+    by_file: dict[str, dict[str, tuple[int, str | int]]] = {}
+    in_manifest = ckpt.manifest.version < 4
     for entry in ckpt.manifest.tensors.values():
         for c in entry.chunks:
-            # Bytes per verify block (the whole chunk before version 3).
+            # Bytes per verify block (the whole chunk before version 3), and the checksums:
+            # from the manifest, or (version 4) how many the file's header holds.
             block = entry.rows_per_block(c) * row_bytes(c.sizes, entry.dtype.itemsize)
-            by_file.setdefault(c.file, {})[c.key] = (block, entry.crc32[c.key])
+            crc = entry.crc32[c.key] if in_manifest else entry.blocks(c)
+            by_file.setdefault(c.file, {})[c.key] = (block, crc)
     for name, meta in sorted(ckpt.manifest.files.items()):
         path = os.path.join(ckpt.path, name)
         try:
@@ -71,8 +74,15 @@ READ_BYTES = 8 << 20
 
 
 def _verify_v2_file(
-    fd: int, size: int, path: str, meta, chunks: dict[str, tuple[int, str]], problems: list[str]
+    fd: int,
+    size: int,
+    path: str,
+    meta,
+    chunks: dict[str, tuple[int, str | int]],
+    problems: list[str],
 ) -> dict:
+    """Check one file of format version 2 or later; ``chunks`` maps each key to its block
+    bytes and its checksums, or (version 4) to how many checksums its header holds."""
     header, parsed = read_header_checked(fd, size, path)
     if hashlib.sha256(header).hexdigest() != meta.header_sha256:
         problems.append(f"{path}: header checksum mismatch")
@@ -94,6 +104,12 @@ def _verify_v2_file(
     # not a SIGBUS), at most READ_BYTES at a time.
     buf = memoryview(bytearray(min(READ_BYTES, size)))
     for key, (block, crc) in sorted(chunks.items()):
+        if isinstance(crc, int):
+            try:
+                crc = header_crcs(parsed, key, crc, path)
+            except CorruptCheckpointError as exc:
+                problems.append(str(exc))
+                continue
         begin, end = entries[key]["data_offsets"]
         if _chunk_sums(fd, len(header) + begin, end - begin, block, buf, path) != crc:
             problems.append(f"{path}: {quoted(key)}: checksum mismatch (corrupted data)")

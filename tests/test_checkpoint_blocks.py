@@ -1,5 +1,6 @@
-"""Format version 3: regions stored as strips, each checked per block of whole rows, so a
-verified resharded load reads and checks only what it needs; version 2 still loads."""
+"""Format versions 3 and 4: regions stored as strips, each checked per block of whole rows,
+so a verified resharded load reads and checks only what it needs; version 4 keeps the block
+checksums in each file's header, not in the manifest; versions 2 and 3 still load."""
 
 from __future__ import annotations
 
@@ -58,21 +59,56 @@ def data_path(ckpt: str) -> Path:
     return Path(step_path(ckpt, 1)) / "rank-00000.safetensors"
 
 
-def test_the_writer_records_strips_and_a_crc_per_block(tmp_path):
+def file_header(ckpt: str) -> dict:
+    path = data_path(ckpt)
+    with open(path, "rb") as f:
+        f.seek(8)
+        return json.loads(f.read(header_bytes(path) - 8))
+
+
+def reseal(mpath: Path, raw: dict) -> None:
+    raw.pop("checksum", None)
+    canon = json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
+    raw["checksum"] = hashlib.sha256(canon).hexdigest()
+    mpath.write_text(json.dumps(raw))
+
+
+def test_the_writer_records_strips_and_a_crc_per_block_in_the_file_header(tmp_path):
     ckpt = str(tmp_path)
     save(ckpt)
     manifest = open_step(ckpt).manifest
-    assert manifest.version == 3
+    assert manifest.version == 4
     entry = manifest.tensors["w"]
     assert [c.sizes for c in entry.chunks] == [(ROWS, 4)] * 16
     assert all(entry.block_rows[c.key] == 64 for c in entry.chunks)
-    first = entry.chunks[0]
+    assert entry.crc32 == {} and entry.blocks(entry.chunks[0]) == 4
+    raw = json.loads((Path(step_path(ckpt, 1)) / "manifest.json").read_text())
+    assert all("crc32c" not in sh for sh in raw["tensors"]["w"]["shards"])
     strip = FULL[:, :4].contiguous()
-    expected = [
+    expected = "".join(
         f"{crc32c.crc32c(strip[r : r + 64].numpy().tobytes()):08x}" for r in (0, 64, 128, 192)
-    ]
-    assert entry.block_crcs(first) == expected
+    )
+    assert file_header(ckpt)["__metadata__"]["crc32c:w@0_0"] == expected
     assert verify(open_step(ckpt)) == []
+
+
+def test_the_manifest_does_not_grow_with_the_bytes(tmp_path):
+    """Version 3 kept 8 hex digits per 16 KiB block in the manifest: over its 64 MiB bound
+    from about 128 GiB of state on, committed and then refused by every load. Version 4's
+    manifest is the same size for a tensor 64 times larger (the checksums grow in the
+    file's header, which only the ranks reading that file read)."""
+    sizes = {}
+    for rows in (64, 4096):
+        ckpt = str(tmp_path / str(rows))
+        options = SaveOptions(async_=False, chunk_max_pieces=1)  # one chunk either way
+        saver = Saver(ckpt, group=None, options=options)
+        t = torch.ones(rows, 1024)  # 256 KiB and 16 MiB, one row = 4 KiB: 16 and 1024 blocks
+        saver.save(step=1, consumed_samples=1, model={"w": (t, ShardInfo.whole("w", t.shape))})
+        saver.close()
+        sizes[rows] = (Path(step_path(ckpt, 1)) / "manifest.json").stat().st_size
+        with Checkpoint.open(step_path(ckpt, 1)) as ck:
+            assert torch.equal(ck.read("w"), t)
+    assert abs(sizes[4096] - sizes[64]) < 64, sizes
 
 
 @pytest.mark.parametrize(("dim", "parts"), [(0, 4), (0, 2), (1, 8), (1, 16)])
@@ -138,10 +174,39 @@ def as_version_2(ckpt: str) -> None:
             sh["crc32c"] = f"{crc32c.crc32c(blob[8 + n + b : 8 + n + e]):08x}"
             del sh["block_rows"]
     raw["version"] = 2
-    raw.pop("checksum")
-    canon = json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
-    raw["checksum"] = hashlib.sha256(canon).hexdigest()
-    mpath.write_text(json.dumps(raw))
+    reseal(mpath, raw)
+
+
+def as_version_3(ckpt: str) -> None:
+    """Rewrite the manifest as format version 3 wrote it: each chunk's block checksums in
+    the manifest (the file header's checksums, which version 3 ignores, stay), re-sealed."""
+    mpath = Path(step_path(ckpt, 1)) / "manifest.json"
+    raw = json.loads(mpath.read_text())
+    meta = file_header(ckpt)["__metadata__"]
+    for t in raw["tensors"].values():
+        for sh in t["shards"]:
+            sh["crc32c"] = meta["crc32c:" + sh["key"]]
+    raw["version"] = 3
+    reseal(mpath, raw)
+
+
+def test_a_version_3_checkpoint_still_loads_resharded_and_verifies(tmp_path):
+    ckpt = str(tmp_path)
+    save(ckpt)
+    as_version_3(ckpt)
+    assert open_step(ckpt).manifest.version == 3
+    assert verify(open_step(ckpt)) == []
+    local, info = part(0, 1, 4)
+    with Checkpoint.open(step_path(ckpt, 1)) as ck:
+        stats = ck.load_into({"w": (local, info)})
+    assert torch.equal(local, FULL[64:128])
+    assert stats.bytes_read - header_bytes(data_path(ckpt)) == local.numel() * 4
+    corrupt(ckpt, "w@0_0", 70)  # block 1 of strip 0: rows 64..127 read above
+    with (
+        Checkpoint.open(step_path(ckpt, 1)) as ck,
+        pytest.raises(CorruptCheckpointError, match=r"w@0_0: checksum mismatch"),
+    ):
+        ck.load_into({"w": (local, info)})
 
 
 def test_a_version_2_checkpoint_still_loads_resharded_and_verifies(tmp_path):
@@ -162,7 +227,7 @@ def test_a_version_2_checkpoint_still_loads_resharded_and_verifies(tmp_path):
     assert any("checksum mismatch" in p for p in verify(open_step(ckpt)))
 
 
-@pytest.mark.parametrize("version", [2, 3])
+@pytest.mark.parametrize("version", [2, 3, 4])
 @pytest.mark.parametrize("read_bytes", [512, 1000, 3000, 8 << 20])
 def test_verify_reads_in_bounded_pieces_whatever_the_block_size(
     tmp_path, monkeypatch, version, read_bytes
@@ -177,6 +242,8 @@ def test_verify_reads_in_bounded_pieces_whatever_the_block_size(
     save(ckpt)
     if version == 2:
         as_version_2(ckpt)
+    elif version == 3:
+        as_version_3(ckpt)
     monkeypatch.setattr(sys.modules["checkpoint.verify"], "READ_BYTES", read_bytes)
     assert verify(open_step(ckpt)) == []
     blob = bytearray(data_path(ckpt).read_bytes())
@@ -186,18 +253,99 @@ def test_verify_reads_in_bounded_pieces_whatever_the_block_size(
     assert len(problems) == 1 and "checksum mismatch" in problems[0], problems
 
 
-def test_a_crc_string_of_the_wrong_length_is_refused(tmp_path):
+def test_a_crc_string_of_the_wrong_length_is_refused_in_a_version_3_manifest(tmp_path):
     ckpt = str(tmp_path)
     save(ckpt)
+    as_version_3(ckpt)
     mpath = Path(step_path(ckpt, 1)) / "manifest.json"
     raw = json.loads(mpath.read_text())
     raw["tensors"]["w"]["shards"][0]["block_rows"] = 32  # 8 blocks, 4 checksums
-    raw.pop("checksum")
-    canon = json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
-    raw["checksum"] = hashlib.sha256(canon).hexdigest()
-    mpath.write_text(json.dumps(raw))
+    reseal(mpath, raw)
     with pytest.raises(FormatError, match="is not 64 hex digits"):
         open_step(ckpt)
+
+
+def rewrite_header(ckpt: str, change) -> None:
+    """Apply ``change`` to the file's parsed header, write it back (the data unchanged) and
+    re-seal the manifest's ``header_sha256`` and ``bytes``: what a hostile writer can do."""
+    path = data_path(ckpt)
+    blob = path.read_bytes()
+    head = header_bytes(path)
+    parsed = file_header(ckpt)
+    change(parsed)
+    text = json.dumps(parsed, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    new = struct.pack("<Q", len(text)) + text
+    path.write_bytes(new + blob[head:])
+    mpath = Path(step_path(ckpt, 1)) / "manifest.json"
+    raw = json.loads(mpath.read_text())
+    raw["files"][path.name].update(
+        bytes=len(new) + len(blob) - head, header_sha256=hashlib.sha256(new).hexdigest()
+    )
+    reseal(mpath, raw)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda h: h["__metadata__"].pop("crc32c:w@0_4"), id="missing"),
+        pytest.param(
+            lambda h: h["__metadata__"].update({"crc32c:w@0_4": "0" * 24}), id="too-short"
+        ),
+        pytest.param(lambda h: h["__metadata__"].update({"crc32c:w@0_4": "G" * 32}), id="not-hex"),
+        pytest.param(
+            lambda h: h["__metadata__"].update({"crc32c:w@0_4": ["0" * 32]}), id="not-a-string"
+        ),
+        pytest.param(lambda h: h.update({"__metadata__": "x"}), id="no-metadata-object"),
+    ],
+)
+def test_a_header_without_valid_checksums_is_refused_in_one_line(tmp_path, change):
+    """Version 4: a chunk's file header (re-sealed in the manifest) whose checksums for it
+    are missing or malformed is refused by a load, by `check_files` (inspect, export) and
+    by `verify`, each naming the file and the chunk."""
+    ckpt = str(tmp_path)
+    save(ckpt)
+    rewrite_header(ckpt, change)
+    local, info = part(1, 1, 16)  # strip 1: w@0_4
+    with (
+        Checkpoint.open(step_path(ckpt, 1)) as ck,
+        pytest.raises(CorruptCheckpointError, match=r"'?w@0_4'?: the header does not hold"),
+    ):
+        ck.load_into({"w": (local, info)})
+    with (
+        Checkpoint.open(step_path(ckpt, 1)) as ck,
+        pytest.raises(CorruptCheckpointError, match=r"the header does not hold its 4 block"),
+    ):
+        ck.check_files()
+    problems = verify(open_step(ckpt))
+    assert any("w@0_4" in p and "does not hold" in p for p in problems), problems
+    if not isinstance(file_header(ckpt)["__metadata__"], dict):
+        return  # no strip has its checksums
+    local, info = part(1, 0, 16)  # strip 0: its checksums are intact
+    with Checkpoint.open(step_path(ckpt, 1)) as ck:
+        ck.load_into({"w": (local, info)})
+    assert torch.equal(local, FULL[:, :4])
+
+
+def test_a_checksum_changed_in_the_header_and_resealed_fails_the_block(tmp_path):
+    """The header's checksums are data like any other: one re-sealed to a wrong value fails
+    the load of that block (and verify), never lets the block through unchecked."""
+    ckpt = str(tmp_path)
+    save(ckpt)
+
+    def change(h):
+        text = h["__metadata__"]["crc32c:w@0_8"]
+        h["__metadata__"]["crc32c:w@0_8"] = text[:8] + f"{int(text[8:16], 16) ^ 1:08x}" + text[16:]
+
+    rewrite_header(ckpt, change)
+    local, info = part(0, 1, 4)  # rows 64..127: block 1
+    with (
+        Checkpoint.open(step_path(ckpt, 1)) as ck,
+        pytest.raises(CorruptCheckpointError, match=r"w@0_8: checksum mismatch"),
+    ):
+        ck.load_into({"w": (local, info)})
+    problems = verify(open_step(ckpt))
+    assert len(problems) == 1 and "w@0_8: checksum mismatch" in problems[0], problems
 
 
 @settings(max_examples=150, deadline=None)

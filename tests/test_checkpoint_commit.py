@@ -136,3 +136,25 @@ def test_a_save_deletes_only_its_own_leftovers(tmp_path):
 if __name__ == "__main__":
     torch.set_num_threads(1)
     worker(sys.argv[1], sys.argv[2], int(sys.argv[3]), [int(x) for x in sys.argv[4:]])
+
+
+def test_a_manifest_no_load_would_read_is_never_committed(tmp_path, monkeypatch):
+    """A save whose manifest would pass the bound every load enforces is refused before
+    the commit, on every rank, leaving nothing behind: never a committed step that no load
+    can read. The step before it still loads."""
+    import checkpoint.save as save_mod
+    from checkpoint import SaveFailedError
+    from checkpoint.manifest import MANIFEST
+
+    ckpt = str(tmp_path)
+    s = saver(ckpt)
+    model, optim = tensors(0)
+    s.save(step=1, consumed_samples=1, model=model, optimizer=optim)
+    size = os.path.getsize(os.path.join(step_path(ckpt, 1), MANIFEST))
+    monkeypatch.setattr(save_mod, "MAX_MANIFEST_BYTES", size - 1)
+    model, optim = tensors(1)
+    with pytest.raises(SaveFailedError, match=r"the manifest of \d+ chunks would take \d+ bytes"):
+        s.save(step=2, consumed_samples=2, model=model, optimizer=optim)
+    s.close()
+    assert committed_steps(ckpt) == [1] and leftovers(ckpt) == []
+    assert loaded(ckpt) == (1, 0)

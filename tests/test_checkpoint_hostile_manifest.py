@@ -135,7 +135,7 @@ def test_many_dimensional_chunks_cannot_make_the_coverage_check_take_memory(ckpt
         "shape": [n] + [1] * 7,
         "shards": [
             {"file": f, "key": f"k{i}", "offsets": [i] + [0] * 7, "sizes": [1] * 8,
-             "block_rows": 1, "crc32c": "00000000"}
+             "block_rows": 1}
             for i in range(n)
         ],
     }  # fmt: skip
@@ -206,7 +206,7 @@ def test_a_tensor_claimed_in_a_huge_missing_file_is_refused_before_it_is_allocat
     raw["files"]["evil.safetensors"] = {"bytes": n + 64, "header_sha256": "0" * 64, "rank": 0}
     raw["tensors"]["rank/0/rng"] = {"kind": "rank", "dtype": "uint8", "shape": [n], "shards": [
         {"file": "evil.safetensors", "key": "k", "offsets": [0], "sizes": [n],
-         "block_rows": n, "crc32c": "00000000"}]}  # fmt: skip
+         "block_rows": n}]}  # fmt: skip
     reseal(ckpt, raw)
     code = (
         "import sys\n"

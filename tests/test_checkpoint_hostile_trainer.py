@@ -158,21 +158,27 @@ def test_a_resume_refuses_an_rng_state_torch_refuses_on_every_rank_before_traini
 
 
 def zero_rng_state(ckpt: Path, *, rank: int) -> None:
-    """Set ``rank``'s saved CPU RNG state to zeros at step 2, checksums and manifest
-    re-sealed: a well-formed state that torch's generator refuses."""
-    from checkpoint.stfile import block_crc32c
+    """Set ``rank``'s saved CPU RNG state to zeros at step 2, its checksums (in the file's
+    header) and the manifest re-sealed: a well-formed state that torch's generator refuses."""
+    from checkpoint.stfile import CRC_META, block_crc32c
 
     raw = json.loads(manifest_path(ckpt).read_text())
     shard = raw["tensors"][f"rank/{rank}/rng/cpu"]["shards"][0]
     path = Path(step_path(str(ckpt), 2)) / shard["file"]
     data = bytearray(path.read_bytes())
     (n,) = struct.unpack("<Q", data[:8])
-    begin, end = json.loads(data[8 : 8 + n])[shard["key"]]["data_offsets"]
+    header = json.loads(data[8 : 8 + n])
+    begin, end = header[shard["key"]]["data_offsets"]
     data[8 + n + begin : 8 + n + end] = bytes(end - begin)
+    old = header["__metadata__"][CRC_META + shard["key"]]
+    new = block_crc32c(bytes(end - begin), shard["block_rows"])  # 1 byte a row
+    entry = json.dumps({CRC_META + shard["key"]: old}, separators=(",", ":"))[1:-1]
+    assert data[8 : 8 + n].count(entry.encode()) == 1
+    text = data[8 : 8 + n].replace(entry.encode(), entry.replace(old, new).encode())
+    assert len(text) == n and json.loads(text)["__metadata__"][CRC_META + shard["key"]] == new
+    data[8 : 8 + n] = text
     path.write_bytes(bytes(data))
-    shard["crc32c"] = block_crc32c(bytes(end - begin), shard["block_rows"])  # 1 byte a row
-    header = hashlib.sha256(bytes(data[: 8 + n])).hexdigest()
-    assert raw["files"][shard["file"]]["header_sha256"] == header  # the header is unchanged
+    raw["files"][shard["file"]]["header_sha256"] = hashlib.sha256(bytes(data[: 8 + n])).hexdigest()
     reseal(ckpt, raw)
 
 

@@ -215,7 +215,7 @@ def as_version_1(ckpt: str, step: int) -> None:
         f["sha256"] = hashlib.sha256(blob).hexdigest()
     for t in raw["tensors"].values():
         for sh in t["shards"]:
-            del sh["crc32c"], sh["block_rows"]
+            del sh["block_rows"]  # version 4 keeps its checksums in the file's header
             sh["crc32"] = f"{zlib.crc32(offsets[(sh['file'], sh['key'])]) & 0xFFFFFFFF:08x}"
     raw["version"] = 1
     raw.pop("checksum")
