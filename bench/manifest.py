@@ -8,9 +8,9 @@ embedding by rows, norms and the biases of row-split layers replicated; with ``z
 fp32 parameters and both AdamW moments cut by rows over dp too; pipeline stages take
 contiguous layers), and the saver's own code makes the rest: ``build_save_plan`` (strips,
 verify blocks, writers), then the manifest from that plan, as ``Saver._commit`` builds
-it. Version 3 carries each chunk's block checksums (8 hex digits per 16 KiB block) in the
-manifest; version 4 keeps them in the tensor files' headers. Both are printed side by
-side, with the bound every load enforces (``MAX_MANIFEST_BYTES``), and version 4 is
+it. Version 3 lists every chunk with its file, key and block checksums (8 hex digits per
+16 KiB block); version 4 lists each written region once (rank, box, strip count) and keeps
+the checksums in the tensor files' headers. Both are printed side by side, with the bound every load enforces (``MAX_MANIFEST_BYTES``), and version 4 is
 parsed and checked as a load does (``Manifest.from_json``: the chunks tiling every
 tensor, the bytes of every file).
 """
@@ -18,6 +18,7 @@ tensor, the bytes of every file).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -27,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from checkpoint.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest, TensorEntry
+from checkpoint.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest
 from checkpoint.saveplan import LocalEntry, build_save_plan
 from checkpoint.stfile import crc_count
 
@@ -114,23 +115,17 @@ def local_entries(params, layers: int, tp: int, pp: int, dp: int, zero: bool):
 
 
 def manifest(plan, world: int, version: int) -> Manifest:
-    slots = {(f.name, s.key): s for f in plan.files.values() for s in f.slots}
-    tensors = {}
-    for t in plan.tensors.values():
-        crc = {}
-        if version == 3:
+    """The manifest the saver writes for ``plan`` (version 4), or version 3's listing of it
+    (the same chunks, each with its file, key and checksums: zeros of the real length)."""
+    tensors = plan.tensor_entries()
+    if version == 3:
+        slots = {(f.name, s.key): s for f in plan.files.values() for s in f.slots}
+        for name, t in tensors.items():
+            crc = {}
             for c in t.chunks:
                 s = slots[(c.file, c.key)]
                 crc[c.key] = "0" * 8 * crc_count(s.end - s.begin, s.block_bytes)
-        tensors[t.name] = TensorEntry(
-            name=t.name,
-            kind=t.kind,
-            dtype=t.dtype,
-            shape=t.shape,
-            chunks=t.chunks,
-            crc32=crc,
-            block_rows={c.key: slots[(c.file, c.key)].block_rows for c in t.chunks},
-        )
+            tensors[name] = dataclasses.replace(t, crc32=crc)
     files = {
         f.name: FileEntry(
             name=f.name, bytes=8 + f.data_bytes, sha256="", header_sha256="0" * 64, rank=f.rank

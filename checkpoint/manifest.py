@@ -9,6 +9,7 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,9 +21,11 @@ from checkpoint.planner import (
     CORNERS_PER_CHUNK,
     SavedChunk,
     block_count,
+    block_rows,
     chunk_rows,
     coverage_cost,
     coverage_problem,
+    strips,
 )
 
 FORMAT_NAME = "elasticd-checkpoint"
@@ -31,10 +34,12 @@ FORMAT_VERSION = 4
 of whole rows (``block_rows``, ``crc32c`` one 8-digit checksum per block), so a load that
 needs part of a chunk reads and checks only its blocks. Version 4 checks the same blocks,
 but keeps their checksums in each tensor file's header (``checkpoint.stfile.CRC_META``,
-covered by the manifest's ``header_sha256``), not in the manifest: a manifest's size then
-grows with its chunks, not with the checkpoint's bytes. Versions 3, 2 (one CRC-32C per
-chunk) and 1 (zlib's CRC-32 per chunk, ``crc32``, and a whole-file ``sha256``) still load
-and verify."""
+covered by the manifest's ``header_sha256``), not in the manifest, and lists each written
+region once (its writer's rank, box and strip count: ``regions``) instead of each chunk
+with its file and key, which follow from those: a manifest's size then grows with the
+regions, not with the checkpoint's bytes, at about 1/25 of version 3's bytes per chunk.
+Versions 3, 2 (one CRC-32C per chunk) and 1 (zlib's CRC-32 per chunk, ``crc32``, and a
+whole-file ``sha256``) still load and verify."""
 READ_VERSIONS = (1, 2, 3, 4)
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -76,6 +81,23 @@ def st_code(dtype: torch.dtype) -> str:
     return _ST_CODES[dtype]
 
 
+def file_name(rank: int) -> str:
+    """The tensor file a rank writes (a format version 4 manifest names files so)."""
+    return f"rank-{rank:05d}.safetensors"
+
+
+def chunk_key(name: str, offsets: Sequence[int]) -> str:
+    """The safetensors key of the chunk of tensor ``name`` at ``offsets``."""
+    return f"{name}@{'_'.join(str(o) for o in offsets)}"
+
+
+WrittenRegion = tuple[int, tuple[int, ...], tuple[int, ...], int]
+"""A written region in a format version 4 manifest: the writer's rank (its file is
+:func:`file_name`), offsets, sizes, and the number of strips it is cut into
+(:func:`checkpoint.planner.strips`); each strip is a chunk keyed :func:`chunk_key`. The
+manifest lists it as one flat list, ``[rank, *offsets, *sizes, strips]``."""
+
+
 def step_dirname(step: int) -> str:
     return f"step-{step:09d}"
 
@@ -102,6 +124,11 @@ class TensorEntry:
     block_rows: dict[str, int] = field(default_factory=dict)
     """Rows per verify block of each chunk, by key (versions 3 and 4; older versions check
     each chunk whole: :meth:`rows_per_block` says so)."""
+    regions: tuple[WrittenRegion, ...] = ()
+    """The written regions the chunks are cut from (version 4: what its manifest lists)."""
+    block_bytes: int = 0
+    """Bytes per verify block the writer aimed at (version 4): each chunk's rows per block
+    are :func:`checkpoint.planner.block_rows` of its sizes with this."""
 
     def rows_per_block(self, chunk: SavedChunk) -> int:
         """Rows per verify block of ``chunk`` (all its rows in versions 1 and 2)."""
@@ -188,17 +215,14 @@ class Manifest:
                     "kind": t.kind,
                     "dtype": dtype_name(t.dtype),
                     "shape": list(t.shape),
-                    "shards": [
+                    **(
                         {
-                            "file": c.file,
-                            "key": c.key,
-                            "offsets": list(c.offsets),
-                            "sizes": list(c.sizes),
-                            **({"block_rows": t.block_rows[c.key]} if self.version >= 3 else {}),
-                            **({self.checksum_key: t.crc32[c.key]} if self.version <= 3 else {}),
+                            "block_bytes": t.block_bytes,
+                            "regions": [[r, *o, *z, n] for r, o, z, n in t.regions],
                         }
-                        for c in t.chunks
-                    ],
+                        if self.version >= 4
+                        else {"shards": self._shards(t)}
+                    ),
                 }
                 for t in self.tensors.values()
             },
@@ -209,6 +233,20 @@ class Manifest:
         }
         body["checksum"] = _self_checksum(body)
         return _dumps_lines(body)
+
+    def _shards(self, t: TensorEntry) -> list[dict[str, Any]]:
+        """A tensor's chunks as versions 1 to 3 list them."""
+        return [
+            {
+                "file": c.file,
+                "key": c.key,
+                "offsets": list(c.offsets),
+                "sizes": list(c.sizes),
+                **({"block_rows": t.block_rows[c.key]} if self.version >= 3 else {}),
+                self.checksum_key: t.crc32[c.key],
+            }
+            for c in t.chunks
+        ]
 
     @classmethod
     def from_json(cls, data: bytes, *, where: str) -> Manifest:
@@ -398,11 +436,15 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
     keys: set[tuple[str, str]] = set()
     tensors: dict[str, TensorEntry] = {}
     raw_tensors = _dict(raw["tensors"], "tensors")
-    # The coverage checks' corners, bounded by the manifest's chunks (planner.coverage_cost).
-    budget = CORNERS_FREE + CORNERS_PER_CHUNK * sum(
-        len(t["shards"]) for t in raw_tensors.values() if isinstance(t, dict)
-        and isinstance(t.get("shards"), list)
-    )  # fmt: skip
+    listed = "regions" if version >= 4 else "shards"
+    # Chunks, counted before any is made: bounded in all (a version 4 region stands for
+    # up to MAX_STRIPS of them), and the coverage checks' corners bounded by them.
+    total = sum(
+        _chunk_count(t.get(listed), version) for t in raw_tensors.values() if isinstance(t, dict)
+    )
+    if total > MAX_CHUNKS:
+        raise _Bad(f"{total} chunks, more than {MAX_CHUNKS}")
+    budget = CORNERS_FREE + CORNERS_PER_CHUNK * total  # planner.coverage_cost
     for name, t in raw_tensors.items():
         shown = quoted(name)
         if name == "__metadata__":  # an export names its tensors so: safetensors' own entry
@@ -421,59 +463,31 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
         # other dimensions: all of it must fit an int64 count of bytes.
         if math.prod(max(1, n) for n in shape) * dtype.itemsize >= INT_LIMIT:
             raise _Bad(f"tensor {shown}: shape {list(shape)} holds more bytes than an int64")
-        if not isinstance(t["shards"], list):
-            raise _Bad(f"tensor {shown}: shards is not a list")
-        budget -= coverage_cost(len(shape), len(t["shards"]))
+        if not isinstance(t[listed], list):
+            raise _Bad(f"tensor {shown}: {listed} is not a list")
+        count = _chunk_count(t[listed], version)
+        budget -= coverage_cost(len(shape), count)
         if budget < 0:
             raise _Bad(
-                f"tensor {shown}: {len(t['shards'])} chunks of {len(shape)} dimensions: "
+                f"tensor {shown}: {count} chunks of {len(shape)} dimensions: "
                 f"checking that they tile it would cost more than {CORNERS_PER_CHUNK} corners "
                 "per chunk of the manifest"
             )
-        chunks, crc, rows = [], {}, {}
-        for s in t["shards"]:
-            if not isinstance(s, dict):
-                raise _Bad(f"tensor {shown}: shard: not a JSON object")
-            file, key = s["file"], s["key"]
-            if not isinstance(file, str) or file not in files:
+        if version >= 4:
+            entry = _regions(t, name, kind, dtype, shape, files)
+        else:
+            entry = _shards(t, name, kind, dtype, shape, files, version)
+        for c in entry.chunks:
+            if (c.file, c.key) in keys:
                 raise _Bad(
-                    f"tensor {shown}: shard in {quoted(file)}, a file the manifest does not list"
+                    f"tensor {shown}: shard key {quoted(c.key)} is not a new string in {c.file}"
                 )
-            if not isinstance(key, str) or (file, key) in keys:
-                raise _Bad(f"tensor {shown}: shard key {quoted(key)} is not a new string in {file}")
-            if key == "__metadata__":  # a safetensors header's own entry, never a tensor
-                raise _Bad(f"tensor {shown}: shard key {key!r} is reserved by safetensors")
-            keys.add((file, key))
-            chunk = SavedChunk(
-                file=file,
-                key=key,
-                offsets=_ints(s["offsets"], name, "offsets", len(shape)),
-                sizes=_ints(s["sizes"], name, "sizes", len(shape)),
-            )
-            if version >= 3:
-                per = s["block_rows"]
-                if type(per) is not int or not 1 <= per < INT_LIMIT:
-                    _int(per, f"tensor {shown}: block_rows", lo=1)
-                rows[key] = per
-                if version == 3:
-                    # Its length (8 digits per block) is checked below, with the bytes.
-                    crc[key] = s[crc_key]
-            else:
-                crc[key] = _hex(s[crc_key], f"tensor {shown}: {crc_key}", 8)
-            held[file] += math.prod(chunk.sizes) * dtype.itemsize
-            chunks.append(chunk)
-        problem = coverage_problem(shown, shape, [(c.offsets, c.sizes) for c in chunks])
+            keys.add((c.file, c.key))
+            held[c.file] += math.prod(c.sizes) * dtype.itemsize
+        problem = coverage_problem(shown, shape, [(c.offsets, c.sizes) for c in entry.chunks])
         if problem:
             raise _Bad(f"tensor {problem}")
-        tensors[name] = TensorEntry(
-            name=name,
-            kind=kind,
-            dtype=dtype,
-            shape=shape,
-            chunks=tuple(chunks),
-            crc32=crc,
-            block_rows=rows,
-        )
+        tensors[name] = entry
     for name, n in held.items():
         if n > files[name].bytes:
             raise _Bad(
@@ -514,6 +528,123 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
         version=version,
         commit=_int(raw.get("commit", 0), "commit"),
         writer=writer,
+    )
+
+
+MAX_CHUNKS = 1 << 21
+"""Chunks a manifest may hold in all (each costs a few hundred bytes of objects once
+parsed, on every rank that reads it: 2 Mi of them about 600 MB). The largest layout
+measured, a 60B model on tp8 x pp8 x dp16 with the optimizer cut over dp, has 1.07 Mi; a
+save over this is refused (its manifest would be), never committed."""
+MAX_STRIPS = 64
+"""Strips a version 4 region may be cut into (the writer cuts at most
+``SaveOptions.chunk_max_pieces``, 8 by default)."""
+
+
+def _chunk_count(listed: Any, version: int) -> int:
+    """The chunks a tensor's ``shards`` (versions 1-3) or ``regions`` (version 4) stand
+    for, counting anything malformed as one (the full check comes later)."""
+    if not isinstance(listed, list):
+        return 0
+    if version < 4:
+        return len(listed)
+    n = 0
+    for row in listed:
+        k = row[-1] if isinstance(row, list) and row else 1
+        n += k if type(k) is int and 1 <= k <= MAX_STRIPS else 1
+    return n
+
+
+def _shards(t, name, kind, dtype, shape, files, version) -> TensorEntry:
+    """A tensor's chunks as versions 1 to 3 list them: each with its file, key, box and
+    checksums."""
+    shown = quoted(name)
+    crc_key = "crc32" if version == 1 else "crc32c"
+    chunks, crc, rows = [], {}, {}
+    for s in t["shards"]:
+        if not isinstance(s, dict):
+            raise _Bad(f"tensor {shown}: shard: not a JSON object")
+        file, key = s["file"], s["key"]
+        if not isinstance(file, str) or file not in files:
+            raise _Bad(
+                f"tensor {shown}: shard in {quoted(file)}, a file the manifest does not list"
+            )
+        if not isinstance(key, str):
+            raise _Bad(f"tensor {shown}: shard key {quoted(key)} is not a new string in {file}")
+        if key == "__metadata__":  # a safetensors header's own entry, never a tensor
+            raise _Bad(f"tensor {shown}: shard key {key!r} is reserved by safetensors")
+        chunks.append(
+            SavedChunk(
+                file=file,
+                key=key,
+                offsets=_ints(s["offsets"], name, "offsets", len(shape)),
+                sizes=_ints(s["sizes"], name, "sizes", len(shape)),
+            )
+        )
+        if version >= 3:
+            per = s["block_rows"]
+            if type(per) is not int or not 1 <= per < INT_LIMIT:
+                _int(per, f"tensor {shown}: block_rows", lo=1)
+            rows[key] = per
+            # Its length (8 digits per block) is checked once the bytes are.
+            crc[key] = s[crc_key]
+        else:
+            crc[key] = _hex(s[crc_key], f"tensor {shown}: {crc_key}", 8)
+    return TensorEntry(
+        name=name,
+        kind=kind,
+        dtype=dtype,
+        shape=shape,
+        chunks=tuple(chunks),
+        crc32=crc,
+        block_rows=rows,
+    )
+
+
+def _regions(t, name, kind, dtype, shape, files) -> TensorEntry:
+    """A tensor's chunks as version 4 lists them: per written region one flat list
+    ``[rank, *offsets, *sizes, strips]`` (one JSON list a region, so a manifest stays
+    within :data:`CONTAINER_BYTES`), cut into that many strips
+    (:func:`checkpoint.planner.strips`) in the file of that rank, each keyed
+    :func:`chunk_key`, with rows per verify block from the tensor's ``block_bytes``
+    (:func:`checkpoint.planner.block_rows`), as the writer did."""
+    shown = quoted(name)
+    per_block = _int(t["block_bytes"], f"tensor {shown}: block_bytes")
+    regions, chunks, rows = [], [], {}
+    nd = len(shape)
+    for row in t["regions"]:
+        if not isinstance(row, list) or len(row) != 2 * nd + 2:
+            raise _Bad(
+                f"tensor {shown}: region {quoted(row)} is not [rank, {nd} offsets, {nd} sizes, "
+                "strips]"
+            )
+        rank, offsets, sizes, n = row[0], row[1 : 1 + nd], row[1 + nd : 1 + 2 * nd], row[-1]
+        rank = _int(rank, f"tensor {shown}: region rank")
+        file = file_name(rank)
+        if file not in files:
+            raise _Bad(f"tensor {shown}: a region in {file}, a file the manifest does not list")
+        offsets = _ints(offsets, name, "offsets", len(shape))
+        sizes = _ints(sizes, name, "sizes", len(shape))
+        most = min(MAX_STRIPS, max(1, sizes[1])) if len(sizes) >= 2 else 1
+        if type(n) is not int or not 1 <= n <= most:
+            raise _Bad(
+                f"tensor {shown}: region at {list(offsets)}: {quoted(n)} strips, not an "
+                f"integer from 1 to {most}"
+            )
+        regions.append((rank, offsets, sizes, n))
+        for o, z in strips((offsets, sizes), n):
+            key = chunk_key(name, o)
+            chunks.append(SavedChunk(file=file, key=key, offsets=o, sizes=z))
+            rows[key] = block_rows(z, itemsize=dtype.itemsize, block_bytes=per_block)
+    return TensorEntry(
+        name=name,
+        kind=kind,
+        dtype=dtype,
+        shape=shape,
+        chunks=tuple(chunks),
+        block_rows=rows,
+        regions=tuple(regions),
+        block_bytes=per_block,
     )
 
 

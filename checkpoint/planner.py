@@ -226,17 +226,23 @@ def chunk_grid(box: Box, *, itemsize: int, min_bytes: int, max_pieces: int = 4) 
 
 
 def strip_grid(box: Box, *, itemsize: int, min_bytes: int, max_pieces: int = 8) -> list[Box]:
-    """Split a region into strips along its second dimension (format version 3), each of
-    at least ``min_bytes`` and at most ``max_pieces`` of them; a region of fewer than two
-    dimensions is one piece.
+    """Split a region into strips along its second dimension (format versions 3 and 4),
+    each of at least ``min_bytes`` and at most ``max_pieces`` of them; a region of fewer
+    than two dimensions is one piece.
 
     A strip is stored contiguously, so a load that needs some of a region's columns
     reads only the strips holding them; a load that needs some of its rows reads only
     the verify blocks (:func:`block_rows`, runs of whole rows inside a strip) holding them.
     """
-    offsets, sizes = box
+    n = strip_count(box, itemsize=itemsize, min_bytes=min_bytes, max_pieces=max_pieces)
+    return strips(box, n)
+
+
+def strip_count(box: Box, *, itemsize: int, min_bytes: int, max_pieces: int = 8) -> int:
+    """How many strips :func:`strip_grid` cuts ``box`` into."""
+    sizes = box[1]
     if len(sizes) < 2:
-        return [box]
+        return 1
     column = numel(sizes) // sizes[1] * itemsize if sizes[1] else 0
     pieces = 1
     # The narrowest strip of an even split has sizes[1] // pieces columns.
@@ -244,6 +250,16 @@ def strip_grid(box: Box, *, itemsize: int, min_bytes: int, max_pieces: int = 8) 
         pieces * 2 <= min(max_pieces, sizes[1]) and sizes[1] // (pieces * 2) * column >= min_bytes
     ):
         pieces *= 2
+    return pieces
+
+
+def strips(box: Box, pieces: int) -> list[Box]:
+    """``box`` cut into ``pieces`` strips along its second dimension, as even as can be
+    (the first ``sizes[1] % pieces`` one column wider); one piece: the box itself. A format
+    version 4 manifest records the count, and a load cuts the same strips with this."""
+    offsets, sizes = box
+    if pieces == 1 or len(sizes) < 2:
+        return [(tuple(offsets), tuple(sizes))]
     return [
         ((offsets[0], offsets[1] + start, *offsets[2:]), (sizes[0], size, *sizes[2:]))
         for start, size in _split(sizes[1], pieces)

@@ -43,7 +43,7 @@ from checkpoint.comm import (
 )
 from checkpoint.errors import CheckpointError, FencedError, SaveFailedError
 from checkpoint.fence import Fence, check_fence
-from checkpoint.manifest import MANIFEST, MAX_MANIFEST_BYTES, FileEntry, Manifest, TensorEntry
+from checkpoint.manifest import MANIFEST, MAX_MANIFEST_BYTES, FileEntry, Manifest
 from checkpoint.planner import relative
 from checkpoint.saveplan import FilePlan, LocalEntry, SavePlan, build_save_plan
 from checkpoint.shards import ShardInfo
@@ -542,9 +542,6 @@ class Saver:
     def _commit(self, plan: SavePlan, reports: list[dict[str, Any]], head: dict[str, Any]) -> None:
         step = head["step"]
         files = {}
-        rows = {
-            (f.name, slot.key): slot.block_rows for f in plan.files.values() for slot in f.slots
-        }
         for rank, r in enumerate(reports):
             if "file" in r:
                 f = r["file"]
@@ -555,17 +552,7 @@ class Saver:
                     header_sha256=f["header_sha256"],
                     rank=rank,
                 )
-        tensors = {
-            t.name: TensorEntry(
-                name=t.name,
-                kind=t.kind,
-                dtype=t.dtype,
-                shape=t.shape,
-                chunks=t.chunks,
-                block_rows={c.key: rows[(c.file, c.key)] for c in t.chunks},
-            )
-            for t in plan.tensors.values()
-        }
+        tensors = plan.tensor_entries()
         manifest = Manifest(
             step=step,
             consumed_samples=head["consumed_samples"],

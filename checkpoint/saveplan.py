@@ -12,7 +12,14 @@ from dataclasses import dataclass
 import torch
 
 from checkpoint.errors import CheckpointError
-from checkpoint.manifest import dtype_name, dtype_of
+from checkpoint.manifest import (
+    TensorEntry,
+    WrittenRegion,
+    chunk_key,
+    dtype_name,
+    dtype_of,
+    file_name,
+)
 from checkpoint.planner import (
     Box,
     SavedChunk,
@@ -20,7 +27,8 @@ from checkpoint.planner import (
     block_rows,
     coverage_problem,
     numel,
-    strip_grid,
+    strip_count,
+    strips,
 )
 from checkpoint.stfile import FileSlot
 
@@ -95,6 +103,8 @@ class TensorPlan:
     dtype: torch.dtype
     shape: tuple[int, ...]
     chunks: tuple[SavedChunk, ...]
+    regions: tuple[WrittenRegion, ...] = ()
+    """The written regions the chunks are strips of (what a version 4 manifest lists)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,14 +112,27 @@ class SavePlan:
     files: dict[int, FilePlan]
     """The file each rank writes (ranks assigned nothing write no file)."""
     tensors: dict[str, TensorPlan]
+    block_bytes: int = 16 << 10
+    """Bytes per verify block aimed at: each chunk's rows per block are ``block_rows`` of
+    its sizes with this."""
 
-
-def file_name(rank: int) -> str:
-    return f"rank-{rank:05d}.safetensors"
-
-
-def chunk_key(name: str, offsets: Sequence[int]) -> str:
-    return f"{name}@{'_'.join(str(o) for o in offsets)}"
+    def tensor_entries(self) -> dict[str, TensorEntry]:
+        """The manifest's tensors for this plan (version 4: no checksums; each file's
+        header holds its own)."""
+        rows = {(f.name, s.key): s.block_rows for f in self.files.values() for s in f.slots}
+        return {
+            t.name: TensorEntry(
+                name=t.name,
+                kind=t.kind,
+                dtype=t.dtype,
+                shape=t.shape,
+                chunks=t.chunks,
+                block_rows={c.key: rows[(c.file, c.key)] for c in t.chunks},
+                regions=t.regions,
+                block_bytes=self.block_bytes,
+            )
+            for t in self.tensors.values()
+        }
 
 
 def build_save_plan(
@@ -153,6 +176,7 @@ def build_save_plan(
     for key in holders:
         mine.setdefault(writers[rid[key]], []).append(key)
     chunks: dict[str, list[SavedChunk]] = {name: [] for name in meta}
+    written: dict[str, list[WrittenRegion]] = {name: [] for name in meta}
     files: dict[int, FilePlan] = {}
     for rank in sorted(mine):
         fname = file_name(rank)
@@ -167,10 +191,11 @@ def build_save_plan(
                     name=name, box=box, dtype=entry.dtype, begin=at, end=at + numel(box[1]) * size
                 )
             )
-            grid = strip_grid(
+            n = strip_count(
                 box, itemsize=size, min_bytes=chunk_min_bytes, max_pieces=chunk_max_pieces
             )
-            for piece in grid:
+            written[name].append((rank, *box, n))
+            for piece in strips(box, n):
                 key = chunk_key(name, piece[0])
                 slot = FileSlot(
                     key=key,
@@ -195,8 +220,13 @@ def build_save_plan(
         )
     tensors = {
         name: TensorPlan(
-            name=name, kind=e.kind, dtype=e.dtype, shape=e.shape, chunks=tuple(chunks[name])
+            name=name,
+            kind=e.kind,
+            dtype=e.dtype,
+            shape=e.shape,
+            chunks=tuple(chunks[name]),
+            regions=tuple(written[name]),
         )
         for name, e in sorted(meta.items())
     }
-    return SavePlan(files=files, tensors=tensors)
+    return SavePlan(files=files, tensors=tensors, block_bytes=block_bytes)

@@ -14,6 +14,7 @@ from pathlib import Path
 import crc32c
 import pytest
 import torch
+from ckpt_versions import rewrite_as
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -83,7 +84,14 @@ def test_the_writer_records_strips_and_a_crc_per_block_in_the_file_header(tmp_pa
     assert all(entry.block_rows[c.key] == 64 for c in entry.chunks)
     assert entry.crc32 == {} and entry.blocks(entry.chunks[0]) == 4
     raw = json.loads((Path(step_path(ckpt, 1)) / "manifest.json").read_text())
-    assert all("crc32c" not in sh for sh in raw["tensors"]["w"]["shards"])
+    # One region, cut into 16 strips (its keys and file follow), no checksums.
+    assert raw["tensors"]["w"] == {
+        "kind": "model",
+        "dtype": "float32",
+        "shape": [ROWS, COLS],
+        "block_bytes": 1024,
+        "regions": [[0, 0, 0, ROWS, COLS, 16]],  # [rank, *offsets, *sizes, strips]
+    }
     strip = FULL[:, :4].contiguous()
     expected = "".join(
         f"{crc32c.crc32c(strip[r : r + 64].numpy().tobytes()):08x}" for r in (0, 64, 128, 192)
@@ -161,33 +169,11 @@ def test_corruption_fails_a_load_that_reads_its_block_and_no_other(tmp_path):
 
 
 def as_version_2(ckpt: str) -> None:
-    """Rewrite the manifest as format version 2 wrote it: one CRC-32C per chunk, no
-    ``block_rows`` (the tensor files are the same), re-sealed."""
-    mpath = Path(step_path(ckpt, 1)) / "manifest.json"
-    raw = json.loads(mpath.read_text())
-    blob = data_path(ckpt).read_bytes()
-    (n,) = struct.unpack("<Q", blob[:8])
-    entries = json.loads(blob[8 : 8 + n])
-    for t in raw["tensors"].values():
-        for sh in t["shards"]:
-            b, e = entries[sh["key"]]["data_offsets"]
-            sh["crc32c"] = f"{crc32c.crc32c(blob[8 + n + b : 8 + n + e]):08x}"
-            del sh["block_rows"]
-    raw["version"] = 2
-    reseal(mpath, raw)
+    rewrite_as(step_path(ckpt, 1), 2)
 
 
 def as_version_3(ckpt: str) -> None:
-    """Rewrite the manifest as format version 3 wrote it: each chunk's block checksums in
-    the manifest (the file header's checksums, which version 3 ignores, stay), re-sealed."""
-    mpath = Path(step_path(ckpt, 1)) / "manifest.json"
-    raw = json.loads(mpath.read_text())
-    meta = file_header(ckpt)["__metadata__"]
-    for t in raw["tensors"].values():
-        for sh in t["shards"]:
-            sh["crc32c"] = meta["crc32c:" + sh["key"]]
-    raw["version"] = 3
-    reseal(mpath, raw)
+    rewrite_as(step_path(ckpt, 1), 3)
 
 
 def test_a_version_3_checkpoint_still_loads_resharded_and_verifies(tmp_path):
@@ -507,3 +493,60 @@ def test_a_verified_load_reads_each_file_front_to_back(tmp_path, monkeypatch):
         assert starts == sorted(starts)
         seen.append(data)
     assert seen[0] == seen[1]
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    cols=st.integers(1, 40),
+    split=st.sampled_from(["rows", "cols", "both", "none"]),
+    ranks=st.integers(1, 4),
+    min_bytes=st.integers(1, 600),
+    max_pieces=st.sampled_from([1, 2, 8, 16]),
+    block_bytes=st.integers(0, 300),
+    vector=st.booleans(),
+)
+def test_a_version_4_manifest_lists_regions_that_expand_to_the_writers_chunks(
+    rows, cols, split, ranks, min_bytes, max_pieces, block_bytes, vector
+):
+    """What a load rebuilds from a version 4 manifest (each region's strips, keys, file
+    and rows per block) is exactly what the writer cut and wrote, for any layout, strip
+    and block settings; and the listing holds one flat list per region."""
+    from checkpoint.manifest import FileEntry, Manifest
+    from checkpoint.planner import _split
+    from checkpoint.saveplan import LocalEntry, build_save_plan
+
+    shapes = {"m": (rows, cols), "v": (rows,)} if vector else {"m": (rows, cols)}
+    # The ranks' grid over (rows, columns); "none": every rank a replica.
+    grid = {"rows": (ranks, 1), "cols": (1, ranks), "none": (1, 1),
+            "both": (2, 2) if ranks == 4 else (ranks, 1)}[split]  # fmt: skip
+    per_rank = []
+    for r in range(ranks):
+        mine = []
+        at = (r // grid[1] % grid[0], r % grid[1])
+        for name, shape in shapes.items():
+            offsets, sizes = [0] * len(shape), list(shape)
+            for d in range(len(shape)):
+                offsets[d], sizes[d] = _split(shape[d], grid[d])[at[d]]
+            mine.append(LocalEntry(name, "model", torch.float32, shape, tuple(offsets),
+                                   tuple(sizes)))  # fmt: skip
+        per_rank.append(mine)
+    plan = build_save_plan(per_rank, chunk_min_bytes=min_bytes, chunk_max_pieces=max_pieces,
+                           block_bytes=block_bytes)  # fmt: skip
+    files = {f.name: FileEntry(name=f.name, bytes=8 + f.data_bytes, sha256="",
+                               header_sha256="0" * 64, rank=f.rank)
+             for f in plan.files.values()}  # fmt: skip
+    written = Manifest(step=1, consumed_samples=0, job="j", world=ranks, layout=None,
+                       files=files, tensors=plan.tensor_entries(), optimizer={}, extra={},
+                       created_unix=0.0)  # fmt: skip
+    body = written.to_json()
+    raw = json.loads(body)
+    for name, t in raw["tensors"].items():
+        assert all(len(row) == 2 * len(shapes[name]) + 2 for row in t["regions"])
+        assert all(not isinstance(x, list) for row in t["regions"] for x in row)
+    read = Manifest.from_json(body, where="m")
+    for name, t in plan.tensors.items():
+        entry = read.tensors[name]
+        assert entry.chunks == t.chunks
+        slots = {(f.name, s.key): s.block_rows for f in plan.files.values() for s in f.slots}
+        assert entry.block_rows == {c.key: slots[(c.file, c.key)] for c in t.chunks}

@@ -4,7 +4,9 @@ reader or exhaust memory is refused in one line, before anything is opened or al
 The manifest's own sha256 is unkeyed, so every attack here re-seals the manifest exactly as
 docs/checkpoint-format.md says (sha256 of the canonical JSON of everything but
 ``checksum``), and re-seals a rewritten tensor file's ``bytes`` and ``header_sha256``
-too: what must stop each attack is the validation, not a checksum.
+too: what must stop each attack is the validation, not a checksum. Each attack runs on
+the checkpoint as this build writes it (format version 4: each written region listed once)
+and as version 3 listed it (every chunk with its file and key), which still loads.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpt_versions import rewrite_as
 
 from checkpoint import (
     Checkpoint,
@@ -72,11 +76,26 @@ def data_name(raw: dict) -> str:
     return name
 
 
+def edit_boxes(t: dict, edit) -> None:
+    """Replace the offsets and sizes of each chunk a version 3 manifest lists, or of each
+    region a version 4 one does (``[rank, *offsets, *sizes, strips]``), with
+    ``edit(i, offsets, sizes)``; the shape stays as it is."""
+    if "regions" in t:
+        rows = t["regions"]
+        for i, row in enumerate(rows):
+            nd = (len(row) - 2) // 2
+            offsets, sizes = edit(i, row[1 : 1 + nd], row[1 + nd : 1 + 2 * nd])
+            rows[i] = [row[0], *offsets, *sizes, row[-1]]
+        return
+    for i, s in enumerate(t["shards"]):
+        s["offsets"], s["sizes"] = edit(i, s["offsets"], s["sizes"])
+
+
 def rename_file(raw: dict, new: str) -> None:
     old = data_name(raw)
     raw["files"][new] = raw["files"].pop(old)
     for t in raw["tensors"].values():
-        for s in t["shards"]:
+        for s in t.get("shards", ()):  # version 4 names a file by its writer's rank
             s["file"] = new
 
 
@@ -112,24 +131,35 @@ def huge_shape(ckpt: str, raw: dict) -> None:
     t = raw["tensors"]["w"]
     grow = (1 << 40) - t["shape"][0]
     t["shape"][0] = 1 << 40
-    for s in t["shards"]:
-        if s["offsets"][0] == 0:
-            s["sizes"][0] += grow  # the first band of rows takes the new ones
-        else:
-            s["offsets"][0] += grow
+
+    def edit(i, offsets, sizes):
+        if offsets[0] == 0:
+            return offsets, [sizes[0] + grow, *sizes[1:]]  # the first band of rows takes them
+        return [offsets[0] + grow, *offsets[1:]], sizes
+
+    edit_boxes(t, edit)
 
 
 def overlap_and_gap(ckpt: str, raw: dict) -> None:
     # Two chunks made to cover the same region (equal element count, so only an exact
     # tiling check sees the gap the second one leaves).
-    shards = raw["tensors"]["w"]["shards"]
+    t = raw["tensors"]["w"]
+    if "regions" in t:  # its one region made two halves, the second a quarter too high
+        ((rank, o0, o1, s0, s1, n),) = t["regions"]
+        t["regions"] = [[rank, o0, o1, s0 // 2, s1, n], [rank, o0 + s0 // 4, o1, s0 // 2, s1, n]]
+        return
+    shards = t["shards"]
     shards[1]["offsets"] = list(shards[0]["offsets"])
     shards[1]["sizes"] = list(shards[0]["sizes"])
 
 
+def w_keys(header: dict) -> list[str]:
+    return sorted(k for k in header if k.startswith("w@"))
+
+
 def offset_below_zero(ckpt: str, raw: dict) -> None:
     def edit(header):
-        key = raw["tensors"]["w"]["shards"][1]["key"]
+        key = w_keys(header)[1]
         b, e = header[key]["data_offsets"]
         header[key]["data_offsets"] = [-8, e - b - 8]
 
@@ -138,7 +168,7 @@ def offset_below_zero(ckpt: str, raw: dict) -> None:
 
 def offset_past_the_end(ckpt: str, raw: dict) -> None:
     def edit(header):
-        key = raw["tensors"]["w"]["shards"][0]["key"]
+        key = w_keys(header)[0]
         b, e = header[key]["data_offsets"]
         header[key]["data_offsets"] = [b + (1 << 30), e + (1 << 30)]
 
@@ -147,14 +177,12 @@ def offset_past_the_end(ckpt: str, raw: dict) -> None:
 
 def too_many_dimensions(ckpt: str, raw: dict) -> None:
     t = raw["tensors"]["w"]
+    edit_boxes(t, lambda i, offsets, sizes: ([0] * 30 + offsets, [1] * 30 + sizes))
     t["shape"] = [1] * 30 + t["shape"]
-    for s in t["shards"]:
-        s["offsets"] = [0] * 30 + s["offsets"]
-        s["sizes"] = [1] * 30 + s["sizes"]
 
 
 def bool_as_int(ckpt: str, raw: dict) -> None:
-    raw["tensors"]["w"]["shards"][0]["offsets"][1] = False
+    edit_boxes(raw["tensors"]["w"], lambda i, o, z: ([o[0], False, *o[2:]] if i == 0 else o, z))
 
 
 ATTACKS = {
@@ -169,10 +197,12 @@ ATTACKS = {
 }
 
 
-@pytest.fixture
-def ckpt(tmp_path) -> str:
+@pytest.fixture(params=[4, 3], ids=["v4", "v3"])
+def ckpt(tmp_path, request) -> str:
     out = str(tmp_path / "ckpt")
     save(out)
+    if request.param == 3:
+        rewrite_as(step_path(out, STEP), 3)
     return out
 
 
@@ -194,6 +224,79 @@ def test_each_attack_is_refused_in_one_line_by_verify_inspect_export_and_a_load(
 ):
     attack, says = ATTACKS[name]
     attacked(ckpt, attack)
+    refused_everywhere(ckpt, says, tmp_path, capsys)
+
+
+def region(raw: dict) -> list:
+    """The one region of tensor w: ``[rank, row, column, rows, columns, strips]``."""
+    (row,) = raw["tensors"]["w"]["regions"]
+    return row
+
+
+# Version 4 lists regions, not chunks: attacks on what a region row says.
+V4_ATTACKS = {
+    "a region in an unlisted rank's file": (
+        lambda raw: region(raw).__setitem__(0, 7),
+        "rank-00007.safetensors, a file the manifest does not list",
+    ),
+    "no strips": (lambda raw: region(raw).__setitem__(-1, 0), "strips, not an integer from 1"),
+    "more strips than columns": (
+        lambda raw: region(raw).__setitem__(-1, 17),
+        "17 strips, not an integer from 1 to 16",
+    ),
+    "a boolean strip count": (
+        lambda raw: region(raw).__setitem__(-1, True),
+        "strips, not an integer from 1",
+    ),
+    "a region row one too long": (
+        lambda raw: region(raw).append(0),
+        "is not [rank, 2 offsets, 2 sizes, strips]",
+    ),
+    "a list for an offset": (lambda raw: region(raw).__setitem__(1, [0]), "not an integer"),
+    "negative block bytes": (
+        lambda raw: raw["tensors"]["w"].update(block_bytes=-1),
+        "block_bytes: -1 is not an integer",
+    ),
+    "the same region twice": (
+        lambda raw: raw["tensors"]["w"]["regions"].append(list(region(raw))),
+        "is not a new string",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(V4_ATTACKS))
+def test_each_attack_on_a_region_row_is_refused_in_one_line(name, tmp_path, capsys):
+    ckpt = str(tmp_path / "ckpt")
+    save(ckpt)
+    attack, says = V4_ATTACKS[name]
+    attacked(ckpt, lambda _ckpt, raw: attack(raw))
+    refused_everywhere(ckpt, says, tmp_path, capsys)
+
+
+def test_more_chunks_than_a_manifest_may_hold_are_refused_before_any_is_made(tmp_path, monkeypatch):
+    """A region stands for up to 64 strips: the chunks are counted (and bounded) from the
+    rows before a single one is made, so a manifest cannot make a load build millions."""
+    import checkpoint.manifest as manifest_mod
+
+    ckpt = str(tmp_path / "ckpt")
+    save(ckpt)
+    raw = manifest(ckpt)
+    rank = region(raw)[0]
+    raw["tensors"]["w"]["regions"] = [[rank, 0, 0, 32, 16, 16], [rank, 32, 0, 32, 16, 16]]
+    reseal(ckpt, raw)
+    assert len(Checkpoint.open(step_path(ckpt, STEP)).manifest.tensors["w"].chunks) == 32
+    monkeypatch.setattr(manifest_mod, "MAX_CHUNKS", 31 + 4)  # + exp_avg/w's 4 strips
+    made = []
+    real = manifest_mod.SavedChunk
+    monkeypatch.setattr(manifest_mod, "SavedChunk", lambda **kw: made.append(1) or real(**kw))
+    with pytest.raises(CheckpointError, match="36 chunks, more than 35"):
+        Checkpoint.open(step_path(ckpt, STEP))
+    assert made == []
+
+
+def refused_everywhere(ckpt: str, says: str, tmp_path: Path, capsys) -> None:
+    """`ckpt verify`, `inspect` and `export` each refuse ``ckpt`` in one line saying
+    ``says`` (exit 2), and a load raises it with nothing read into the model."""
     for argv in (
         ["verify", ckpt],
         ["inspect", ckpt],
@@ -204,7 +307,7 @@ def test_each_attack_is_refused_in_one_line_by_verify_inspect_export_and_a_load(
         assert code == 2 and len(lines) == 1 and says in lines[0], (argv, err)
     assert not (tmp_path / "hf" / "model.safetensors").exists()
     model = {"w": (torch.full((64, 16), float("nan")), ShardInfo.whole("w", (64, 16)))}
-    with pytest.raises(CheckpointError, match=says):
+    with pytest.raises(CheckpointError, match=re.escape(says)):
         load_latest(ckpt, model=model)
     assert torch.isnan(model["w"][0]).all()  # nothing was read from anywhere
 
@@ -250,19 +353,21 @@ def test_a_manifest_of_65536_chunks_is_checked_in_linear_time(ckpt):
     t = raw["tensors"]["w"]
     n = 1 << 16
     t["shape"] = [n]
-    t["shards"] = [
-        {
-            "file": data_name(raw),
-            "key": f"w@{i}",
-            "offsets": [i],
-            "sizes": [1],
-            "block_rows": 1,
-        }
-        for i in range(n)
-    ]
-    t["shards"][-1]["offsets"] = [0]  # an overlap at 0 and a gap at the end
+    if "regions" in t:
+        t["regions"] = [[0, i, 1, 1] for i in range(n)]
+        # An overlap at 0 and a gap at the end; the key w@0 is new in another rank's file.
+        t["regions"][-1] = [1, 0, 1, 1]
+        raw["files"]["rank-00001.safetensors"] = dict(raw["files"][data_name(raw)], rank=1)
+    else:
+        t["shards"] = [
+            {"file": data_name(raw), "key": f"w@{i}", "offsets": [i], "sizes": [1],
+             "block_rows": 1, "crc32c": "00000000"}
+            for i in range(n)
+        ]  # fmt: skip
+        t["shards"][-1]["offsets"] = [0]  # an overlap at 0 and a gap at the end
     raw["tensors"].pop("optimizer/exp_avg/w")
-    raw["files"][data_name(raw)]["bytes"] = 8 + 4 * n
+    for f in raw["files"].values():
+        f["bytes"] = 8 + 4 * n
     reseal(ckpt, raw)
     # CPU seconds, not wall: a loaded CI box stretches the wall clock (27 s seen), never
     # the work. Linear is well under a second; pairwise would be hours, not a near miss.

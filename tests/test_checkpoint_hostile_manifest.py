@@ -5,7 +5,8 @@ an attack that is not stopped fails its test instead of taking the machine.
 
 As in tests/test_checkpoint_hostile.py, each attack re-seals the manifest's unkeyed
 sha256 (and a rewritten file's ``bytes`` and ``header_sha256``): what must stop it is
-the validation.
+the validation. Each runs on the checkpoint as this build writes it (format version 4)
+and as version 3 listed it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpt_versions import listing, move_chunks, rewrite_as
 
 from checkpoint import CheckpointError, SaveOptions, Saver, ShardInfo
 from checkpoint.manifest import Manifest
@@ -42,10 +44,12 @@ def save(ckpt: str, model=None, extra=None) -> None:
     saver.close()
 
 
-@pytest.fixture
-def ckpt(tmp_path) -> str:
+@pytest.fixture(params=[4, 3], ids=["v4", "v3"])
+def ckpt(tmp_path, request) -> str:
     out = str(tmp_path / "ckpt")
     save(out)
+    if request.param == 3:
+        rewrite_as(step_path(out, STEP), 3)
     return out
 
 
@@ -133,12 +137,8 @@ def test_many_dimensional_chunks_cannot_make_the_coverage_check_take_memory(ckpt
         "kind": "model",
         "dtype": "uint8",
         "shape": [n] + [1] * 7,
-        "shards": [
-            {"file": f, "key": f"k{i}", "offsets": [i] + [0] * 7, "sizes": [1] * 8,
-             "block_rows": 1}
-            for i in range(n)
-        ],
-    }  # fmt: skip
+        **listing(raw, [(f, f"k{i}", [i] + [0] * 7, [1] * 8) for i in range(n)]),
+    }
     raw["files"][f]["bytes"] += n  # the bytes check is not what stops it
     reseal(ckpt, raw)
     refused(cli("inspect", ckpt), "corners per chunk", within=20)
@@ -175,7 +175,7 @@ def test_an_integer_of_5000_digits_in_a_header_is_one_line(ckpt, tmp_path):
 def test_a_dimension_beyond_int64_is_refused_even_in_an_empty_tensor(ckpt, tmp_path):
     raw = manifest(ckpt)
     raw["tensors"]["z"] = {"kind": "model", "dtype": "float32", "shape": [1 << 70, 0],
-                           "shards": []}  # fmt: skip
+                           **listing(raw)}  # fmt: skip
     reseal(ckpt, raw)
     refused(cli("export", ckpt, str(tmp_path / "out")), "< 2^63")
     raw = manifest(ckpt)
@@ -203,10 +203,10 @@ def test_deep_nesting_is_refused_in_one_line(ckpt, tmp_path):
 def test_a_tensor_claimed_in_a_huge_missing_file_is_refused_before_it_is_allocated(ckpt):
     raw = manifest(ckpt)
     n = 1 << 46
-    raw["files"]["evil.safetensors"] = {"bytes": n + 64, "header_sha256": "0" * 64, "rank": 0}
-    raw["tensors"]["rank/0/rng"] = {"kind": "rank", "dtype": "uint8", "shape": [n], "shards": [
-        {"file": "evil.safetensors", "key": "k", "offsets": [0], "sizes": [n],
-         "block_rows": n}]}  # fmt: skip
+    evil = "rank-00001.safetensors"  # a name version 4 can list: rank 1's
+    raw["files"][evil] = {"bytes": n + 64, "header_sha256": "0" * 64, "rank": 1}
+    raw["tensors"]["rank/0/rng"] = {"kind": "rank", "dtype": "uint8", "shape": [n],
+                                    **listing(raw, [(evil, "k", [0], [n])], block_rows=n)}  # fmt: skip
     reseal(ckpt, raw)
     code = (
         "import sys\n"
@@ -218,7 +218,7 @@ def test_a_tensor_claimed_in_a_huge_missing_file_is_refused_before_it_is_allocat
         "    print(exc, file=sys.stderr)\n"
         "    sys.exit(2)\n"
     )
-    refused(run(["-c", code]), "evil.safetensors: file is missing")
+    refused(run(["-c", code]), "rank-00001.safetensors: file is missing")
 
 
 def test_names_with_newlines_give_one_line_and_a_surrogate_job_prints(ckpt, tmp_path):
@@ -235,8 +235,7 @@ def test_names_with_newlines_give_one_line_and_a_surrogate_job_prints(ckpt, tmp_
     new = "x.safetensors\n"
     raw["files"][new] = raw["files"].pop(old)
     for t in raw["tensors"].values():
-        for s in t["shards"]:
-            s["file"] = new
+        move_chunks(raw, t, new)
     reseal(str(tmp_path / "b"), raw)
     os.rename(Path(step_path(str(tmp_path / "b"), STEP)) / old,
               Path(step_path(str(tmp_path / "b"), STEP)) / new)  # fmt: skip
@@ -251,7 +250,12 @@ def test_names_with_newlines_give_one_line_and_a_surrogate_job_prints(ckpt, tmp_
     assert "job '\\ud800'" in out
 
 
-def test_a_chunk_keyed_metadata_is_refused(ckpt, tmp_path):
+def test_a_chunk_keyed_metadata_is_refused(tmp_path):
+    # Version 3 lists each chunk's key; version 4 makes keys from tensor names and offsets,
+    # so `name@offsets`: never `__metadata__` (a tensor of that name is refused below).
+    ckpt = str(tmp_path / "ckpt")
+    save(ckpt)
+    rewrite_as(step_path(ckpt, STEP), 3)
     raw = manifest(ckpt)
     rewrite_header(ckpt, raw, lambda h: json.dumps({**h, "__metadata__": {
         "dtype": "F32", "shape": [64, 4], "data_offsets": "zzz"}}).encode())  # fmt: skip
@@ -298,7 +302,7 @@ def gpt_ckpt(path: str) -> None:
         (
             lambda raw: raw["tensors"].__setitem__(
                 "decoder.layers.0.attn.qkv.weight",
-                {"kind": "model", "dtype": "float32", "shape": [0], "shards": []},
+                {"kind": "model", "dtype": "float32", "shape": [0], **listing(raw)},
             ),
             "needs a floating-point [3, 8, 8]",
         ),
@@ -359,12 +363,12 @@ def test_one_file_listed_under_two_names_is_refused(ckpt, tmp_path):
     raw = manifest(ckpt)
     (name,) = raw["files"]
     step = Path(step_path(ckpt, STEP))
-    os.link(step / name, step / "again.safetensors")
-    raw["files"]["again.safetensors"] = dict(raw["files"][name])
+    again = "rank-00001.safetensors"
+    os.link(step / name, step / again)
+    raw["files"][again] = dict(raw["files"][name], rank=1)
     (tname,) = raw["tensors"]
     raw["tensors"]["v"] = json.loads(json.dumps(raw["tensors"][tname]))
-    for shard in raw["tensors"]["v"]["shards"]:
-        shard["file"] = "again.safetensors"
+    move_chunks(raw, raw["tensors"]["v"], again)
     reseal(ckpt, raw)
     for result in four(ckpt, tmp_path)[:3]:
         refused(result, "(a hard link)")

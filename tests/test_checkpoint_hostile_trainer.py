@@ -17,9 +17,11 @@ import time
 from pathlib import Path
 
 import pytest
+from ckpt_versions import listing
 from safetensors.torch import load_file, save_file
 
 from checkpoint import Checkpoint
+from checkpoint.manifest import Manifest
 from checkpoint.store import step_path
 from trainer.__main__ import main as trainer_main
 from trainer.errors import TrainerConfigError
@@ -86,7 +88,7 @@ def _rng_missing(raw):
 
 def _rng_empty(raw):
     raw["tensors"]["rank/0/rng/cpu"] = {"kind": "rank", "dtype": "uint8", "shape": [0],
-                                        "shards": []}  # fmt: skip
+                                        **listing(raw)}  # fmt: skip
 
 
 def _step_huge(raw):
@@ -163,22 +165,24 @@ def zero_rng_state(ckpt: Path, *, rank: int) -> None:
     from checkpoint.stfile import CRC_META, block_crc32c
 
     raw = json.loads(manifest_path(ckpt).read_text())
-    shard = raw["tensors"][f"rank/{rank}/rng/cpu"]["shards"][0]
-    path = Path(step_path(str(ckpt), 2)) / shard["file"]
+    entry = Manifest.from_json(manifest_path(ckpt).read_bytes(), where="m").tensors
+    entry = entry[f"rank/{rank}/rng/cpu"]
+    (chunk,) = entry.chunks
+    path = Path(step_path(str(ckpt), 2)) / chunk.file
     data = bytearray(path.read_bytes())
     (n,) = struct.unpack("<Q", data[:8])
     header = json.loads(data[8 : 8 + n])
-    begin, end = header[shard["key"]]["data_offsets"]
+    begin, end = header[chunk.key]["data_offsets"]
     data[8 + n + begin : 8 + n + end] = bytes(end - begin)
-    old = header["__metadata__"][CRC_META + shard["key"]]
-    new = block_crc32c(bytes(end - begin), shard["block_rows"])  # 1 byte a row
-    entry = json.dumps({CRC_META + shard["key"]: old}, separators=(",", ":"))[1:-1]
+    old = header["__metadata__"][CRC_META + chunk.key]
+    new = block_crc32c(bytes(end - begin), entry.rows_per_block(chunk))  # 1 byte a row
+    entry = json.dumps({CRC_META + chunk.key: old}, separators=(",", ":"))[1:-1]
     assert data[8 : 8 + n].count(entry.encode()) == 1
     text = data[8 : 8 + n].replace(entry.encode(), entry.replace(old, new).encode())
-    assert len(text) == n and json.loads(text)["__metadata__"][CRC_META + shard["key"]] == new
+    assert len(text) == n and json.loads(text)["__metadata__"][CRC_META + chunk.key] == new
     data[8 : 8 + n] = text
     path.write_bytes(bytes(data))
-    raw["files"][shard["file"]]["header_sha256"] = hashlib.sha256(bytes(data[: 8 + n])).hexdigest()
+    raw["files"][chunk.file]["header_sha256"] = hashlib.sha256(bytes(data[: 8 + n])).hexdigest()
     reseal(ckpt, raw)
 
 
@@ -433,7 +437,7 @@ def _model(**kw):
 
 def _shape(name, shape):
     def edit(raw):
-        raw["tensors"][name] = {"kind": "model", "dtype": "float32", "shape": shape, "shards": []}
+        raw["tensors"][name] = {"kind": "model", "dtype": "float32", "shape": shape, **listing(raw)}
 
     return edit
 

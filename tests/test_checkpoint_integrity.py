@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpt_versions import rewrite_as
 
 from checkpoint import (
     Checkpoint,
@@ -196,32 +197,7 @@ def test_async_saves_reuse_one_staging_buffer_and_a_step_saved_again_replaces_th
 
 
 def as_version_1(ckpt: str, step: int) -> None:
-    """Rewrite a step's manifest as format version 1 wrote it (the tensor files are the
-    same): zlib's CRC-32 per chunk under ``crc32``, each file's whole sha256, re-sealed."""
-    import hashlib
-    import struct
-    import zlib
-
-    mpath = Path(step_path(ckpt, step)) / "manifest.json"
-    raw = json.loads(mpath.read_text())
-    offsets = {}
-    for name, f in raw["files"].items():
-        blob = (Path(step_path(ckpt, step)) / name).read_bytes()
-        (n,) = struct.unpack("<Q", blob[:8])
-        for key, e in json.loads(blob[8 : 8 + n]).items():
-            if key != "__metadata__":
-                b, end = e["data_offsets"]
-                offsets[(name, key)] = blob[8 + n + b : 8 + n + end]
-        f["sha256"] = hashlib.sha256(blob).hexdigest()
-    for t in raw["tensors"].values():
-        for sh in t["shards"]:
-            del sh["block_rows"]  # version 4 keeps its checksums in the file's header
-            sh["crc32"] = f"{zlib.crc32(offsets[(sh['file'], sh['key'])]) & 0xFFFFFFFF:08x}"
-    raw["version"] = 1
-    raw.pop("checksum")
-    canon = json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
-    raw["checksum"] = hashlib.sha256(canon).hexdigest()
-    mpath.write_text(json.dumps(raw))
+    rewrite_as(step_path(ckpt, step), 1)
 
 
 def test_a_version_1_checkpoint_still_loads_verifies_and_names_corruption(tmp_path):
