@@ -76,10 +76,13 @@ class SaveOptions:
     """Most strips per written region. More, narrower strips make a reshard that cuts
     columns read less beyond what it needs, but make every copy between a strip and a
     tensor (the save's gather, the load's scatter) one of shorter rows, which is slower
-    (docs/checkpoint-format.md, Speed)."""
+    (docs/checkpoint-format.md, Speed). At most 64 (``checkpoint.manifest.MAX_STRIPS``,
+    what a load accepts): more is taken as 64."""
     block_bytes: int = 16 << 10
     """About how many bytes (whole rows) each CRC-32C of a chunk covers: the unit a
-    verified load reads and checks, so a reshard that cuts rows reads about what it needs."""
+    verified load reads and checks, so a reshard that cuts rows reads about what it needs.
+    A save whose largest file is over about 52 GB takes larger blocks, so that the file's
+    checksums fit the header a load reads (``checkpoint.saveplan.header_block_bytes``)."""
     fence: Fence | None = None
     """The run and round this saver commits for; None: commits are not fenced."""
     hook: Callable[[str], None] | None = None

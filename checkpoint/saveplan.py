@@ -11,8 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from checkpoint import stfile
 from checkpoint.errors import CheckpointError
 from checkpoint.manifest import (
+    MAX_STRIPS,
     TensorEntry,
     WrittenRegion,
     chunk_key,
@@ -135,6 +137,17 @@ class SavePlan:
         }
 
 
+def header_block_bytes(block_bytes: int, file_bytes: int) -> int:
+    """Bytes per verify block for a save whose largest file holds ``file_bytes``: at least
+    ``block_bytes``, and enough that the file's block checksums (8 hex digits each, in its
+    header: format version 4) take at most half of the header a load reads
+    (``stfile.MAX_HEADER_BYTES``). Every full block of whole rows holds over half of
+    ``block_bytes``, so a file has at most ``2 * file_bytes / block_bytes`` of them (plus
+    one per chunk). With the default 16 KiB this grows only for files over 52 GB."""
+    budget = stfile.MAX_HEADER_BYTES // 2 // 8  # checksums a header may hold
+    return max(block_bytes, -(-2 * file_bytes // budget))
+
+
 def build_save_plan(
     per_rank: Sequence[Sequence[LocalEntry]],
     *,
@@ -175,6 +188,13 @@ def build_save_plan(
     mine: dict[int, list[tuple[str, Box]]] = {}
     for key in holders:
         mine.setdefault(writers[rid[key]], []).append(key)
+    largest = max(
+        (sum(numel(box[1]) * meta[name].dtype.itemsize for name, box in keys)
+         for keys in mine.values()),
+        default=0,
+    )  # fmt: skip
+    block_bytes = header_block_bytes(block_bytes, largest)
+    chunk_max_pieces = min(chunk_max_pieces, MAX_STRIPS)
     chunks: dict[str, list[SavedChunk]] = {name: [] for name in meta}
     written: dict[str, list[WrittenRegion]] = {name: [] for name in meta}
     files: dict[int, FilePlan] = {}

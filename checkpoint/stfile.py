@@ -27,7 +27,7 @@ import crc32c
 import torch
 
 from checkpoint import smallfile
-from checkpoint.errors import CorruptCheckpointError
+from checkpoint.errors import CheckpointError, CorruptCheckpointError
 from checkpoint.manifest import lower_hex, quoted, st_code
 
 
@@ -115,6 +115,11 @@ def write_file(
     so checksums and copies overlap the writes; there is no whole-file hash to wait for.
     """
     header = header_bytes(slots)
+    if len(header) - 8 > MAX_HEADER_BYTES:  # every load would refuse the file
+        raise CheckpointError(
+            f"{path}: a header of {len(header) - 8} bytes ({len(slots)} tensors), more than "
+            f"the {MAX_HEADER_BYTES} a load reads"
+        )
     if callable(data):
         part_of = data
     else:

@@ -550,3 +550,55 @@ def test_a_version_4_manifest_lists_regions_that_expand_to_the_writers_chunks(
         assert entry.chunks == t.chunks
         slots = {(f.name, s.key): s.block_rows for f in plan.files.values() for s in f.slots}
         assert entry.block_rows == {c.key: slots[(c.file, c.key)] for c in t.chunks}
+
+
+def test_a_file_too_large_for_its_checksums_in_the_header_gets_larger_blocks(tmp_path, monkeypatch):
+    """Each file's block checksums live in its header, which a load reads only up to
+    MAX_HEADER_BYTES (100 MiB: 16 KiB blocks fill half of it at 52 GB). A save with larger
+    files takes larger blocks. Here the bound is made 512 bytes: one 64 KiB chunk in 1 KiB
+    blocks would need 64 checksums (512 hex digits, over the bound with its entry); it gets
+    4 KiB blocks instead (16 checksums), and saves, loads and verifies."""
+    import checkpoint.stfile as stfile
+
+    monkeypatch.setattr(stfile, "MAX_HEADER_BYTES", 512)
+    ckpt = str(tmp_path)
+    options = SaveOptions(async_=False, chunk_max_pieces=1, block_bytes=1024)
+    saver = Saver(ckpt, group=None, options=options)
+    saver.save(
+        step=1, consumed_samples=1, model={"w": (FULL.clone(), ShardInfo.whole("w", (ROWS, COLS)))}
+    )
+    saver.close()
+    entry = open_step(ckpt).manifest.tensors["w"]
+    assert entry.block_bytes == 4096  # 2 * 64 KiB / (512 // 2 // 8) blocks
+    assert [entry.rows_per_block(c) for c in entry.chunks] == [16]  # rows of 256 bytes
+    assert header_bytes(data_path(ckpt)) - 8 <= 512
+    local, info = part(0, 1, 4)
+    with Checkpoint.open(step_path(ckpt, 1)) as ck:
+        ck.load_into({"w": (local, info)})
+    assert torch.equal(local, FULL[64:128])
+    assert verify(open_step(ckpt)) == []
+
+
+def test_a_header_no_load_would_read_is_never_committed(tmp_path, monkeypatch):
+    """Too many tensors in one file for the header a load reads: the save fails on every
+    rank in one line, nothing is committed."""
+    import checkpoint.stfile as stfile
+    from checkpoint import SaveFailedError, committed_steps
+
+    monkeypatch.setattr(stfile, "MAX_HEADER_BYTES", 600)  # 16 strips' entries take more
+    with pytest.raises(SaveFailedError, match=r"a header of \d+ bytes \(16 tensors\), more than"):
+        save(str(tmp_path))
+    assert committed_steps(str(tmp_path)) == []
+
+
+def test_more_strips_asked_for_than_a_load_accepts_are_cut_at_its_limit(tmp_path):
+    """`chunk_max_pieces` above 64 (what a version 4 load accepts per region) cuts 64."""
+    ckpt = str(tmp_path)
+    wide = torch.arange(4 * 256, dtype=torch.float32).view(4, 256)
+    options = SaveOptions(async_=False, chunk_min_bytes=1, chunk_max_pieces=128)
+    saver = Saver(ckpt, group=None, options=options)
+    saver.save(step=1, consumed_samples=1, model={"w": (wide, ShardInfo.whole("w", (4, 256)))})
+    saver.close()
+    with Checkpoint.open(step_path(ckpt, 1)) as ck:
+        assert len(ck.manifest.tensors["w"].chunks) == 64
+        assert torch.equal(ck.read("w"), wide)
