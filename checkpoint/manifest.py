@@ -369,7 +369,8 @@ class _Bad(Exception):
 
 def _int(value: Any, what: str, *, lo: int = 0) -> int:
     if type(value) is not int or not lo <= value < INT_LIMIT:
-        raise _Bad(f"{what}: {quoted(value)} is not an integer >= {lo} and < 2^63")
+        shown = quoted(ascii(value[:400])) if isinstance(value, str) else quoted(value)
+        raise _Bad(f"{what}: {shown} is not an integer >= {lo} and < 2^63")
     return value
 
 
@@ -439,11 +440,21 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
     listed = "regions" if version >= 4 else "shards"
     # Chunks, counted before any is made: bounded in all (a version 4 region stands for
     # up to MAX_STRIPS of them), and the coverage checks' corners bounded by them.
-    total = sum(
-        _chunk_count(t.get(listed), version) for t in raw_tensors.values() if isinstance(t, dict)
-    )
+    counts = {
+        name: _chunk_count(t.get(listed), version)
+        for name, t in raw_tensors.items()
+        if isinstance(t, dict)
+    }
+    total = sum(counts.values())
     if total > MAX_CHUNKS:
         raise _Bad(f"{total} chunks, more than {MAX_CHUNKS}")
+    # Version 4 makes each chunk's key from its tensor's name: bounded before any is made.
+    keyed = sum(len(name) * n for name, n in counts.items() if isinstance(name, str))
+    if version >= 4 and keyed > MAX_KEY_CHARS:
+        raise _Bad(
+            f"its chunks' keys would take {keyed} characters (each tensor's name once per "
+            f"chunk), more than {MAX_KEY_CHARS}"
+        )
     budget = CORNERS_FREE + CORNERS_PER_CHUNK * total  # planner.coverage_cost
     for name, t in raw_tensors.items():
         shown = quoted(name)
@@ -466,7 +477,8 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
         if not isinstance(t[listed], list):
             raise _Bad(f"tensor {shown}: {listed} is not a list")
         count = _chunk_count(t[listed], version)
-        budget -= coverage_cost(len(shape), count)
+        # The tiling is checked on the boxes listed (version 4: regions, not strips).
+        budget -= coverage_cost(len(shape), len(t[listed]))
         if budget < 0:
             raise _Bad(
                 f"tensor {shown}: {count} chunks of {len(shape)} dimensions: "
@@ -538,10 +550,15 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
 
 
 MAX_CHUNKS = 1 << 21
-"""Chunks a manifest may hold in all (each costs a few hundred bytes of objects once
-parsed, on every rank that reads it: 2 Mi of them about 600 MB). The largest layout
-measured, a 60B model on tp8 x pp8 x dp16 with the optimizer cut over dp, has 1.07 Mi; a
-save over this is refused (its manifest would be), never committed."""
+"""Chunks a manifest may hold in all (each costs about 450 bytes of objects once parsed,
+on every rank that reads it: 2 Mi of them about 0.9 GB, 1.2 to 1.6 GB at the peak of the
+parse). The largest layout measured, a 60B model on tp8 x pp8 x dp16 with the optimizer
+cut over dp, has 1.07 Mi; a save over this is refused (its manifest would be), never
+committed."""
+MAX_KEY_CHARS = 1 << 28
+"""Characters a version 4 manifest's chunk keys may take in all: each is its tensor's
+name and offsets, so a long name times many chunks is counted before any key is made (a
+real one: 1.07 Mi chunks of names under 60 characters, about 64 Mi)."""
 MAX_STRIPS = 64
 """Strips a version 4 region may be cut into (the writer cuts at most
 ``SaveOptions.chunk_max_pieces``, 8 by default)."""

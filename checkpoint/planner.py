@@ -284,7 +284,10 @@ def block_rows(sizes: Sequence[int], *, itemsize: int, block_bytes: int) -> int:
 
 
 def block_count(sizes: Sequence[int], rows_per_block: int) -> int:
-    """Verify blocks of a chunk (an empty chunk has one, of no bytes)."""
+    """Verify blocks of a chunk. An empty chunk (any size 0, rows of no bytes included) has
+    one, of no bytes: the writer checksums its no bytes once."""
+    if not numel(sizes) and sizes:
+        return 1
     return max(1, -(-chunk_rows(sizes) // rows_per_block))
 
 

@@ -134,6 +134,8 @@ class Saver:
         self._staging: torch.Tensor | None = None
         """(a plan, the size its reports are gathered in): see :meth:`_report_cap`."""
         self._plan_cache: tuple[str, SavePlan, str] | None = None
+        self._checked: SavePlan | None = None
+        """The plan whose manifest was last read back as a load reads it (``_commit``)."""
         """(every rank's entry digests, the plan, this rank's digest) of the last save."""
         self.last: SaveResult | None = None
         self.staging_allocations = 0
@@ -581,6 +583,12 @@ class Saver:
                 f"the manifest of {sum(len(t.chunks) for t in tensors.values())} chunks would "
                 f"take {len(body)} bytes, more than the {MAX_MANIFEST_BYTES} a load reads"
             )
+        if self._checked is not plan:
+            # Read back as every load reads it, once per plan (what it lists is the plan's;
+            # later saves change only scalars and sizes): a step no load would read, for
+            # any of the reader's bounds (chunks, corners, keys, strips), is never committed.
+            Manifest.from_json(body, where="the manifest this save would commit")
+            self._checked = plan
         tmp, token = head["tmp"], head["token"]
         path = os.path.join(tmp, MANIFEST)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

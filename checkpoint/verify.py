@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Callable
 
@@ -27,7 +28,7 @@ def verify(ckpt: Checkpoint) -> list[str]:
     Then, for both, every chunk's header entry against the manifest."""
     problems: list[str] = []
     headers: dict[str, dict] = {}
-    by_file: dict[str, dict[str, tuple[int, str | int]]] = {}
+    by_file: dict[str, dict[str, tuple[int, str | int, int]]] = {}
     in_manifest = ckpt.manifest.version < 4
     for entry in ckpt.manifest.tensors.values():
         for c in entry.chunks:
@@ -35,7 +36,8 @@ def verify(ckpt: Checkpoint) -> list[str]:
             # from the manifest, or (version 4) how many the file's header holds.
             block = entry.rows_per_block(c) * row_bytes(c.sizes, entry.dtype.itemsize)
             crc = entry.crc32[c.key] if in_manifest else entry.blocks(c)
-            by_file.setdefault(c.file, {})[c.key] = (block, crc)
+            nbytes = math.prod(c.sizes) * entry.dtype.itemsize
+            by_file.setdefault(c.file, {})[c.key] = (block, crc, nbytes)
     for name, meta in sorted(ckpt.manifest.files.items()):
         path = os.path.join(ckpt.path, name)
         try:
@@ -78,11 +80,11 @@ def _verify_v2_file(
     size: int,
     path: str,
     meta,
-    chunks: dict[str, tuple[int, str | int]],
+    chunks: dict[str, tuple[int, str | int, int]],
     problems: list[str],
 ) -> dict:
     """Check one file of format version 2 or later; ``chunks`` maps each key to its block
-    bytes and its checksums, or (version 4) to how many checksums its header holds."""
+    bytes, its checksums (or, version 4, how many its header holds) and its bytes."""
     header, parsed = read_header_checked(fd, size, path)
     if hashlib.sha256(header).hexdigest() != meta.header_sha256:
         problems.append(f"{path}: header checksum mismatch")
@@ -103,14 +105,16 @@ def _verify_v2_file(
     # Read (pread, never a memory map: a file truncated meanwhile is a problem reported,
     # not a SIGBUS), at most READ_BYTES at a time.
     buf = memoryview(bytearray(min(READ_BYTES, size)))
-    for key, (block, crc) in sorted(chunks.items()):
+    for key, (block, crc, nbytes) in sorted(chunks.items()):
+        begin, end = entries[key]["data_offsets"]
+        if end - begin != nbytes:
+            continue  # its header entry is not the manifest's chunk: named by verify()
         if isinstance(crc, int):
             try:
                 crc = header_crcs(parsed, key, crc, path)
             except CorruptCheckpointError as exc:
                 problems.append(str(exc))
                 continue
-        begin, end = entries[key]["data_offsets"]
         if _chunk_sums(fd, len(header) + begin, end - begin, block, buf, path) != crc:
             problems.append(f"{path}: {quoted(key)}: checksum mismatch (corrupted data)")
     return parsed

@@ -158,3 +158,20 @@ def test_a_manifest_no_load_would_read_is_never_committed(tmp_path, monkeypatch)
     s.close()
     assert committed_steps(ckpt) == [1] and leftovers(ckpt) == []
     assert loaded(ckpt) == (1, 0)
+
+
+def test_a_save_past_any_bound_of_the_reader_is_never_committed(tmp_path, monkeypatch):
+    """The saver reads its manifest back as a load does (once per plan) before the commit:
+    a step over the reader's chunk bound (2 Mi; here made 3) fails on every rank, and
+    nothing is committed. (Its manifest was small enough: only the read-back sees it.)"""
+    import checkpoint.manifest as manifest_mod
+    from checkpoint import SaveFailedError
+
+    monkeypatch.setattr(manifest_mod, "MAX_CHUNKS", 3)  # w and exp_avg/w: 8 strips each
+    ckpt = str(tmp_path)
+    s = saver(ckpt)
+    model, optim = tensors(0)
+    with pytest.raises(SaveFailedError, match="would commit: 16 chunks, more than 3"):
+        s.save(step=1, consumed_samples=1, model=model, optimizer=optim)
+    s.close()
+    assert committed_steps(ckpt) == [] and leftovers(ckpt) == []

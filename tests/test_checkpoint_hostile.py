@@ -404,3 +404,42 @@ def test_a_trainer_refuses_to_resume_from_a_manifest_naming_a_file_outside_its_s
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("trainer: error: "), lines
     assert "'../outside.safetensors' is not a plain" in lines[0]
+
+
+def test_empty_rows_of_many_rows_save_load_and_verify(tmp_path):
+    """A tensor whose rows hold no bytes ((20000, 0), (40000, 3, 0)) is one empty block per
+    chunk, on the writer's side and the reader's (verify, inspect and export counted more
+    blocks than the writer checksummed)."""
+    ckpt = str(tmp_path / "ckpt")
+    saver = Saver(ckpt, group=None, options=SaveOptions(async_=False))
+    model = {
+        "a": (torch.empty(20000, 0), ShardInfo.whole("a", (20000, 0))),
+        "b": (torch.empty(40000, 3, 0), ShardInfo.whole("b", (40000, 3, 0))),
+        "w": (W.clone(), ShardInfo.whole("w", (64, 16))),
+    }
+    saver.save(step=STEP, consumed_samples=1, model=model)
+    saver.close()
+    assert verify(open_step(ckpt)) == []
+    with Checkpoint.open(step_path(ckpt, STEP)) as ck:
+        ck.check_files()
+        assert ck.read("b").shape == (40000, 3, 0) and torch.equal(ck.read("w"), W)
+
+
+def test_verify_names_a_header_entry_unlike_the_manifests_chunk_without_a_traceback(
+    tmp_path, capsys
+):
+    """The manifest gives a chunk no bytes (sizes [4, 0]); the re-sealed header gives that
+    key 16 real bytes: verify says so in one line (it divided by its zero block size)."""
+    ckpt = str(tmp_path / "ckpt")
+    saver = Saver(ckpt, group=None, options=SaveOptions(async_=False))
+    saver.save(step=STEP, consumed_samples=1,
+               model={"e": (torch.ones(4, 1), ShardInfo.whole("e", (4, 1)))})  # fmt: skip
+    saver.close()
+    raw = manifest(ckpt)
+    raw["tensors"]["e"]["shape"] = [4, 0]
+    raw["tensors"]["e"]["regions"] = [[0, 0, 0, 4, 0, 1]]
+    rewrite_header(ckpt, raw, lambda h: h["e@0_0"].update(shape=[4]))
+    reseal(ckpt, raw)
+    code, _, err = cli(capsys, "verify", ckpt)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "missing or has the wrong dtype/shape" in err and "Traceback" not in err, err

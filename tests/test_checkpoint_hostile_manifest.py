@@ -449,3 +449,19 @@ def test_a_header_whose_metadata_holds_json_in_a_string_is_not_taken_for_a_dense
     save_file({"w": torch.ones(4)}, path, metadata={"config": config})
     _, header = read_header(path)
     assert json.loads(header["__metadata__"]["config"]) == json.loads(config)
+
+
+def test_a_long_name_over_many_chunks_is_refused_before_a_key_is_made(tmp_path):
+    """Version 4 makes each chunk's key from its tensor's name: a 16 MiB name over 64,000
+    empty strips (a 16 MB manifest) would ask for 1 TiB of keys. Counted and refused in one
+    line first (the CLI runs under the address-space limit: it died of MemoryError)."""
+    ckpt = str(tmp_path / "ckpt")
+    save(ckpt)
+    raw = manifest(ckpt)
+    (rank,) = {row[0] for row in raw["tensors"]["w"]["regions"]}
+    raw["tensors"]["n" * (16 << 20)] = {
+        "kind": "model", "dtype": "float32", "shape": [0, 64 * 1000], "block_bytes": 16384,
+        "regions": [[rank, 0, 64 * i, 0, 64, 64] for i in range(1000)],
+    }  # fmt: skip
+    reseal(ckpt, raw)
+    refused(cli("inspect", ckpt), "keys would take 10737418240")
