@@ -175,3 +175,19 @@ def test_a_save_past_any_bound_of_the_reader_is_never_committed(tmp_path, monkey
         s.save(step=1, consumed_samples=1, model=model, optimizer=optim)
     s.close()
     assert committed_steps(ckpt) == [] and leftovers(ckpt) == []
+
+
+def test_many_five_dimensional_weights_cut_in_strips_commit_and_load(tmp_path):
+    """600 conv3d-like weights, each cut into 8 strips: the tiling check's corner budget is
+    charged per listed region (32 corners each), not per strip, so the step that commits
+    is one that loads (charged per strip it was over the budget, and refused)."""
+    ckpt = str(tmp_path)
+    opts = SaveOptions(async_=False, chunk_min_bytes=1)
+    s = Saver(ckpt, group=None, options=opts)
+    model = {f"conv{i}": (torch.full((2, 8, 1, 1, 1), float(i)),
+                          ShardInfo.whole(f"conv{i}", (2, 8, 1, 1, 1))) for i in range(600)}  # fmt: skip
+    s.save(step=1, consumed_samples=1, model=model)
+    s.close()
+    blank = {n: (torch.zeros(2, 8, 1, 1, 1), info) for n, (_, info) in model.items()}
+    assert load_latest(ckpt, model=blank).step == 1
+    assert all(torch.all(blank[f"conv{i}"][0] == i) for i in range(600))
