@@ -486,9 +486,10 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
                 "per chunk of the manifest"
             )
         if version >= 4:
-            entry = _regions(t, name, kind, dtype, shape, files)
+            listed_chunks = _regions(t, name, dtype, shape, files)
         else:
-            entry = _shards(t, name, kind, dtype, shape, files, version)
+            listed_chunks = _shards(t, name, shape, files, version)
+        entry = TensorEntry(name=name, kind=kind, dtype=dtype, shape=shape, **listed_chunks)
         for c in entry.chunks:
             if (c.file, c.key) in keys:
                 raise _Bad(
@@ -578,9 +579,9 @@ def _chunk_count(listed: Any, version: int) -> int:
     return n
 
 
-def _shards(t, name, kind, dtype, shape, files, version) -> TensorEntry:
-    """A tensor's chunks as versions 1 to 3 list them: each with its file, key, box and
-    checksums."""
+def _shards(t, name, shape, files, version) -> dict[str, Any]:
+    """A tensor's chunks as versions 1 to 3 list them (each with its file, key, box and
+    checksums), as :class:`TensorEntry` fields."""
     shown = quoted(name)
     crc_key = "crc32" if version == 1 else "crc32c"
     chunks, crc, rows = [], {}, {}
@@ -613,24 +614,17 @@ def _shards(t, name, kind, dtype, shape, files, version) -> TensorEntry:
             crc[key] = s[crc_key]
         else:
             crc[key] = _hex(s[crc_key], f"tensor {shown}: {crc_key}", 8)
-    return TensorEntry(
-        name=name,
-        kind=kind,
-        dtype=dtype,
-        shape=shape,
-        chunks=tuple(chunks),
-        crc32=crc,
-        block_rows=rows,
-    )
+    return {"chunks": tuple(chunks), "crc32": crc, "block_rows": rows}
 
 
-def _regions(t, name, kind, dtype, shape, files) -> TensorEntry:
+def _regions(t, name, dtype, shape, files) -> dict[str, Any]:
     """A tensor's chunks as version 4 lists them: per written region one flat list
     ``[rank, *offsets, *sizes, strips]`` (one JSON list a region, so a manifest stays
     within :data:`CONTAINER_BYTES`), cut into that many strips
     (:func:`checkpoint.planner.strips`) in the file of that rank, each keyed
     :func:`chunk_key`, with rows per verify block from the tensor's ``block_bytes``
-    (:func:`checkpoint.planner.block_rows`), as the writer did."""
+    (:func:`checkpoint.planner.block_rows`), as the writer did; as :class:`TensorEntry`
+    fields."""
     shown = quoted(name)
     per_block = _int(t["block_bytes"], f"tensor {shown}: block_bytes")
     regions, chunks, rows = [], [], {}
@@ -659,16 +653,12 @@ def _regions(t, name, kind, dtype, shape, files) -> TensorEntry:
             key = chunk_key(name, o)
             chunks.append(SavedChunk(file=file, key=key, offsets=o, sizes=z))
             rows[key] = block_rows(z, itemsize=dtype.itemsize, block_bytes=per_block)
-    return TensorEntry(
-        name=name,
-        kind=kind,
-        dtype=dtype,
-        shape=shape,
-        chunks=tuple(chunks),
-        block_rows=rows,
-        regions=tuple(regions),
-        block_bytes=per_block,
-    )
+    return {
+        "chunks": tuple(chunks),
+        "block_rows": rows,
+        "regions": tuple(regions),
+        "block_bytes": per_block,
+    }
 
 
 def _dumps_lines(body: dict[str, Any]) -> bytes:

@@ -168,49 +168,23 @@ def test_corruption_fails_a_load_that_reads_its_block_and_no_other(tmp_path):
     assert len(problems) == 1 and "w@0_0: checksum mismatch" in problems[0]
 
 
-def as_version_2(ckpt: str) -> None:
-    rewrite_as(step_path(ckpt, 1), 2)
-
-
-def as_version_3(ckpt: str) -> None:
-    rewrite_as(step_path(ckpt, 1), 3)
-
-
-def test_a_version_3_checkpoint_still_loads_resharded_and_verifies(tmp_path):
+@pytest.mark.parametrize("version", [2, 3])
+def test_an_older_version_still_loads_resharded_verifies_and_finds_corruption(tmp_path, version):
     ckpt = str(tmp_path)
     save(ckpt)
-    as_version_3(ckpt)
-    assert open_step(ckpt).manifest.version == 3
+    rewrite_as(step_path(ckpt, 1), version)
+    assert open_step(ckpt).manifest.version == version
     assert verify(open_step(ckpt)) == []
     local, info = part(0, 1, 4)
     with Checkpoint.open(step_path(ckpt, 1)) as ck:
         stats = ck.load_into({"w": (local, info)})
     assert torch.equal(local, FULL[64:128])
-    assert stats.bytes_read - header_bytes(data_path(ckpt)) == local.numel() * 4
-    corrupt(ckpt, "w@0_0", 70)  # block 1 of strip 0: rows 64..127 read above
-    with (
-        Checkpoint.open(step_path(ckpt, 1)) as ck,
-        pytest.raises(CorruptCheckpointError, match=r"w@0_0: checksum mismatch"),
-    ):
-        ck.load_into({"w": (local, info)})
-
-
-def test_a_version_2_checkpoint_still_loads_resharded_and_verifies(tmp_path):
-    ckpt = str(tmp_path)
-    save(ckpt)
-    as_version_2(ckpt)
-    assert open_step(ckpt).manifest.version == 2
-    assert verify(open_step(ckpt)) == []
-    local, info = part(0, 1, 4)
-    with Checkpoint.open(step_path(ckpt, 1)) as ck:
-        stats = ck.load_into({"w": (local, info)})
-    assert torch.equal(local, FULL[64:128])
-    # Version 2 checks each chunk whole: a quarter of its rows costs every strip whole.
-    assert stats.bytes_read - header_bytes(data_path(ckpt)) == FULL.numel() * 4
-    blob = bytearray(data_path(ckpt).read_bytes())
-    blob[-1] ^= 1
-    data_path(ckpt).write_bytes(bytes(blob))
-    assert any("checksum mismatch" in p for p in verify(open_step(ckpt)))
+    # Version 3 reads the blocks holding the rows needed; version 2 checks each chunk whole,
+    # so a quarter of its rows costs every strip whole.
+    needed = local.numel() * 4 if version == 3 else FULL.numel() * 4
+    assert stats.bytes_read - header_bytes(data_path(ckpt)) == needed
+    corrupt(ckpt, "w@0_0", 70)  # block 1 of strip 0: rows 64..127, read above
+    mismatch_found(ckpt, "w@0_0", local, info)
 
 
 @pytest.mark.parametrize("version", [2, 3, 4])
@@ -226,10 +200,8 @@ def test_verify_reads_in_bounded_pieces_whatever_the_block_size(
 
     ckpt = str(tmp_path)
     save(ckpt)
-    if version == 2:
-        as_version_2(ckpt)
-    elif version == 3:
-        as_version_3(ckpt)
+    if version < 4:
+        rewrite_as(step_path(ckpt, 1), version)
     monkeypatch.setattr(sys.modules["checkpoint.verify"], "READ_BYTES", read_bytes)
     assert verify(open_step(ckpt)) == []
     blob = bytearray(data_path(ckpt).read_bytes())
@@ -242,13 +214,25 @@ def test_verify_reads_in_bounded_pieces_whatever_the_block_size(
 def test_a_crc_string_of_the_wrong_length_is_refused_in_a_version_3_manifest(tmp_path):
     ckpt = str(tmp_path)
     save(ckpt)
-    as_version_3(ckpt)
+    rewrite_as(step_path(ckpt, 1), 3)
     mpath = Path(step_path(ckpt, 1)) / "manifest.json"
     raw = json.loads(mpath.read_text())
     raw["tensors"]["w"]["shards"][0]["block_rows"] = 32  # 8 blocks, 4 checksums
     reseal(mpath, raw)
     with pytest.raises(FormatError, match="is not 64 hex digits"):
         open_step(ckpt)
+
+
+def mismatch_found(ckpt: str, key: str, local: torch.Tensor, info: ShardInfo) -> None:
+    """A load of ``info``'s region fails on chunk ``key``'s checksum, and verify names it
+    as the one problem."""
+    with (
+        Checkpoint.open(step_path(ckpt, 1)) as ck,
+        pytest.raises(CorruptCheckpointError, match=rf"{key}: checksum mismatch"),
+    ):
+        ck.load_into({"w": (local, info)})
+    problems = verify(open_step(ckpt))
+    assert len(problems) == 1 and f"{key}: checksum mismatch" in problems[0], problems
 
 
 def rewrite_header(ckpt: str, change) -> None:
@@ -325,13 +309,7 @@ def test_a_checksum_changed_in_the_header_and_resealed_fails_the_block(tmp_path)
 
     rewrite_header(ckpt, change)
     local, info = part(0, 1, 4)  # rows 64..127: block 1
-    with (
-        Checkpoint.open(step_path(ckpt, 1)) as ck,
-        pytest.raises(CorruptCheckpointError, match=r"w@0_8: checksum mismatch"),
-    ):
-        ck.load_into({"w": (local, info)})
-    problems = verify(open_step(ckpt))
-    assert len(problems) == 1 and "w@0_8: checksum mismatch" in problems[0], problems
+    mismatch_found(ckpt, "w@0_8", local, info)
 
 
 @settings(max_examples=150, deadline=None)
