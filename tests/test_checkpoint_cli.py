@@ -61,6 +61,9 @@ def test_inspect_shows_tensors_shapes_layout_and_sizes(tmp_path, capsys):
     info = json.loads(out)
     assert info["step"] == 4 and info["tensors"]["optimizer/exp_avg/w"]["kind"] == "optimizer"
     assert info["commit"] == 2 and info["writer"] is None  # unfenced: no round to name
+    assert info["format_version"] == 4
+    code, out, _ = run(capsys, "inspect", str(tmp_path))
+    assert code == 0 and "files  format version 4" in out
 
 
 def test_inspect_names_the_round_that_wrote_a_fenced_commit(tmp_path, capsys):

@@ -237,6 +237,7 @@ def run_inspect(args: argparse.Namespace) -> int:
                     "extra": m.extra,
                     "commit": m.commit,
                     "writer": m.writer,
+                    "format_version": m.version,
                     "tensors": {
                         n: {
                             "kind": t.kind,
@@ -254,7 +255,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         f"step {m.step}  consumed_samples {m.consumed_samples}  job {_shown(m.job or '-')}  "
         f"world {m.world}"
     )
-    print(f"size {_mb(m.total_bytes)} in {len(m.files)} files")
+    print(f"size {_mb(m.total_bytes)} in {len(m.files)} files  format version {m.version}")
     writer = (
         f"round {m.writer['round']} of run {_shown(m.writer['run_id'] or '-')}"
         if m.writer is not None
