@@ -132,11 +132,10 @@ class Saver:
         self._tidying: Future[None] | None = None
         self._inflight: Future[SaveResult] | None = None
         self._staging: torch.Tensor | None = None
-        """(a plan, the size its reports are gathered in): see :meth:`_report_cap`."""
         self._plan_cache: tuple[str, SavePlan, str] | None = None
+        """(every rank's entry digests, the plan, this rank's digest) of the last save."""
         self._checked: SavePlan | None = None
         """The plan whose manifest was last read back as a load reads it (``_commit``)."""
-        """(every rank's entry digests, the plan, this rank's digest) of the last save."""
         self.last: SaveResult | None = None
         self.staging_allocations = 0
         """How many times the staging buffer was (re)allocated; stays 1 for a fixed layout."""
