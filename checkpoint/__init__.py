@@ -30,6 +30,7 @@ from checkpoint.errors import (
     NoCheckpointError,
     OwnershipError,
     SaveFailedError,
+    SaveRefusedError,
 )
 from checkpoint.fence import Fence, check_fence, read_fence, write_fence
 from checkpoint.load import Checkpoint, LoadStats, load_latest, open_step
@@ -54,6 +55,7 @@ __all__ = [
     "OwnershipError",
     "SaveFailedError",
     "SaveOptions",
+    "SaveRefusedError",
     "SaveResult",
     "Saver",
     "ShardInfo",

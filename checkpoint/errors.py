@@ -29,6 +29,12 @@ class SaveFailedError(CheckpointError):
     """A save did not commit (a write failed on some rank, or ranks disagreed)."""
 
 
+class SaveRefusedError(SaveFailedError):
+    """A save that cannot commit with this layout, at this or any later step: its manifest,
+    or a file's header, would pass a bound every load enforces (so it would be a committed
+    step that no load reads). Saving again does not help; a layout or model does."""
+
+
 class OwnershipError(CheckpointError):
     """The checkpoint directory belongs to another job, or another run is using it."""
 

@@ -41,7 +41,13 @@ from checkpoint.comm import (
     group_rank,
     group_size,
 )
-from checkpoint.errors import CheckpointError, FencedError, SaveFailedError
+from checkpoint.errors import (
+    CheckpointError,
+    FencedError,
+    FormatError,
+    SaveFailedError,
+    SaveRefusedError,
+)
 from checkpoint.fence import Fence, check_fence
 from checkpoint.manifest import MANIFEST, MAX_MANIFEST_BYTES, FileEntry, Manifest
 from checkpoint.planner import relative
@@ -499,6 +505,8 @@ class Saver:
                 }
         except Exception as exc:  # reported to every rank, then raised below
             report = {"ok": False, "error": f"rank {self.rank}: {exc}"}
+            if isinstance(exc, SaveRefusedError):
+                report["refused"] = True
         # Only rank 0 needs the reports (it commits, then tells every rank the outcome),
         # in one gather of buffers sized from the plan.
         cap = self._report_cap(plan)
@@ -506,6 +514,8 @@ class Saver:
         status: dict[str, Any] = {"committed": False, "error": ""}
         if self.rank == 0:
             status["error"] = "; ".join(r["error"] for r in reports if not r["ok"])
+            if any(r.get("refused") for r in reports):
+                status["refused"] = True
             if not status["error"]:
                 try:
                     self._wait_tidy()  # retention and leftovers, before the commit number
@@ -517,6 +527,8 @@ class Saver:
                         "error": str(exc),
                         "fenced": self._fenced_json(exc),
                     }
+                except SaveRefusedError as exc:
+                    status = {"committed": False, "error": f"rank 0: {exc}", "refused": True}
                 except Exception as exc:
                     status = {"committed": False, "error": f"rank 0: commit: {exc}"}
             if not status["committed"]:
@@ -525,7 +537,8 @@ class Saver:
         if "fenced" in status:
             raise self._fenced_from_json(status["fenced"])
         if not status["committed"]:
-            raise SaveFailedError(f"checkpoint step {step} was not committed: {status['error']}")
+            error = SaveRefusedError if status.get("refused") else SaveFailedError
+            raise error(f"checkpoint step {step} was not committed: {status['error']}")
         total = time.perf_counter() - t0
         return SaveResult(
             step=step,
@@ -578,7 +591,7 @@ class Saver:
         body = manifest.to_json()
         if len(body) > MAX_MANIFEST_BYTES:
             # Every load would refuse it: never commit a step that cannot be loaded.
-            raise CheckpointError(
+            raise SaveRefusedError(
                 f"the manifest of {sum(len(t.chunks) for t in tensors.values())} chunks would "
                 f"take {len(body)} bytes, more than the {MAX_MANIFEST_BYTES} a load reads"
             )
@@ -586,7 +599,10 @@ class Saver:
             # Read back as every load reads it, once per plan (what it lists is the plan's;
             # later saves change only scalars and sizes): a step no load would read, for
             # any of the reader's bounds (chunks, corners, keys, strips), is never committed.
-            Manifest.from_json(body, where="the manifest this save would commit")
+            try:
+                Manifest.from_json(body, where="the manifest this save would commit")
+            except FormatError as exc:
+                raise SaveRefusedError(str(exc)) from None
             self._checked = plan
         tmp, token = head["tmp"], head["token"]
         path = os.path.join(tmp, MANIFEST)
@@ -655,4 +671,5 @@ def _fit_report(report: dict[str, Any], cap: int, rank: int) -> dict[str, Any]:
     if report.get("ok"):
         return {"ok": False, "error": f"rank {rank}: a report of {size} bytes, over {cap}"}
     # At most 6 bytes of JSON per character (\uXXXX), and the cap is at least 4096.
-    return {"ok": False, "error": report["error"][: cap // 8] + " ..."}
+    cut = {"ok": False, "error": report["error"][: cap // 8] + " ..."}
+    return {**cut, "refused": True} if report.get("refused") else cut

@@ -27,7 +27,7 @@ import crc32c
 import torch
 
 from checkpoint import smallfile
-from checkpoint.errors import CheckpointError, CorruptCheckpointError
+from checkpoint.errors import CorruptCheckpointError, SaveRefusedError
 from checkpoint.manifest import lower_hex, quoted, st_code
 
 
@@ -116,7 +116,7 @@ def write_file(
     """
     header = header_bytes(slots)
     if len(header) - 8 > MAX_HEADER_BYTES:  # every load would refuse the file
-        raise CheckpointError(
+        raise SaveRefusedError(
             f"{path}: a header of {len(header) - 8} bytes ({len(slots)} tensors), more than "
             f"the {MAX_HEADER_BYTES} a load reads"
         )

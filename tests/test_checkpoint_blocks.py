@@ -561,10 +561,10 @@ def test_a_header_no_load_would_read_is_never_committed(tmp_path, monkeypatch):
     """Too many tensors in one file for the header a load reads: the save fails on every
     rank in one line, nothing is committed."""
     import checkpoint.stfile as stfile
-    from checkpoint import SaveFailedError, committed_steps
+    from checkpoint import SaveRefusedError, committed_steps
 
     monkeypatch.setattr(stfile, "MAX_HEADER_BYTES", 600)  # 16 strips' entries take more
-    with pytest.raises(SaveFailedError, match=r"a header of \d+ bytes \(16 tensors\), more than"):
+    with pytest.raises(SaveRefusedError, match=r"a header of \d+ bytes \(16 tensors\), more than"):
         save(str(tmp_path))
     assert committed_steps(str(tmp_path)) == []
 

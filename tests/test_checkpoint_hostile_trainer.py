@@ -508,3 +508,20 @@ def test_a_corrupted_rng_state_falls_back_to_the_step_before_like_any_corrupted_
     warned = [r.getMessage() for r in caplog.records if "cannot be loaded" in r.getMessage()]
     assert len(warned) == 1 and "checkpoint step 3" in warned[0] and "rng/cpu" in warned[0]
     assert "resumed from " + step_path(str(out / "ckpt"), 2) + " at step 2" in said.out
+
+
+def test_a_save_refused_for_good_stops_the_trainer_with_exit_2_not_74(
+    tmp_path, capsys, monkeypatch
+):
+    """A save past a bound every load enforces (here the reader's chunk bound, made 3)
+    would be refused at every step: exit 2 in one line, which fails the job, rather than
+    74, which restarts it into the same refusal. Nothing is committed."""
+    import checkpoint.manifest as manifest_mod
+    from checkpoint import committed_steps
+
+    monkeypatch.setattr(manifest_mod, "MAX_CHUNKS", 3)
+    out = tmp_path / "out"
+    assert run(out, 2) == 2
+    err = one_error_line(capsys)
+    assert "was not committed" in err and "chunks, more than 3" in err, err
+    assert committed_steps(str(out / "ckpt")) == []

@@ -99,6 +99,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         FormatError,
         LayoutMismatchError,
         SaveFailedError,
+        SaveRefusedError,
     )
 
     try:
@@ -107,6 +108,11 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         # A newer world owns the checkpoint directory; nothing was committed or lost.
         print(f"trainer: error: {exc}", file=sys.stderr)
         return EXIT_FENCED
+    except SaveRefusedError as exc:
+        # The layout, not the disk: every later save would be refused too (a manifest or
+        # header past a bound of every load), so a restart cannot help.
+        print(f"trainer: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
     except SaveFailedError as exc:
         # The disk, not the job: the steps committed before stay; said in one line.
         print(f"trainer: error: {exc}", file=sys.stderr)
