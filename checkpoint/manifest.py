@@ -221,7 +221,7 @@ class Manifest:
                             "regions": [[r, *o, *z, n] for r, o, z, n in t.regions],
                         }
                         if self.version >= 4
-                        else {"shards": self._shards(t)}
+                        else {"shards": self._shards_json(t)}
                     ),
                 }
                 for t in self.tensors.values()
@@ -234,7 +234,7 @@ class Manifest:
         body["checksum"] = _self_checksum(body)
         return _dumps_lines(body)
 
-    def _shards(self, t: TensorEntry) -> list[dict[str, Any]]:
+    def _shards_json(self, t: TensorEntry) -> list[dict[str, Any]]:
         """A tensor's chunks as versions 1 to 3 list them."""
         return [
             {
@@ -486,9 +486,9 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
                 "per chunk of the manifest"
             )
         if version >= 4:
-            listed_chunks = _regions(t, name, dtype, shape, files)
+            listed_chunks = _parse_regions(t, name, dtype, shape, files)
         else:
-            listed_chunks = _shards(t, name, shape, files, version)
+            listed_chunks = _parse_shards(t, name, shape, files, version)
         entry = TensorEntry(name=name, kind=kind, dtype=dtype, shape=shape, **listed_chunks)
         for c in entry.chunks:
             if (c.file, c.key) in keys:
@@ -579,7 +579,7 @@ def _chunk_count(listed: Any, version: int) -> int:
     return n
 
 
-def _shards(t, name, shape, files, version) -> dict[str, Any]:
+def _parse_shards(t, name, shape, files, version) -> dict[str, Any]:
     """A tensor's chunks as versions 1 to 3 list them (each with its file, key, box and
     checksums), as :class:`TensorEntry` fields."""
     shown = quoted(name)
@@ -617,7 +617,7 @@ def _shards(t, name, shape, files, version) -> dict[str, Any]:
     return {"chunks": tuple(chunks), "crc32": crc, "block_rows": rows}
 
 
-def _regions(t, name, dtype, shape, files) -> dict[str, Any]:
+def _parse_regions(t, name, dtype, shape, files) -> dict[str, Any]:
     """A tensor's chunks as version 4 lists them: per written region one flat list
     ``[rank, *offsets, *sizes, strips]`` (one JSON list a region, so a manifest stays
     within :data:`CONTAINER_BYTES`), cut into that many strips
