@@ -323,7 +323,7 @@ class Checkpoint:
                     f"the checkpoint has {list(entry.shape)}"
                 )
             self.stats.bytes_needed += region.numel() * entry.dtype.itemsize
-            ops = plan_reads(quoted(name), box, entry.chunks, global_shape=entry.shape)
+            ops = plan_reads(quoted(name), box, entry.chunks_within(box), global_shape=entry.shape)
             for group in _strip_groups(entry, ops):
                 reads += self._plan_verified(entry, group, region)
         if reads:

@@ -19,12 +19,14 @@ from checkpoint.errors import FormatError
 from checkpoint.planner import (
     CORNERS_FREE,
     CORNERS_PER_CHUNK,
+    Box,
     SavedChunk,
     block_count,
     block_rows,
     chunk_rows,
     coverage_cost,
     coverage_problem,
+    intersect,
     strips,
 )
 
@@ -107,6 +109,71 @@ def parse_step_dirname(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def region_chunks(name: str, region: WrittenRegion) -> list[SavedChunk]:
+    """The chunks a version 4 region stands for, exactly as the writer cut them: its
+    strips (:func:`checkpoint.planner.strips`), each keyed :func:`chunk_key` in the file of
+    the region's rank."""
+    rank, offsets, sizes, n = region
+    file = file_name(rank)
+    return [
+        SavedChunk(file=file, key=chunk_key(name, o), offsets=o, sizes=z)
+        for o, z in strips((offsets, sizes), n)
+    ]
+
+
+class RegionChunks(Sequence[SavedChunk]):
+    """A version 4 tensor's chunks, cut from its regions when first asked for.
+
+    A manifest of a large job lists a million chunks, and a rank resuming needs the chunks
+    of a few regions of the tensors of its own pipeline stage: parsing the manifest makes
+    no chunk (its regions are checked instead, which is the same check), a load cuts only
+    the regions its boxes meet (:meth:`within`), and walking all of them (``verify``,
+    ``check_files``, an export) cuts them once and keeps them."""
+
+    __slots__ = ("_all", "_count", "_name", "_regions")
+
+    def __init__(self, name: str, regions: tuple[WrittenRegion, ...]) -> None:
+        self._name = name
+        self._regions = regions
+        self._count = sum(r[3] for r in regions)
+        self._all: tuple[SavedChunk, ...] | None = None
+
+    def _chunks(self) -> tuple[SavedChunk, ...]:
+        if self._all is None:
+            self._all = tuple(c for r in self._regions for c in region_chunks(self._name, r))
+        return self._all
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self._chunks()[index]
+
+    def __iter__(self):
+        return iter(self._chunks())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return len(self) == len(other) and tuple(self) == tuple(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"RegionChunks({self._name!r}, {len(self._regions)} regions, {self._count} chunks)"
+
+    def within(self, box: Box) -> list[SavedChunk]:
+        """The chunks of the regions that meet ``box`` (the others hold none of it)."""
+        if self._all is not None:
+            return [c for c in self._all if intersect(box, (c.offsets, c.sizes)) is not None]
+        return [
+            c
+            for r in self._regions
+            if intersect(box, (r[1], r[2])) is not None
+            for c in region_chunks(self._name, r)
+        ]
+
+
 @dataclass(frozen=True, slots=True)
 class TensorEntry:
     """One global tensor: its dtype, shape, kind and the chunks that tile it."""
@@ -115,15 +182,18 @@ class TensorEntry:
     kind: str
     dtype: torch.dtype
     shape: tuple[int, ...]
-    chunks: tuple[SavedChunk, ...]
+    chunks: Sequence[SavedChunk]
+    """Every chunk (a tuple; parsed from a version 4 manifest, :class:`RegionChunks`, which
+    cuts them from the regions when first walked)."""
     crc32: dict[str, str] = field(default_factory=dict)
     """Checksums of each chunk's bytes, by safetensors key (checked by every load), in
     versions 1 to 3: in version 3 the CRC-32C of each block of ``block_rows[key]`` rows, 8
     hex digits each, concatenated; in version 2 one CRC-32C of the whole chunk, in version 1
     zlib's CRC-32. Empty in version 4: the chunk's file header holds them."""
     block_rows: dict[str, int] = field(default_factory=dict)
-    """Rows per verify block of each chunk, by key (versions 3 and 4; older versions check
-    each chunk whole: :meth:`rows_per_block` says so)."""
+    """Rows per verify block of each chunk, by key, as version 3 lists them (and a save
+    plan's entries); parsed from version 4, empty: :meth:`rows_per_block` computes them
+    from ``block_bytes``, as the writer did."""
     regions: tuple[WrittenRegion, ...] = ()
     """The written regions the chunks are cut from (version 4: what its manifest lists)."""
     block_bytes: int = 0
@@ -132,11 +202,25 @@ class TensorEntry:
 
     def rows_per_block(self, chunk: SavedChunk) -> int:
         """Rows per verify block of ``chunk`` (all its rows in versions 1 and 2)."""
-        return self.block_rows.get(chunk.key) or max(1, chunk_rows(chunk.sizes))
+        rows = self.block_rows.get(chunk.key)
+        if rows is not None:
+            return rows
+        if self.regions:
+            return block_rows(
+                chunk.sizes, itemsize=self.dtype.itemsize, block_bytes=self.block_bytes
+            )
+        return max(1, chunk_rows(chunk.sizes))
 
     def blocks(self, chunk: SavedChunk) -> int:
         """How many verify blocks ``chunk`` has (so how many checksums)."""
         return block_count(chunk.sizes, self.rows_per_block(chunk))
+
+    def chunks_within(self, box: Box) -> Sequence[SavedChunk]:
+        """The chunks that may hold part of ``box``: with its regions known, only the
+        chunks of those that meet it; else every chunk."""
+        if isinstance(self.chunks, RegionChunks):
+            return self.chunks.within(box)
+        return self.chunks
 
     @property
     def nbytes(self) -> int:
@@ -490,13 +574,20 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
         else:
             listed_chunks = _parse_shards(t, name, shape, files, version)
         entry = TensorEntry(name=name, kind=kind, dtype=dtype, shape=shape, **listed_chunks)
-        for c in entry.chunks:
-            if (c.file, c.key) in keys:
-                raise _Bad(
-                    f"tensor {shown}: shard key {quoted(c.key)} is not a new string in {c.file}"
-                )
-            keys.add((c.file, c.key))
-            held[c.file] += math.prod(c.sizes) * dtype.itemsize
+        if version >= 4:
+            # No chunk is made here. A region's strips tile it, so its bytes are theirs.
+            # Every key holds its tensor's name and its chunk's offsets (split at the last
+            # ``@``), and the regions of a tensor tile it (checked below), so two chunks
+            # could share a key only if one of them is empty: an empty region's strips are
+            # checked against every strip of its tensor.
+            for rank, _, sizes, _ in entry.regions:
+                held[file_name(rank)] += math.prod(sizes) * dtype.itemsize
+            if any(0 in sizes for _, _, sizes, _ in entry.regions):
+                _unique_keys(shown, entry.chunks, set())
+        else:
+            _unique_keys(shown, entry.chunks, keys)
+            for c in entry.chunks:
+                held[c.file] += math.prod(c.sizes) * dtype.itemsize
         # A version 4 region's strips tile it by construction: its regions tiling the tensor
         # is its chunks tiling it, checked on five times fewer boxes.
         if version >= 4:
@@ -551,11 +642,12 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
 
 
 MAX_CHUNKS = 1 << 21
-"""Chunks a manifest may hold in all (each costs about 450 bytes of objects once parsed,
-on every rank that reads it: 2 Mi of them about 0.9 GB, 1.2 to 1.6 GB at the peak of the
-parse). The largest layout measured, a 60B model on tp8 x pp8 x dp16 with the optimizer
-cut over dp, has 1.07 Mi; a save over this is refused (its manifest would be), never
-committed."""
+"""Chunks a manifest may hold in all. Parsing a version 4 manifest makes none of them (a
+load cuts those of the regions it reads), but whatever walks them all (``verify``,
+``check_files``, an export, and every load of versions 1 to 3) holds about 450 bytes of
+objects for each: 2 Mi of them about 0.9 GB. The largest layout measured, a 60B model on
+tp8 x pp8 x dp16 with the optimizer cut over dp, has 1.07 Mi; a save over this is refused
+(its manifest would be), never committed."""
 MAX_KEY_CHARS = 1 << 28
 """Characters a version 4 manifest's chunk keys may take in all: each is its tensor's
 name and offsets, so a long name times many chunks is counted before any key is made (a
@@ -627,7 +719,7 @@ def _parse_regions(t, name, dtype, shape, files) -> dict[str, Any]:
     fields."""
     shown = quoted(name)
     per_block = _int(t["block_bytes"], f"tensor {shown}: block_bytes")
-    regions, chunks, rows = [], [], {}
+    regions = []
     nd = len(shape)
     for row in t["regions"]:
         if not isinstance(row, list) or len(row) != 2 * nd + 2:
@@ -637,9 +729,10 @@ def _parse_regions(t, name, dtype, shape, files) -> dict[str, Any]:
             )
         rank, offsets, sizes, n = row[0], row[1 : 1 + nd], row[1 + nd : 1 + 2 * nd], row[-1]
         rank = _int(rank, f"tensor {shown}: region rank")
-        file = file_name(rank)
-        if file not in files:
-            raise _Bad(f"tensor {shown}: a region in {file}, a file the manifest does not list")
+        if file_name(rank) not in files:
+            raise _Bad(
+                f"tensor {shown}: a region in {file_name(rank)}, a file the manifest does not list"
+            )
         offsets = _ints(offsets, name, "offsets", len(shape))
         sizes = _ints(sizes, name, "sizes", len(shape))
         most = min(MAX_STRIPS, max(1, sizes[1])) if len(sizes) >= 2 else 1
@@ -649,16 +742,17 @@ def _parse_regions(t, name, dtype, shape, files) -> dict[str, Any]:
                 f"integer from 1 to {most}"
             )
         regions.append((rank, offsets, sizes, n))
-        for o, z in strips((offsets, sizes), n):
-            key = chunk_key(name, o)
-            chunks.append(SavedChunk(file=file, key=key, offsets=o, sizes=z))
-            rows[key] = block_rows(z, itemsize=dtype.itemsize, block_bytes=per_block)
-    return {
-        "chunks": tuple(chunks),
-        "block_rows": rows,
-        "regions": tuple(regions),
-        "block_bytes": per_block,
-    }
+    regions = tuple(regions)
+    return {"chunks": RegionChunks(name, regions), "regions": regions, "block_bytes": per_block}
+
+
+def _unique_keys(shown: str, chunks: Sequence[SavedChunk], seen: set[tuple[str, str]]) -> None:
+    """Refuse a chunk whose key its file already has (``seen``: the (file, key) pairs so
+    far, added to)."""
+    for c in chunks:
+        if (c.file, c.key) in seen:
+            raise _Bad(f"tensor {shown}: shard key {quoted(c.key)} is not a new string in {c.file}")
+        seen.add((c.file, c.key))
 
 
 def _dumps_lines(body: dict[str, Any]) -> bytes:

@@ -50,7 +50,7 @@ def rewrite_as(step_dir: str | Path, version: int) -> None:
             crc = {c.key: f"{crc32c.crc32c(data[(c.file, c.key)]):08x}" for c in t.chunks}
         else:
             crc = {c.key: f"{zlib.crc32(data[(c.file, c.key)]) & 0xFFFFFFFF:08x}" for c in t.chunks}
-        rows = t.block_rows if version == 3 else {}
+        rows = {c.key: t.rows_per_block(c) for c in t.chunks} if version == 3 else {}
         tensors[name] = dataclasses.replace(
             t, crc32=crc, block_rows=rows, regions=(), block_bytes=0
         )

@@ -81,7 +81,7 @@ def test_the_writer_records_strips_and_a_crc_per_block_in_the_file_header(tmp_pa
     assert manifest.version == 4
     entry = manifest.tensors["w"]
     assert [c.sizes for c in entry.chunks] == [(ROWS, 4)] * 16
-    assert all(entry.block_rows[c.key] == 64 for c in entry.chunks)
+    assert all(entry.rows_per_block(c) == 64 for c in entry.chunks)
     assert entry.crc32 == {} and entry.blocks(entry.chunks[0]) == 4
     raw = json.loads((Path(step_path(ckpt, 1)) / "manifest.json").read_text())
     # One region, cut into 16 strips (its keys and file follow), no checksums.
@@ -132,6 +132,32 @@ def test_a_verified_resharded_load_reads_only_the_blocks_it_needs(tmp_path, dim,
         assert torch.equal(local, FULL[region])
         # The cuts fall on block and strip boundaries: exactly the needed bytes are read.
         assert stats.bytes_read - head == stats.bytes_needed == local.numel() * 4
+
+
+def test_a_load_cuts_the_chunks_of_the_regions_it_reads_and_no_other(tmp_path, monkeypatch):
+    """At 1024 ranks a manifest lists a million chunks, and a rank resuming reads a few
+    regions: parsing the manifest makes no chunk (its regions are checked), and a load
+    cuts only the strips of the regions it reads, not those of every tensor."""
+    import checkpoint.manifest as manifest_mod
+
+    ckpt = str(tmp_path)
+    saver = Saver(ckpt, group=None, options=SaveOptions(async_=False, **OPTIONS))
+    model = {n: (FULL.clone(), ShardInfo.whole(n, (ROWS, COLS))) for n in ("w", "v")}
+    saver.save(step=1, consumed_samples=1, model=model)
+    saver.close()
+    made = []
+    real = manifest_mod.SavedChunk
+    monkeypatch.setattr(manifest_mod, "SavedChunk", lambda **kw: made.append(kw) or real(**kw))
+    with Checkpoint.open(step_path(ckpt, 1)) as ck:
+        assert made == [] and len(ck.manifest.tensors["w"].chunks) == 16
+        local, info = part(0, 1, 4)
+        ck.load_into({"w": (local, info)})
+        assert torch.equal(local, FULL[64:128])
+        assert len(made) == 16 and {kw["key"].split("@")[0] for kw in made} == {"w"}
+        ck.check_files()  # every chunk of every tensor: cut once, then kept
+        assert len(made) == 16 + 32
+        ck.check_files()
+        assert len(made) == 16 + 32
 
 
 def test_a_cut_inside_a_block_reads_the_whole_block_and_no_more(tmp_path):
@@ -483,15 +509,18 @@ def test_a_verified_load_reads_each_file_front_to_back(tmp_path, monkeypatch):
     max_pieces=st.sampled_from([1, 2, 8, 16]),
     block_bytes=st.integers(0, 300),
     vector=st.booleans(),
+    corners=st.lists(st.integers(0, 40), min_size=4, max_size=4),
 )
 def test_a_version_4_manifest_lists_regions_that_expand_to_the_writers_chunks(
-    rows, cols, split, ranks, min_bytes, max_pieces, block_bytes, vector
+    rows, cols, split, ranks, min_bytes, max_pieces, block_bytes, vector, corners
 ):
     """What a load rebuilds from a version 4 manifest (each region's strips, keys, file
     and rows per block) is exactly what the writer cut and wrote, for any layout, strip
-    and block settings; and the listing holds one flat list per region."""
+    and block settings; the listing holds one flat list per region; and the chunks a load
+    cuts for one box (only those of the regions it meets) are every chunk that holds part
+    of it, before and after all of them are cut."""
     from checkpoint.manifest import FileEntry, Manifest
-    from checkpoint.planner import _split
+    from checkpoint.planner import _split, intersect
     from checkpoint.saveplan import LocalEntry, build_save_plan
 
     shapes = {"m": (rows, cols), "v": (rows,)} if vector else {"m": (rows, cols)}
@@ -527,7 +556,17 @@ def test_a_version_4_manifest_lists_regions_that_expand_to_the_writers_chunks(
         entry = read.tensors[name]
         assert entry.chunks == t.chunks
         slots = {(f.name, s.key): s.block_rows for f in plan.files.values() for s in f.slots}
-        assert entry.block_rows == {c.key: slots[(c.file, c.key)] for c in t.chunks}
+        # A box inside the tensor (a vector's: its rows only), from the drawn corners.
+        r0, r1 = sorted(min(x, rows) for x in corners[:2])
+        c0, c1 = sorted(min(x, cols) for x in corners[2:])
+        box = ((r0, c0), (r1 - r0, c1 - c0)) if name == "m" else ((r0,), (r1 - r0,))
+        met = [c for c in t.chunks if intersect(box, (c.offsets, c.sizes)) is not None]
+        fresh = Manifest.from_json(body, where="m").tensors[name]
+        assert [c for c in fresh.chunks_within(box) if c in met] == met  # nothing all cut
+        assert [entry.rows_per_block(c) for c in entry.chunks] == [
+            slots[(c.file, c.key)] for c in t.chunks
+        ]
+        assert [c for c in entry.chunks_within(box) if c in met] == met  # all cut, kept
 
 
 def test_a_file_too_large_for_its_checksums_in_the_header_gets_larger_blocks(tmp_path, monkeypatch):

@@ -259,6 +259,11 @@ V4_ATTACKS = {
     ),
     "the same region twice": (
         lambda raw: raw["tensors"]["w"]["regions"].append(list(region(raw))),
+        "shards overlap",
+    ),
+    # It holds no element, so the tiling check cannot see it; its key is the first strip's.
+    "an empty region at the offsets of a strip in the same file": (
+        lambda raw: raw["tensors"]["w"]["regions"].append([region(raw)[0], 0, 0, 0, 16, 1]),
         "is not a new string",
     ),
 }
