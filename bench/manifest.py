@@ -11,8 +11,11 @@ verify blocks, writers), then the manifest from that plan, as ``Saver._commit`` 
 it. Version 3 lists every chunk with its file, key and block checksums (8 hex digits per
 16 KiB block); version 4 lists each written region once (rank, box, strip count) and keeps
 the checksums in the tensor files' headers. Both are printed side by side, with the bound every load enforces (``MAX_MANIFEST_BYTES``), and version 4 is
-parsed and checked as a load does (``Manifest.from_json``: the chunks tiling every
-tensor, the bytes of every file).
+parsed and checked as a load does (``Manifest.from_json``: the regions tiling every
+tensor, the bytes of every file). What a resuming rank then does is timed after it: rank
+0 plans the reads of its own regions (``plan_reads`` of the chunks of the regions each
+meets, as ``Checkpoint.load_into`` does), against cutting every chunk of the manifest (what
+every load did before the chunks were cut lazily, and what ``verify`` still does).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from checkpoint.manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest
+from checkpoint.planner import plan_reads
 from checkpoint.saveplan import LocalEntry, build_save_plan
 from checkpoint.stfile import crc_count
 
@@ -148,6 +152,20 @@ def manifest(plan, world: int, version: int) -> Manifest:
     )
 
 
+def rank_reads(read: Manifest, mine) -> tuple[float, int]:
+    """Seconds to plan the reads of one rank's regions from a parsed manifest, as a load
+    does, and the chunks it cut for them."""
+    t0 = time.perf_counter()
+    cut = 0
+    for e in mine:
+        t = read.tensors[e.name]
+        box = (e.offsets, e.sizes)
+        chunks = t.chunks_within(box)
+        cut += len(chunks)
+        plan_reads(e.name, box, chunks, global_shape=t.shape)
+    return time.perf_counter() - t0, cut
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="10b,60b")
@@ -158,7 +176,8 @@ def main() -> None:
     print(
         f"{'model':>5} {'layout':>18} {'params':>7} {'state GB':>9} {'chunks':>8} "
         f"{'v3 MiB':>8} {'v3 loads':>8} {'v4 MiB':>8} {'v4 loads':>8} {'v4/v3':>6} "
-        f"{'v4 B/chunk':>10} {'plan s':>7} {'parse s':>7}"
+        f"{'v4 B/chunk':>10} {'plan s':>7} {'parse s':>7} {'rank 0 reads s':>14} "
+        f"{'its chunks':>10} {'cut all s':>9}"
     )
     for model in args.models.split(","):
         hidden, ffn, layers, vocab = MODELS[model]
@@ -174,18 +193,23 @@ def main() -> None:
             state = sum(f.data_bytes for f in plan.files.values())
             v3 = len(manifest(plan, len(entries), 3).to_json())
             body = manifest(plan, len(entries), 4).to_json()
-            parse_s = float("nan")  # a load refuses it unparsed
+            parse_s = reads_s = cut_s = float("nan")  # a load refuses it unparsed
+            cut = 0
             if len(body) <= MAX_MANIFEST_BYTES:
                 t0 = time.perf_counter()
-                Manifest.from_json(body, where="bench")
+                read = Manifest.from_json(body, where="bench")
                 parse_s = time.perf_counter() - t0
+                reads_s, cut = rank_reads(read, entries[0])
+                t0 = time.perf_counter()
+                assert sum(len(tuple(t.chunks)) for t in read.tensors.values()) == chunks
+                cut_s = time.perf_counter() - t0
             fits = {True: "yes", False: "REFUSED"}
             print(
                 f"{model:>5} {layout:>18} {count / 1e9:>6.1f}B {state / 1e9:>9.1f} "
                 f"{chunks:>8} {v3 / mib:>8.1f} {fits[v3 <= MAX_MANIFEST_BYTES]:>8} "
                 f"{len(body) / mib:>8.1f} {fits[len(body) <= MAX_MANIFEST_BYTES]:>8} "
                 f"{len(body) / v3:>6.3f} {len(body) / chunks:>10.0f} {plan_s:>7.1f} "
-                f"{parse_s:>7.1f}",
+                f"{parse_s:>7.1f} {reads_s:>14.3f} {cut:>10} {cut_s:>9.1f}",
                 flush=True,
             )
 
