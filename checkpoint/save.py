@@ -49,7 +49,7 @@ from checkpoint.errors import (
     SaveRefusedError,
 )
 from checkpoint.fence import Fence, check_fence
-from checkpoint.manifest import MANIFEST, MAX_MANIFEST_BYTES, FileEntry, Manifest
+from checkpoint.manifest import MANIFEST, MAX_MANIFEST_BYTES, FileEntry, Manifest, file_name
 from checkpoint.planner import relative
 from checkpoint.saveplan import FilePlan, LocalEntry, SavePlan, build_save_plan
 from checkpoint.shards import ShardInfo
@@ -370,6 +370,7 @@ class Saver:
             chunk_min_bytes=self.options.chunk_min_bytes,
             chunk_max_pieces=self.options.chunk_max_pieces,
             block_bytes=self.options.block_bytes,
+            only=self.rank,
         )
         self._plan_cache = (signature, plan, digest)
         return plan, start["token"], None
@@ -553,7 +554,7 @@ class Saver:
         """The bytes of JSON every rank's report of a save with ``plan`` fits in (the same
         on every rank: it comes from the plan alone): the longest file's report (its name,
         size and header checksum), plus room for an error instead."""
-        longest = max((len(f.name) for f in plan.files.values()), default=0)
+        longest = max((len(file_name(r)) for r in plan.writers), default=0)
         return longest + 4096
 
     def _commit(self, plan: SavePlan, reports: list[dict[str, Any]], head: dict[str, Any]) -> None:

@@ -540,6 +540,14 @@ def test_a_version_4_manifest_lists_regions_that_expand_to_the_writers_chunks(
         per_rank.append(mine)
     plan = build_save_plan(per_rank, chunk_min_bytes=min_bytes, chunk_max_pieces=max_pieces,
                            block_bytes=block_bytes)  # fmt: skip
+    # What a saving rank builds: its own file laid out, and the same plan otherwise.
+    for r in range(ranks):
+        own = build_save_plan(per_rank, chunk_min_bytes=min_bytes, chunk_max_pieces=max_pieces,
+                              block_bytes=block_bytes, only=r)  # fmt: skip
+        assert own.files == {k: f for k, f in plan.files.items() if k == r}
+        assert (own.tensors, own.writers, own.block_bytes) == (
+            plan.tensors, plan.writers, plan.block_bytes)  # fmt: skip
+    assert plan.writers == tuple(sorted(plan.files))
     files = {f.name: FileEntry(name=f.name, bytes=8 + f.data_bytes, sha256="",
                                header_sha256="0" * 64, rank=f.rank)
              for f in plan.files.values()}  # fmt: skip
