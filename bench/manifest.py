@@ -7,8 +7,9 @@ trainer shards a GPT (qkv and fc1 split by rows over tp, proj and fc2 by columns
 embedding by rows, norms and the biases of row-split layers replicated; with ``zero1`` the
 fp32 parameters and both AdamW moments cut by rows over dp too; pipeline stages take
 contiguous layers), and the saver's own code makes the rest: ``build_save_plan`` (strips,
-verify blocks, writers), then the manifest from that plan, as ``Saver._commit`` builds
-it. Version 3 lists every chunk with its file, key and block checksums (8 hex digits per
+verify blocks, writers; timed as a saving rank builds it, laying out its own file only,
+and laying out every file, as it did before), then the manifest from that plan, as
+``Saver._commit`` builds it. Version 3 lists every chunk with its file, key and block checksums (8 hex digits per
 16 KiB block); version 4 lists each written region once (rank, box, strip count) and keeps
 the checksums in the tensor files' headers. Both are printed side by side, with the bound every load enforces (``MAX_MANIFEST_BYTES``), and version 4 is
 parsed and checked as a load does (``Manifest.from_json``: the regions tiling every
@@ -176,7 +177,7 @@ def main() -> None:
     print(
         f"{'model':>5} {'layout':>18} {'params':>7} {'state GB':>9} {'chunks':>8} "
         f"{'v3 MiB':>8} {'v3 loads':>8} {'v4 MiB':>8} {'v4 loads':>8} {'v4/v3':>6} "
-        f"{'v4 B/chunk':>10} {'plan s':>7} {'parse s':>7} {'rank 0 reads s':>14} "
+        f"{'v4 B/chunk':>10} {'plan s':>7} {'all files s':>11} {'parse s':>7} {'rank 0 reads s':>14} "
         f"{'its chunks':>10} {'cut all s':>9}"
     )
     for model in args.models.split(","):
@@ -187,8 +188,11 @@ def main() -> None:
             tp, pp, dp, zero = parse_layout(layout)
             entries = local_entries(params, layers, tp, pp, dp, zero)
             t0 = time.perf_counter()
-            plan = build_save_plan(entries, chunk_min_bytes=128 << 10)
-            plan_s = time.perf_counter() - t0
+            build_save_plan(entries, chunk_min_bytes=128 << 10, only=0)
+            plan_s = time.perf_counter() - t0  # what a saving rank builds: its own file
+            t0 = time.perf_counter()
+            plan = build_save_plan(entries, chunk_min_bytes=128 << 10)  # every file
+            every_s = time.perf_counter() - t0
             chunks = sum(len(t.chunks) for t in plan.tensors.values())
             state = sum(f.data_bytes for f in plan.files.values())
             v3 = len(manifest(plan, len(entries), 3).to_json())
@@ -208,7 +212,7 @@ def main() -> None:
                 f"{model:>5} {layout:>18} {count / 1e9:>6.1f}B {state / 1e9:>9.1f} "
                 f"{chunks:>8} {v3 / mib:>8.1f} {fits[v3 <= MAX_MANIFEST_BYTES]:>8} "
                 f"{len(body) / mib:>8.1f} {fits[len(body) <= MAX_MANIFEST_BYTES]:>8} "
-                f"{len(body) / v3:>6.3f} {len(body) / chunks:>10.0f} {plan_s:>7.1f} "
+                f"{len(body) / v3:>6.3f} {len(body) / chunks:>10.0f} {plan_s:>7.1f} {every_s:>11.1f} "
                 f"{parse_s:>7.1f} {reads_s:>14.3f} {cut:>10} {cut_s:>9.1f}",
                 flush=True,
             )
