@@ -326,7 +326,7 @@ class Manifest:
                 "key": c.key,
                 "offsets": list(c.offsets),
                 "sizes": list(c.sizes),
-                **({"block_rows": t.block_rows[c.key]} if self.version >= 3 else {}),
+                **({"block_rows": t.rows_per_block(c)} if self.version >= 3 else {}),
                 self.checksum_key: t.crc32[c.key],
             }
             for c in t.chunks
