@@ -16,7 +16,8 @@ parsed and checked as a load does (``Manifest.from_json``: the regions tiling ev
 tensor, the bytes of every file). What a resuming rank then does is timed after it: rank
 0 plans the reads of its own regions (``plan_reads`` of the chunks of the regions each
 meets, as ``Checkpoint.load_into`` does), against cutting every chunk of the manifest (what
-every load did before the chunks were cut lazily, and what ``verify`` still does).
+every load did before the chunks were cut lazily, and what ``verify`` still does), with
+the MiB of Python objects each holds (traced in a pass of its own).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import math
 import os
 import sys
 import time
+import tracemalloc
 
 import torch
 
@@ -153,6 +155,20 @@ def manifest(plan, world: int, version: int) -> Manifest:
     )
 
 
+def held(body: bytes) -> tuple[float, float]:
+    """MiB of Python objects a parsed manifest holds, and what cutting every chunk adds
+    (traced in a pass of their own: tracing slows both)."""
+    tracemalloc.start()
+    try:
+        read = Manifest.from_json(body, where="bench")
+        parsed = tracemalloc.get_traced_memory()[0]
+        for t in read.tensors.values():
+            tuple(t.chunks)
+        return parsed / 2**20, (tracemalloc.get_traced_memory()[0] - parsed) / 2**20
+    finally:
+        tracemalloc.stop()
+
+
 def rank_reads(read: Manifest, mine) -> tuple[float, int]:
     """Seconds to plan the reads of one rank's regions from a parsed manifest, as a load
     does, and the chunks it cut for them."""
@@ -177,8 +193,8 @@ def main() -> None:
     print(
         f"{'model':>5} {'layout':>18} {'params':>7} {'state GB':>9} {'chunks':>8} "
         f"{'v3 MiB':>8} {'v3 loads':>8} {'v4 MiB':>8} {'v4 loads':>8} {'v4/v3':>6} "
-        f"{'v4 B/chunk':>10} {'plan s':>7} {'all files s':>11} {'parse s':>7} {'rank 0 reads s':>14} "
-        f"{'its chunks':>10} {'cut all s':>9}"
+        f"{'v4 B/chunk':>10} {'plan s':>7} {'all files s':>11} {'parse s':>7} {'MiB':>5} "
+        f"{'rank 0 reads s':>14} {'its chunks':>10} {'cut all s':>9} {'MiB':>5}"
     )
     for model in args.models.split(","):
         hidden, ffn, layers, vocab = MODELS[model]
@@ -197,7 +213,7 @@ def main() -> None:
             state = sum(f.data_bytes for f in plan.files.values())
             v3 = len(manifest(plan, len(entries), 3).to_json())
             body = manifest(plan, len(entries), 4).to_json()
-            parse_s = reads_s = cut_s = float("nan")  # a load refuses it unparsed
+            parse_s = reads_s = cut_s = parse_mib = cut_mib = float("nan")  # refused unread
             cut = 0
             if len(body) <= MAX_MANIFEST_BYTES:
                 t0 = time.perf_counter()
@@ -207,13 +223,16 @@ def main() -> None:
                 t0 = time.perf_counter()
                 assert sum(len(tuple(t.chunks)) for t in read.tensors.values()) == chunks
                 cut_s = time.perf_counter() - t0
+                del read
+                parse_mib, cut_mib = held(body)
             fits = {True: "yes", False: "REFUSED"}
             print(
                 f"{model:>5} {layout:>18} {count / 1e9:>6.1f}B {state / 1e9:>9.1f} "
                 f"{chunks:>8} {v3 / mib:>8.1f} {fits[v3 <= MAX_MANIFEST_BYTES]:>8} "
                 f"{len(body) / mib:>8.1f} {fits[len(body) <= MAX_MANIFEST_BYTES]:>8} "
-                f"{len(body) / v3:>6.3f} {len(body) / chunks:>10.0f} {plan_s:>7.1f} {every_s:>11.1f} "
-                f"{parse_s:>7.1f} {reads_s:>14.3f} {cut:>10} {cut_s:>9.1f}",
+                f"{len(body) / v3:>6.3f} {len(body) / chunks:>10.0f} {plan_s:>7.1f} "
+                f"{every_s:>11.1f} {parse_s:>7.1f} {parse_mib:>5.0f} {reads_s:>14.3f} {cut:>10} "
+                f"{cut_s:>9.1f} {cut_mib:>5.0f}",
                 flush=True,
             )
 

@@ -644,8 +644,9 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
 MAX_CHUNKS = 1 << 21
 """Chunks a manifest may hold in all. Parsing a version 4 manifest makes none of them (a
 load cuts those of the regions it reads), but whatever walks them all (``verify``,
-``check_files``, an export, and every load of versions 1 to 3) holds about 450 bytes of
-objects for each: 2 Mi of them about 0.9 GB. The largest layout measured, a 60B model on
+``check_files``, an export, and every load of versions 1 to 3) holds about 340 bytes of
+objects for each (bench/manifest.py; more in versions 1 to 3, which list checksums too):
+2 Mi of them about 0.7 GB. The largest layout measured, a 60B model on
 tp8 x pp8 x dp16 with the optimizer cut over dp, has 1.07 Mi; a save over this is refused
 (its manifest would be), never committed."""
 MAX_KEY_CHARS = 1 << 28
