@@ -163,7 +163,10 @@ class RegionChunks(Sequence[SavedChunk]):
         return f"RegionChunks({self._name!r}, {len(self._regions)} regions, {self._count} chunks)"
 
     def within(self, box: Box) -> list[SavedChunk]:
-        """The chunks of the regions that meet ``box`` (the others hold none of it)."""
+        """The chunks of the regions that meet ``box`` (the others hold none of it); none
+        for a box of other dimensions than the tensor's (which ``plan_reads`` refuses)."""
+        if self._regions and len(box[0]) != len(self._regions[0][1]):
+            return []
         if self._all is not None:
             return [c for c in self._all if intersect(box, (c.offsets, c.sizes)) is not None]
         return [
@@ -576,14 +579,9 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
         entry = TensorEntry(name=name, kind=kind, dtype=dtype, shape=shape, **listed_chunks)
         if version >= 4:
             # No chunk is made here. A region's strips tile it, so its bytes are theirs.
-            # Every key holds its tensor's name and its chunk's offsets (split at the last
-            # ``@``), and the regions of a tensor tile it (checked below), so two chunks
-            # could share a key only if one of them is empty: an empty region's strips are
-            # checked against every strip of its tensor.
             for rank, _, sizes, _ in entry.regions:
                 held[file_name(rank)] += math.prod(sizes) * dtype.itemsize
-            if any(0 in sizes for _, _, sizes, _ in entry.regions):
-                _unique_keys(shown, entry.chunks, set())
+            _empty_region_keys(shown, name, entry.regions)
         else:
             _unique_keys(shown, entry.chunks, keys)
             for c in entry.chunks:
@@ -745,6 +743,27 @@ def _parse_regions(t, name, dtype, shape, files) -> dict[str, Any]:
         regions.append((rank, offsets, sizes, n))
     regions = tuple(regions)
     return {"chunks": RegionChunks(name, regions), "regions": regions, "block_bytes": per_block}
+
+
+def _empty_region_keys(shown: str, name: str, regions: Sequence[WrittenRegion]) -> None:
+    """Refuse two chunks of a version 4 tensor with one key in one file, making no chunk.
+
+    A key is the tensor's name and the chunk's offsets (split at the last ``@``, so no
+    two tensors share one), and a tensor's regions tile it, so non-empty strips start at
+    different elements: two chunks can share a key only if one of them is empty. So only
+    the files (ranks) holding an empty region are looked at, strip starts only."""
+    ranks = {rank for rank, _, sizes, _ in regions if 0 in sizes}
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    for rank, offsets, sizes, n in regions:
+        if rank not in ranks:
+            continue
+        for start, _ in strips((offsets, sizes), n):
+            if (rank, start) in seen:
+                raise _Bad(
+                    f"tensor {shown}: shard key {quoted(chunk_key(name, start))} is not a new "
+                    f"string in {file_name(rank)}"
+                )
+            seen.add((rank, start))
 
 
 def _unique_keys(shown: str, chunks: Sequence[SavedChunk], seen: set[tuple[str, str]]) -> None:

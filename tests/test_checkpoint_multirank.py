@@ -282,3 +282,55 @@ def test_corruption_seen_by_one_rank_makes_every_rank_fall_back_together(tmp_pat
         assert r["step"] == 1 and r["wrong"] == []
         assert len(r["warnings"]) == 1 and "step 2" in r["warnings"][0]
         assert "checksum mismatch" in r["warnings"][0]
+
+
+W = torch.arange(1024 * 16, dtype=torch.float32).view(1024, 16)
+
+
+def _empty_beside_worker(rank, world, store, ckpt, out):
+    """Rank 0 holds all of w; rank 1 an empty box of it (no columns) at the same offsets,
+    so both files hold a chunk keyed ``w@0_0``."""
+    group = _init(rank, world, store)
+    try:
+        info = ShardInfo("w", tuple(W.shape), (0, 0), tuple(W.shape) if rank == 0 else (1024, 0))
+        local = W.clone() if rank == 0 else torch.empty(1024, 0)
+        # One strip each: 4 blocks of 256 rows in rank 0's chunk, 1 in rank 1's.
+        saver = Saver(ckpt, group=group, options=SaveOptions(async_=False))
+        saver.save(step=1, consumed_samples=1, model={"w": (local, info)})
+        saver.close()
+    finally:
+        dist.destroy_process_group()
+    Path(out, f"rank-{rank}.json").write_text("{}")
+
+
+def test_an_empty_box_keyed_like_another_ranks_chunk_loads_and_verifies(tmp_path, monkeypatch):
+    """One key in two files is valid (each file has its own keys). Each chunk's rows per
+    block are its own: before, they were looked up by key alone, so the empty chunk's
+    rows were taken for the full one, and every load and verify refused the step. And
+    checking keys where a region is empty cuts no chunk."""
+    import checkpoint.manifest as manifest_mod
+    from checkpoint import verify
+    from checkpoint.errors import LayoutMismatchError
+    from checkpoint.planner import plan_reads
+
+    ckpt = str(tmp_path / "ckpt")
+    spawn(_empty_beside_worker, 2, tmp_path, ckpt)
+    ck = open_step(ckpt)
+    assert verify(ck) == []
+    assert torch.equal(ck.read("w"), W)
+    half = ShardInfo("w", tuple(W.shape), (512, 0), (512, 16))
+    local = torch.empty(512, 16)
+    with Checkpoint.open(ck.path) as again:
+        again.load_into({"w": (local, half)})
+    assert torch.equal(local, W[512:])
+    made = []
+    real = manifest_mod.SavedChunk
+    monkeypatch.setattr(manifest_mod, "SavedChunk", lambda **kw: made.append(kw) or real(**kw))
+    entry = open_step(ckpt).manifest.tensors["w"]
+    assert entry.regions == ((0, (0, 0), (1024, 16), 1), (1, (0, 0), (1024, 0), 1))
+    assert made == []
+    # A box of other dimensions cuts nothing and is refused as a layout mismatch.
+    row = ((0,), (4,))
+    assert entry.chunks_within(row) == []
+    with pytest.raises(LayoutMismatchError, match="asked for 1 dimensions"):
+        plan_reads("w", row, entry.chunks_within(row), global_shape=entry.shape)
