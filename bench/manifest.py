@@ -131,7 +131,7 @@ def manifest(plan, world: int, version: int) -> Manifest:
             crc = {}
             for c in t.chunks:
                 s = slots[(c.file, c.key)]
-                crc[c.key] = "0" * 8 * crc_count(s.end - s.begin, s.block_bytes)
+                crc[(c.file, c.key)] = "0" * 8 * crc_count(s.end - s.begin, s.block_bytes)
             tensors[name] = dataclasses.replace(t, crc32=crc)
     files = {
         f.name: FileEntry(

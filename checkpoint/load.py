@@ -450,7 +450,7 @@ class Checkpoint:
         from its file's header (checked against the manifest's ``header_sha256`` when the
         file was opened) in version 4."""
         if self.manifest.version < 4:
-            return entry.crc32[chunk.key]
+            return entry.crc32[(chunk.file, chunk.key)]
         return header_crcs(f.header, chunk.key, entry.blocks(chunk), f.path)
 
     def _chunk_span(self, chunk: SavedChunk, dtype: torch.dtype) -> tuple[_OpenFile, int, int]:

@@ -188,13 +188,13 @@ class TensorEntry:
     chunks: Sequence[SavedChunk]
     """Every chunk (a tuple; parsed from a version 4 manifest, :class:`RegionChunks`, which
     cuts them from the regions when first walked)."""
-    crc32: dict[str, str] = field(default_factory=dict)
-    """Checksums of each chunk's bytes, by safetensors key (checked by every load), in
-    versions 1 to 3: in version 3 the CRC-32C of each block of ``block_rows[key]`` rows, 8
+    crc32: dict[tuple[str, str], str] = field(default_factory=dict)
+    """Checksums of each chunk's bytes, by (file, safetensors key) (checked by every
+    load; one key may be in two files), in versions 1 to 3: in version 3 the CRC-32C of each block of ``block_rows[key]`` rows, 8
     hex digits each, concatenated; in version 2 one CRC-32C of the whole chunk, in version 1
     zlib's CRC-32. Empty in version 4: the chunk's file header holds them."""
-    block_rows: dict[str, int] = field(default_factory=dict)
-    """Rows per verify block of each chunk, by key, as version 3 lists them (and a save
+    block_rows: dict[tuple[str, str], int] = field(default_factory=dict)
+    """Rows per verify block of each chunk, by (file, key), as version 3 lists them (and a save
     plan's entries); parsed from version 4, empty: :meth:`rows_per_block` computes them
     from ``block_bytes``, as the writer did."""
     regions: tuple[WrittenRegion, ...] = ()
@@ -205,7 +205,7 @@ class TensorEntry:
 
     def rows_per_block(self, chunk: SavedChunk) -> int:
         """Rows per verify block of ``chunk`` (all its rows in versions 1 and 2)."""
-        rows = self.block_rows.get(chunk.key)
+        rows = self.block_rows.get((chunk.file, chunk.key))
         if rows is not None:
             return rows
         if self.regions:
@@ -330,7 +330,7 @@ class Manifest:
                 "offsets": list(c.offsets),
                 "sizes": list(c.sizes),
                 **({"block_rows": t.rows_per_block(c)} if self.version >= 3 else {}),
-                self.checksum_key: t.crc32[c.key],
+                self.checksum_key: t.crc32[(c.file, c.key)],
             }
             for c in t.chunks
         ]
@@ -604,7 +604,7 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
             )
     for name, t in tensors.items():
         for c in t.chunks if version == 3 else ():
-            n, text = block_count(c.sizes, t.block_rows[c.key]), t.crc32[c.key]
+            n, text = block_count(c.sizes, t.rows_per_block(c)), t.crc32[(c.file, c.key)]
             if not isinstance(text, str) or len(text) != 8 * n or not lower_hex(text):
                 _hex(text, f"tensor {quoted(name)}: {crc_key} of {quoted(c.key)}", 8 * n)
     layout = raw.get("layout")
@@ -700,11 +700,11 @@ def _parse_shards(t, name, shape, files, version) -> dict[str, Any]:
             per = s["block_rows"]
             if type(per) is not int or not 1 <= per < INT_LIMIT:
                 _int(per, f"tensor {shown}: block_rows", lo=1)
-            rows[key] = per
+            rows[(file, key)] = per
             # Its length (8 digits per block) is checked once the bytes are.
-            crc[key] = s[crc_key]
+            crc[(file, key)] = s[crc_key]
         else:
-            crc[key] = _hex(s[crc_key], f"tensor {shown}: {crc_key}", 8)
+            crc[(file, key)] = _hex(s[crc_key], f"tensor {shown}: {crc_key}", 8)
     return {"chunks": tuple(chunks), "crc32": crc, "block_rows": rows}
 
 

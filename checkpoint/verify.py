@@ -35,7 +35,7 @@ def verify(ckpt: Checkpoint) -> list[str]:
             # Bytes per verify block (the whole chunk before version 3), and the checksums:
             # from the manifest, or (version 4) how many the file's header holds.
             block = entry.rows_per_block(c) * row_bytes(c.sizes, entry.dtype.itemsize)
-            crc = entry.crc32[c.key] if in_manifest else entry.blocks(c)
+            crc = entry.crc32[(c.file, c.key)] if in_manifest else entry.blocks(c)
             nbytes = math.prod(c.sizes) * entry.dtype.itemsize
             by_file.setdefault(c.file, {})[c.key] = (block, crc, nbytes)
     for name, meta in sorted(ckpt.manifest.files.items()):

@@ -45,12 +45,15 @@ def rewrite_as(step_dir: str | Path, version: int) -> None:
     tensors = {}
     for name, t in m.tensors.items():
         if version == 3:
-            crc = {c.key: meta[c.file][CRC_META + c.key] for c in t.chunks}
+            crc = {(c.file, c.key): meta[c.file][CRC_META + c.key] for c in t.chunks}
         elif version == 2:
-            crc = {c.key: f"{crc32c.crc32c(data[(c.file, c.key)]):08x}" for c in t.chunks}
+            crc = {(c.file, c.key): f"{crc32c.crc32c(data[(c.file, c.key)]):08x}" for c in t.chunks}
         else:
-            crc = {c.key: f"{zlib.crc32(data[(c.file, c.key)]) & 0xFFFFFFFF:08x}" for c in t.chunks}
-        rows = {c.key: t.rows_per_block(c) for c in t.chunks} if version == 3 else {}
+            crc = {
+                (c.file, c.key): f"{zlib.crc32(data[(c.file, c.key)]) & 0xFFFFFFFF:08x}"
+                for c in t.chunks
+            }
+        rows = {(c.file, c.key): t.rows_per_block(c) for c in t.chunks} if version == 3 else {}
         tensors[name] = dataclasses.replace(
             t, crc32=crc, block_rows=rows, regions=(), block_bytes=0
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import signal
 import time
 import zlib
@@ -21,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ckpt_versions import rewrite_as
 
 from checkpoint import (
     Checkpoint,
@@ -33,6 +35,7 @@ from checkpoint import (
     read_latest,
 )
 from checkpoint.stfile import read_header
+from checkpoint.store import step_path
 
 H, V, L, E, F = 16, 50, 4, 4, 32
 
@@ -305,9 +308,9 @@ def _empty_beside_worker(rank, world, store, ckpt, out):
 
 def test_an_empty_box_keyed_like_another_ranks_chunk_loads_and_verifies(tmp_path, monkeypatch):
     """One key in two files is valid (each file has its own keys). Each chunk's rows per
-    block are its own: before, they were looked up by key alone, so the empty chunk's
-    rows were taken for the full one, and every load and verify refused the step. And
-    checking keys where a region is empty cuts no chunk."""
+    block and checksums are its own, in every format version: before, they were looked up
+    by key alone, so the empty chunk's were taken for the full one, and every load and
+    verify refused the step. And checking keys where a region is empty cuts no chunk."""
     import checkpoint.manifest as manifest_mod
     from checkpoint import verify
     from checkpoint.errors import LayoutMismatchError
@@ -315,6 +318,16 @@ def test_an_empty_box_keyed_like_another_ranks_chunk_loads_and_verifies(tmp_path
 
     ckpt = str(tmp_path / "ckpt")
     spawn(_empty_beside_worker, 2, tmp_path, ckpt)
+    # Each older version as its writer listed it: checksums and rows by chunk, one key in
+    # two files alike.
+    for version in (3, 2, 1):
+        older = str(tmp_path / f"v{version}")
+        shutil.copytree(ckpt, older)
+        rewrite_as(step_path(older, 1), version)
+        ck = open_step(older)
+        assert ck.manifest.version == version
+        assert verify(ck) == []
+        assert torch.equal(ck.read("w"), W)
     ck = open_step(ckpt)
     assert verify(ck) == []
     assert torch.equal(ck.read("w"), W)
