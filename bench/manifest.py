@@ -9,15 +9,16 @@ fp32 parameters and both AdamW moments cut by rows over dp too; pipeline stages 
 contiguous layers), and the saver's own code makes the rest: ``build_save_plan`` (strips,
 verify blocks, writers; timed as a saving rank builds it, laying out its own file only,
 and laying out every file, as it did before), then the manifest from that plan, as
-``Saver._commit`` builds it. Version 3 lists every chunk with its file, key and block checksums (8 hex digits per
-16 KiB block); version 4 lists each written region once (rank, box, strip count) and keeps
-the checksums in the tensor files' headers. Both are printed side by side, with the bound every load enforces (``MAX_MANIFEST_BYTES``), and version 4 is
-parsed and checked as a load does (``Manifest.from_json``: the regions tiling every
-tensor, the bytes of every file). What a resuming rank then does is timed after it: rank
-0 plans the reads of its own regions (``plan_reads`` of the chunks of the regions each
-meets, as ``Checkpoint.load_into`` does), against cutting every chunk of the manifest (what
-every load did before the chunks were cut lazily, and what ``verify`` still does), with
-the MiB of Python objects each holds (traced in a pass of its own).
+``Saver._commit`` builds it. Version 3 lists every chunk with its file, key and block
+checksums (8 hex digits per 16 KiB block); version 4 lists each written region once
+(rank, box, strip count) and keeps the checksums in the tensor files' headers. Both are
+printed side by side, with the bound every load enforces (``MAX_MANIFEST_BYTES``), and
+version 4 is parsed and checked as a load does (``Manifest.from_json``: the regions
+tiling every tensor, the bytes of every file). What a resuming rank then does is timed
+after it: rank 0 plans the reads of its own regions (``plan_reads`` of the chunks of the
+regions each meets, as ``Checkpoint.load_into`` does), against cutting every chunk of the
+manifest (what every load did before the chunks were cut lazily, and what ``verify``
+still does), with the MiB of Python objects each holds (traced in a pass of its own).
 """
 
 from __future__ import annotations

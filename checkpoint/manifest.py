@@ -189,14 +189,15 @@ class TensorEntry:
     """Every chunk (a tuple; parsed from a version 4 manifest, :class:`RegionChunks`, which
     cuts them from the regions when first walked)."""
     crc32: dict[tuple[str, str], str] = field(default_factory=dict)
-    """Checksums of each chunk's bytes, by (file, safetensors key) (checked by every
-    load; one key may be in two files), in versions 1 to 3: in version 3 the CRC-32C of each block of ``block_rows[key]`` rows, 8
-    hex digits each, concatenated; in version 2 one CRC-32C of the whole chunk, in version 1
-    zlib's CRC-32. Empty in version 4: the chunk's file header holds them."""
+    """Checksums of each chunk's bytes, by (file, safetensors key): one key may be in two
+    files. Checked by every load, in versions 1 to 3: in version 3 the CRC-32C of each
+    block of :meth:`rows_per_block` rows, 8 hex digits each, concatenated; in version 2 one
+    CRC-32C of the whole chunk, in version 1 zlib's CRC-32. Empty in version 4: the chunk's
+    file header holds them."""
     block_rows: dict[tuple[str, str], int] = field(default_factory=dict)
-    """Rows per verify block of each chunk, by (file, key), as version 3 lists them (and a save
-    plan's entries); parsed from version 4, empty: :meth:`rows_per_block` computes them
-    from ``block_bytes``, as the writer did."""
+    """Rows per verify block of each chunk, by (file, key), as version 3 lists them; empty
+    in version 4, where :meth:`rows_per_block` computes them from ``block_bytes``, as the
+    writer did."""
     regions: tuple[WrittenRegion, ...] = ()
     """The written regions the chunks are cut from (version 4: what its manifest lists)."""
     block_bytes: int = 0
