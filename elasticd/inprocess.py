@@ -233,6 +233,9 @@ class Context:
         boxes = {name: (t, ShardInfo.whole(name, tuple(t.shape))) for name, t in tensors.items()}
         newest = torch.tensor([-1 if step is None else int(step)], dtype=torch.int64)
         group = transfer_group()
+        # The transfer's own description gather carries every step too, but its waits are
+        # unbounded: this bounded one (wait_collective) leaves a peer frozen before the
+        # transfer within the bound, so the round still ends in-process.
         if dist.is_initialized():
             work = dist.all_reduce(newest, op=dist.ReduceOp.MAX, group=group, async_op=True)
             wait_collective(work, group)
