@@ -570,11 +570,11 @@ def test_a_version_4_manifest_lists_regions_that_expand_to_the_writers_chunks(
         box = ((r0, c0), (r1 - r0, c1 - c0)) if name == "m" else ((r0,), (r1 - r0,))
         met = [c for c in t.chunks if intersect(box, (c.offsets, c.sizes)) is not None]
         fresh = Manifest.from_json(body, where="m").tensors[name]
-        assert [c for c in fresh.chunks_within(box) if c in met] == met  # nothing all cut
+        assert [c for c in fresh.chunks_within(box) if c in met] == met  # none cut before
         assert [entry.rows_per_block(c) for c in entry.chunks] == [
             slots[(c.file, c.key)] for c in t.chunks
         ]
-        assert [c for c in entry.chunks_within(box) if c in met] == met  # all cut, kept
+        assert [c for c in entry.chunks_within(box) if c in met] == met  # all cut and kept
 
 
 def test_a_file_too_large_for_its_checksums_in_the_header_gets_larger_blocks(tmp_path, monkeypatch):
