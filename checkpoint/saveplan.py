@@ -18,10 +18,10 @@ from checkpoint.manifest import (
     RegionChunks,
     TensorEntry,
     WrittenRegion,
-    chunk_key,
     dtype_name,
     dtype_of,
     file_name,
+    region_chunks,
 )
 from checkpoint.planner import (
     Box,
@@ -31,7 +31,6 @@ from checkpoint.planner import (
     coverage_problem,
     numel,
     strip_count,
-    strips,
 )
 from checkpoint.stfile import FileSlot
 
@@ -207,7 +206,7 @@ def build_save_plan(
     written: dict[str, list[WrittenRegion]] = {name: [] for name in meta}
     files: dict[int, FilePlan] = {}
     for rank in sorted(mine):
-        fname = file_name(rank)
+        laid_out = only is None or rank == only
         # Widest dtypes first keeps every tensor aligned to its itemsize in the file.
         regions = sorted(mine[rank], key=lambda k: (-meta[k[0]].dtype.itemsize, k[0], k[1]))
         slots, copies, spans, at = [], [], [], 0
@@ -217,36 +216,38 @@ def build_save_plan(
             n = strip_count(
                 box, itemsize=size, min_bytes=chunk_min_bytes, max_pieces=chunk_max_pieces
             )
-            written[name].append((rank, *box, n))
-            if only is not None and rank != only:
+            region = (rank, *box, n)
+            written[name].append(region)
+            if not laid_out:
                 continue
             spans.append(
                 Region(
                     name=name, box=box, dtype=entry.dtype, begin=at, end=at + numel(box[1]) * size
                 )
             )
-            for piece in strips(box, n):
-                key = chunk_key(name, piece[0])
+            # The very strips and keys a load cuts from the manifest's listing of the region.
+            for c in region_chunks(name, region):
                 slot = FileSlot(
-                    key=key,
+                    key=c.key,
                     dtype=entry.dtype,
-                    shape=piece[1],
+                    shape=c.sizes,
                     begin=at,
-                    end=at + numel(piece[1]) * size,
-                    block_rows=block_rows(piece[1], itemsize=size, block_bytes=block_bytes),
+                    end=at + numel(c.sizes) * size,
+                    block_rows=block_rows(c.sizes, itemsize=size, block_bytes=block_bytes),
                 )
                 at = slot.end
                 slots.append(slot)
-                copies.append(Copy(name=name, box=piece, slot=slot, region=len(spans) - 1))
-        if only is not None and rank != only:
-            continue
-        files[rank] = FilePlan(
-            name=fname,
-            rank=rank,
-            slots=tuple(slots),
-            copies=tuple(copies),
-            regions=tuple(spans),
-        )
+                copies.append(
+                    Copy(name=name, box=(c.offsets, c.sizes), slot=slot, region=len(spans) - 1)
+                )
+        if laid_out:
+            files[rank] = FilePlan(
+                name=file_name(rank),
+                rank=rank,
+                slots=tuple(slots),
+                copies=tuple(copies),
+                regions=tuple(spans),
+            )
     tensors = {
         name: TensorPlan(
             name=name,
