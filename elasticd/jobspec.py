@@ -144,7 +144,11 @@ class CheckpointConfig:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RestartConfig:
     max_restarts: int = 10
-    """Worker restarts allowed before the job fails."""
+    """Failures in a row the job survives: a worker that crashed or hung, a collective that
+    failed (a lost node, a preemption or a scale-up is none). The count starts over once
+    the job trains past the furthest step it had reached at the failure before, so a job
+    that trains on between faults never runs out, and one that keeps failing before it
+    gets further fails at failure ``max_restarts + 1``."""
     mode: Literal["process", "inprocess"] = "process"
     """How workers restart after a fault: ``process`` stops every worker and starts new
     ones (state from the last checkpoint); ``inprocess`` keeps the survivors' processes,

@@ -11,7 +11,9 @@ The "loss" of step k is a function of k alone (the all-reduced mean of k), so an
 size gives the same sequence: a resumed run matches an uninterrupted one.
 
 For the failure rules: ``AGENT_TEST_USER_ERROR_AT=K`` makes rank 0 print an error line
-and exit 2 (a user error) at step K. Each metrics record carries the worker's
+and exit 2 (a user error) at step K. ``AGENT_TEST_CRASH_AT=K,L,...`` makes rank 0 exit 1
+(a crash) the first time it reaches each of those steps (a marker file in output_dir
+remembers), ``AGENT_TEST_CRASH_LOOP_AT=K`` every time it reaches step K. Each metrics record carries the worker's
 CUDA_VISIBLE_DEVICES (``devices``), so tests see which slots a job got.
 """
 
@@ -64,6 +66,15 @@ def save(ckpt: str, step: int, value: float, rank: int) -> dict:
     return {"step": step, "seconds": time.time() - t0}
 
 
+def first_crash(out: str, step: int) -> bool:
+    """Whether this is the first time a crash at ``step`` is due (and mark it done)."""
+    try:
+        with open(os.path.join(out, f"crashed-at-{step}"), "x"):
+            return True
+    except FileExistsError:
+        return False
+
+
 def main() -> int:
     with open(os.environ["ELASTICD_JOB_FILE"], encoding="utf-8") as fh:
         job = json.load(fh)
@@ -80,10 +91,15 @@ def main() -> int:
     channel.mark("ckpt_loaded")
     saved = None
     user_error_at = int(os.environ.get("AGENT_TEST_USER_ERROR_AT", "0") or 0)
+    crash_at = {int(k) for k in os.environ.get("AGENT_TEST_CRASH_AT", "").split(",") if k}
+    crash_loop_at = int(os.environ.get("AGENT_TEST_CRASH_LOOP_AT", "0") or 0)
     for step in range(start + 1, steps + 1):
         if rank == 0 and step == user_error_at:
             print(f"agent_worker: error: bad setting at step {step}", file=sys.stderr, flush=True)
             os._exit(2)
+        if rank == 0 and (step == crash_loop_at or (step in crash_at and first_crash(out, step))):
+            print(f"agent_worker: crashing at step {step}", file=sys.stderr, flush=True)
+            os._exit(1)
         t0 = time.time()
         contribution = torch.tensor([float(step)])
         dist.all_reduce(contribution)

@@ -19,8 +19,12 @@ from elasticd.agent.policy import (
     Outcome,
     WorkerEnvInputs,
     backoff,
+    count_failure,
     decide,
     latest_checkpoint_step,
+    note_furthest_step,
+    restart_limit_reached,
+    uncount_failure,
     worker_argv,
     worker_envs,
 )
@@ -453,3 +457,35 @@ def test_the_queue_says_why_a_job_cannot_start():
     assert why({"a": {**busy, "jobs": ["j"]}}) is None  # it holds the job already
     assert why({"a": plain}, command=["python3"]).startswith("refused: no agent runs custom")
     assert why({"a": {"free": None, "allow_commands": "all"}}, nproc=64) is None  # no accounting
+
+
+def test_the_restart_limit_counts_failures_in_a_row_without_progress():
+    st: dict = {"restarts": 0}
+    count_failure(st, None)  # before any step
+    assert (st["restarts"], st["restart_streak"]) == (1, 1)
+    count_failure(st, None)
+    assert st["restart_streak"] == 2
+    assert restart_limit_reached(st, 1).startswith(
+        "restart limit reached (1): 2 failures in a row before any step; last: "
+    )
+    assert restart_limit_reached(st, 2) is None
+    note_furthest_step(st, 40)  # trained: the next failure starts a new streak
+    count_failure(st, 38)  # the claimer saw less than the status: the status's counts
+    assert (st["restarts"], st["restart_streak"], st["furthest_step"]) == (3, 1, 40)
+    count_failure(st, 40)  # resumed from a checkpoint, trained up to 40 again: no progress
+    assert st["restart_streak"] == 2
+    count_failure(st, 41)  # the claimer saw a step the status has not caught up with
+    assert (st["restart_streak"], st["furthest_step"], st["streak_step"]) == (1, 41, 41)
+    note_furthest_step(st, 30)  # steps trained again never lower it
+    note_furthest_step(st, True)  # nor does what is no step
+    assert st["furthest_step"] == 41
+    count_failure(st, 41)
+    count_failure(st, 41)
+    assert "3 failures in a row without training past step 41" in restart_limit_reached(st, 2)
+    uncount_failure(st)  # that round lost a node: no restart spent
+    assert (st["restarts"], st["restart_streak"]) == (6, 2)
+    assert restart_limit_reached(st, 2) is None
+    # A status written before this rule (no streak yet) starts one.
+    old = {"restarts": 7, "step": 90}
+    count_failure(old, 95)
+    assert (old["restarts"], old["restart_streak"], old["furthest_step"]) == (8, 1, 95)

@@ -112,6 +112,47 @@ def test_a_workers_user_error_fails_the_job_at_once_without_spending_restarts(tm
     assert [e["round"] for e in final.status["history"] if e["kind"] == "world"] == [1]
 
 
+def test_a_job_that_trains_on_between_crashes_outlasts_its_restart_limit(tmp_path):
+    # Three crashes, each after the job trained past the furthest step it had reached at
+    # the one before: with max_restarts 1, a lifetime count would fail it at the second.
+    job = make_job(tmp_path, "flaky", steps=12, restart={"max_restarts": 1})
+    env = env_with(AGENT_TEST_CRASH_AT="2,5,9")
+    with LocalCluster(base_dir=str(tmp_path / "c"), nproc=1, env=env) as c:
+        c.start(1)
+        with connect(c.etcd.client_config()) as client:
+            wait_for(registered(client, 1), timeout=30)
+            reg = JobRegistry(client)
+            reg.submit(job)
+            final = wait_for(finished(reg, "flaky"), timeout=120)
+    assert final.state == "succeeded", final.reason
+    st = final.status
+    assert st["restarts"] == 3 and st["restart_streak"] == 1 and st["furthest_step"] == 12
+    assert [e["reason"] for e in st["history"] if e["kind"] == "failure"] == ["worker_failed"] * 3
+    steps = {r["step"] for r in read_metrics(os.path.join(job.out_dir, "metrics.jsonl"))}
+    assert steps == set(range(1, 13))
+
+
+def test_a_crash_at_the_same_step_on_every_resume_fails_after_max_restarts_plus_one(tmp_path):
+    # Checkpoints every 3 steps: each resume trains step 4 again and crashes at 5. The
+    # steps trained again are no progress.
+    job = make_job(tmp_path, "loop", steps=12, restart={"max_restarts": 1})
+    env = env_with(AGENT_TEST_CRASH_LOOP_AT="5")
+    with LocalCluster(base_dir=str(tmp_path / "c"), nproc=1, env=env) as c:
+        c.start(1)
+        with connect(c.etcd.client_config()) as client:
+            wait_for(registered(client, 1), timeout=30)
+            reg = JobRegistry(client)
+            reg.submit(job)
+            final = wait_for(finished(reg, "loop"), timeout=120)
+    assert final.state == "failed"
+    assert final.reason.startswith(
+        "restart limit reached (1): 2 failures in a row without training past step 4; last: "
+    ), final.reason
+    assert "worker_failed" in final.reason and "crashing at step 5" in final.reason
+    assert final.status["restarts"] == 2 and final.status["furthest_step"] == 4
+    assert [e["round"] for e in final.status["history"] if e["kind"] == "world"] == [1, 2]
+
+
 def test_a_second_agent_with_a_live_nodes_id_exits_with_one_line(tmp_path):
     with LocalCluster(base_dir=str(tmp_path / "c"), nproc=1, env=env_with()) as c:
         c.start(1)

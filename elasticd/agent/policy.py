@@ -241,6 +241,63 @@ def backoff(failures: int, *, base: float = 0.5, cap: float = 10.0) -> float:
     return min(cap, base * 2 ** (failures - 1))
 
 
+def note_furthest_step(status: dict, step: object) -> None:
+    """Raise the job status's ``furthest_step`` (the highest step any round completed) to
+    ``step`` if it is further. Steps trained again after a resume from a checkpoint do not
+    move it."""
+    if isinstance(step, int) and not isinstance(step, bool):
+        status["furthest_step"] = max(step, _int_or(status.get("furthest_step"), -1))
+
+
+def count_failure(status: dict, step: object = None) -> None:
+    """Count one failure that uses up a restart into the job ``status``: ``restarts``
+    counts every one, for the record; ``restart_streak`` the failures in a row that
+    ``restart.max_restarts`` bounds. ``step``: the furthest step the counting agent saw
+    its own workers complete (the status's may lag by a write).
+
+    A streak is failures without progress between them: it starts over (at 1) when the
+    job has trained past ``streak_step``, the furthest step it had reached at the
+    previous failure. So a job that trains on between faults never runs out of restarts
+    however long it runs (a worker lost to a GPU error every few hours, for weeks), while
+    one that fails again and again before getting further (a crash at the same step on
+    every resume, a worker that dies before its first step) fails after
+    ``max_restarts + 1`` failures."""
+    note_furthest_step(status, step)
+    furthest = _int_or(status.get("furthest_step"), -1)
+    mark = status.get("streak_step")
+    streak = _int_or(status.get("restart_streak"), 0)
+    progressed = mark is None or furthest > _int_or(mark, -1)
+    status["restart_streak"] = 1 if progressed else streak + 1
+    status["streak_step"] = furthest
+    status["restarts"] = _int_or(status.get("restarts"), 0) + 1
+
+
+def uncount_failure(status: dict) -> None:
+    """Take back one counted failure (its round turned out to have lost a node, which uses
+    up no restart)."""
+    status["restarts"] = max(0, _int_or(status.get("restarts"), 0) - 1)
+    status["restart_streak"] = max(0, _int_or(status.get("restart_streak"), 0) - 1)
+
+
+def restart_limit_reached(status: Mapping[str, object], max_restarts: int) -> str | None:
+    """Why the job is past ``restart.max_restarts`` (failures in a row, see
+    :func:`count_failure`), or None."""
+    streak = _int_or(status.get("restart_streak"), 0)
+    if streak <= max_restarts:
+        return None
+    furthest = status.get("furthest_step")
+    where = (f"without training past step {furthest}" if isinstance(furthest, int)
+             else "before any step")  # fmt: skip
+    return (
+        f"restart limit reached ({max_restarts}): {streak} failures in a row {where}; "
+        f"last: {status.get('last_failure')}"
+    )
+
+
+def _int_or(value: object, default: int) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class WorkerEnvInputs:
     """Everything the worker environment is built from."""

@@ -19,6 +19,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from elasticd.agent.policy import (
+    count_failure,
+    note_furthest_step,
+    restart_limit_reached,
+    uncount_failure,
+)
 from elasticd.errors import ElasticdError
 from elasticd.jobs import Fence, FencedError, JobRegistry, JobState
 from elasticd.log import kv
@@ -159,7 +165,7 @@ class JobReporter:
                         and event.get("reason") in FAILURE_REASONS):  # fmt: skip
                     event["reason"] = "peer_lost"
                     event["detail"] = f"lost {','.join(lost)} ({event.get('detail', '')})"
-                    st["restarts"] = max(0, int(st.get("restarts", 0)) - 1)
+                    uncount_failure(st)
                     st["last_failure"] = f"round {prev_round}: peer_lost: {event['detail']}"
                 event["counted"] = True
                 counted.append(str(event.get("reason")))
@@ -181,8 +187,13 @@ class JobReporter:
             return
         fields = {k: lead[k] for k in ("step", "loss", "tokens_per_s") if k in lead}
         fields["checkpoint"] = checkpoint
+
+        def change(st: dict[str, Any]) -> None:
+            st.update(fields)
+            note_furthest_step(st, fields.get("step"))
+
         try:
-            self._registry.update_status(self.name, lambda st: st.update(fields), fence=self.fence)
+            self._registry.update_status(self.name, change, fence=self.fence)
         except FencedError as exc:
             self._fenced(exc)
         except ElasticdError as exc:
@@ -281,13 +292,14 @@ class JobReporter:
 
     def count(self, *, round_: int, claim: dict[str, Any], limit: int) -> bool:
         """Our claim names the cause of this round's end: count it. Returns whether the
-        job is now past its restart limit (and marks it failed if so)."""
+        job is now past its restart limit (failures in a row without progress,
+        :func:`~elasticd.agent.policy.count_failure`; and marks it failed if so)."""
         failure = claim.get("reason") in FAILURE_REASONS
 
         def change(st: dict[str, Any]) -> None:
             st["reforms"] = int(st.get("reforms", 0)) + 1
             if failure:
-                st["restarts"] = int(st.get("restarts", 0)) + 1
+                count_failure(st, claim.get("step"))
                 st["last_failure"] = (
                     f"round {round_}: {claim.get('reason')}: {claim.get('detail', '')}"
                 )
@@ -298,10 +310,11 @@ class JobReporter:
             )  # fmt: skip
 
         status = self._registry.update_status(self.name, change, fence=self.fence)
-        if failure and int(status.get("restarts", 0)) > limit:
+        reached = restart_limit_reached(status, limit) if failure else None
+        if reached:
             # No next world will count this last one (see ``reattribute``).
             self._metrics.restarts.labels(self.name, str(claim.get("reason"))).inc()
-            self.fail(f"restart limit reached ({limit}): {status.get('last_failure')}")
+            self.fail(reached)
             return True
         return False
 

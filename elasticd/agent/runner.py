@@ -139,6 +139,9 @@ class JobRunner:
         """Whether we re-form because we saw the fault ourselves (rendezvous evidence)."""
         self._last_step_seen: int | None = None
         """Rank 0's last completed step in the previous round (for lost steps)."""
+        self._furthest_step: int | None = None
+        """The highest step a local worker reported completed, in any round (a claimed
+        failure carries it: the restart limit counts failures without progress)."""
         self.crashed = False
         """Set by the agent when ``run`` raised: the job is taken again after a back-off."""
         self.outcome: Outcome | None = None
@@ -681,6 +684,9 @@ class JobRunner:
         m.set_worker_states(self.name, rnd.workers.states())
         stalest = rnd.workers.stalest_progress(now)
         m.heartbeat_age.labels(self.name).set(stalest.age if stalest else 0.0)
+        steps = [b["step"] for b in beats.values() if isinstance(b.get("step"), int)]
+        if steps and (self._furthest_step is None or max(steps) > self._furthest_step):
+            self._furthest_step = max(steps)
         lead = beats.get(0)
         if lead is None or "step" not in lead:
             return
@@ -850,7 +856,7 @@ class JobRunner:
         claim, ours = self._registry.claim_failure(
             self.name, rnd.number,
             {"reason": str(outcome), "node": self._node.node_id, "detail": detail,
-             "detected_at": detected},
+             "detected_at": detected, "step": self._furthest_step},
             fence=fence,
         )  # fmt: skip
         self._pending_recovery = {

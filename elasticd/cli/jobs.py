@@ -324,6 +324,7 @@ def _summary(record: JobRecord) -> dict[str, Any]:
         "loss": st.get("loss"),
         "checkpoint": st.get("checkpoint"),
         "restarts": st.get("restarts", 0),
+        "restart_streak": st.get("restart_streak", 0),
         "last_failure": st.get("last_failure"),
         "output_dir": record.spec.get("output_dir"),
     }
@@ -351,7 +352,8 @@ def run_status(args: argparse.Namespace) -> int:
         layout = show(r.status.get("layout_text") or r.status.get("layout"))
         print(f"  world {s['world']}  round {s['round']}  layout {layout}")
         print(f"  step {s['step']}/{s['steps']}  loss {s['loss']}  checkpoint {s['checkpoint']}")
-        print(f"  restarts {s['restarts']}  last failure {s['last_failure']}")
+        print(f"  restarts {s['restarts']} ({s['restart_streak']} in a row)  "
+              f"last failure {s['last_failure']}")  # fmt: skip
         print(f"  output {s['output_dir']}")
     return 0
 
