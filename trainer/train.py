@@ -460,6 +460,11 @@ class Trainer:
     def close(self) -> None:
         for sync in self.grad_syncs:
             sync.close()
+        # The checkpointing refers back to the trainer: without this cycle, the round's
+        # model, optimizer and process groups (gloo's threads and sockets) go as soon as
+        # the round lets go of the trainer, not at a later full collection (in-process
+        # restart keeps the process for the next round).
+        self.checkpointing = None
 
 
 class MetricsWriter:
