@@ -408,29 +408,43 @@ def parse_json(data: bytes, where: str, *, max_bytes: int, error: type[Exception
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise error(f"{where}: not valid JSON ({text[:200]})") from None
-    depth = _depth(raw)
+    depth = _depth(data)  # of valid JSON: what is not is refused above, at the parse's speed
     if depth > MAX_DEPTH:
         raise error(f"{where}: JSON nested {depth} deep, more than {MAX_DEPTH}")
     return raw
 
 
-def _depth(value: Any) -> int:
-    """How deep ``value`` nests (without recursion: it may be ~1000 deep), stopping once
-    past :data:`MAX_DEPTH`."""
-    deepest = 0
-    stack = [(value, 0)]
-    while stack:
-        v, d = stack.pop()
-        if isinstance(v, dict):
-            v = v.values()
-        elif not isinstance(v, list):
-            continue
-        d += 1
-        deepest = max(deepest, d)
-        if d > MAX_DEPTH:
-            return d
-        stack.extend((x, d) for x in v if isinstance(x, (dict, list)))
-    return deepest
+_JSON_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+(?:"|\\?\Z)', re.DOTALL)
+"""A JSON string; in text that is not JSON, an unclosed one runs to the end. Every match
+attempt succeeds, and nothing backtracks, so one scan cuts every string: a pattern that
+could fail after scanning would rescan from each next quote (quadratic in a hostile
+header of unclosed strings)."""
+_INNERMOST = re.compile(rb"\[\]|\{\}")
+_NOT_BRACKETS = bytes(set(range(256)) - set(b"[]{}"))
+
+
+def _depth(data: bytes | str) -> int:
+    """How deep the JSON text ``data`` nests, stopping once past :data:`MAX_DEPTH`; exact
+    for valid JSON, which ``data`` must be (the parse checked it: the decoder itself
+    refuses nesting past the interpreter's recursion limit).
+
+    Read from the text, not the parsed value, at C speed: the strings are cut out (in
+    valid JSON a ``"`` outside a string opens one, so the scan finds each whole), then
+    everything but brackets; each pass then removes every innermost ``[]`` and ``{}`` at
+    once, one level of every container, so the passes count the depth. Each pass is one
+    scan of what is left, which the first pass already shrinks to the containers that
+    hold others. A 1024-rank manifest of 6 MB: 0.05 s, against 0.3-0.4 s walking the
+    parsed value, itself 2.5 times the parse."""
+    if isinstance(data, str):
+        data = data.encode("utf-8", "surrogatepass")
+    brackets = _JSON_STRING.sub(b"", data).translate(None, _NOT_BRACKETS)
+    depth = 0
+    while brackets and depth <= MAX_DEPTH:
+        inner = _INNERMOST.sub(b"", brackets)
+        if len(inner) == len(brackets):
+            return depth  # unbalanced: not JSON, which the parse says
+        brackets, depth = inner, depth + 1
+    return depth
 
 
 def quoted(name: Any, limit: int = 300) -> str:

@@ -24,6 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 from ckpt_versions import listing, move_chunks, rewrite_as
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from checkpoint import CheckpointError, SaveOptions, Saver, ShardInfo
 from checkpoint.manifest import Manifest
@@ -465,3 +467,45 @@ def test_a_long_name_over_many_chunks_is_refused_before_a_key_is_made(tmp_path):
     }  # fmt: skip
     reseal(ckpt, raw)
     refused(cli("inspect", ckpt), "keys would take 10737418240")
+
+
+def _walked_depth(value, limit: int = 32) -> int:
+    """The nesting of a parsed value, walked (what parse_json computed before it read the
+    text instead), capped one past ``limit`` as parse_json's is."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    if not isinstance(value, list):
+        return 0
+    return min(limit + 1, 1 + max((_walked_depth(v, limit) for v in value), default=0))
+
+
+_TRICKY_TEXT = st.text(alphabet=st.sampled_from('[]{}"\\/,:ab \n\t\u00e9\u2028\U0001f600'),
+                       max_size=8)  # fmt: skip
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | _TRICKY_TEXT,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_TRICKY_TEXT, inner, max_size=4),
+    max_leaves=60,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(value=_JSON_VALUES, ascii_only=st.booleans(), indent=st.sampled_from([None, 0, 2]),
+       wrap=st.integers(0, 40))  # fmt: skip
+def test_the_depth_read_from_the_text_is_the_depth_of_the_value(value, ascii_only, indent, wrap):
+    from checkpoint.manifest import _depth
+
+    for _ in range(wrap):  # past MAX_DEPTH too: both stop one past it
+        value = [value] if wrap % 2 else {'[{\\"': value}
+    text = json.dumps(value, ensure_ascii=ascii_only, indent=indent)
+    assert _depth(text.encode()) == _depth(text) == _walked_depth(json.loads(text))
+
+
+def test_the_depth_of_large_text_of_strings_and_brackets_is_exact():
+    from checkpoint.manifest import MAX_DEPTH, _depth
+
+    # Text the parse accepts: many strings full of brackets and escapes (cut out in one
+    # scan), and a comb of containers nested to the limit (each pass of the count
+    # removes one level of all of them).
+    strings = json.dumps(['[{\\"' * 8] * 200_000).encode()
+    comb = b"[" + b",".join([b"[" * 31 + b"]" * 31] * 20_000) + b"]"
+    assert _depth(strings) == 1 and _depth(comb) == MAX_DEPTH
