@@ -57,6 +57,17 @@ def finished(reg, name):
     return lambda: (r := reg.get(name)) is not None and r.state.terminal and r
 
 
+def run_alone(tmp_path, job, env, *, timeout=120):
+    """Run ``job`` on one node until it ends; its final record."""
+    with LocalCluster(base_dir=str(tmp_path / "c"), nproc=1, env=env) as c:
+        c.start(1)
+        with connect(c.etcd.client_config()) as client:
+            wait_for(registered(client, 1), timeout=30)
+            reg = JobRegistry(client)
+            reg.submit(job)
+            return wait_for(finished(reg, job.name), timeout=timeout)
+
+
 def test_a_spare_waits_past_join_timeout_and_the_job_succeeds(tmp_path):
     job = make_job(tmp_path, "spare", steps=40, nodes=(2, 2), rendezvous={"join_timeout": 3})
     with LocalCluster(base_dir=str(tmp_path / "c"), nproc=1, env=env_with()) as c:
@@ -98,14 +109,7 @@ def test_a_nodes_own_error_makes_it_leave_and_rejoin_without_failing_the_job(tmp
 
 def test_a_workers_user_error_fails_the_job_at_once_without_spending_restarts(tmp_path):
     job = make_job(tmp_path, "usererr", steps=10)
-    env = env_with(AGENT_TEST_USER_ERROR_AT="3")
-    with LocalCluster(base_dir=str(tmp_path / "c"), nproc=1, env=env) as c:
-        c.start(1)
-        with connect(c.etcd.client_config()) as client:
-            wait_for(registered(client, 1), timeout=30)
-            reg = JobRegistry(client)
-            reg.submit(job)
-            final = wait_for(finished(reg, "usererr"), timeout=60)
+    final = run_alone(tmp_path, job, env_with(AGENT_TEST_USER_ERROR_AT="3"), timeout=60)
     assert final.state == "failed"
     assert "user error" in final.reason and "bad setting at step 3" in final.reason
     assert final.status.get("restarts", 0) == 0
@@ -116,14 +120,7 @@ def test_a_job_that_trains_on_between_crashes_outlasts_its_restart_limit(tmp_pat
     # Three crashes, each after the job trained past the furthest step it had reached at
     # the one before: with max_restarts 1, a lifetime count would fail it at the second.
     job = make_job(tmp_path, "flaky", steps=12, restart={"max_restarts": 1})
-    env = env_with(AGENT_TEST_CRASH_AT="2,5,9")
-    with LocalCluster(base_dir=str(tmp_path / "c"), nproc=1, env=env) as c:
-        c.start(1)
-        with connect(c.etcd.client_config()) as client:
-            wait_for(registered(client, 1), timeout=30)
-            reg = JobRegistry(client)
-            reg.submit(job)
-            final = wait_for(finished(reg, "flaky"), timeout=120)
+    final = run_alone(tmp_path, job, env_with(AGENT_TEST_CRASH_AT="2,5,9"))
     assert final.state == "succeeded", final.reason
     st = final.status
     assert st["restarts"] == 3 and st["restart_streak"] == 1 and st["furthest_step"] == 12
@@ -136,14 +133,7 @@ def test_a_crash_at_the_same_step_on_every_resume_fails_after_max_restarts_plus_
     # Checkpoints every 3 steps: each resume trains step 4 again and crashes at 5. The
     # steps trained again are no progress.
     job = make_job(tmp_path, "loop", steps=12, restart={"max_restarts": 1})
-    env = env_with(AGENT_TEST_CRASH_LOOP_AT="5")
-    with LocalCluster(base_dir=str(tmp_path / "c"), nproc=1, env=env) as c:
-        c.start(1)
-        with connect(c.etcd.client_config()) as client:
-            wait_for(registered(client, 1), timeout=30)
-            reg = JobRegistry(client)
-            reg.submit(job)
-            final = wait_for(finished(reg, "loop"), timeout=120)
+    final = run_alone(tmp_path, job, env_with(AGENT_TEST_CRASH_LOOP_AT="5"))
     assert final.state == "failed"
     assert final.reason.startswith(
         "restart limit reached (1): 2 failures in a row without training past step 4; last: "
