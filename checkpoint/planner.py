@@ -170,9 +170,15 @@ def _add_corners(
     if 0 in sizes:
         return  # an empty box: its corners cancel
     # Each corner with its weight: + at an even number of upper bounds, - at odd.
-    points: list[tuple[tuple[int, ...], int]] = [((), sign)]
-    for o, s in zip(offs, sizes, strict=True):
-        points = [((*p, o), w) for p, w in points] + [((*p, o + s), -w) for p, w in points]
+    points: Sequence[tuple[tuple[int, ...], int]]
+    if len(offs) == 2:  # most tensors: the four corners written out (half the time)
+        (a, b), (h, w_) = offs, sizes
+        points = (((a, b), sign), ((a, b + w_), -sign), ((a + h, b), -sign),
+                  ((a + h, b + w_), sign))  # fmt: skip
+    else:
+        points = [((), sign)]
+        for o, s in zip(offs, sizes, strict=True):
+            points = [((*p, o), w) for p, w in points] + [((*p, o + s), -w) for p, w in points]
     for corner, w in points:
         n = corners.get(corner, 0) + w
         if n:
