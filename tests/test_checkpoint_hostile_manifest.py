@@ -509,3 +509,17 @@ def test_the_depth_of_large_text_of_strings_and_brackets_is_exact():
     strings = json.dumps(['[{\\"' * 8] * 200_000).encode()
     comb = b"[" + b",".join([b"[" * 31 + b"]" * 31] * 20_000) + b"]"
     assert _depth(strings) == 1 and _depth(comb) == MAX_DEPTH
+
+
+@pytest.mark.parametrize("encoding", ["utf-16-le", "utf-16", "utf-32"])
+def test_json_that_is_not_utf_8_is_refused(encoding):
+    # json.loads takes UTF-16 and UTF-32 bytes too; the depth read from the text does
+    # not. Here the UTF-16 of "\u2200" holds a quote byte: it was accepted 41 deep.
+    from checkpoint.errors import FormatError
+    from checkpoint.manifest import parse_json
+
+    text = json.dumps(["\u2200", json.loads("[" * 40 + "]" * 40), "\u2200"])
+    with pytest.raises(FormatError, match="not valid JSON"):
+        parse_json(text.encode(encoding), "m", max_bytes=1 << 20, error=FormatError)
+    with pytest.raises(FormatError, match="nested 33 deep, more than 32"):
+        parse_json(text.encode(), "m", max_bytes=1 << 20, error=FormatError)
