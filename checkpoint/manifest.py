@@ -9,7 +9,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -545,6 +545,7 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
             rank=_int(f["rank"], f"files.{name}.rank"),
         )
     held = dict.fromkeys(files, 8)  # the 8-byte header length, at least
+    rank_files = _rank_files(files) if version >= 4 else {}
     keys: set[tuple[str, str]] = set()
     tensors: dict[str, TensorEntry] = {}
     raw_tensors = _dict(raw["tensors"], "tensors")
@@ -597,14 +598,14 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
                 "per chunk of the manifest"
             )
         if version >= 4:
-            listed_chunks = _parse_regions(t, name, dtype, shape, files)
+            listed_chunks = _parse_regions(t, name, shape, rank_files)
         else:
             listed_chunks = _parse_shards(t, name, shape, files, version)
         entry = TensorEntry(name=name, kind=kind, dtype=dtype, shape=shape, **listed_chunks)
         if version >= 4:
             # No chunk is made here. A region's strips tile it, so its bytes are theirs.
             for rank, _, sizes, _ in entry.regions:
-                held[file_name(rank)] += math.prod(sizes) * dtype.itemsize
+                held[rank_files[rank]] += math.prod(sizes) * dtype.itemsize
             _empty_region_keys(shown, name, entry.regions)
         else:
             _unique_keys(shown, entry.chunks, keys)
@@ -732,14 +733,14 @@ def _parse_shards(t, name, shape, files, version) -> dict[str, Any]:
     return {"chunks": tuple(chunks), "crc32": crc, "block_rows": rows}
 
 
-def _parse_regions(t, name, dtype, shape, files) -> dict[str, Any]:
+def _parse_regions(t, name, shape, rank_files: dict[int, str]) -> dict[str, Any]:
     """A tensor's chunks as version 4 lists them: per written region one flat list
     ``[rank, *offsets, *sizes, strips]`` (one JSON list a region, so a manifest stays
     within :data:`CONTAINER_BYTES`), cut into that many strips
     (:func:`checkpoint.planner.strips`) in the file of that rank, each keyed
     :func:`chunk_key`, with rows per verify block from the tensor's ``block_bytes``
     (:func:`checkpoint.planner.block_rows`), as the writer did; as :class:`TensorEntry`
-    fields."""
+    fields. ``rank_files``: :func:`_rank_files` of the manifest's files."""
     shown = quoted(name)
     per_block = _int(t["block_bytes"], f"tensor {shown}: block_bytes")
     regions = []
@@ -751,8 +752,9 @@ def _parse_regions(t, name, dtype, shape, files) -> dict[str, Any]:
                 "strips]"
             )
         rank, offsets, sizes, n = row[0], row[1 : 1 + nd], row[1 + nd : 1 + 2 * nd], row[-1]
-        rank = _int(rank, f"tensor {shown}: region rank")
-        if file_name(rank) not in files:
+        if type(rank) is not int or not 0 <= rank < INT_LIMIT:  # its message made if not
+            _int(rank, f"tensor {shown}: region rank")
+        if rank not in rank_files:
             raise _Bad(
                 f"tensor {shown}: a region in {file_name(rank)}, a file the manifest does not list"
             )
@@ -767,6 +769,20 @@ def _parse_regions(t, name, dtype, shape, files) -> dict[str, Any]:
         regions.append((rank, offsets, sizes, n))
     regions = tuple(regions)
     return {"chunks": RegionChunks(name, regions), "regions": regions, "block_bytes": per_block}
+
+
+_RANK_FILE = re.compile(r"rank-([0-9]+)\.safetensors")
+
+
+def _rank_files(files: Mapping[str, Any]) -> dict[int, str]:
+    """Rank -> the name of its file, for each listed file named as that rank writes it
+    (:func:`file_name`; read once per manifest, not once per region)."""
+    out = {}
+    for f in files:
+        m = _RANK_FILE.fullmatch(f)
+        if m is not None and file_name(int(m[1])) == f:
+            out[int(m[1])] = f
+    return out
 
 
 def _empty_region_keys(shown: str, name: str, regions: Sequence[WrittenRegion]) -> None:
