@@ -489,3 +489,17 @@ def test_the_restart_limit_counts_failures_in_a_row_without_progress():
     old = {"restarts": 7, "step": 90}
     count_failure(old, 95)
     assert (old["restarts"], old["restart_streak"], old["furthest_step"]) == (8, 1, 95)
+
+
+def test_a_status_write_that_lags_the_count_is_not_progress():
+    # The agent that counted round 5's failure saw no step of its own (a node of spare
+    # ranks); rank 0's last write of round 5 lands after the count.
+    st: dict = {"restarts": 0, "furthest_step": 38}
+    count_failure(st, None, 5)
+    note_furthest_step(st, 41, 5)  # completed before the failure
+    assert (st["furthest_step"], st["streak_step"]) == (41, 41)
+    count_failure(st, 41, 6)  # the crash at step 42 again
+    assert st["restart_streak"] == 2
+    note_furthest_step(st, 45, 7)  # round 7 trained past it: progress
+    count_failure(st, 45, 7)
+    assert st["restart_streak"] == 1

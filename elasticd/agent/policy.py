@@ -241,19 +241,26 @@ def backoff(failures: int, *, base: float = 0.5, cap: float = 10.0) -> float:
     return min(cap, base * 2 ** (failures - 1))
 
 
-def note_furthest_step(status: dict, step: object) -> None:
+def note_furthest_step(status: dict, step: object, round_: int | None = None) -> None:
     """Raise the job status's ``furthest_step`` (the highest step any round completed) to
     ``step`` if it is further. Steps trained again after a resume from a checkpoint do not
-    move it."""
-    if isinstance(step, int) and not isinstance(step, bool):
-        status["furthest_step"] = max(step, _int_or(status.get("furthest_step"), -1))
+    move it. ``round_``: the round that completed it, when known. A round that already
+    ended in a counted failure completed its steps before that failure, so they also
+    raise the failure's mark (``streak_step``): a status write that lagged behind the
+    count is not progress after it."""
+    if not isinstance(step, int) or isinstance(step, bool):
+        return
+    status["furthest_step"] = max(step, _int_or(status.get("furthest_step"), -1))
+    if round_ is not None and round_ <= _int_or(status.get("streak_round"), -1):
+        status["streak_step"] = max(step, _int_or(status.get("streak_step"), -1))
 
 
-def count_failure(status: dict, step: object = None) -> None:
+def count_failure(status: dict, step: object = None, round_: int | None = None) -> None:
     """Count one failure that uses up a restart into the job ``status``: ``restarts``
     counts every one, for the record; ``restart_streak`` the failures in a row that
     ``restart.max_restarts`` bounds. ``step``: the furthest step the counting agent saw
-    its own workers complete (the status's may lag by a write).
+    its own workers complete (the status's may lag by a write); ``round_``: the round
+    whose end is counted.
 
     A streak is failures without progress between them: it starts over (at 1) when the
     job has trained past ``streak_step``, the furthest step it had reached at the
@@ -269,6 +276,8 @@ def count_failure(status: dict, step: object = None) -> None:
     progressed = mark is None or furthest > _int_or(mark, -1)
     status["restart_streak"] = 1 if progressed else streak + 1
     status["streak_step"] = furthest
+    if round_ is not None:
+        status["streak_round"] = max(round_, _int_or(status.get("streak_round"), -1))
     status["restarts"] = _int_or(status.get("restarts"), 0) + 1
 
 

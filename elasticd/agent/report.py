@@ -190,7 +190,7 @@ class JobReporter:
 
         def change(st: dict[str, Any]) -> None:
             st.update(fields)
-            note_furthest_step(st, fields.get("step"))
+            note_furthest_step(st, fields.get("step"), self.fence.round if self.fence else None)
 
         try:
             self._registry.update_status(self.name, change, fence=self.fence)
@@ -299,7 +299,7 @@ class JobReporter:
         def change(st: dict[str, Any]) -> None:
             st["reforms"] = int(st.get("reforms", 0)) + 1
             if failure:
-                count_failure(st, claim.get("step"))
+                count_failure(st, claim.get("step"), round_)
                 st["last_failure"] = (
                     f"round {round_}: {claim.get('reason')}: {claim.get('detail', '')}"
                 )
