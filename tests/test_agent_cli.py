@@ -170,7 +170,8 @@ def test_a_job_past_its_restart_limit_fails_and_says_why(cluster, tmp_path):
         final = wait_for(lambda: (rec := reg.get("limit")).state.terminal and rec, timeout=60)
     assert final.state == "failed"
     assert "restart limit reached (0)" in final.reason and "worker_failed" in final.reason
-    # Counted once, by the agent that failed the job (no next world counts it).
+    # Counted once: by node rank 0 of the world after it, which found no node lost and
+    # failed the job.
     restarts = [sample(b, 'elasticd_restarts_total{elasticd_job="limit",reason="worker_failed"}')
                 for b in scrape(cluster)]  # fmt: skip
     assert sum(restarts) == 1.0

@@ -97,6 +97,8 @@ class JobReporter:
         """The round writes are made for (None: unfenced, before the first world)."""
         self.fenced = False
         """Whether a write of the current round was refused (a newer world exists)."""
+        self.job_failed = False
+        """Whether this reporter marked the job failed."""
         self._step_seen: int | None = None
         self._save_seen: Any = None
         self._ckpt_seen: int | None = None
@@ -151,13 +153,16 @@ class JobReporter:
         status = record.status if record is not None else {}
         previous = status.get("nodes")
         lost = sorted(set(previous or ()) - set(world.nodes))
-        if not lost and not any(_uncounted(e) for e in status.get("history", [])):
+        if (not lost and "limit_reached" not in status
+                and not any(_uncounted(e) for e in status.get("history", []))):  # fmt: skip
             return []
         prev_round = world.round - 1
         counted: list[str] = []
+        verdict: list[str] = []
 
         def change(st: dict[str, Any]) -> None:
             counted.clear()
+            verdict.clear()
             for event in st.get("history", []):
                 if not _uncounted(event):
                     continue
@@ -169,10 +174,19 @@ class JobReporter:
                     st["last_failure"] = f"round {prev_round}: peer_lost: {event['detail']}"
                 event["counted"] = True
                 counted.append(str(event.get("reason")))
+            # The restart limit was reached at the failure before: now that this world
+            # shows whether it lost a node (no restart used), it is decided.
+            pending = st.pop("limit_reached", None)
+            if isinstance(pending, dict) and isinstance(pending.get("max_restarts"), int):
+                reason = restart_limit_reached(st, pending["max_restarts"])
+                if reason:
+                    verdict.append(reason)
 
         self._registry.update_status(self.name, change, fence=self.fence)
         for reason in counted:
             self._metrics.restarts.labels(self.name, reason).inc()
+        if verdict:
+            self.fail(verdict[0])
         return lost
 
     def progress(
@@ -293,32 +307,40 @@ class JobReporter:
     def count(self, *, round_: int, claim: dict[str, Any], limit: int) -> bool:
         """Our claim names the cause of this round's end: count it. Returns whether the
         job is now past its restart limit (failures in a row without progress,
-        :func:`~elasticd.agent.policy.count_failure`; and marks it failed if so)."""
+        :func:`~elasticd.agent.policy.count_failure`).
+
+        The job is not failed here but by the next world's node rank 0
+        (:meth:`reattribute`): a node's death shows first as its peers' workers failing,
+        and only the next world, formed without it, tells that this failure was a lost
+        node, which uses no restart. Until then the status holds ``limit_reached``."""
         failure = claim.get("reason") in FAILURE_REASONS
+        reached: list[bool] = []
 
         def change(st: dict[str, Any]) -> None:
             st["reforms"] = int(st.get("reforms", 0)) + 1
+            reached.clear()
             if failure:
                 count_failure(st, claim.get("step"), round_)
                 st["last_failure"] = (
                     f"round {round_}: {claim.get('reason')}: {claim.get('detail', '')}"
                 )
+                if restart_limit_reached(st, limit):
+                    st["limit_reached"] = {"round": round_, "max_restarts": limit}
+                    reached.append(True)
             st.setdefault("history", []).append(
                 {"t": round(self._clock(), 3), "kind": "failure", "round": round_,
                  "reason": claim.get("reason"), "node": claim.get("node"),
                  "detail": claim.get("detail", "")}
             )  # fmt: skip
 
-        status = self._registry.update_status(self.name, change, fence=self.fence)
-        reached = restart_limit_reached(status, limit) if failure else None
+        self._registry.update_status(self.name, change, fence=self.fence)
         if reached:
-            # No next world will count this last one (see ``reattribute``).
-            self._metrics.restarts.labels(self.name, str(claim.get("reason"))).inc()
-            self.fail(reached)
-            return True
-        return False
+            log.warning("restart limit reached: the job fails unless the next world shows a "
+                        "lost node", **kv(job=self.name, round=round_, max_restarts=limit))  # fmt: skip
+        return bool(reached)
 
     def fail(self, reason: str) -> None:
         """Mark the job failed (fenced: a stale round cannot fail a newer world's job)."""
         log.error("job failed", **kv(job=self.name, reason=reason))
+        self.job_failed = True
         self._registry.set_state(self.name, JobState.FAILED, reason, fence=self.fence)

@@ -462,7 +462,8 @@ class JobRunner:
                 lost = self._report.reattribute(world)
                 if lost and rnd.recovery is not None and rnd.recovery["reason"] in FAILURE_REASONS:
                     rnd.recovery = {**rnd.recovery, "reason": "peer_lost"}
-                self._report.world_formed(world, rnd.layout, resume_step)
+                if not self._report.job_failed:  # past its restart limit: no new world
+                    self._report.world_formed(world, rnd.layout, resume_step)
             except FencedError as exc:
                 self._report._fenced(exc)  # the supervisor ends the round at its first tick
             except ElasticdError as exc:
