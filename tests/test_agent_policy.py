@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 from elasticd.agent.policy import (
     WAITING_FRESH,
@@ -503,3 +503,44 @@ def test_a_status_write_that_lags_the_count_is_not_progress():
     note_furthest_step(st, 45, 7)  # round 7 trained past it: progress
     count_failure(st, 45, 7)
     assert st["restart_streak"] == 1
+
+
+@pytest.mark.parametrize(
+    ("nodes", "furthest", "fails"),
+    [(["a", "b"], 5, False), (["a", "b", "c"], 5, True), (["a", "b", "c"], 9, False)],
+    ids=["a-node-was-lost", "no-node-lost", "trained-on-since"],
+)
+def test_the_next_world_decides_a_reached_restart_limit(etcd_client, nodes, furthest, fails):
+    """Round 1 of a world of a, b, c ended in a counted failure that reached
+    max_restarts 0. Node rank 0 of round 2 decides: a lost node means no restart was used;
+    with every node back the job fails; a decision left over from an older world is void
+    once the job trained past the failure's mark."""
+    from elasticd.agent.report import JobReporter
+    from elasticd.jobs import JobRegistry
+    from elasticd.jobspec import parse_job
+    from elasticd.metrics import AgentMetrics
+
+    name = f"limit-{os.getpid()}-{len(nodes)}-{furthest}"
+    reg = JobRegistry(etcd_client)
+    reg.submit(parse_job({"name": name}))
+    reg.set_state(name, JobState.RUNNING, "round 1")
+    reg.set_state(name, JobState.RECOVERING, "worker_failed")
+    metrics = CollectorRegistry()
+    reporter = JobReporter(name=name, registry=reg, metrics=AgentMetrics(metrics))
+    reporter.for_round(None)
+    reg.update_status(name, lambda s: s.update(nodes=["a", "b", "c"], furthest_step=5))
+    reporter.count(round_=1, claim={"reason": "worker_failed", "step": 5, "detail": "x"},
+                   limit=0)  # fmt: skip
+    assert "limit_reached" in reg.get(name).status and reg.get(name).state == "recovering"
+    reg.update_status(name, lambda s: s.update(furthest_step=furthest))
+    reporter.reattribute(SimpleNamespace(round=2, nodes=nodes))
+    record = reg.get(name)
+    assert reporter.job_failed == fails and (record.state == "failed") == fails
+    assert ("limit_reached" in record.status) == fails  # kept until the job is failed
+    if fails:
+        assert record.reason.startswith("restart limit reached (0): 1 failures in a row")
+    else:
+        assert record.status["restart_streak"] == (0 if len(nodes) == 2 else 1)
+    counted = generate_latest(metrics).decode()
+    reason = "worker_failed" if len(nodes) == 3 else "peer_lost"
+    assert f'elasticd_restarts_total{{elasticd_job="{name}",reason="{reason}"}} 1.0' in counted

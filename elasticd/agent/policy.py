@@ -303,6 +303,24 @@ def restart_limit_reached(status: Mapping[str, object], max_restarts: int) -> st
     )
 
 
+def pending_limit_verdict(status: Mapping[str, object]) -> str | None:
+    """The restart limit reached at a counted failure (``limit_reached``, decided by the
+    next world's node rank 0): why the job fails, or None when it goes on. It goes on
+    when a lost node's failure was since uncounted (the streak back within the limit),
+    or when the job has trained past the failure's mark since (a decision left pending
+    by an error, met again a world later: the streak is over)."""
+    pending = status.get("limit_reached")
+    if not isinstance(pending, Mapping):
+        return None
+    limit = pending.get("max_restarts")
+    if not isinstance(limit, int) or isinstance(limit, bool):
+        return None
+    furthest = _int_or(status.get("furthest_step"), -1)
+    if furthest > _int_or(status.get("streak_step"), -1):
+        return None
+    return restart_limit_reached(status, limit)
+
+
 def _int_or(value: object, default: int) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else default
 

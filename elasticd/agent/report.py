@@ -22,6 +22,7 @@ from typing import Any
 from elasticd.agent.policy import (
     count_failure,
     note_furthest_step,
+    pending_limit_verdict,
     restart_limit_reached,
     uncount_failure,
 )
@@ -117,7 +118,7 @@ class JobReporter:
 
     def for_round(self, fence: Fence | None) -> None:
         """Writes from now on are made on behalf of ``fence``'s round."""
-        self.fence, self.fenced = fence, False
+        self.fence, self.fenced, self.job_failed = fence, False, False
 
     def world_formed(self, world: Any, layout: Any, ckpt_step: int | None) -> None:
         """A round started with us as node rank 0: the job runs in this world."""
@@ -175,12 +176,15 @@ class JobReporter:
                 event["counted"] = True
                 counted.append(str(event.get("reason")))
             # The restart limit was reached at the failure before: now that this world
-            # shows whether it lost a node (no restart used), it is decided.
-            pending = st.pop("limit_reached", None)
-            if isinstance(pending, dict) and isinstance(pending.get("max_restarts"), int):
-                reason = restart_limit_reached(st, pending["max_restarts"])
+            # shows whether it lost a node (no restart used), it is decided. A verdict
+            # to fail stays pending until the job is failed (decided again if that
+            # write does not land).
+            if "limit_reached" in st:
+                reason = pending_limit_verdict(st)
                 if reason:
                     verdict.append(reason)
+                else:
+                    del st["limit_reached"]
 
         self._registry.update_status(self.name, change, fence=self.fence)
         for reason in counted:
@@ -342,5 +346,6 @@ class JobReporter:
     def fail(self, reason: str) -> None:
         """Mark the job failed (fenced: a stale round cannot fail a newer world's job)."""
         log.error("job failed", **kv(job=self.name, reason=reason))
-        self.job_failed = True
-        self._registry.set_state(self.name, JobState.FAILED, reason, fence=self.fence)
+        self.job_failed = self._registry.set_state(
+            self.name, JobState.FAILED, reason, fence=self.fence
+        )

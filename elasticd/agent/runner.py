@@ -48,6 +48,7 @@ from elasticd.agent.policy import (
     decide,
     hang_bound,
     latest_checkpoint_step,
+    pending_limit_verdict,
     stop_plan,
 )
 from elasticd.agent.report import EVENTS_FILE, FAILURE_REASONS, JobReporter
@@ -253,7 +254,12 @@ class JobRunner:
         if current is None or current.run_id != self.record.run_id or current.state.terminal:
             return True
         if current.state == JobState.RECOVERING:
-            self._report.fail(f"no world of nodes.min={self.job.nodes.min} re-formed: {exc}")
+            # Past its restart limit, waiting for the world that would decide it: that
+            # is why it fails.
+            past = pending_limit_verdict(current.status)
+            self._report.fail(
+                past or f"no world of nodes.min={self.job.nodes.min} re-formed: {exc}"
+            )
             return True
         why = "spare: the world runs without this node" if current.started else "not started"
         log.info("still waiting for a world", **kv(job=self.name, why=why))
