@@ -24,7 +24,7 @@ def _name(cn):
 
 
 def _cert(subject, key, issuer, issuer_key, *, ca=False, usage=None, sans=()):
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     builder = (
         x509.CertificateBuilder()
         .subject_name(_name(subject))

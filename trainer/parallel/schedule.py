@@ -19,7 +19,7 @@ Nothing here touches torch or processes; the executor (``pipeline_exec``) is the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 from trainer.errors import TrainerConfigError
 
@@ -28,14 +28,14 @@ class ScheduleError(TrainerConfigError, ValueError):
     """Pipeline sizes that no schedule can run, or a schedule that cannot progress."""
 
 
-class Kind(str, Enum):
+class Kind(StrEnum):
     """Which schedule to build."""
 
     GPIPE = "gpipe"  # fill-drain: every forward, then every backward
     ONE_F_ONE_B = "1f1b"  # one forward, one backward in the steady state (interleaved if vpp > 1)
 
 
-class Op(str, Enum):
+class Op(StrEnum):
     """What an action does."""
 
     FORWARD = "F"
