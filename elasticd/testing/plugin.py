@@ -15,6 +15,7 @@ Only the standard library and pytest are imported at start-up.
 from __future__ import annotations
 
 import os
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -71,9 +72,56 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
+    if call.excinfo is not None and _is_cluster_test(item):
+        mended = _with_line_numbers(call.excinfo.value)
+        if mended is not None:
+            call.excinfo = pytest.ExceptionInfo.from_exception(mended)
     report = yield
     item.stash.setdefault(_REPORTS, {})[report.when] = report
     return report
+
+
+def _is_cluster_test(item: pytest.Item) -> bool:
+    return (item.get_closest_marker("elasticd") is not None
+            or "elasticd_cluster" in getattr(item, "fixturenames", ()))  # fmt: skip
+
+
+def _with_line_numbers(exc: BaseException) -> BaseException | None:
+    """``exc`` (and the exceptions chained to it) with every traceback entry given a line
+    number, or None when each has one. A timeout's signal (pytest-timeout's, armed for
+    every cluster test) can land on an instruction that has no line, such as an except
+    clause's cleanup; Python 3.11+ gives that entry ``tb_lineno`` None, and pytest's
+    report of the failure then raises an INTERNALERROR that ends the whole session. The
+    entry is kept, with the line of the last instruction before it that has one."""
+    changed, seen, cur = False, set(), exc
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        tb = _mended(cur.__traceback__)
+        if tb is not None:
+            cur.__traceback__, changed = tb, True
+        cur = cur.__cause__ or cur.__context__
+    return exc if changed else None
+
+
+def _mended(tb: types.TracebackType | None) -> types.TracebackType | None:
+    entries = []
+    while tb is not None:
+        entries.append(tb)
+        tb = tb.tb_next
+    if all(e.tb_lineno is not None for e in entries):
+        return None
+    rebuilt = None
+    for e in reversed(entries):
+        line = e.tb_lineno
+        if line is None:
+            code = e.tb_frame.f_code
+            line = code.co_firstlineno
+            for start, _, at in code.co_lines():
+                if start > e.tb_lasti:
+                    break
+                line = at if at is not None else line
+        rebuilt = types.TracebackType(rebuilt, e.tb_frame, e.tb_lasti, line)
+    return rebuilt
 
 
 def _failed(item: pytest.Item) -> bool:
