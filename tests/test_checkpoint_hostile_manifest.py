@@ -1,7 +1,8 @@
 """Hostile manifests and headers, second round: each attack is refused in one line (exit 2)
 by `ckpt verify`, `inspect`, `export` (and `--format hf`) or a load, within bounded time
-and memory. The CLI runs in a subprocess under ``timeout`` and an address-space limit, so
-an attack that is not stopped fails its test instead of taking the machine.
+and memory. The CLI runs in a process of its own under a time and an address-space limit,
+so an attack that is not stopped fails its test instead of taking the machine: a forked
+child of ``tests/cli_server.py``, which imported torch once for all of them.
 
 As in tests/test_checkpoint_hostile.py, each attack re-seals the manifest's unkeyed
 sha256 (and a rewritten file's ``bytes`` and ``header_sha256``): what must stop it is
@@ -19,6 +20,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -94,32 +96,73 @@ def _limits() -> None:
     resource.setrlimit(resource.RLIMIT_AS, (MEMORY, MEMORY))
 
 
-def start(args: list[str], timeout: float = LIMIT_S) -> tuple[subprocess.Popen, float]:
+def run(args: list[str], timeout: float = LIMIT_S) -> tuple[int, str, str, float]:
+    """``python ARGS`` in a fresh interpreter, under ``timeout`` and the memory limit."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    p = subprocess.Popen(
+    t0 = time.monotonic()
+    p = subprocess.run(
         ["timeout", str(int(timeout)), sys.executable, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        capture_output=True,
         text=True,
         env=env,
         cwd=REPO,
         preexec_fn=_limits,
     )
-    return p, time.monotonic()
+    return p.returncode, p.stdout, p.stderr, time.monotonic() - t0
 
 
-def finish(started: tuple[subprocess.Popen, float]) -> tuple[int, str, str, float]:
-    p, t0 = started
-    out, err = p.communicate()
-    return p.returncode, out, err, time.monotonic() - t0
+class CliServer:
+    """``tests/cli_server.py``: each CLI run a forked child of one process that imported
+    torch once (see there). One per test module."""
+
+    def __init__(self, scratch: Path) -> None:
+        self.scratch = scratch
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO}:{REPO / 'tests'}")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(REPO / "tests" / "cli_server.py")],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO,
+        )  # fmt: skip
+
+    def run(self, argv: list[str], timeout: float = LIMIT_S) -> tuple[int, str, str, float]:
+        out, err = self.scratch / "stdout", self.scratch / "stderr"
+        req = {"argv": argv, "cwd": str(REPO), "stdout": str(out), "stderr": str(err),
+               "timeout": int(timeout), "memory": MEMORY}  # fmt: skip
+        t0 = time.monotonic()
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline()
+        assert reply, f"the CLI server exited with {self.proc.wait()}"
+        took = time.monotonic() - t0
+        return json.loads(reply)["code"], out.read_text(), err.read_text(), took
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
-def run(args: list[str], timeout: float = LIMIT_S) -> tuple[int, str, str, float]:
-    return finish(start(args, timeout))
+_SERVER: list[CliServer] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cli_server(tmp_path_factory) -> Iterator[None]:
+    server = CliServer(tmp_path_factory.mktemp("cli"))
+    _SERVER.append(server)
+    try:
+        yield
+    finally:
+        _SERVER.remove(server)
+        server.close()
 
 
 def cli(*argv: str) -> tuple[int, str, str, float]:
-    return run(["-m", "elasticd", "ckpt", *argv])
+    """``elasticd ckpt ARGV``: exit status, stdout, stderr, seconds."""
+    return _SERVER[0].run(["ckpt", *argv])
 
 
 def refused(result, says: str, *, within: float = 30) -> None:
@@ -131,16 +174,13 @@ def refused(result, says: str, *, within: float = 30) -> None:
 
 
 def four(ckpt: str, tmp_path: Path, *, hf: bool = True) -> list[tuple[int, str, str, float]]:
-    """``verify``, ``inspect``, ``export`` and (with ``hf``) ``export --format hf`` of
-    ``ckpt``, run side by side (each under its own time and memory limit)."""
-    argvs = [
-        ["verify", ckpt],
-        ["inspect", ckpt],
-        ["export", ckpt, str(tmp_path / "raw")],
-        ["export", ckpt, str(tmp_path / "hf"), "--format", "hf"],
-    ][: 4 if hf else 3]
-    started = [start(["-m", "elasticd", "ckpt", *argv]) for argv in argvs]
-    return [finish(s) for s in started]
+    """``verify``, ``inspect``, ``export`` and (with ``hf``) ``export --format hf``."""
+    return [
+        cli("verify", ckpt),
+        cli("inspect", ckpt),
+        cli("export", ckpt, str(tmp_path / "raw")),
+        *([cli("export", ckpt, str(tmp_path / "hf"), "--format", "hf")] if hf else []),
+    ]
 
 
 def test_many_dimensional_chunks_cannot_make_the_coverage_check_take_memory(ckpt):
