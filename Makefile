@@ -5,6 +5,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-torch-$(TORCH_VERSION)
 PYTEST_ARGS ?=
+# pytest-xdist workers: one per core (`auto`); each test has its own ports, etcd and
+# directories. PYTEST_WORKERS=0 runs the suite in one process.
+PYTEST_WORKERS ?= auto
 
 .PHONY: demo test lint format install clean
 
@@ -27,7 +30,7 @@ format: $(STAMP)
 
 # pytest exits 5 when it collects nothing; that is not a failure of the suite itself.
 test: lint
-	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; exit 0; fi; exit $$rc
 
 # The main job on the embedded default: an embedded etcd, three agents as separate processes,
