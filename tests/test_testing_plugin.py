@@ -89,8 +89,7 @@ def test_a_failure_whose_traceback_has_an_entry_without_a_line_is_reported(pytes
             except KeyError:
                 pass
 
-        @pytest.mark.elasticd(timeout=5)
-        def test_timed_out():
+        def timed_out():
             offset = next(s for s, _, line in cleanup.__code__.co_lines() if line is None)
             try:
                 cleanup()
@@ -100,12 +99,19 @@ def test_a_failure_whose_traceback_has_an_entry_without_a_line_is_reported(pytes
             assert lineless.tb_lineno is None
             raise pytest.fail.Exception("Timeout").with_traceback(lineless)
 
+        @pytest.mark.elasticd(timeout=5)
+        def test_a_cluster_test():
+            timed_out()
+
+        def test_any_test():  # pytest-timeout's own timeout can land there too
+            timed_out()
+
         def test_after():
             pass
         """
     )
     res = pytester.runpytest_subprocess("-p", "no:cacheprovider")
-    res.assert_outcomes(failed=1, passed=1)  # the session went on to the next test
+    res.assert_outcomes(failed=2, passed=1)  # the session went on to the next test
     res.stdout.fnmatch_lines(["*def cleanup():*", "*Failed: Timeout*"])  # the entry is kept
     res.stdout.no_fnmatch_line("*INTERNALERROR*")
 

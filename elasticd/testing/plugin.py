@@ -72,7 +72,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
-    if call.excinfo is not None and _is_cluster_test(item):
+    if call.excinfo is not None:
         mended = _with_line_numbers(call.excinfo.value)
         if mended is not None:
             call.excinfo = pytest.ExceptionInfo.from_exception(mended)
@@ -81,18 +81,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
     return report
 
 
-def _is_cluster_test(item: pytest.Item) -> bool:
-    return (item.get_closest_marker("elasticd") is not None
-            or "elasticd_cluster" in getattr(item, "fixturenames", ()))  # fmt: skip
-
-
 def _with_line_numbers(exc: BaseException) -> BaseException | None:
     """``exc`` (and the exceptions chained to it) with every traceback entry given a line
     number, or None when each has one. A timeout's signal (pytest-timeout's, armed for
-    every cluster test) can land on an instruction that has no line, such as an except
-    clause's cleanup; Python 3.11+ gives that entry ``tb_lineno`` None, and pytest's
-    report of the failure then raises an INTERNALERROR that ends the whole session. The
-    entry is kept, with the line of the last instruction before it that has one."""
+    every cluster test, and for every test where ``timeout`` is configured) can land on
+    an instruction that has no line, such as an except clause's cleanup; Python 3.11+
+    gives that entry ``tb_lineno`` None, and pytest's report of the failure then raises an
+    INTERNALERROR that ends the whole session (under xdist, the worker, and the tests
+    left to it never run). So this is done for every test: only a report that would have
+    failed so changes. The entry is kept, with the line of the last instruction before it
+    that has one."""
     changed, seen, cur = False, set(), exc
     while cur is not None and id(cur) not in seen:
         seen.add(id(cur))
