@@ -12,10 +12,12 @@ and as version 3 listed it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import resource
+import signal
 import struct
 import subprocess
 import sys
@@ -113,31 +115,49 @@ def run(args: list[str], timeout: float = LIMIT_S) -> tuple[int, str, str, float
 
 class CliServer:
     """``tests/cli_server.py``: each CLI run a forked child of one process that imported
-    torch once (see there). One per test module."""
+    torch once (see there). One per test module; started again after a run that did not
+    get its reply (a test timed out in it), so no later run reads an earlier run's reply."""
 
     def __init__(self, scratch: Path) -> None:
         self.scratch = scratch
+        self.sent = 0
+        self.proc = self._start()
+
+    @staticmethod
+    def _start() -> subprocess.Popen:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{REPO}:{REPO / 'tests'}")
-        self.proc = subprocess.Popen(
+        return subprocess.Popen(
             [sys.executable, str(REPO / "tests" / "cli_server.py")],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=REPO,
+            start_new_session=True,
         )  # fmt: skip
 
     def run(self, argv: list[str], timeout: float = LIMIT_S) -> tuple[int, str, str, float]:
         out, err = self.scratch / "stdout", self.scratch / "stderr"
-        req = {"argv": argv, "cwd": str(REPO), "stdout": str(out), "stderr": str(err),
-               "timeout": int(timeout), "memory": MEMORY}  # fmt: skip
+        self.sent += 1
+        req = {"id": self.sent, "argv": argv, "cwd": str(REPO), "stdout": str(out),
+               "stderr": str(err), "timeout": int(timeout), "memory": MEMORY}  # fmt: skip
         t0 = time.monotonic()
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        reply = self.proc.stdout.readline()
-        assert reply, f"the CLI server exited with {self.proc.wait()}"
+        try:
+            self.proc.stdin.write(json.dumps(req) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+        except BaseException:
+            self.close(kill=True)
+            self.proc = self._start()
+            raise
+        assert line, f"the CLI server exited with {self.proc.wait()}"
+        reply = json.loads(line)
+        assert reply["id"] == req["id"], (reply, req)
         took = time.monotonic() - t0
-        return json.loads(reply)["code"], out.read_text(), err.read_text(), took
+        return reply["code"], out.read_text(), err.read_text(), took
 
-    def close(self) -> None:
-        if self.proc.stdin is not None:
+    def close(self, *, kill: bool = False) -> None:
+        if kill:  # the server and the run it is waiting for
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        elif self.proc.stdin is not None:
             self.proc.stdin.close()
         try:
             self.proc.wait(timeout=10)
