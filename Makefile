@@ -5,9 +5,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-torch-$(TORCH_VERSION)
 PYTEST_ARGS ?=
-# pytest-xdist workers: one per core (`auto`); each test has its own ports, etcd and
-# directories. PYTEST_WORKERS=0 runs the suite in one process.
-PYTEST_WORKERS ?= auto
+# pytest-xdist workers: one per core, at most 8 (a cluster test runs an etcd, agents and
+# torch workers: many at once would take the memory, not the cores); each test has its own
+# ports, etcd and directories. PYTEST_WORKERS=0 runs the suite in one process.
+PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ "$$n" -gt 8 ] && n=8; echo $$n)
 
 .PHONY: demo test lint format install clean
 
