@@ -122,6 +122,9 @@ class JobRunner:
         self._in_round = False
         self._changes_lock = threading.Lock()
         self._pending_recovery: dict[str, Any] | None = None
+        self._early_claim: tuple[int, dict, bool] | None = None
+        """(round, claim, whether ours): this round's cause, claimed before the workers
+        were stopped (a hang: :meth:`_claim_early`)."""
         self._failures_here = 0
         self._troubles = 0
         self._last_step_written: Any = None
@@ -530,6 +533,11 @@ class JobRunner:
                     self._report.count(round_=rnd.number, claim=claim, limit=self._limit)
             except ElasticdError as exc:
                 log.warning("preemption not recorded", **kv(job=self.name, error=str(exc)))
+        if outcome == Outcome.WORKER_HUNG:
+            # Claimed before the hung worker is killed: the kill fails its peers'
+            # collectives at once, and their agents would otherwise name that as the cause
+            # (a race; the peers' agents lost it only because killing took a moment).
+            self._claim_early(rnd, outcome, detail, detected_at)
         if outcome == Outcome.WORKER_HUNG and rnd.workers.dump_stacks():
             # Before any is killed: where a hung worker hangs is what its user needs.
             log.warning("hung round: the workers' stacks are in their logs",
@@ -848,6 +856,27 @@ class JobRunner:
             if pause:
                 time.sleep(pause)
 
+    def _claim(
+        self, rnd: Round, outcome: Outcome, detail: str, detected: float
+    ) -> tuple[dict, bool]:
+        """Name ``outcome`` as the cause of this round's end, unless another agent did
+        first (``JobRegistry.claim_failure``)."""
+        return self._registry.claim_failure(
+            self.name, rnd.number,
+            {"reason": str(outcome), "node": self._node.node_id, "detail": detail,
+             "detected_at": detected, "step": self._furthest_step},
+            fence=self._report.fence,
+        )  # fmt: skip
+
+    def _claim_early(self, rnd: Round, outcome: Outcome, detail: str, detected: float) -> None:
+        """Claim the cause before our workers are stopped, for :meth:`_record_failure` to
+        use. A claim that fails here (etcd away, fenced) is made again there, where its
+        error is handled."""
+        try:
+            self._early_claim = (rnd.number, *self._claim(rnd, outcome, detail, detected))
+        except ElasticdError as exc:
+            log.warning("failure not claimed yet", **kv(job=self.name, error=str(exc)))
+
     def _record_failure(
         self, rnd: Round, outcome: Outcome, detail: str, detected: float, stopped: float
     ) -> None:
@@ -860,12 +889,11 @@ class JobRunner:
         if outcome == Outcome.PREEMPTED:
             return
         fence = self._report.fence
-        claim, ours = self._registry.claim_failure(
-            self.name, rnd.number,
-            {"reason": str(outcome), "node": self._node.node_id, "detail": detail,
-             "detected_at": detected, "step": self._furthest_step},
-            fence=fence,
-        )  # fmt: skip
+        early, self._early_claim = self._early_claim, None
+        if early is not None and early[0] == rnd.number:
+            claim, ours = early[1], early[2]
+        else:
+            claim, ours = self._claim(rnd, outcome, detail, detected)
         self._pending_recovery = {
             "reason": claim.get("reason", str(outcome)),
             "detected_at": min(float(claim.get("detected_at", detected)), detected),
