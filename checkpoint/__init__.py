@@ -21,6 +21,8 @@ Load (any layout)::
     ckpt = load_latest(ckpt_dir, model=..., optimizer=..., group=gloo_group)
 """
 
+from typing import TYPE_CHECKING, Any
+
 from checkpoint.errors import (
     CheckpointError,
     CorruptCheckpointError,
@@ -33,12 +35,43 @@ from checkpoint.errors import (
     SaveRefusedError,
 )
 from checkpoint.fence import Fence, check_fence, read_fence, write_fence
-from checkpoint.load import Checkpoint, LoadStats, load_latest, open_step
 from checkpoint.manifest import FORMAT_VERSION, Manifest
-from checkpoint.save import SaveOptions, Saver, SaveResult
 from checkpoint.shards import ShardInfo
+from checkpoint.step import LoadStats
 from checkpoint.store import committed_steps, prune, read_latest
 from checkpoint.verify import export, verify
+
+# Saving and loading tensors import torch; they are imported when first named (PEP 562),
+# so that reading and checking a checkpoint (``elasticd ckpt ls/inspect/verify``, all of
+# the above) runs without it.
+_LAZY = {
+    "Checkpoint": "checkpoint.load",
+    "load_latest": "checkpoint.load",
+    "open_step": "checkpoint.load",
+    "SaveOptions": "checkpoint.save",
+    "Saver": "checkpoint.save",
+    "SaveResult": "checkpoint.save",
+}
+
+if TYPE_CHECKING:
+    from checkpoint.load import Checkpoint, load_latest, open_step
+    from checkpoint.save import SaveOptions, Saver, SaveResult
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'checkpoint' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "FORMAT_VERSION",

@@ -7,8 +7,8 @@ froze and thawed after the world moved on cannot commit. Format and rules:
 docs/checkpoint-format.md, "Fencing".
 
 This module needs only the standard library (and :mod:`checkpoint.errors`), so it reads
-the same with or without torch. The agent does not import it (importing the package
-imports torch); it writes the same small JSON itself, as the format document says.
+the same with or without torch. The agent does not import it (it imports nothing of
+``checkpoint``); it writes the same small JSON itself, as the format document says.
 """
 
 from __future__ import annotations

@@ -13,8 +13,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from checkpoint.errors import FormatError
 from checkpoint.planner import (
     CORNERS_FREE,
@@ -51,36 +49,43 @@ only: ``\\d`` takes any Unicode digit and ``$`` a trailing newline, and a name t
 to a step but is not that step's own name would be listed and never found."""
 KINDS = ("model", "optimizer", "rank")
 
-# safetensors dtype codes for the torch dtypes a trainer keeps.
-_ST_CODES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
+DTYPES = {
+    "float64": ("F64", 8),
+    "float32": ("F32", 4),
+    "float16": ("F16", 2),
+    "bfloat16": ("BF16", 2),
+    "int64": ("I64", 8),
+    "int32": ("I32", 4),
+    "int16": ("I16", 2),
+    "int8": ("I8", 1),
+    "uint8": ("U8", 1),
+    "bool": ("BOOL", 1),
 }
-_BY_NAME = {str(dt).removeprefix("torch."): dt for dt in _ST_CODES}
+"""The dtypes a checkpoint stores, by the name a manifest gives them (torch's, without
+``torch.``): their safetensors code and item size. Kept as names, so that reading and
+checking a checkpoint (``elasticd ckpt ls/inspect/verify``) never imports torch."""
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    if dtype not in _ST_CODES:
+def dtype_name(dtype: Any) -> str:
+    """The manifest's name of a torch dtype (or of a name already)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
         raise FormatError(f"dtype {dtype} cannot be stored")
-    return str(dtype).removeprefix("torch.")
+    return name
 
 
-def dtype_of(name: str) -> torch.dtype:
-    if name not in _BY_NAME:
+def dtype_of(name: str) -> Any:
+    """The torch dtype a manifest's dtype name stands for (imports torch)."""
+    if name not in DTYPES:
         raise FormatError(f"unknown dtype {name!r} in manifest")
-    return _BY_NAME[name]
+    import torch
+
+    return getattr(torch, name)
 
 
-def st_code(dtype: torch.dtype) -> str:
-    return _ST_CODES[dtype]
+def st_code(dtype: Any) -> str:
+    """The safetensors code of a torch dtype or of a manifest's dtype name."""
+    return DTYPES[str(dtype).removeprefix("torch.")][0]
 
 
 def file_name(rank: int) -> str:
@@ -183,7 +188,9 @@ class TensorEntry:
 
     name: str
     kind: str
-    dtype: torch.dtype
+    dtype_name: str
+    """The dtype as the manifest names it (a key of :data:`DTYPES`); :attr:`dtype` is the
+    torch dtype."""
     shape: tuple[int, ...]
     chunks: Sequence[SavedChunk]
     """Every chunk (a tuple; parsed from a version 4 manifest, :class:`RegionChunks`, which
@@ -204,15 +211,28 @@ class TensorEntry:
     """Bytes per verify block the writer aimed at (version 4): each chunk's rows per block
     are :func:`checkpoint.planner.block_rows` of its sizes with this."""
 
+    @property
+    def dtype(self) -> Any:
+        """The torch dtype (imports torch: a reader that needs no tensor uses
+        :attr:`dtype_name`, :attr:`itemsize` and :attr:`st_code`)."""
+        return dtype_of(self.dtype_name)
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype_name][1]
+
+    @property
+    def st_code(self) -> str:
+        """The safetensors code of its dtype."""
+        return DTYPES[self.dtype_name][0]
+
     def rows_per_block(self, chunk: SavedChunk) -> int:
         """Rows per verify block of ``chunk`` (all its rows in versions 1 and 2)."""
         rows = self.block_rows.get((chunk.file, chunk.key))
         if rows is not None:
             return rows
         if self.regions:
-            return block_rows(
-                chunk.sizes, itemsize=self.dtype.itemsize, block_bytes=self.block_bytes
-            )
+            return block_rows(chunk.sizes, itemsize=self.itemsize, block_bytes=self.block_bytes)
         return max(1, chunk_rows(chunk.sizes))
 
     def blocks(self, chunk: SavedChunk) -> int:
@@ -228,7 +248,7 @@ class TensorEntry:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
+        n = self.itemsize
         for s in self.shape:
             n *= s
         return n
@@ -301,7 +321,7 @@ class Manifest:
             "tensors": {
                 t.name: {
                     "kind": t.kind,
-                    "dtype": dtype_name(t.dtype),
+                    "dtype": t.dtype_name,
                     "shape": list(t.shape),
                     **(
                         {
@@ -576,13 +596,13 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
             raise _Bad(f"tensor {shown}: kind {quoted(kind)} is not one of {', '.join(KINDS)}")
         if not isinstance(t["dtype"], str):
             raise _Bad(f"tensor {shown}: dtype {quoted(t['dtype'])} is not a name")
-        if t["dtype"] not in _BY_NAME:
+        if t["dtype"] not in DTYPES:
             raise _Bad(f"tensor {shown}: unknown dtype {quoted(t['dtype'])}")
-        dtype = dtype_of(t["dtype"])
+        dtype, itemsize = t["dtype"], DTYPES[t["dtype"]][1]
         shape = _ints(t["shape"], name, "shape")
         # Even a tensor of no elements (a 0 in its shape) is allocated with strides of the
         # other dimensions: all of it must fit an int64 count of bytes.
-        if math.prod(max(1, n) for n in shape) * dtype.itemsize >= INT_LIMIT:
+        if math.prod(max(1, n) for n in shape) * itemsize >= INT_LIMIT:
             raise _Bad(f"tensor {shown}: shape {list(shape)} holds more bytes than an int64")
         if not isinstance(t[listed], list):
             raise _Bad(f"tensor {shown}: {listed} is not a list")
@@ -599,16 +619,16 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
             listed_chunks = _parse_regions(t, name, shape, rank_files)
         else:
             listed_chunks = _parse_shards(t, name, shape, files, version)
-        entry = TensorEntry(name=name, kind=kind, dtype=dtype, shape=shape, **listed_chunks)
+        entry = TensorEntry(name=name, kind=kind, dtype_name=dtype, shape=shape, **listed_chunks)
         if version >= 4:
             # No chunk is made here. A region's strips tile it, so its bytes are theirs.
             for rank, _, sizes, _ in entry.regions:
-                held[rank_files[rank]] += math.prod(sizes) * dtype.itemsize
+                held[rank_files[rank]] += math.prod(sizes) * itemsize
             _empty_region_keys(shown, name, entry.regions)
         else:
             _unique_keys(shown, entry.chunks, keys)
             for c in entry.chunks:
-                held[c.file] += math.prod(c.sizes) * dtype.itemsize
+                held[c.file] += math.prod(c.sizes) * itemsize
         # A version 4 region's strips tile it by construction: its regions tiling the tensor
         # is its chunks tiling it, checked on five times fewer boxes.
         if version >= 4:

@@ -130,7 +130,7 @@ class SavePlan:
             t.name: TensorEntry(
                 name=t.name,
                 kind=t.kind,
-                dtype=t.dtype,
+                dtype_name=dtype_name(t.dtype),
                 shape=t.shape,
                 chunks=t.chunks,
                 regions=t.regions,

@@ -22,13 +22,16 @@ import zlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import crc32c
-import torch
 
 from checkpoint import smallfile
 from checkpoint.errors import CorruptCheckpointError, SaveRefusedError
 from checkpoint.manifest import lower_hex, quoted, st_code
+
+if TYPE_CHECKING:  # imported where a tensor is written: reading needs no torch
+    import torch
 
 
 @dataclass(frozen=True, slots=True)
@@ -486,5 +489,7 @@ def write_atomic(path: str, data: bytes, *, before_rename=None) -> None:
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
+    import torch
+
     t = t.contiguous().reshape(-1)
     return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")

@@ -7,19 +7,22 @@ import json
 import math
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import crc32c
-from safetensors.torch import save_file
 
 from checkpoint.errors import CheckpointError, CorruptCheckpointError
-from checkpoint.load import Checkpoint, read_header_checked
-from checkpoint.manifest import quoted, st_code
+from checkpoint.manifest import quoted
 from checkpoint.planner import row_bytes
+from checkpoint.step import CheckpointFiles, read_header_checked
 from checkpoint.stfile import block_crc32c, fd_sha256, header_crcs, pread_into
 
+if TYPE_CHECKING:
+    from checkpoint.load import Checkpoint
 
-def verify(ckpt: Checkpoint) -> list[str]:
-    """Every problem found, checking every byte of every file.
+
+def verify(ckpt: CheckpointFiles) -> list[str]:
+    """Every problem found, checking every byte of every file (torch is not imported).
 
     Versions 2 and 3: each file is a regular file of its recorded size; its header matches
     its sha256, and its entries are exactly the manifest's chunks of that file and tile its
@@ -34,9 +37,9 @@ def verify(ckpt: Checkpoint) -> list[str]:
         for c in entry.chunks:
             # Bytes per verify block (the whole chunk before version 3), and the checksums:
             # from the manifest, or (version 4) how many the file's header holds.
-            block = entry.rows_per_block(c) * row_bytes(c.sizes, entry.dtype.itemsize)
+            block = entry.rows_per_block(c) * row_bytes(c.sizes, entry.itemsize)
             crc = entry.crc32[(c.file, c.key)] if in_manifest else entry.blocks(c)
-            nbytes = math.prod(c.sizes) * entry.dtype.itemsize
+            nbytes = math.prod(c.sizes) * entry.itemsize
             by_file.setdefault(c.file, {})[c.key] = (block, crc, nbytes)
     for name, meta in sorted(ckpt.manifest.files.items()):
         path = os.path.join(ckpt.path, name)
@@ -62,7 +65,7 @@ def verify(ckpt: Checkpoint) -> list[str]:
             if head is None:
                 continue
             info = head.get(c.key)
-            want = {"dtype": st_code(entry.dtype), "shape": list(c.sizes)}
+            want = {"dtype": entry.st_code, "shape": list(c.sizes)}
             if info is None or {k: info.get(k) for k in want} != want:
                 problems.append(
                     f"{quoted(tname)}: {c.file} key {quoted(c.key)} is missing or has the wrong "
@@ -157,6 +160,8 @@ def export(
     ``model-0000i-of-0000n.safetensors`` files plus ``model.safetensors.index.json``.
     Returns the files written.
     """
+    from safetensors.torch import save_file
+
     names = sorted(n for n, e in ckpt.manifest.tensors.items() if e.kind == "model")
     if not names:
         raise CorruptCheckpointError(f"{ckpt.path}: holds no model tensors to export")

@@ -471,7 +471,7 @@ def test_a_verified_load_reads_each_file_front_to_back(tmp_path, monkeypatch):
     def fadvise(*args):
         raise AssertionError("posix_fadvise called")
 
-    monkeypatch.setattr(load.os, "posix_fadvise", fadvise)
+    monkeypatch.setattr(os, "posix_fadvise", fadvise)
     head = header_bytes(data_path(ckpt))
     seen = []
     for names in (("a", "b"), ("b", "a")):
@@ -481,7 +481,7 @@ def test_a_verified_load_reads_each_file_front_to_back(tmp_path, monkeypatch):
             offsets.append(offset)
             return real_preadv(fd, buffers, offset, flags)
 
-        monkeypatch.setattr(load.os, "preadv", preadv)
+        monkeypatch.setattr(os, "preadv", preadv)
         wanted = {}
         for name in names:
             info = ShardInfo.split(name, (ROWS, COLS), 0, 1, 2)  # the second half of each strip
