@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -89,6 +91,60 @@ def test_verify_passes_a_sound_checkpoint_and_names_a_corrupted_file_with_exit_2
     data.write_bytes(bytes(raw))
     code, _, err = run(capsys, "verify", str(tmp_path))
     assert code == 2 and str(data) in err and "problem" in err.splitlines()[-1]
+
+
+NO_TORCH = """
+import atexit, runpy, sys
+atexit.register(lambda: print("torch imported" if "torch" in sys.modules else "no torch",
+                              file=sys.stderr))
+sys.argv = ["elasticd", *sys.argv[1:]]
+runpy.run_module("elasticd", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_ls_inspect_and_verify_run_without_importing_torch(tmp_path, capsys):
+    """A health check or a script pays for the command, not for a torch import (a second
+    of the 1.6 s an ``inspect`` took): ls, inspect and verify check and show a checkpoint
+    with the same output as ever, bad news included, and never import torch; export,
+    which reads tensors, does."""
+    save_steps(str(tmp_path), [2, 4])
+    bf16 = tmp_path / "bf16"
+    saver = Saver(str(bf16), group=None, options=SaveOptions(async_=False))
+    half = torch.linspace(-1, 1, 12, dtype=torch.bfloat16).reshape(3, 4)
+    saver.save(step=1, consumed_samples=1, model={"h": (half, ShardInfo.whole("h", (3, 4)))})
+    saver.close()
+
+    def alone(*argv):
+        proc = subprocess.run(
+            [sys.executable, "-c", NO_TORCH, "ckpt", *argv],
+            capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        *err, imported = proc.stderr.strip().splitlines()
+        return proc.returncode, proc.stdout, "\n".join(err), imported
+
+    for argv in (
+        ["ls", str(tmp_path)],
+        ["ls", str(tmp_path), "--json"],
+        ["inspect", str(tmp_path), "--step", "2"],
+        ["inspect", str(tmp_path), "--json"],
+        ["inspect", str(bf16)],
+        ["verify", str(tmp_path)],
+        ["verify", str(bf16)],
+    ):
+        code, out, err, imported = alone(*argv)
+        assert (code, err, imported) == (0, "", "no torch"), (argv, err)
+        assert (code, out) == run(capsys, *argv)[:2], argv
+    assert "bfloat16  3x4" in alone("inspect", str(bf16))[1]
+    data = next(Path(step_path(str(tmp_path), 4)).glob("*.safetensors"))
+    raw = bytearray(data.read_bytes())
+    raw[-5] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    code, out, err, imported = alone("verify", str(tmp_path))
+    assert (code, imported) == (2, "no torch") and len(err.splitlines()) == 1, err
+    assert str(data) in err and "checksum mismatch" in err
+    code, _, err, imported = alone("export", str(bf16), str(tmp_path / "out"))
+    assert (code, imported) == (0, "torch imported"), err
+    assert torch.equal(load_file(str(tmp_path / "out" / "model.safetensors"))["h"], half)
 
 
 def test_export_writes_consolidated_safetensors_that_plain_load_file_reads(tmp_path, capsys):

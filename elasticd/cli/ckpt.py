@@ -111,14 +111,22 @@ def _guard(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Name
     return run
 
 
-def _open(args: argparse.Namespace):
-    from checkpoint import Checkpoint, open_step
+def _open(args: argparse.Namespace, *, tensors: bool = False):
+    """The step the command names, opened: for reading its tensors (``tensors``: imports
+    torch), else for checking it (``checkpoint.step.CheckpointFiles``, without torch)."""
+    from checkpoint.step import CheckpointFiles, step_to_open
 
+    path = args.dir
     if os.path.isfile(os.path.join(args.dir, "manifest.json")):  # a step directory itself
         if args.step is not None:
             raise UsageError("--step cannot be used with a step directory")
-        return Checkpoint.open(args.dir)
-    return open_step(args.dir, args.step)
+    else:
+        path = step_to_open(args.dir, args.step)
+    if tensors:
+        from checkpoint.load import Checkpoint
+
+        return Checkpoint.open(path)
+    return CheckpointFiles.open(path)
 
 
 def _shown(value: Any) -> str:
@@ -139,7 +147,8 @@ def _mb(n: int) -> str:
 
 
 def run_ls(args: argparse.Namespace) -> int:
-    from checkpoint import Checkpoint, committed_steps, read_latest
+    from checkpoint import committed_steps, read_latest
+    from checkpoint.step import CheckpointFiles
     from checkpoint.store import leftovers, step_path
 
     latest = read_latest(args.dir)
@@ -147,7 +156,7 @@ def run_ls(args: argparse.Namespace) -> int:
     for step in committed_steps(args.dir):
         row: dict[str, Any] = {"step": step, "latest": step == latest}
         try:
-            m = Checkpoint.open(step_path(args.dir, step)).manifest
+            m = CheckpointFiles.open(step_path(args.dir, step)).manifest
             row.update(
                 bytes=m.total_bytes,
                 files=len(m.files),
@@ -241,7 +250,7 @@ def run_inspect(args: argparse.Namespace) -> int:
                     "tensors": {
                         n: {
                             "kind": t.kind,
-                            "dtype": str(t.dtype).removeprefix("torch."),
+                            "dtype": t.dtype_name,
                             "shape": list(t.shape),
                             "shards": len(t.chunks),
                         }
@@ -269,7 +278,7 @@ def run_inspect(args: argparse.Namespace) -> int:
     print(f"{'KIND':<10} {'DTYPE':<9} {'SHAPE':<18} {'SHARDS':>6} {'SIZE':>10}  NAME")
     for n, t in sorted(m.tensors.items()):
         shape = "x".join(map(str, t.shape)) or "scalar"
-        dtype = str(t.dtype).removeprefix("torch.")
+        dtype = t.dtype_name
         print(
             f"{t.kind:<10} {dtype:<9} {shape:<18} {len(t.chunks):>6} {_mb(t.nbytes):>10}  "
             f"{_shown(n)}"
@@ -302,7 +311,7 @@ def run_verify(args: argparse.Namespace) -> int:
 def run_export(args: argparse.Namespace) -> int:
     from checkpoint import export
 
-    ckpt = _open(args)
+    ckpt = _open(args, tensors=True)
     if args.format == "hf":
         from trainer.errors import TrainerConfigError
         from trainer.hf import export_hf
