@@ -544,3 +544,70 @@ def test_the_next_world_decides_a_reached_restart_limit(etcd_client, nodes, furt
     counted = generate_latest(metrics).decode()
     reason = "worker_failed" if len(nodes) == 3 else "peer_lost"
     assert f'elasticd_restarts_total{{elasticd_job="{name}",reason="{reason}"}} 1.0' in counted
+
+
+def test_a_hung_workers_failure_is_claimed_and_counted_before_the_kill_even_if_the_kill_fails(
+    etcd_client,
+):
+    """The agent of a hung worker names the cause (worker_hung) and counts it before it
+    kills the worker: the kill fails the peers' collectives at once, and their agents must
+    find the cause taken. Were the kill then to fail (a worker SIGKILL cannot reap within
+    the wait, stuck in the kernel), the round ends without its usual record, and the
+    failure still counts once; the peer's agent adopts the claim and counts nothing."""
+    import subprocess
+
+    from elasticd.agent.policy import Outcome
+    from elasticd.agent.report import JobReporter
+    from elasticd.agent.runner import JobRunner
+    from elasticd.jobs import JobRegistry
+    from elasticd.jobspec import parse_job
+
+    name = f"hung-claim-{os.getpid()}"
+    reg = JobRegistry(etcd_client)
+    job = parse_job({"name": name, "restart": {"mode": "inprocess", "hang_timeout": 5}})
+    reg.submit(job)
+    reg.set_state(name, JobState.RUNNING, "round 5")
+    events = []
+
+    class Unreapable:  # SIGKILLed, but not gone within the wait
+        def kill(self):
+            events.append(("kill", reg.get(name).status.get("history", [])))
+
+        def poll(self):
+            return None
+
+        def wait(self, timeout=None):
+            raise subprocess.TimeoutExpired("worker", timeout)
+
+    hung = SimpleNamespace(proc=Unreapable(), rank=0)
+    workers = SimpleNamespace(
+        dump_stacks=lambda: 0, kill=lambda: None,
+        stalest_progress=lambda now: SimpleNamespace(worker=hung, age=60.0, waiting=False),
+    )  # fmt: skip
+    rnd = SimpleNamespace(number=5, carried=0, first_step_seen=True, workers=workers)
+
+    def agent(node: str) -> JobRunner:
+        r = object.__new__(JobRunner)
+        r.name, r.job, r._registry, r._limit = name, job, reg, 3
+        r._report = JobReporter(name=name, registry=reg, metrics=AgentMetrics(CollectorRegistry()))
+        r._report.for_round(None)
+        r._node, r._furthest_step, r._clock = SimpleNamespace(node_id=node), 7, lambda: 100.0
+        r._pending_recovery, r._early_claim, r._failures_here = None, None, 0
+        return r
+
+    a = agent("node-a")
+    a._start_round = lambda world, joined_at: rnd
+    a._supervise = lambda handler, r: (Outcome.WORKER_HUNG, "rank 0: no progress for 60.0 s")
+    with pytest.raises(subprocess.TimeoutExpired):
+        a._round(None, None, 0.0)
+    (kill,) = events
+    assert [(e["reason"], e["node"]) for e in kill[1]] == [("worker_hung", "node-a")]
+    agent("node-b")._record_failure(
+        rnd, Outcome.COLLECTIVE_FAILED, "rank 1: Connection reset by peer", 100.0, 100.5
+    )
+    status = reg.get(name).status
+    failures = [e for e in status["history"] if e["kind"] == "failure"]
+    assert [(e["reason"], e["detail"]) for e in failures] == [
+        ("worker_hung", "rank 0: no progress for 60.0 s")
+    ]
+    assert status["restart_streak"] == 1 and status["reforms"] == 1

@@ -122,9 +122,9 @@ class JobRunner:
         self._in_round = False
         self._changes_lock = threading.Lock()
         self._pending_recovery: dict[str, Any] | None = None
-        self._early_claim: tuple[int, dict, bool] | None = None
-        """(round, claim, whether ours): this round's cause, claimed before the workers
-        were stopped (a hang: :meth:`_claim_early`)."""
+        self._early_claim: tuple[int, dict, bool, bool] | None = None
+        """(round, claim, whether ours, whether counted): this round's cause, claimed before
+        the workers were stopped (a hang: :meth:`_claim_early`)."""
         self._failures_here = 0
         self._troubles = 0
         self._last_step_written: Any = None
@@ -870,12 +870,25 @@ class JobRunner:
 
     def _claim_early(self, rnd: Round, outcome: Outcome, detail: str, detected: float) -> None:
         """Claim the cause before our workers are stopped, for :meth:`_record_failure` to
-        use. A claim that fails here (etcd away, fenced) is made again there, where its
-        error is handled."""
+        use, and count it at once when it is ours (as a preemption is): were stopping the
+        workers to raise (a killed worker that cannot be reaped), the round would end
+        without :meth:`_record_failure`, and a claim of ours left uncounted would count
+        nowhere (every peer finds it taken). A claim that fails here (etcd away: bounded
+        by the client's timeout, small beside the hang_timeout already spent; fenced) is
+        made again there, where its error is handled."""
         try:
-            self._early_claim = (rnd.number, *self._claim(rnd, outcome, detail, detected))
+            claim, ours = self._claim(rnd, outcome, detail, detected)
         except ElasticdError as exc:
             log.warning("failure not claimed yet", **kv(job=self.name, error=str(exc)))
+            return
+        self._early_claim = (rnd.number, claim, ours, False)
+        if ours:
+            try:
+                self._report.count(round_=rnd.number, claim=claim, limit=self._limit)
+            except ElasticdError as exc:  # counted there instead
+                log.warning("failure not counted yet", **kv(job=self.name, error=str(exc)))
+                return
+            self._early_claim = (rnd.number, claim, ours, True)
 
     def _record_failure(
         self, rnd: Round, outcome: Outcome, detail: str, detected: float, stopped: float
@@ -890,8 +903,9 @@ class JobRunner:
             return
         fence = self._report.fence
         early, self._early_claim = self._early_claim, None
+        counted = False
         if early is not None and early[0] == rnd.number:
-            claim, ours = early[1], early[2]
+            claim, ours, counted = early[1], early[2], early[3]
         else:
             claim, ours = self._claim(rnd, outcome, detail, detected)
         self._pending_recovery = {
@@ -903,5 +917,5 @@ class JobRunner:
             self.name, JobState.RECOVERING, f"{claim.get('reason')}: {claim.get('detail', '')}",
             fence=fence,
         )  # fmt: skip
-        if ours:
+        if ours and not counted:
             self._report.count(round_=rnd.number, claim=claim, limit=self._limit)
