@@ -1,6 +1,7 @@
 """The checkpoint store: sharded safetensors, async and atomic, resharded on load.
 
-A library of torch + safetensors only (it imports neither `elasticd` nor `trainer`).
+A library of torch + safetensors only (it imports neither `elasticd` nor `trainer`); reading
+and checking a checkpoint (`checkpoint.step`, `verify`, `store`) needs no torch.
 Every tensor is named globally and every stored chunk records its offsets in that global
 tensor, so any layout reads exactly the slices it needs. Format: docs/checkpoint-format.md.
 
@@ -59,14 +60,19 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'checkpoint' has no attribute {name!r}")
     import importlib
+    import importlib.util
 
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    module = _LAZY.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value
+        return value
+    # A submodule named as an attribute (``checkpoint.load`` after ``import checkpoint``),
+    # as when the package imported them all.
+    if not name.startswith("_") and importlib.util.find_spec(f"checkpoint.{name}") is not None:
+        return importlib.import_module(f"checkpoint.{name}")
+    raise AttributeError(f"module 'checkpoint' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:

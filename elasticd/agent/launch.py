@@ -92,7 +92,8 @@ def _replace_file(path: str, data: bytes, *, tag: str = "", fsync: bool = False)
     an unpredictable name with ``O_EXCL | O_NOFOLLOW`` (a symlink planted at a predictable
     name is never written through); removed again if anything fails. ``tag`` goes into the
     name; ``fsync`` syncs the file and then the directory. The same rules as
-    ``checkpoint.smallfile.write_atomic``, which the agent cannot import (torch)."""
+    ``checkpoint.smallfile.write_atomic``: the agent imports nothing of the checkpoint
+    library."""
     while True:
         tmp = f"{path}.{tag + '.' if tag else ''}{secrets.token_hex(8)}.writing"
         try:
@@ -150,9 +151,8 @@ def write_fence(ckpt_dir: str, *, run_id: str, round_: int, node_id: str = "") -
     so workers of a world that froze and was replaced cannot commit over the new world's
     steps. Written by every agent of the world (the same bytes; on node-local disks each
     node fences its own copy). Never lowered within a run: a stale agent that thaws and
-    writes an older round leaves the newer fence in place. The agent cannot import
-    ``checkpoint`` (it would import torch), so the tiny format is written here and
-    documented there.
+    writes an older round leaves the newer fence in place. The agent imports nothing of
+    the checkpoint library, so the tiny format is written here and documented there.
     """
     os.makedirs(ckpt_dir, exist_ok=True)
     path = os.path.join(ckpt_dir, "fence.json")

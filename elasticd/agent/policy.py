@@ -522,7 +522,7 @@ def latest_checkpoint_step(ckpt_dir: str) -> int | None:
 
     Reads the ``latest`` pointer (a file naming ``step-NNNNNNNNN``, or a link to it); a
     directory without one falls back to the highest ``step-*`` holding a manifest. This
-    reads names only, so the agent need not import the checkpoint library (and torch).
+    reads names only, so the agent need not import the checkpoint library.
     """
     latest = os.path.join(ckpt_dir, "latest")
     name = None
