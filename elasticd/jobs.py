@@ -10,6 +10,11 @@ Keys (``<job>`` is the job name)::
     /elasticd/jobs/<job>/failures/<round>
                                   why round <round> ended early, written once by whichever
                                   agent saw it first (so a failure is counted once)
+    /elasticd/jobs/<job>/failures/<round>/cause
+                                  the cause as the agent that saw it first-hand tells it,
+                                  when a peer's claim came first (its workers' collectives
+                                  failing on the cause); the next world's node rank 0 puts
+                                  it in the claim's place in the history
 
 ``state`` also holds the ``run_id`` of this submission (``<job>-<8 hex>``): the rendezvous
 of a replaced job starts fresh rather than finding the old run closed; and ``submitted``,
@@ -422,16 +427,35 @@ class JobRegistry:
         peer vanished); the first to write names the cause and the rest adopt it, so a
         failure counts once against ``restart.max_restarts``.
         """
+        return self._put_once(_key(name, f"failures/{round_}"), round_, info, fence)
+
+    def note_cause(
+        self, name: str, round_: int, info: dict[str, Any], *, fence: Fence | None = None
+    ) -> bool:
+        """Record the cause of round ``round_``'s end as the agent that saw it first-hand
+        tells it (its worker was killed, hung, or failed on its own), when the claim in
+        force came from an agent whose workers only failed on it (``by_peer``). Kept once;
+        :meth:`cause_of` reads it. Returns whether this note is the one kept."""
+        return self._put_once(_key(name, f"failures/{round_}/cause"), round_, info, fence)[1]
+
+    def cause_of(self, name: str, round_: int) -> dict[str, Any] | None:
+        """The note of :meth:`note_cause` for round ``round_``, if any."""
+        key = _key(name, f"failures/{round_}/cause")
+        kv = self._client.get(key)
+        return _load(kv.value, key) if kv else None
+
+    def _put_once(
+        self, key: str, round_: int, info: dict[str, Any], fence: Fence | None
+    ) -> tuple[dict, bool]:
         from elasticd.etcd import compare, put_op
 
-        key = _key(name, f"failures/{round_}")
-        claim = {"t": round(self._clock(), 3), "round": round_, **info}
+        record = {"t": round(self._clock(), 3), "round": round_, **info}
         fences = [] if fence is None else [compare(fence.key, "mod", "==", fence.mod)]
         result = self._client.txn(
-            [compare(key, "version", "==", 0), *fences], [put_op(key, _dump(claim))]
+            [compare(key, "version", "==", 0), *fences], [put_op(key, _dump(record))]
         )
         if result.succeeded:
-            return claim, True
+            return record, True
         self._check_fence(fence)
         current = self._client.get(key)
-        return (_load(current.value, key) if current else claim), False
+        return (_load(current.value, key) if current else record), False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import urllib.request
@@ -546,6 +547,34 @@ def test_the_next_world_decides_a_reached_restart_limit(etcd_client, nodes, furt
     assert f'elasticd_restarts_total{{elasticd_job="{name}",reason="{reason}"}} 1.0' in counted
 
 
+def registered(etcd_client, prefix: str, restart: dict):
+    """A job submitted to the registry on the real etcd, running."""
+    from elasticd.jobs import JobRegistry
+    from elasticd.jobspec import parse_job
+
+    reg = JobRegistry(etcd_client)
+    job = parse_job({"name": f"{prefix}-{os.getpid()}", "restart": restart})
+    reg.submit(job)
+    reg.set_state(job.name, JobState.RUNNING, "round 5")
+    return reg, job
+
+
+def agent_of(reg, job, node: str, metrics: CollectorRegistry | None = None):
+    """A node's JobRunner as far as recording a round's end goes (its registry and
+    reporter real, on the real etcd)."""
+    from elasticd.agent.report import JobReporter
+    from elasticd.agent.runner import JobRunner
+
+    r = object.__new__(JobRunner)
+    r.name, r.job, r._registry, r._limit = job.name, job, reg, 3
+    metrics = metrics if metrics is not None else CollectorRegistry()
+    r._report = JobReporter(name=job.name, registry=reg, metrics=AgentMetrics(metrics))
+    r._report.for_round(None)
+    r._node, r._furthest_step, r._clock = SimpleNamespace(node_id=node), 7, lambda: 100.0
+    r._pending_recovery, r._early_claim, r._failures_here = None, None, 0
+    return r
+
+
 def test_a_hung_workers_failure_is_claimed_and_counted_before_the_kill_even_if_the_kill_fails(
     etcd_client,
 ):
@@ -557,16 +586,9 @@ def test_a_hung_workers_failure_is_claimed_and_counted_before_the_kill_even_if_t
     import subprocess
 
     from elasticd.agent.policy import Outcome
-    from elasticd.agent.report import JobReporter
-    from elasticd.agent.runner import JobRunner
-    from elasticd.jobs import JobRegistry
-    from elasticd.jobspec import parse_job
 
-    name = f"hung-claim-{os.getpid()}"
-    reg = JobRegistry(etcd_client)
-    job = parse_job({"name": name, "restart": {"mode": "inprocess", "hang_timeout": 5}})
-    reg.submit(job)
-    reg.set_state(name, JobState.RUNNING, "round 5")
+    reg, job = registered(etcd_client, "hung-claim", {"mode": "inprocess", "hang_timeout": 5})
+    name = job.name
     events = []
 
     class Unreapable:  # SIGKILLed, but not gone within the wait
@@ -586,23 +608,14 @@ def test_a_hung_workers_failure_is_claimed_and_counted_before_the_kill_even_if_t
     )  # fmt: skip
     rnd = SimpleNamespace(number=5, carried=0, first_step_seen=True, workers=workers)
 
-    def agent(node: str) -> JobRunner:
-        r = object.__new__(JobRunner)
-        r.name, r.job, r._registry, r._limit = name, job, reg, 3
-        r._report = JobReporter(name=name, registry=reg, metrics=AgentMetrics(CollectorRegistry()))
-        r._report.for_round(None)
-        r._node, r._furthest_step, r._clock = SimpleNamespace(node_id=node), 7, lambda: 100.0
-        r._pending_recovery, r._early_claim, r._failures_here = None, None, 0
-        return r
-
-    a = agent("node-a")
+    a = agent_of(reg, job, "node-a")
     a._start_round = lambda world, joined_at: rnd
     a._supervise = lambda handler, r: (Outcome.WORKER_HUNG, "rank 0: no progress for 60.0 s")
     with pytest.raises(subprocess.TimeoutExpired):
         a._round(None, None, 0.0)
     (kill,) = events
     assert [(e["reason"], e["node"]) for e in kill[1]] == [("worker_hung", "node-a")]
-    agent("node-b")._record_failure(
+    agent_of(reg, job, "node-b")._record_failure(
         rnd, Outcome.COLLECTIVE_FAILED, "rank 1: Connection reset by peer", 100.0, 100.5
     )
     status = reg.get(name).status
@@ -611,3 +624,87 @@ def test_a_hung_workers_failure_is_claimed_and_counted_before_the_kill_even_if_t
         ("worker_hung", "rank 0: no progress for 60.0 s")
     ]
     assert status["restart_streak"] == 1 and status["reforms"] == 1
+
+
+GLOO_CLOSED = (
+    "rank 0: exit code 1: RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed "
+    "by peer [127.0.0.1]:45730"
+)
+
+
+@pytest.mark.parametrize(
+    ("outcome", "detail", "by_peer"),
+    [
+        ("worker_failed", GLOO_CLOSED, True),
+        (
+            "collective_failed",
+            "rank 2: Read error [127.0.0.1]:21929: Connection reset by peer",
+            True,
+        ),
+        ("worker_failed", GLOO_CLOSED + "; rank 1: exit code 1: CUDA out of memory", False),
+        ("worker_failed", "rank 1: signal 9: Connection closed by peer (log x)", False),
+        ("worker_failed", "rank 1: exit code 1: ValueError: bad batch", False),
+        ("collective_failed", "rank 1: InjectedCollectiveFault: fail-collective at step 5", False),
+        ("worker_hung", "rank 1: no progress for 4.0 s", False),
+        ("worker_failed", "", False),
+    ],
+)
+def test_a_failure_that_is_only_collectives_failing_on_a_peer_is_told_apart(
+    outcome, detail, by_peer
+):
+    from elasticd.agent.policy import Outcome, failed_on_a_peer
+
+    assert failed_on_a_peer(Outcome(outcome), detail) is by_peer
+
+
+@pytest.mark.parametrize("first", ["peer", "killed"])
+def test_the_history_names_the_killed_worker_whichever_agent_claimed_first(etcd_client, first):
+    """Node b's worker is killed; node a's worker fails at once on its closed socket.
+    Whichever agent writes the claim first, the failure counts once, and once the next
+    world forms, the history, last_failure, the counted reason and the recovery record's
+    reason name the killed worker (signal 9 on node b), not the socket it closed."""
+    from elasticd.agent.policy import Outcome
+
+    reg, job = registered(etcd_client, f"cause-{first}", {})
+    metrics = CollectorRegistry()
+    a, b = agent_of(reg, job, "node-a", metrics), agent_of(reg, job, "node-b")
+    rnd = SimpleNamespace(number=5)
+    killed = "rank 1: signal 9 (log /x/local-1.log)"
+    records = [(a, Outcome.WORKER_FAILED, GLOO_CLOSED), (b, Outcome.WORKER_FAILED, killed)]
+    for agent, outcome, detail in records if first == "peer" else records[::-1]:
+        agent._record_failure(rnd, outcome, detail, 100.0, 100.2)
+    claim = json.loads(etcd_client.get(f"/elasticd/jobs/{job.name}/failures/5").value)
+    assert claim["node"] == ("node-a" if first == "peer" else "node-b")
+    a._report.reattribute(SimpleNamespace(round=6, nodes=["node-a", "node-b"]))
+    status = reg.get(job.name).status
+    (failure,) = [e for e in status["history"] if e["kind"] == "failure"]
+    assert (failure["reason"], failure["node"], failure["detail"]) == (
+        "worker_failed",
+        "node-b",
+        killed,
+    )
+    assert failure["counted"] and status["restart_streak"] == 1
+    assert status["last_failure"] == f"round 5: worker_failed: {killed}"
+    assert a._report.noted_reason == ("worker_failed" if first == "peer" else None)
+    counted = generate_latest(metrics).decode()
+    assert (
+        f'elasticd_restarts_total{{elasticd_job="{job.name}",reason="worker_failed"}} 1.0'
+        in counted
+    )
+
+
+def test_a_lost_node_still_beats_a_noted_cause(etcd_client):
+    """A node that died takes its worker with it: its peers' claim becomes peer_lost in the
+    next world, formed without it, whatever cause was noted."""
+    from elasticd.agent.policy import Outcome
+
+    reg, job = registered(etcd_client, "cause-lost", {})
+    reg.update_status(job.name, lambda s: s.update(nodes=["node-a", "node-b", "node-c"]))
+    a, b = agent_of(reg, job, "node-a"), agent_of(reg, job, "node-b")
+    rnd = SimpleNamespace(number=5)
+    a._record_failure(rnd, Outcome.WORKER_FAILED, GLOO_CLOSED, 100.0, 100.2)
+    b._record_failure(rnd, Outcome.WORKER_FAILED, "rank 1: signal 9", 100.0, 100.2)
+    lost = a._report.reattribute(SimpleNamespace(round=6, nodes=["node-a", "node-b"]))
+    assert lost == ["node-c"] and a._report.noted_reason is None
+    (failure,) = [e for e in reg.get(job.name).status["history"] if e["kind"] == "failure"]
+    assert failure["reason"] == "peer_lost" and failure["detail"].startswith("lost node-c (")

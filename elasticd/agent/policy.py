@@ -167,6 +167,25 @@ def decide(obs: Observation) -> Outcome | None:
     return None
 
 
+PEER_FAULT_MARKS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+"""What a worker's error says when its collective failed because a peer went away (gloo's
+words for a connection its peer closed or reset)."""
+
+
+def failed_on_a_peer(outcome: Outcome, detail: str) -> bool:
+    """Whether a round's end, as this agent saw it (``outcome`` and its ``detail``, one
+    ``rank N: ...`` part per failed worker), is only its workers' collectives failing on a
+    peer: every part names a connection a peer closed, and none a signal (a worker killed
+    here is a cause of its own). Such a claim yields the history's cause to the agent that
+    saw the cause itself (``JobRegistry.note_cause``)."""
+    if outcome not in (Outcome.WORKER_FAILED, Outcome.COLLECTIVE_FAILED):
+        return False
+    parts = [p for p in detail.split("; ") if p.strip()]
+    return bool(parts) and all(
+        ": signal " not in p and any(m in p for m in PEER_FAULT_MARKS) for p in parts
+    )
+
+
 WAITING_PATIENCE = 2.0
 """How many restart.hang_timeouts a worker that waits on its peers in a collective of its
 round (in-process restart: its heartbeat says ``waiting``) may go without progress before

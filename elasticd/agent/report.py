@@ -100,6 +100,8 @@ class JobReporter:
         """Whether a write of the current round was refused (a newer world exists)."""
         self.job_failed = False
         """Whether this reporter marked the job failed."""
+        self.noted_reason: str | None = None
+        """The cause :meth:`reattribute` put in a claim's place (a noted cause), if any."""
         self._step_seen: int | None = None
         self._save_seen: Any = None
         self._ckpt_seen: int | None = None
@@ -147,9 +149,15 @@ class JobReporter:
         previous world are missing, the round ended because a node was lost, and that is
         not a worker restart (nor the job's ``last_failure``).
 
+        Likewise, a claim made by an agent whose workers only failed on a peer yields to
+        the cause the agent that saw it noted (``JobRegistry.note_cause``: its worker was
+        killed, hung or failed on its own): the history, ``last_failure`` and the counted
+        reason name that one (:attr:`noted_reason`).
+
         Node rank 0 of the new world then counts the re-forms not yet counted into
         ``elasticd_restarts_total``, with their corrected cause: once each, by one agent.
         Returns the missing nodes (call before ``world_formed``)."""
+        self.noted_reason = None
         record = self._registry.get(self.name)
         status = record.status if record is not None else {}
         previous = status.get("nodes")
@@ -160,10 +168,17 @@ class JobReporter:
         prev_round = world.round - 1
         counted: list[str] = []
         verdict: list[str] = []
+        noted = None
+        if not lost and any(_uncounted(e) and e.get("round") == prev_round
+                            for e in status.get("history", [])):  # fmt: skip
+            noted = self._registry.cause_of(self.name, prev_round)
+
+        applied: list[str] = []
 
         def change(st: dict[str, Any]) -> None:
             counted.clear()
             verdict.clear()
+            applied.clear()
             for event in st.get("history", []):
                 if not _uncounted(event):
                     continue
@@ -173,6 +188,16 @@ class JobReporter:
                     event["detail"] = f"lost {','.join(lost)} ({event.get('detail', '')})"
                     uncount_failure(st)
                     st["last_failure"] = f"round {prev_round}: peer_lost: {event['detail']}"
+                elif (noted and event.get("round") == prev_round
+                        and event.get("reason") in FAILURE_REASONS
+                        and noted.get("reason") in FAILURE_REASONS):  # fmt: skip
+                    for k in ("reason", "detail", "node"):
+                        event[k] = noted.get(k)
+                    applied.append(noted["reason"])
+                    if str(st.get("last_failure", "")).startswith(f"round {prev_round}: "):
+                        st["last_failure"] = (
+                            f"round {prev_round}: {noted['reason']}: {noted.get('detail', '')}"
+                        )
                 event["counted"] = True
                 counted.append(str(event.get("reason")))
             # The restart limit was reached at the failure before: now that this world
@@ -187,6 +212,7 @@ class JobReporter:
                     del st["limit_reached"]
 
         self._registry.update_status(self.name, change, fence=self.fence)
+        self.noted_reason = applied[0] if applied else None
         for reason in counted:
             self._metrics.restarts.labels(self.name, reason).inc()
         if verdict:

@@ -46,6 +46,7 @@ from elasticd.agent.policy import (
     Outcome,
     backoff,
     decide,
+    failed_on_a_peer,
     hang_bound,
     latest_checkpoint_step,
     pending_limit_verdict,
@@ -469,8 +470,9 @@ class JobRunner:
         if rnd.node_rank == 0:
             try:
                 lost = self._report.reattribute(world)
-                if lost and rnd.recovery is not None and rnd.recovery["reason"] in FAILURE_REASONS:
-                    rnd.recovery = {**rnd.recovery, "reason": "peer_lost"}
+                cause = "peer_lost" if lost else self._report.noted_reason
+                if cause and rnd.recovery is not None and rnd.recovery["reason"] in FAILURE_REASONS:
+                    rnd.recovery = {**rnd.recovery, "reason": cause}
                 if not self._report.job_failed:  # past its restart limit: no new world
                     self._report.world_formed(world, rnd.layout, resume_step)
             except FencedError as exc:
@@ -860,13 +862,23 @@ class JobRunner:
         self, rnd: Round, outcome: Outcome, detail: str, detected: float
     ) -> tuple[dict, bool]:
         """Name ``outcome`` as the cause of this round's end, unless another agent did
-        first (``JobRegistry.claim_failure``)."""
-        return self._registry.claim_failure(
-            self.name, rnd.number,
-            {"reason": str(outcome), "node": self._node.node_id, "detail": detail,
-             "detected_at": detected, "step": self._furthest_step},
-            fence=self._report.fence,
-        )  # fmt: skip
+        first (``JobRegistry.claim_failure``). One that did while its workers only failed on
+        a peer (:func:`failed_on_a_peer`) keeps the claim, and our cause is noted for the
+        history (``JobRegistry.note_cause``): our worker died, hung or failed on its own,
+        and theirs failed on it. Which agent writes first is a race (the kill of a hung
+        worker fails its peers' collectives at once; a killed worker's agent sees the exit
+        about when its peers' workers see their sockets close)."""
+        info = {"reason": str(outcome), "node": self._node.node_id, "detail": detail,
+                "detected_at": detected, "step": self._furthest_step,
+                "by_peer": failed_on_a_peer(outcome, detail)}  # fmt: skip
+        fence = self._report.fence
+        claim, ours = self._registry.claim_failure(self.name, rnd.number, info, fence=fence)
+        if not ours and claim.get("by_peer") and not info["by_peer"]:
+            try:
+                self._registry.note_cause(self.name, rnd.number, info, fence=fence)
+            except ElasticdError as exc:  # the history keeps the claim's words
+                log.warning("cause not noted", **kv(job=self.name, error=str(exc)))
+        return claim, ours
 
     def _claim_early(self, rnd: Round, outcome: Outcome, detail: str, detected: float) -> None:
         """Claim the cause before our workers are stopped, for :meth:`_record_failure` to
