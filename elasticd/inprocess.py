@@ -97,6 +97,17 @@ port) ends a recovery that would have worked, and a process restart there loses 
 step since the last checkpoint."""
 ABORT_WATCHDOG = 10.0
 """Seconds an NCCL abort may take before the process gives up and exits."""
+NCCL_INPROCESS_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
+"""What :func:`run` sets for in-process rounds on NCCL unless the user set it. torch's
+default error handling (3) ends the process on an NCCL error its watchdog sees (a killed
+peer): the survivor's state would go with it. Handling 2 aborts the communicators
+instead, but then a collective can end early, with garbage in its output, before the round
+has ended, which :func:`check_results` cannot see. With 0, only the control watcher
+aborts, after it has marked the round ended; the kernel waits on the lost peer until then
+(the agent ends the round on its lease or its worker's exit). The flight recorder's dump on
+an error is off too: with it, a killed peer set torch's monitor thread dumping and the
+round's own abort of its groups then hung past :data:`ABORT_WATCHDOG` (seen on an H200,
+torch 2.11, NCCL 2.28)."""
 WAIT_SLICE = 0.1
 """Seconds one look of :func:`wait_collective` lasts before it asks whether its round ended
 (a timed-out look costs one exception; a collective done sooner returns at once)."""
@@ -451,6 +462,8 @@ class _Control:
         self._ended_at: dict[int, float] = {}
         self._described: set[int] = set()
         """Rounds this process was still in STILL_IN_ROUND after their end (logged once)."""
+        self._nccl_aborted: set[int] = set()
+        """Rounds whose NCCL communicators the watcher has aborted (once per round)."""
         self._idle_since: tuple[int, float, float] | None = None
         """(round, when, CPU seconds of the other threads) at the start of an idle stretch."""
         self._last_look = 0.0
@@ -594,10 +607,22 @@ class _Control:
     def abort_sockets(self, round_: int) -> None:
         """Leave any collective of round ``round_`` (see the module docstring). Nothing if
         another round began meanwhile: its sockets are not ours to shut. Under the lock,
-        so that a round cannot begin halfway through."""
+        so that a round cannot begin halfway through.
+
+        On NCCL the round's communicators are aborted first (once per round): a kernel
+        blocked on a frozen or dead peer spins on the GPU, and only ``ncclCommAbort`` ends
+        it; the round's thread, blocked in a device synchronisation, then goes on. First,
+        because NCCL's own sockets (bootstrap, and its socket transport) are among those
+        shut next: NCCL would take their end for a network error of a live communicator."""
         with self.cond:
             if not self._begun or self.round != round_:
                 return
+            if round_ not in self._nccl_aborted:
+                self._nccl_aborted.add(round_)
+                aborted = abort_nccl_communicators()
+                if aborted:
+                    print(f"elasticd.inprocess: round {round_} ended; {aborted} NCCL "
+                          "communicators aborted", file=sys.stderr, flush=True)  # fmt: skip
             self._shut_new(late=False)
 
     def _shut_new(self, *, late: bool) -> None:
@@ -1023,29 +1048,168 @@ def _torch_version() -> str:
     return str(torch.__version__)
 
 
-def _abort_nccl() -> None:
-    """Abort every NCCL communicator of the round, or exit if that hangs (a process
-    restart is then the fallback)."""
-    import torch.distributed as dist
+class _Watchdog:
+    """Exit the process (:data:`EXIT_RECOVERY_FAILED`; the agent falls back to a process
+    restart) if the ``with`` block takes over :data:`ABORT_WATCHDOG` seconds: an
+    ``ncclCommAbort`` can itself hang (NCCL issue 829). Every thread's stack is printed
+    first: where it hung."""
 
-    done = threading.Event()
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.done = threading.Event()
 
-    def watchdog() -> None:
-        if not done.wait(ABORT_WATCHDOG):
-            print("elasticd.inprocess: NCCL abort hung; exiting for a process restart",
-                  file=sys.stderr, flush=True)  # fmt: skip
+    def __enter__(self) -> _Watchdog:
+        threading.Thread(target=self._watch, name="elasticd-abort-watchdog", daemon=True).start()
+        return self
+
+    def _watch(self) -> None:
+        if not self.done.wait(ABORT_WATCHDOG):
+            print(f"elasticd.inprocess: {self.what} hung for {ABORT_WATCHDOG:.0f} s; exiting "
+                  "for a process restart. Its threads:", file=sys.stderr, flush=True)  # fmt: skip
+            _dump_stacks()
             os._exit(EXIT_RECOVERY_FAILED)
 
-    threading.Thread(target=watchdog, daemon=True).start()
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+
+
+def _dump_stacks() -> None:
     try:
-        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-        if abort is not None:
-            abort()
-        dist.destroy_process_group()
+        import faulthandler
+
+        faulthandler.dump_traceback(file=sys.__stderr__ or sys.stderr, all_threads=True)
+    except (OSError, ValueError, AttributeError):  # no usable stderr: nothing to print on
+        pass
+
+
+def _nccl_groups() -> tuple[list[Any], list[Any]]:
+    """This process's process groups, newest first, and the NCCL backends among them
+    (none when torch.distributed was never imported, or has no NCCL group). Read from
+    torch's table of groups as it is at the call (the round's thread may be tearing it
+    down meanwhile)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return [], []
+    import torch
+
+    try:
+        nccl = dist.ProcessGroupNCCL if dist.is_nccl_available() else None
+        names = dict(dist.distributed_c10d._world.pg_names)
     except Exception as exc:
+        log.debug("no process groups to abort: %s", exc)
+        return [], []
+    groups = sorted(names, key=lambda pg: names[pg], reverse=True)
+    backends = []
+    for pg in groups if nccl is not None else ():
+        try:
+            backend = pg._get_backend(torch.device("cuda"))
+        except Exception:  # no CUDA backend in this group (a gloo side group)
+            continue
+        if isinstance(backend, nccl):
+            backends.append(backend)
+    return groups, backends
+
+
+def _abort_backends(backends: list[Any]) -> None:
+    """``ncclCommAbort`` of each backend's communicators, all in one NCCL group call so
+    that two aborts cannot wait on each other (pytorch/pytorch#119797)."""
+    if not backends:
+        return
+    try:
+        backends[0]._group_start()
+        try:
+            for backend in backends:
+                backend.abort()
+        finally:
+            backends[0]._group_end()
+    except Exception as exc:  # aborted already, or a torch without these hooks
         log.warning("NCCL abort: %s", exc)
-    finally:
-        done.set()
+
+
+def abort_nccl_communicators() -> int:
+    """Abort the NCCL communicators of every process group of this process, from any
+    thread, under :class:`_Watchdog`; returns how many groups had one (0 without NCCL).
+    torch's bookkeeping of the groups is left alone: the round's own thread forgets them
+    once it has left the round (:func:`_close_round`).
+
+    What an aborted collective leaves in its output is undefined (NCCL stops the kernel
+    wherever it was); :func:`check_results` is how a reader of such values finds out."""
+    _, backends = _nccl_groups()
+    if backends:
+        with _Watchdog("NCCL abort"):
+            _abort_backends(backends)
+    return len(backends)
+
+
+def check_results(group: Any = None) -> None:
+    """Raise :class:`RoundAborted` if ``group`` (None: the default group) is an NCCL
+    group of an in-process round that has ended. An NCCL collective aborted mid-flight
+    (:func:`abort_nccl_communicators`, by the control watcher when the round ends) does
+    not fail: it returns whatever its buffers held. The watcher marks the round ended
+    before it aborts, and nothing else aborts (:data:`NCCL_INPROCESS_ENV`), so a value
+    read back (a host synchronisation) and checked here afterwards is one no abort
+    touched. Call it after such a read and before the state is changed with it (the
+    trainer: after the gradient norm and the loss, before the optimizer step). On gloo an
+    interrupted collective raises: nothing to check."""
+    control = _current
+    if control is None or not control._begun:
+        return
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or "nccl" not in str(dist.get_backend(group)):
+        return
+    since = control.ended_for(control.round)
+    if since is not None:
+        raise RoundAborted(
+            f"round {control.round} ended {since:.1f} s ago, during or before a read of "
+            "an NCCL collective's result (an aborted collective's output is not trusted)"
+        )
+
+
+ABORT_WAIT = 3.0
+"""Seconds the round's thread waits for the teardown of an ended round's NCCL groups
+before it goes on without it (:func:`_abort_nccl`)."""
+
+_retired_groups: list[Any] = []
+"""The process groups of ended NCCL rounds: kept, never destroyed (see :func:`_abort_nccl`)."""
+
+
+def _abort_nccl() -> None:
+    """Abort the round's NCCL communicators and forget its process groups.
+
+    The aborts run on a thread of their own, waited for :data:`ABORT_WAIT` s: on an H200
+    (torch 2.11, NCCL 2.28) a second abort of a group whose watchdog had seen a killed
+    peer's closed connection hung, and the round's thread must not hang with it. Then
+    torch's table of groups is emptied here, as ``_abort_process_group`` empties it, so
+    that the next round's ``init_process_group`` starts clean. The group objects are kept
+    (:data:`_retired_groups`): their destructor joins torch's watchdog thread while it
+    holds the GIL, and a destructor that waited would stop every thread of the process.
+    Their communicators are gone (aborted); what stays is the object and its stopped
+    threads' bookkeeping, per recovery."""
+    import torch.distributed as dist
+
+    groups, backends = _nccl_groups()
+    _retired_groups.extend(groups)
+    aborting = threading.Thread(target=_abort_backends, args=(backends,),
+                                name="elasticd-nccl-abort", daemon=True)  # fmt: skip
+    aborting.start()
+    aborting.join(ABORT_WAIT)
+    if aborting.is_alive():
+        print(f"elasticd.inprocess: the abort of the ended round's NCCL groups did not return "
+              f"in {ABORT_WAIT:.0f} s; going on without it", file=sys.stderr, flush=True)  # fmt: skip
+    c10d = dist.distributed_c10d
+    try:
+        c10d._update_default_pg(None)
+        world = c10d._world
+        for table in ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag",
+                      "tags_to_pg", "pg_coalesce_state"):  # fmt: skip
+            getattr(world, table).clear()
+        c10d._unregister_all_process_groups()
+    except Exception as exc:  # a torch whose private table differs: destroy the usual way
+        log.warning("forgetting the NCCL groups failed (%s); destroying them", exc)
+        with _Watchdog("NCCL group teardown"):
+            dist.destroy_process_group()
+    _reset_group_names()
 
 
 def run(
@@ -1067,6 +1231,9 @@ def run(
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     path = env.get(ENV_CONTROL) if env.get(ENV_MODE) == "inprocess" else None
+    if path and "nccl" in backend:
+        for name, value in NCCL_INPROCESS_ENV.items():
+            os.environ.setdefault(name, value)  # a user's own setting stands
     local_rank = int(env.get("LOCAL_RANK", "0") or 0)
     control = None
     warming = None
@@ -1181,6 +1348,8 @@ __all__ = [
     "Context",
     "PeerPreempted",
     "RoundAborted",
+    "abort_nccl_communicators",
+    "check_results",
     "first_round_env",
     "is_comm_error",
     "run",

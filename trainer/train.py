@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from checkpoint.shards import ShardInfo
+from elasticd.inprocess import check_results
 from elasticd.layout import Layout
 from trainer.data import BatchPlan, micro_batches, open_source
 from trainer.errors import TrainerConfigError
@@ -313,6 +314,9 @@ class Trainer:
             tied = self.pipeline.tied_params(self.params, name=self._tied_name)
             sync_tied_grads([self.main.grad_of(q) for q in tied], group=self.pipeline.embedding)
         norm = self.main.grad_norm(groups=self.model_groups)
+        # An NCCL collective aborted by the round's end returns garbage, not an error: the
+        # norm (read back from the device) is trusted only if the round had not ended.
+        check_results()
         # From here this rank holds all its update needs: a fault in the collectives below
         # (a peer that completed them applies the step) leaves it for recovery to complete.
         self.pending_norm = norm
@@ -327,10 +331,12 @@ class Trainer:
             loss /= self.ctx.dp_cp.size
         if self.pipeline is not None:
             loss = self.pipeline.share_loss(loss)
+        loss_value = float(loss)
+        check_results()  # the loss and the peak memory, as the norm above
         # Every collective before the update is done (the ZeRO-1 all-gather comes after).
         self._phase("update")
         self._update(norm)
-        done = {"loss": float(loss), "norm": norm, "lr": lr, "started": started, "mem_gb": mem_gb}
+        done = {"loss": loss_value, "norm": norm, "lr": lr, "started": started, "mem_gb": mem_gb}
         if self.on_updated is not None:
             self.on_updated(self._result(**done))
         self.main.to_model()  # the step is counted first: recovery reads the main params
