@@ -42,8 +42,10 @@ descriptor is reused under gloo's feet) until the process group is destroyed. A 
 end while it is still starting (the agent's abort right after its start): the watcher then
 keeps shutting the round's new sockets until the worker has left it, a round already
 ended when it would begin is left at once, and a wait for rank 0's store gives up on the
-abort (that rank 0 may never open it). On NCCL the communicators are aborted with
-``_abort_process_group`` under a watchdog.
+abort (that rank 0 may never open it). On NCCL the watcher first aborts the
+communicators (a kernel blocked on a lost peer spins on the GPU until ``ncclCommAbort``),
+and a value read back from an NCCL collective is trusted only if :func:`check_results`
+finds the round still going (docs/inprocess.md, "NCCL").
 
 Without a control file (plain torchrun, one process, ``restart.mode: process``) ``run``
 calls ``train`` exactly once in a process group made from the torchrun environment.
