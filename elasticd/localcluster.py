@@ -22,6 +22,7 @@ import math
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -403,12 +404,7 @@ class LocalCluster:
             proc = subprocess.Popen(
                 with_pdeathsig(argv, self.python),  # agents go when `elasticd run` goes
                 cwd=self.cwd,
-                # The node id reaches the workers (phase-keyed node faults find their node).
-                env={
-                    **self.env,
-                    "ELASTICD_ETCD": self.endpoint,
-                    "ELASTICD_NODE_ID": f"node-{index}",
-                },
+                env=self.agent_env(index),
                 stdin=subprocess.DEVNULL,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
@@ -417,6 +413,20 @@ class LocalCluster:
         self.agents.append(proc)
         self.metrics_ports.append(port)
         return index
+
+    def agent_env(self, index: int) -> dict[str, str]:
+        """Node ``index``'s agent's environment, which its workers inherit. The node id
+        reaches the workers (phase-keyed node faults find their node). Each node is an
+        NCCL host of its own (``NCCL_HOSTID``): its ranks use ``cuda:LOCAL_RANK``, so the
+        nodes of a local cluster share the machine's GPUs, and NCCL refuses two ranks of
+        one host on one device; as separate hosts they talk through NCCL's network
+        transport, as real nodes do (on a single-GPU machine too)."""
+        return {
+            **self.env,
+            "ELASTICD_ETCD": self.endpoint,
+            "ELASTICD_NODE_ID": f"node-{index}",
+            "NCCL_HOSTID": f"{self.env.get('NCCL_HOSTID') or socket.gethostname()}-node-{index}",
+        }
 
     def alive_nodes(self) -> list[int]:
         """Indices of agents that run and are not frozen."""

@@ -217,3 +217,18 @@ def test_a_job_lives_through_a_killed_etcd_leader_and_a_whole_etcd_outage(tmp_pa
     history = result["status"]["history"]
     assert [e["kind"] for e in history] == ["world"], history  # never re-formed
     assert [r["step"] for r in result["metrics"]] == list(range(1, 121))
+
+
+def test_each_local_node_is_an_nccl_host_of_its_own(tmp_path):
+    """Simulated nodes share the machine's GPUs (each rank uses cuda:LOCAL_RANK): NCCL
+    refuses two ranks of one host on one device, so each node names a host of its own
+    (tests/test_inprocess_nccl.py runs two such ranks on one GPU); a user's NCCL_HOSTID
+    is kept as their prefix."""
+    cluster = LocalCluster(base_dir=str(tmp_path), nproc=1, env={"PATH": "/bin"})
+    cluster.etcd = type("Etcd", (), {"endpoint": "127.0.0.1:1"})()
+    envs = [cluster.agent_env(i) for i in range(3)]
+    assert len({e["NCCL_HOSTID"] for e in envs}) == 3
+    assert [e["ELASTICD_NODE_ID"] for e in envs] == ["node-0", "node-1", "node-2"]
+    assert all(e["ELASTICD_ETCD"] == "127.0.0.1:1" and e["PATH"] == "/bin" for e in envs)
+    cluster.env["NCCL_HOSTID"] = "rack7"
+    assert cluster.agent_env(1)["NCCL_HOSTID"] == "rack7-node-1"
