@@ -25,30 +25,34 @@ BATCH = 12  # the global batch: 12 samples split over 1, 2, 3, 4 or 6 ranks
 
 def train(ctx: ei.Context) -> None:  # elasticd: was main(); the process group exists
     torch.manual_seed(0)
+    cuda = torch.cuda.is_available()  # ei.run picks NCCL then, gloo otherwise
+    device = torch.device("cuda", ctx.local_rank) if cuda else torch.device("cpu")
     model = ctx.state.setdefault("model", torch.nn.Sequential(  # elasticd: kept across rounds
-        torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)))  # fmt: skip
+        torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)).to(device))  # fmt: skip
     opt = ctx.state.setdefault("opt", torch.optim.AdamW(model.parameters(), lr=1e-2))  # elasticd
     step = ctx.sync_state(ei.state_tensors(model, opt), step=ctx.state.get("step")) or 0  # elasticd
-    ddp = DDP(model)
+    ddp = DDP(model, device_ids=[device.index] if cuda else None)
     rank, world = dist.get_rank(), dist.get_world_size()
     while step < STEPS:
         gen = torch.Generator().manual_seed(step)
         x = torch.randn(BATCH, 32, generator=gen)
         y = torch.sin(x.sum(dim=1, keepdim=True))
-        xs, ys = x.tensor_split(world)[rank], y.tensor_split(world)[rank]
+        xs, ys = x.tensor_split(world)[rank].to(device), y.tensor_split(world)[rank].to(device)
         loss = torch.nn.functional.mse_loss(ddp(xs), ys)
         opt.zero_grad()
         loss.backward()
         mean = loss.detach().clone()
         dist.all_reduce(mean)  # before the optimizer step: a step is all or nothing
+        mean = float(mean) / world  # waits for this and the gradients' all-reduces
+        ei.check_results()  # elasticd: on NCCL an aborted all-reduce gives garbage, not an error
         opt.step()
         step += 1
         ctx.state["step"] = step  # elasticd
         ei.stepped(ctx)  # elasticd
-        ctx.channel.progress(step=step, loss=float(mean) / world)  # elasticd: the heartbeat
+        ctx.channel.progress(step=step, loss=mean)  # elasticd: the heartbeat
         if rank == 0 and os.environ.get("DDP_LOG"):
             with open(os.environ["DDP_LOG"], "a", encoding="utf-8") as fh:
-                fh.write(json.dumps({"step": step, "loss": float(mean) / world}) + "\n")
+                fh.write(json.dumps({"step": step, "loss": mean}) + "\n")
 
 
 if __name__ == "__main__":
