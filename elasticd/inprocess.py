@@ -1085,10 +1085,10 @@ def _dump_stacks() -> None:
 
 
 def _nccl_groups() -> tuple[list[Any], list[Any]]:
-    """This process's process groups, newest first, and the NCCL backends among them
-    (none when torch.distributed was never imported, or has no NCCL group). Read from
-    torch's table of groups as it is at the call (the round's thread may be tearing it
-    down meanwhile)."""
+    """This process's process groups that have an NCCL backend, newest first, and those
+    backends (none when torch.distributed was never imported, or has no NCCL group). Read
+    from torch's table of groups as it is at the call (the round's thread may be tearing
+    it down meanwhile)."""
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return [], []
@@ -1100,14 +1100,14 @@ def _nccl_groups() -> tuple[list[Any], list[Any]]:
     except Exception as exc:
         log.debug("no process groups to abort: %s", exc)
         return [], []
-    groups = sorted(names, key=lambda pg: names[pg], reverse=True)
-    backends = []
-    for pg in groups if nccl is not None else ():
+    groups, backends = [], []
+    for pg in sorted(names, key=lambda pg: names[pg], reverse=True) if nccl is not None else ():
         try:
             backend = pg._get_backend(torch.device("cuda"))
         except Exception:  # no CUDA backend in this group (a gloo side group)
             continue
         if isinstance(backend, nccl):
+            groups.append(pg)
             backends.append(backend)
     return groups, backends
 
@@ -1173,7 +1173,7 @@ ABORT_WAIT = 3.0
 before it goes on without it (:func:`_abort_nccl`)."""
 
 _retired_groups: list[Any] = []
-"""The process groups of ended NCCL rounds: kept, never destroyed (see :func:`_abort_nccl`)."""
+"""The NCCL process groups of ended rounds: kept, never destroyed (see :func:`_abort_nccl`)."""
 
 
 def _abort_nccl() -> None:
@@ -1183,11 +1183,13 @@ def _abort_nccl() -> None:
     (torch 2.11, NCCL 2.28) a second abort of a group whose watchdog had seen a killed
     peer's closed connection hung, and the round's thread must not hang with it. Then
     torch's table of groups is emptied here, as ``_abort_process_group`` empties it, so
-    that the next round's ``init_process_group`` starts clean. The group objects are kept
-    (:data:`_retired_groups`): their destructor joins torch's watchdog thread while it
+    that the next round's ``init_process_group`` starts clean. The NCCL groups' objects are
+    kept (:data:`_retired_groups`): their destructor joins torch's watchdog thread while it
     holds the GIL, and a destructor that waited would stop every thread of the process.
     Their communicators are gone (aborted); what stays is the object and its stopped
-    threads' bookkeeping, per recovery."""
+    threads' bookkeeping, per recovery. The round's gloo groups (the side groups: the
+    checkpoint's, the flags', state transfer's) go as the tables let go of them, their
+    sockets already shut by the watcher, as on a gloo round."""
     import torch.distributed as dist
 
     groups, backends = _nccl_groups()

@@ -1053,3 +1053,43 @@ def test_a_wait_marks_after_a_second_refreshes_and_unmarks_only_when_it_complete
         w.tick()
         raise RuntimeError("Connection closed by peer")
     assert calls == [True]
+
+
+def test_the_nccl_teardown_forgets_every_group_and_keeps_only_nccl_ones(tmp_path):
+    """``_abort_nccl`` (an ended NCCL round's teardown) empties torch's table of groups
+    itself and keeps the NCCL groups' objects for the process's life (their destructor
+    can block with the GIL held). The round's gloo groups (side groups) are not kept:
+    they go with the table's references, threads and sockets with them, as on a gloo
+    round. Here on a gloo world (no NCCL group on a CPU machine): nothing is kept, every
+    group goes, and the next round's groups start from the same names."""
+    import gc
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+
+    import elasticd.inprocess as ei
+
+    def open_world():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        return dist.new_group(backend="gloo")
+
+    side = open_world()
+    first = dist.distributed_c10d._get_default_group().group_name
+    gone = weakref.ref(side)
+    kept = list(ei._retired_groups)
+    del side
+    ei._abort_nccl()
+    try:
+        assert not dist.is_initialized()
+        assert ei._retired_groups == kept
+        gc.collect()
+        assert gone() is None  # the side group went (no cycle held it)
+        side = open_world()
+        assert dist.distributed_c10d._get_default_group().group_name == first
+        t = torch.ones(2)
+        dist.all_reduce(t, group=side)
+        assert t.tolist() == [1.0, 1.0]
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
