@@ -121,3 +121,45 @@ def test_gradients_accumulate_in_place_in_their_bucket_slots():
         chunk(b[:, :-1], b[:, 1:]).mean().backward()
     for p, g in zip(params, got, strict=True):
         assert torch.equal(g, p.grad), p.shard_info.name  # autograd's own sums, bit for bit
+
+
+def test_a_zero1_gather_takes_this_ranks_own_rows_from_its_memory_not_the_gathered_output(
+    monkeypatch,
+):
+    """ZeRO-1 in fp32: the main shard is a view of the parameter's own rows. An NCCL
+    all-gather aborted at its round's end returns, with garbage in its output (no error);
+    were the own rows copied back from it, the main shard (the state recovery takes from
+    this rank, its only holder) would be garbage. The collective here is a stand-in that
+    fills its output with NaN, as such an abort can leave it: the own rows must come
+    through intact, the others are the model's and rebuilt from the main shards."""
+    from checkpoint.shards import ShardInfo
+    from trainer.parallel import comm
+    from trainer.parallel.context import GroupSlot
+    from trainer.parallel.data import GradSync
+
+    class Done:
+        def wait(self, timeout=None):
+            return True
+
+        def is_completed(self):
+            return True
+
+    def aborted_all_gather(out, send, group=None, async_op=False):
+        out.fill_(float("nan"))
+        return Done()
+
+    p = torch.nn.Parameter(torch.arange(24, dtype=torch.float32).view(6, 4))
+    p.expert, p.grad_replicas = False, 2
+    p.shard_info = ShardInfo.whole("w", (6, 4))
+    for rank in (0, 1):
+        slot = GroupSlot(group=object(), size=2, rank=rank)
+        sync = GradSync([p], dense=slot, expert=GroupSlot(), divisor=2, bucket_bytes=1 << 20,
+                        shard=True)  # fmt: skip
+        start, stop = sync.rows(p)
+        mine = p.detach()[start:stop]
+        before = mine.clone()
+        monkeypatch.setattr(comm, "all_gather_base", aborted_all_gather)
+        sync.gather({id(p): mine})
+        assert torch.equal(mine, before), (rank, p)
+        assert torch.isnan(p.detach()).sum() == 12  # the other rank's rows: from the output
+        p.data.copy_(torch.arange(24, dtype=torch.float32).view(6, 4))
