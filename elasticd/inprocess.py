@@ -61,7 +61,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -465,7 +465,8 @@ class _Control:
         self._described: set[int] = set()
         """Rounds this process was still in STILL_IN_ROUND after their end (logged once)."""
         self._nccl_aborted: set[int] = set()
-        """Rounds whose NCCL communicators the watcher has aborted (once per round)."""
+        """Ids of the NCCL backends the watcher has aborted (the current round's)."""
+        self._nccl_look = 0.0
         self._idle_since: tuple[int, float, float] | None = None
         """(round, when, CPU seconds of the other threads) at the start of an idle stretch."""
         self._last_look = 0.0
@@ -536,6 +537,7 @@ class _Control:
             if not (self._begun and self.round in self.ended):
                 self._idle_since = None
                 return
+            self._abort_nccl_once(late=True)
             self._shut_new(late=True)
             since = self.ended_for(self.round) or 0.0
             if since > STILL_IN_ROUND and self.round not in self._described:
@@ -597,6 +599,7 @@ class _Control:
             self.round = round_
             self._before = set(_socket_fds().values())
             self._handled = set()
+            self._nccl_aborted = set()
             self._begun = True
 
     def left(self, round_: int) -> None:
@@ -619,13 +622,24 @@ class _Control:
         with self.cond:
             if not self._begun or self.round != round_:
                 return
-            if round_ not in self._nccl_aborted:
-                self._nccl_aborted.add(round_)
-                aborted = abort_nccl_communicators()
-                if aborted:
-                    print(f"elasticd.inprocess: round {round_} ended; {aborted} NCCL "
-                          "communicators aborted", file=sys.stderr, flush=True)  # fmt: skip
+            self._abort_nccl_once(late=False)
             self._shut_new(late=False)
+
+    def _abort_nccl_once(self, *, late: bool) -> None:
+        """Abort the NCCL backends of this process not aborted yet in the current round
+        (the lock held): the first time the round's end is read, then, while the worker
+        is still in the round, every :data:`STUCK_LOOK` s, for a group made after that
+        (its set-up was under way). Skipped while the round's own thread is aborting."""
+        now = time.monotonic()
+        if late and now - self._nccl_look < STUCK_LOOK:
+            return
+        self._nccl_look = now
+        aborted = abort_nccl_communicators(skip=self._nccl_aborted)
+        self._nccl_aborted |= aborted
+        if aborted:
+            what = "more NCCL communicators, made after its end," if late else "NCCL communicators"
+            print(f"elasticd.inprocess: round {self.round} ended; {len(aborted)} {what} aborted",
+                  file=sys.stderr, flush=True)  # fmt: skip
 
     def _shut_new(self, *, late: bool) -> None:
         """Shut the current round's new connections (the lock held); say so in the log,
@@ -1112,35 +1126,53 @@ def _nccl_groups() -> tuple[list[Any], list[Any]]:
     return groups, backends
 
 
+_abort_lock = threading.Lock()
+"""Held by whoever is aborting NCCL backends: the control watcher, or the thread the
+round's teardown starts (:func:`_abort_nccl`); never two aborts of a backend at once."""
+
+
 def _abort_backends(backends: list[Any]) -> None:
     """``ncclCommAbort`` of each backend's communicators, all in one NCCL group call so
-    that two aborts cannot wait on each other (pytorch/pytorch#119797)."""
+    that two aborts cannot wait on each other (pytorch/pytorch#119797); one that fails
+    does not keep the others from theirs. Call with :data:`_abort_lock` held."""
     if not backends:
         return
     try:
         backends[0]._group_start()
-        try:
-            for backend in backends:
+    except Exception as exc:  # a torch without the hook: abort one by one
+        log.warning("NCCL group start: %s", exc)
+    try:
+        for backend in backends:
+            try:
                 backend.abort()
-        finally:
+            except Exception as exc:  # aborted already, say
+                log.warning("NCCL abort: %s", exc)
+    finally:
+        try:
             backends[0]._group_end()
-    except Exception as exc:  # aborted already, or a torch without these hooks
-        log.warning("NCCL abort: %s", exc)
+        except Exception as exc:
+            log.warning("NCCL group end: %s", exc)
 
 
-def abort_nccl_communicators() -> int:
-    """Abort the NCCL communicators of every process group of this process, from any
-    thread, under :class:`_Watchdog`; returns how many groups had one (0 without NCCL).
-    torch's bookkeeping of the groups is left alone: the round's own thread forgets them
-    once it has left the round (:func:`_close_round`).
+def abort_nccl_communicators(skip: Collection[int] = ()) -> set[int]:
+    """Abort the NCCL communicators of every process group of this process (but the
+    backends whose ``id`` is in ``skip``), from any thread, under :class:`_Watchdog`;
+    returns the ids of the backends aborted (none without NCCL, or while another thread
+    is aborting). torch's bookkeeping of the groups is left alone: the round's own
+    thread forgets them once it has left the round (:func:`_close_round`).
 
     What an aborted collective leaves in its output is undefined (NCCL stops the kernel
     wherever it was); :func:`check_results` is how a reader of such values finds out."""
     _, backends = _nccl_groups()
-    if backends:
+    backends = [b for b in backends if id(b) not in skip]
+    if not backends or not _abort_lock.acquire(blocking=False):
+        return set()
+    try:
         with _Watchdog("NCCL abort"):
             _abort_backends(backends)
-    return len(backends)
+    finally:
+        _abort_lock.release()
+    return {id(b) for b in backends}
 
 
 def check_results(group: Any = None) -> None:
@@ -1194,26 +1226,44 @@ def _abort_nccl() -> None:
 
     groups, backends = _nccl_groups()
     _retired_groups.extend(groups)
-    aborting = threading.Thread(target=_abort_backends, args=(backends,),
-                                name="elasticd-nccl-abort", daemon=True)  # fmt: skip
+
+    def abort() -> None:
+        with _abort_lock:
+            _abort_backends(backends)
+
+    aborting = threading.Thread(target=abort, name="elasticd-nccl-abort", daemon=True)
     aborting.start()
     aborting.join(ABORT_WAIT)
     if aborting.is_alive():
         print(f"elasticd.inprocess: the abort of the ended round's NCCL groups did not return "
               f"in {ABORT_WAIT:.0f} s; going on without it", file=sys.stderr, flush=True)  # fmt: skip
     c10d = dist.distributed_c10d
-    try:
-        c10d._update_default_pg(None)
-        world = c10d._world
-        for table in ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag",
-                      "tags_to_pg", "pg_coalesce_state"):  # fmt: skip
-            getattr(world, table).clear()
-        c10d._unregister_all_process_groups()
-    except Exception as exc:  # a torch whose private table differs: destroy the usual way
-        log.warning("forgetting the NCCL groups failed (%s); destroying them", exc)
+    world = getattr(c10d, "_world", None)
+    tables = [getattr(world, name, None) for name in _GROUP_TABLES]
+    update = getattr(c10d, "_update_default_pg", None)
+    unregister = getattr(c10d, "_unregister_all_process_groups", None)
+    if update is None or unregister is None or any(t is None for t in tables):
+        # A torch whose private tables differ: destroy the groups the usual way (checked
+        # before anything is changed, so that that way still finds the default group).
+        log.warning("torch %s keeps its process groups elsewhere; destroying them",
+                    _torch_version())  # fmt: skip
         with _Watchdog("NCCL group teardown"):
-            dist.destroy_process_group()
+            try:
+                dist.destroy_process_group()
+            except Exception as exc:  # a broken group: nothing of it is used again
+                log.warning("destroying the old process group failed: %s", exc)
+        return
+    update(None)
+    for table in tables:
+        table.clear()
+    unregister()
     _reset_group_names()
+
+
+_GROUP_TABLES = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag",
+                 "tags_to_pg", "pg_coalesce_state")  # fmt: skip
+"""torch's tables of process groups (``distributed_c10d._world``), emptied as torch's own
+``_abort_process_group`` empties them."""
 
 
 def run(
