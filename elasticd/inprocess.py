@@ -45,7 +45,7 @@ ended when it would begin is left at once, and a wait for rank 0's store gives u
 abort (that rank 0 may never open it). On NCCL the watcher first aborts the
 communicators (a kernel blocked on a lost peer spins on the GPU until ``ncclCommAbort``),
 and a value read back from an NCCL collective is trusted only if :func:`check_results`
-finds the round still going (docs/inprocess.md, "NCCL").
+finds the round still going (docs/inprocess.md, "In-process on NCCL").
 
 Without a control file (plain torchrun, one process, ``restart.mode: process``) ``run``
 calls ``train`` exactly once in a process group made from the torchrun environment.
