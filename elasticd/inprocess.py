@@ -107,9 +107,9 @@ instead, but then a collective can end early, with garbage in its output, before
 has ended, which :func:`check_results` cannot see. With 0, only the control watcher
 aborts, after it has marked the round ended; the kernel waits on the lost peer until then
 (the agent ends the round on its lease or its worker's exit). The flight recorder's dump on
-an error is off too: with it, a killed peer set torch's monitor thread dumping and the
-round's own abort of its groups then hung past :data:`ABORT_WATCHDOG` (seen on an H200,
-torch 2.11, NCCL 2.28)."""
+an error is off too: a survivor has no use for it, and a dump under way is one more thing a
+teardown could wait on. (On an H200, torch 2.11 and NCCL 2.28, the teardown of a killed
+peer's round hung with either setting of both; :func:`_abort_nccl` is what fixed it.)"""
 WAIT_SLICE = 0.1
 """Seconds one look of :func:`wait_collective` lasts before it asks whether its round ended
 (a timed-out look costs one exception; a collective done sooner returns at once)."""
@@ -1211,17 +1211,18 @@ _retired_groups: list[Any] = []
 def _abort_nccl() -> None:
     """Abort the round's NCCL communicators and forget its process groups.
 
-    The aborts run on a thread of their own, waited for :data:`ABORT_WAIT` s: on an H200
-    (torch 2.11, NCCL 2.28) a second abort of a group whose watchdog had seen a killed
-    peer's closed connection hung, and the round's thread must not hang with it. Then
-    torch's table of groups is emptied here, as ``_abort_process_group`` empties it, so
-    that the next round's ``init_process_group`` starts clean. The NCCL groups' objects are
-    kept (:data:`_retired_groups`): their destructor joins torch's watchdog thread while it
-    holds the GIL, and a destructor that waited would stop every thread of the process.
-    Their communicators are gone (aborted); what stays is the object and its stopped
-    threads' bookkeeping, per recovery. The round's gloo groups (the side groups: the
-    checkpoint's, the flags', state transfer's) go as the tables let go of them, their
-    sockets already shut by the watcher, as on a gloo round."""
+    On an H200 (torch 2.11, NCCL 2.28), ``_abort_process_group`` of a round whose watchdog
+    had seen a killed peer's closed connection hung until :class:`_Watchdog` ended the
+    process (which part of it hung was not found). So the aborts run on a thread of their
+    own, waited for :data:`ABORT_WAIT` s, and torch's table of groups is emptied here, as
+    ``_abort_process_group`` empties it, so that the next round's ``init_process_group``
+    starts clean. The NCCL groups' objects are kept (:data:`_retired_groups`): their
+    destructor joins torch's watchdog thread while it holds the GIL, and a destructor that
+    waited would stop every thread of the process. Their communicators are aborted; what
+    stays, per recovery, is each object with its round's store (on rank 0 the store's
+    server). The round's gloo groups (the side groups: the checkpoint's, the flags', state
+    transfer's) go as the tables let go of them, their sockets already shut by the
+    watcher, as on a gloo round."""
     import torch.distributed as dist
 
     groups, backends = _nccl_groups()
