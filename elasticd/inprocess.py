@@ -577,12 +577,7 @@ class _Control:
               f"ago and this worker has been blocked in it for {now - mark[1]:.1f} s without "
               "running (its connections are shut, nothing of the round can complete); "
               "exiting for its agent to replace it. Its threads:", file=sys.stderr, flush=True)  # fmt: skip
-        try:
-            import faulthandler
-
-            faulthandler.dump_traceback(file=sys.__stderr__ or sys.stderr, all_threads=True)
-        except (OSError, ValueError, AttributeError):  # no usable stderr: exit anyway
-            pass
+        _dump_stacks()
         os._exit(EXIT_RECOVERY_FAILED)
 
     def aborted(self, round_: int) -> bool:
@@ -1090,11 +1085,12 @@ class _Watchdog:
 
 
 def _dump_stacks() -> None:
+    """Every thread's stack, to stderr (before the process exits)."""
     try:
         import faulthandler
 
         faulthandler.dump_traceback(file=sys.__stderr__ or sys.stderr, all_threads=True)
-    except (OSError, ValueError, AttributeError):  # no usable stderr: nothing to print on
+    except (OSError, ValueError, AttributeError):  # no usable stderr: exit anyway
         pass
 
 

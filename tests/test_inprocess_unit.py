@@ -1055,13 +1055,14 @@ def test_a_wait_marks_after_a_second_refreshes_and_unmarks_only_when_it_complete
     assert calls == [True]
 
 
-def test_the_nccl_teardown_forgets_every_group_and_keeps_only_nccl_ones(tmp_path):
+def test_the_nccl_teardown_forgets_every_group_and_keeps_no_gloo_one(tmp_path):
     """``_abort_nccl`` (an ended NCCL round's teardown) empties torch's table of groups
     itself and keeps the NCCL groups' objects for the process's life (their destructor
     can block with the GIL held). The round's gloo groups (side groups) are not kept:
     they go with the table's references, threads and sockets with them, as on a gloo
     round. Here on a gloo world (no NCCL group on a CPU machine): nothing is kept, every
-    group goes, and the next round's groups start from the same names."""
+    group goes, and the next round's groups start from the same names. That NCCL groups
+    are kept is seen on a GPU only (tests/test_inprocess_nccl.py goes through it)."""
     import gc
     import weakref
 

@@ -304,7 +304,6 @@ class GradSync:
         updated rows. ``shards`` maps ``id(param)`` to this rank's rows of it (any dtype;
         cast to the parameter's); a parameter with no rows here may be left out."""
         work = []
-        send_of: dict[int, torch.Tensor] = {}
         for bucket in self.buckets:
             p0 = bucket.params[0]
             size = bucket.slot.size
@@ -315,14 +314,13 @@ class GradSync:
                     s = bucket.shards[id(p)]
                     send[s.offset : s.offset + mine.numel()].copy_(mine.reshape(-1))
             if not bucket.slot.active:
-                work.append((bucket, send, None))
+                work.append((bucket, send, None, send))
                 continue
             out = torch.empty(size * bucket.part, dtype=p0.dtype, device=p0.device)
             handle = comm.all_gather_base(out, send, group=bucket.slot.group, async_op=True)
-            work.append((bucket, out, handle))
-            send_of[id(bucket)] = send
+            work.append((bucket, out, handle, send))
         with torch.no_grad():
-            for bucket, out, handle in work:
+            for bucket, out, handle, send in work:
                 grid = out.view(bucket.slot.size, bucket.part)
                 if handle is not None:
                     wait_collective(handle, bucket.slot.group)
@@ -331,7 +329,7 @@ class GradSync:
                     # there, and in fp32 those rows are the main shard itself (a view of
                     # the parameter), the state recovery takes from this rank, its only
                     # holder.
-                    grid[bucket.slot.rank].copy_(send_of[id(bucket)])
+                    grid[bucket.slot.rank].copy_(send)
                 for p in bucket.params:
                     s = bucket.shards[id(p)]
                     cols = grid[:, s.offset : s.offset + s.per * s.row]
