@@ -86,9 +86,10 @@ def worker(cfg: dict) -> None:
 
 
 def launch(cfg: dict, world: int) -> list[dict]:
-    from trainer.launch import free_port
+    from elasticd.etcd import reserve_port
 
-    port = free_port()
+    hold = reserve_port()  # held while the workers run: rank 0's store binds it later
+    port = hold.getsockname()[1]
     procs = []
     for rank in range(world):
         env = dict(
@@ -107,6 +108,7 @@ def launch(cfg: dict, world: int) -> list[dict]:
         if p.returncode != 0:
             raise SystemExit(f"a benchmark worker failed (exit {p.returncode})")
         results += [json.loads(line[6:]) for line in out.splitlines() if line.startswith("BENCH ")]
+    hold.close()
     return sorted(results, key=lambda r: r["rank"])
 
 

@@ -192,12 +192,13 @@ def test_an_rng_state_torch_refuses_on_one_rank_stops_every_rank_in_one_line(tmp
     one line, instead of training on or waiting in a collective for its timeout."""
     import sys
 
-    from trainer.launch import free_port
+    from elasticd.etcd import reserve_port
 
     out = tmp_path / "out"
 
     def ranks(steps: int) -> list[tuple[int, str]]:
-        port = str(free_port())
+        hold = reserve_port()  # held until both ranks ended: rank 0's store binds it later
+        port = str(hold.getsockname()[1])
         args = [sys.executable, "-m", "trainer", str(TINY), "--set", f"output_dir={out}",
                 "--set", f"train.steps={steps}"]  # fmt: skip
         env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
@@ -214,6 +215,7 @@ def test_an_rng_state_torch_refuses_on_one_rank_stops_every_rank_in_one_line(tmp
                 if p.poll() is None:
                     p.kill()
                     p.wait()
+            hold.close()
 
     assert [rc for rc, _ in ranks(2)] == [0, 0]
     zero_rng_state(out / "ckpt", rank=1)

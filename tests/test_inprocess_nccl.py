@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from elasticd.agent.launch import write_control
-from trainer.launch import free_port
+from elasticd.etcd import reserve_port
 
 pytestmark = [
     pytest.mark.gpu,
@@ -95,7 +95,8 @@ def test_a_survivor_blocked_in_an_nccl_all_reduce_leaves_the_round_and_trains_in
 ):
     script = tmp_path / "pair.py"
     script.write_text(PAIR_SCRIPT)
-    ports = [free_port(), free_port()]
+    holds = [reserve_port(), reserve_port()]  # rank 0's stores bind them later
+    ports = [h.getsockname()[1] for h in holds]
     run_id = f"nccl-{os.getpid()}"
     procs, controls, progress = [], [], []
     for rank in range(2):

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -163,17 +162,14 @@ def worker(out: Path, cfg: dict) -> None:
 # ---------------------------------------------------------------- test side
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(tmp_path: Path, world: int, cfg: dict) -> list[dict]:
+    from elasticd.etcd import reserve_port
+
+    hold = reserve_port()  # held until every rank ended: rank 0's store binds it later
     env = {
         **os.environ,
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(hold.getsockname()[1]),
         "WORLD_SIZE": str(world),
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": str(REPO),
@@ -194,6 +190,7 @@ def launch(tmp_path: Path, world: int, cfg: dict) -> list[dict]:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        hold.close()
     for r, (p, text) in enumerate(zip(procs, outs, strict=True)):
         assert p.returncode == 0, f"rank {r} failed:\n{text[-3000:]}"
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]

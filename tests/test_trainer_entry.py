@@ -112,7 +112,7 @@ def test_a_checkpoint_dir_that_only_some_ranks_see_is_one_line_and_exit_code_2(
 ) -> None:
     """Not shared storage: rank 0 sees a checkpoint, rank 1 none. Both say so at once,
     instead of rank 0 loading alone and waiting in a collective for its whole timeout."""
-    from trainer.launch import free_port
+    from elasticd.etcd import reserve_port
 
     seen, unseen = tmp_path / "seen", tmp_path / "unseen"
     seen.mkdir()
@@ -123,7 +123,8 @@ def test_a_checkpoint_dir_that_only_some_ranks_see_is_one_line_and_exit_code_2(
                             "--set", "train.steps=2"], env=env, capture_output=True, text=True,
                            timeout=120, cwd=seen)  # fmt: skip
     assert first.returncode == 0, first.stderr[-2000:]
-    port = str(free_port())
+    hold = reserve_port()  # held until both ranks ended: rank 0's store binds it later
+    port = str(hold.getsockname()[1])
     args = [sys.executable, "-m", "trainer", str(TINY), "--set", "output_dir=out",
             "--set", "train.steps=4", "--set", "nproc_per_node=2"]  # fmt: skip
     procs = [
@@ -139,6 +140,7 @@ def test_a_checkpoint_dir_that_only_some_ranks_see_is_one_line_and_exit_code_2(
             if p.poll() is None:
                 p.kill()
                 p.wait()
+        hold.close()
     for p, (_, err) in zip(procs, results, strict=True):
         assert p.returncode == 2, err[-2000:]
         last = err.strip().splitlines()[-1]

@@ -14,6 +14,8 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from elasticd.etcd.server import reserve_port
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RankOutcome:
@@ -28,7 +30,9 @@ class RankOutcome:
 
 
 def free_port() -> int:
-    """A TCP port that was free a moment ago on the loopback interface."""
+    """A TCP port that was free a moment ago on the loopback interface. Another process
+    may take it before ours binds it: to hand a port to a process that binds it later, hold
+    it with :func:`elasticd.etcd.reserve_port` instead."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -49,7 +53,10 @@ def launch_local(
     On a timeout every rank still running is killed (so nothing leaks) and the outcomes
     say so with a negative return code.
     """
-    port = free_port()
+    # Held until every rank ended: rank 0's TCPStore binds it seconds from now, after
+    # importing torch, and a port merely free now may be taken by then (EADDRINUSE).
+    hold = reserve_port()
+    port = hold.getsockname()[1]
     base = dict(os.environ if env is None else env)
     base.setdefault("OMP_NUM_THREADS", "1")
     procs = []
@@ -88,4 +95,5 @@ def launch_local(
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+        hold.close()
     return outcomes

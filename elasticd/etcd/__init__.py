@@ -20,7 +20,14 @@ from elasticd.etcd.client import (
     put_op,
 )
 from elasticd.etcd.config import EtcdConfig, config_from_options, parse_endpoints
-from elasticd.etcd.server import EmbeddedEtcd, EtcdCluster, ServerTLS, find_etcd_binary, free_port
+from elasticd.etcd.server import (
+    EmbeddedEtcd,
+    EtcdCluster,
+    ServerTLS,
+    find_etcd_binary,
+    free_port,
+    reserve_port,
+)
 from elasticd.etcd.watch import Event, Watch
 
 __all__ = [
@@ -45,4 +52,5 @@ __all__ = [
     "get_op",
     "parse_endpoints",
     "put_op",
+    "reserve_port",
 ]

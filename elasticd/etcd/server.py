@@ -66,6 +66,23 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def reserve_port(host: str = "127.0.0.1") -> socket.socket:
+    """A socket bound to a port the kernel picks, with SO_REUSEADDR and not listening: the
+    port is held for whoever will listen on it later (rank 0's TCPStore, which binds with
+    SO_REUSEADDR too), and no other ``bind(0)`` or outgoing connection on this machine gets
+    it meanwhile. :func:`free_port` closes its socket, so between its answer and the bind
+    any of them may take the port (EADDRINUSE), on a machine as busy as a test run. Close
+    the socket once the listener is up or will never be."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ServerTLS:
     """Server-side TLS files; ``client_cert_auth`` demands a client certificate."""
@@ -106,6 +123,8 @@ class EmbeddedEtcd:
     """Stop etcd when this process dies (Linux); off for an etcd meant to outlive us."""
     proc: subprocess.Popen | None = field(default=None, repr=False)
     """The running child, if started."""
+    _held: list[socket.socket] = field(init=False, default_factory=list, repr=False)
+    """Ports picked for us, held (:func:`reserve_port`) until etcd listens on them."""
 
     @property
     def endpoint(self) -> str:
@@ -155,8 +174,7 @@ class EmbeddedEtcd:
         if self.proc is not None and self.proc.poll() is None:
             return
         os.makedirs(self.data_dir, exist_ok=True)
-        self.client_port = self.client_port or free_port(self.host)
-        self.peer_port = self.peer_port or free_port(self.host)
+        self.pick_ports()
         log_path = os.path.join(self.data_dir, "etcd.log")
         command = self.command()
         try:
@@ -171,6 +189,19 @@ class EmbeddedEtcd:
         except OSError as exc:
             raise EtcdError(f"cannot start {command[0]}: {exc.strerror}") from exc
         log.info("etcd started", **kv(name=self.name, endpoint=self.endpoint, pid=self.proc.pid))
+
+    def pick_ports(self) -> None:
+        """Pick the ports left 0 and hold them until :meth:`wait_healthy` ends (etcd, a Go
+        listener, binds with SO_REUSEADDR next to our hold)."""
+        for name in ("client_port", "peer_port"):
+            if not getattr(self, name):
+                sock = reserve_port(self.host)
+                self._held.append(sock)
+                setattr(self, name, sock.getsockname()[1])
+
+    def _release_ports(self) -> None:
+        while self._held:
+            self._held.pop().close()
 
     def _tie_to_parent(self) -> bool:
         # The kernel signals on the death of the *thread* that forked, so tie etcd only
@@ -188,7 +219,9 @@ class EmbeddedEtcd:
             endpoints=(self.endpoint,), timeout=0.5, request_timeout=0.5
         )
         deadline = time.monotonic() + timeout
-        with EtcdClient(config) as probe:
+        with contextlib.ExitStack() as stack:
+            stack.callback(self._release_ports)
+            probe = stack.enter_context(EtcdClient(config))
             while True:
                 if self.proc is not None and self.proc.poll() is not None:
                     raise EtcdError(
@@ -229,6 +262,7 @@ class EmbeddedEtcd:
 
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM and wait; SIGKILL if it does not go."""
+        self._release_ports()
         if self.proc is None:
             return
         if self.proc.poll() is None:
@@ -263,11 +297,11 @@ class EtcdCluster:
             EmbeddedEtcd(
                 data_dir=os.path.join(self.base_dir, n),
                 name=n,
-                client_port=free_port(),
-                peer_port=free_port(),
             )
             for n in names
         ]
+        for m in self.members:
+            m.pick_ports()
         initial = ",".join(f"{m.name}={m.peer_url}" for m in self.members)
         for m in self.members:
             m.initial_cluster = initial

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import socket
 import threading
 import time
 import uuid
@@ -35,7 +36,7 @@ from elasticd.etcd.client import (
     delete_op,
     put_op,
 )
-from elasticd.etcd.server import free_port
+from elasticd.etcd.server import reserve_port
 from elasticd.log import kv
 from elasticd.rendezvous.closing import RoundCloser
 from elasticd.rendezvous.decisions import (
@@ -99,6 +100,8 @@ class EtcdRendezvous:
         self._current_nodes: frozenset[str] = frozenset()
         self._reported: set[tuple[str, str]] = set()
         self._start_lock = threading.Lock()
+        self._ports: list[socket.socket] = []
+        """Reserved store ports of our last joins (see :meth:`_reserve_port`)."""
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -232,7 +235,7 @@ class EtcdRendezvous:
         me = Member(
             node=self.node_id,
             addr=self.addr,
-            port=free_port(self.addr if self.addr else "127.0.0.1"),
+            port=self._reserve_port(),
             evidence=self._evidence,
         )
         fence = compare(s.world_key(), "mod", "==", seen_world_mod)
@@ -253,6 +256,17 @@ class EtcdRendezvous:
             # Our own join must be in the mirror before we judge the round from it.
             self._wait(deadline, lambda: self._mirror.revision["join"] >= result.revision)
         return True
+
+    def _reserve_port(self) -> int:
+        """A port for the round's store (rank 0 on our node hosts it when we are the first
+        member), held until two joins later: the worker binds it seconds after the join,
+        once the round formed and torch imported, and nothing else on this machine may
+        take it meanwhile (see :func:`reserve_port`)."""
+        sock = reserve_port(self.addr if self.addr else "127.0.0.1")
+        self._ports.append(sock)
+        while len(self._ports) > 2:
+            self._ports.pop(0).close()
+        return sock.getsockname()[1]
 
     def _wait(self, deadline: float, predicate: Callable[[], bool], cap: float = 0.0) -> None:
         """Wait (on the mirror) until ``predicate``, or ``cap`` seconds if given."""
@@ -370,6 +384,8 @@ class EtcdRendezvous:
         """Leave and release threads and connections (does not close the run)."""
         self.leave()
         self._feeds.close()
+        while self._ports:
+            self._ports.pop().close()
         if self._owns_client:
             self._client.close()
 

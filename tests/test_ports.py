@@ -1,0 +1,74 @@
+"""Ports handed to a process that binds them later are held, not merely free.
+
+CI failed once on EADDRINUSE: ``launch_local`` picked a free port, closed it, and by the
+time rank 0 (seconds later, after importing torch) bound its TCPStore there, another test's
+connection had taken it. Every port we pick for someone else's listener is now held by a
+socket bound with SO_REUSEADDR and never listening: no ``bind(0)`` or outgoing connection
+on the machine gets it, and the real listener (TCPStore, etcd) still binds it.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+from conftest import fresh_run_id
+from test_rendezvous_handler import _form_all, _handlers
+
+from elasticd.etcd import EmbeddedEtcd, reserve_port
+
+
+def _bind(port: int, reuse: bool) -> None:
+    with socket.socket() as s:
+        if reuse:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+
+
+def test_a_held_port_is_never_picked_by_the_kernel_and_a_tcpstore_still_listens_on_it():
+    hold = reserve_port()
+    port = hold.getsockname()[1]
+    with pytest.raises(OSError) as exc:
+        _bind(port, reuse=False)  # free_port's kind of socket, e.g. another test's
+    assert exc.value.errno == errno.EADDRINUSE
+    picked = []
+    for _ in range(2000):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            picked.append(s.getsockname()[1])
+    assert port not in picked
+    store = dist.TCPStore("127.0.0.1", port, 1, True, timeout=timedelta(seconds=10),
+                          wait_for_workers=False)  # fmt: skip
+    client = dist.TCPStore("127.0.0.1", port, 1, False, timeout=timedelta(seconds=10))
+    store.set("k", "v")
+    assert client.get("k") == b"v"
+    del client, store
+    hold.close()
+
+
+def test_the_rendezvous_holds_the_store_port_it_advertises_until_two_joins_later(etcd_config):
+    handlers = _handlers(etcd_config, fresh_run_id(), 1)
+    (h,) = handlers
+    try:
+        world = _form_all(handlers)[h.node_id]
+        with pytest.raises(OSError):  # held: nobody else binds it before rank 0's store
+            _bind(world.master_port, reuse=False)
+        _bind(world.master_port, reuse=True)  # ...and rank 0's store, with SO_REUSEADDR, can
+    finally:
+        h.close()
+    _bind(world.master_port, reuse=False)  # released on close
+
+
+def test_embedded_etcd_holds_the_ports_it_picked_until_it_is_healthy(tmp_path):
+    etcd = EmbeddedEtcd(data_dir=str(tmp_path / "etcd"))
+    etcd.pick_ports()
+    for port in (etcd.client_port, etcd.peer_port):
+        with pytest.raises(OSError):
+            _bind(port, reuse=False)
+    with etcd:  # etcd (Go, SO_REUSEADDR) listens on the held ports; the holds go
+        assert not etcd._held
+        with pytest.raises(OSError):
+            _bind(etcd.client_port, reuse=True)  # etcd itself listens there now
