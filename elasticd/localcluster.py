@@ -343,6 +343,9 @@ class LocalCluster:
     """Agent processes by node index."""
     metrics_ports: list[int] = field(default_factory=list)
     """Each agent's metrics port (0: off)."""
+    _port_holds: list[socket.socket] = field(init=False, default_factory=list, repr=False)
+    """The metrics ports, held (``reserve_port``) while the cluster runs: an agent binds
+    its port only after its Python start, and a port merely free now may be gone by then."""
     agent_args: tuple[str, ...] = ()
     """More `elasticd agent` options for every agent (e.g. --keep-finished-metrics 5s)."""
     fault_log: list[dict[str, Any]] = field(default_factory=list)
@@ -388,10 +391,13 @@ class LocalCluster:
 
     def add_node(self) -> int:
         """Start one more agent; returns its node index."""
-        from elasticd.etcd import free_port
+        from elasticd.etcd import reserve_port
 
         index = len(self.agents)
-        port = free_port() if self.metrics else 0
+        port = 0
+        if self.metrics:
+            self._port_holds.append(reserve_port())
+            port = self._port_holds[-1].getsockname()[1]
         argv = [
             self.python, "-m", "elasticd", "agent", "--etcd", self.endpoint,
             "--node-id", f"node-{index}", "--addr", "127.0.0.1",
@@ -661,6 +667,8 @@ class LocalCluster:
                 proc.wait(timeout=10)
         # Workers need no sweep: each carries a parent-death SIGKILL, which reaches even a
         # SIGSTOPped one. (Killing pids from workers.json here could hit a reused pid.)
+        while self._port_holds:
+            self._port_holds.pop().close()
         if self.etcd is not None:
             with self._etcd_lock:
                 self.etcd.stop()

@@ -24,7 +24,7 @@ import pytest
 import yaml
 from polling import wait_for
 
-from elasticd.etcd import connect, free_port
+from elasticd.etcd import connect, reserve_port
 from elasticd.jobs import JobRegistry
 from elasticd.jobspec import parse_job
 from elasticd.localcluster import LocalCluster
@@ -87,7 +87,8 @@ def start_prometheus(tmp_path: Path, targets: list[str]) -> tuple[subprocess.Pop
               "rule_files": shipped["rule_files"], "scrape_configs": [job]}  # fmt: skip
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
     shutil.copy(ROOT / "deploy" / "prometheus" / "alerts.yml", tmp_path / "alerts.yml")
-    port = free_port()
+    hold = reserve_port()  # held until Prometheus (Go, SO_REUSEADDR) listens there
+    port = hold.getsockname()[1]
     log = open(tmp_path / "prometheus.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
         [PROMETHEUS, f"--config.file={tmp_path / 'prometheus.yml'}",
@@ -103,7 +104,10 @@ def start_prometheus(tmp_path: Path, targets: list[str]) -> tuple[subprocess.Pop
         except OSError:
             return False
 
-    wait_for(ready, timeout=60)
+    try:
+        wait_for(ready, timeout=60)
+    finally:
+        hold.close()
     return proc, port
 
 

@@ -23,7 +23,7 @@ from elasticd.rendezvous import EtcdRendezvousBackend, EtcdStore, create_backend
 def backend(request, etcd_client):
     if request.param == "etcd-v3":
         return EtcdRendezvousBackend(etcd_client, fresh_run_id())
-    store = dist.TCPStore("127.0.0.1", free_port(), is_master=True, wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     return C10dRendezvousBackend(store, fresh_run_id())
 
 
