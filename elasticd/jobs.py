@@ -168,6 +168,24 @@ class JobRecord:
         }
 
 
+FAILURE_REASONS = ("worker_failed", "worker_hung", "collective_failed")
+"""Causes of a round's end that use up a restart, unless the next world shows that a node
+was lost (then the failure is a lost node's symptom and is given back)."""
+
+
+def shown_restarts(status: dict[str, Any]) -> int:
+    """The restarts to show for a job ``status``: those decided. A failure is counted into
+    ``restarts`` when it happens, and given back when the next world shows a lost node;
+    until then it is pending, and a progress line that showed it would go from 1 back to 0."""
+    pending = sum(
+        1
+        for e in status.get("history", [])
+        if isinstance(e, dict) and e.get("kind") == "failure" and not e.get("counted")
+        and e.get("reason") in FAILURE_REASONS
+    )  # fmt: skip
+    return max(0, int(status.get("restarts", 0) or 0) - pending)
+
+
 def _key(name: str, part: str) -> str:
     return f"{PREFIX}{name}/{part}"
 

@@ -33,6 +33,7 @@ from typing import Any
 
 from elasticd.agent.workers import prints_stacks, with_pdeathsig
 from elasticd.errors import ElasticdError, UsageError
+from elasticd.jobs import shown_restarts
 from elasticd.log import kv
 
 log = logging.getLogger("elasticd.localcluster")
@@ -1008,7 +1009,7 @@ def _progress(record: Any, step: int) -> str:
     total = record.spec.get("train", {}).get("steps")
     return (
         f"  {record.state}: step {step}/{total} world {st.get('world', '-')} "
-        f"round {st.get('round', '-')} restarts {st.get('restarts', 0)}"
+        f"round {st.get('round', '-')} restarts {shown_restarts(st)}"
     )
 
 

@@ -260,9 +260,12 @@ class WorkerChannel:
     ) -> None:
         """Report a completed optimizer step (1-based); this is the heartbeat. ``step_s``:
         the step's wall time; ``checkpoint_save``: the last committed save of this rank
-        (``step``, ``seconds`` from its start to its commit), for the agent's metrics."""
-        keep = {k: self._last[k] for k in ("recovery",) if k in self._last}
-        self._last = {"step": int(step), **keep}
+        (``step``, ``seconds`` from its start to its commit), for the agent's metrics. A
+        second call for the same step (the trainer's, after its final save) adds to the
+        first: the step's loss stays with it, and never a loss of an older step."""
+        same = self._last.get("step") == int(step)
+        keep = {k: v for k, v in self._last.items() if same or k == "recovery"}
+        self._last = {**keep, "step": int(step)}
         given = {"loss": (loss, float), "tokens_per_s": (tokens_per_s, float),
                  "checkpoint_step": (checkpoint_step, int), "step_s": (step_s, float),
                  "checkpoint_save": (checkpoint_save, dict), "mfu": (mfu, float)}  # fmt: skip

@@ -64,7 +64,10 @@ def test_export_format_hf_loads_in_transformers_as_gpt2_with_the_trainers_logits
     out = tmp_path / "hf"
     assert main(["ckpt", "export", ckpt, str(out), "--format", "hf", "--step", "5"]) == 0
     assert "exported step 5" in capsys.readouterr().out
-    assert json.loads((out / "config.json").read_text())["model_type"] == "gpt2"
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "gpt2"
+    # No special tokens: GPT-2's default ids (50256) would lie outside the vocabulary.
+    assert (config["bos_token_id"], config["eos_token_id"]) == (None, None)
     tokens = torch.randint(0, MODEL["vocab"], (2, MODEL["seq_len"]))
     with torch.no_grad():
         ours = chunk(tokens)[..., : MODEL["vocab"]]

@@ -103,6 +103,10 @@ def gpt2_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
         "attn_pdrop": cfg["dropout"],
         "tie_word_embeddings": bool(cfg["tie_embeddings"]),
         "dtype": "float32",
+        # GPT-2's defaults (50256) lie outside a smaller vocabulary, and transformers warns
+        # of them at every load; our data has no special tokens, so there are none.
+        "bos_token_id": None,
+        "eos_token_id": None,
     }
 
 

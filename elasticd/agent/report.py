@@ -27,7 +27,7 @@ from elasticd.agent.policy import (
     uncount_failure,
 )
 from elasticd.errors import ElasticdError
-from elasticd.jobs import Fence, FencedError, JobRegistry, JobState
+from elasticd.jobs import FAILURE_REASONS, Fence, FencedError, JobRegistry, JobState
 from elasticd.log import kv
 from elasticd.metrics import AgentMetrics
 
@@ -35,7 +35,6 @@ log = logging.getLogger("elasticd.agent")
 
 EVENTS_FILE = "events.jsonl"
 """In the job's output_dir: one JSON object per world, recovery, checkpoint save and load."""
-FAILURE_REASONS = ("worker_failed", "worker_hung", "collective_failed")
 """Round-ending causes that use up one of restart.max_restarts."""
 PART_MARKS = ("stop", "rendezvous", "spawn", "pg_init", "ckpt_load", "first_step")
 """The parts of a process restart's recovery, in order."""
@@ -229,7 +228,9 @@ class JobReporter:
             self._lead_metrics(lead, checkpoint, ckpt_dir)
         if not write:
             return
-        fields = {k: lead[k] for k in ("step", "loss", "tokens_per_s") if k in lead}
+        # The loss and throughput written are the step's own, or none: a heartbeat without
+        # them (a script that reports them now and then) must not leave an older step's.
+        fields = {k: lead.get(k) for k in ("step", "loss", "tokens_per_s")}
         fields["checkpoint"] = checkpoint
 
         def change(st: dict[str, Any]) -> None:

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from elasticd.errors import UsageError
-from elasticd.jobs import JobRecord, JobRegistry, JobState
+from elasticd.jobs import JobRecord, JobRegistry, JobState, shown_restarts
 from elasticd.jobspec import load_job
 
 
@@ -193,7 +193,7 @@ def _facts(record: JobRecord, eta: float | None) -> str:
     eta_text = f" eta {_duration(eta)}" if eta is not None and not record.state.terminal else ""
     return (
         f"loss {loss_text} tokens/s {tokens_text} world {show(st.get('world'))} "
-        f"restarts {show(st.get('restarts', 0))} {record.state}{waiting}{eta_text}"
+        f"restarts {shown_restarts(st)} {record.state}{waiting}{eta_text}"
     )
 
 
@@ -323,7 +323,7 @@ def _summary(record: JobRecord) -> dict[str, Any]:
         "steps": record.spec.get("train", {}).get("steps"),
         "loss": st.get("loss"),
         "checkpoint": st.get("checkpoint"),
-        "restarts": st.get("restarts", 0),
+        "restarts": shown_restarts(st),  # decided ones (the raw count is in "status")
         "restart_streak": st.get("restart_streak", 0),
         "last_failure": st.get("last_failure"),
         "output_dir": record.spec.get("output_dir"),
@@ -378,7 +378,7 @@ def run_list(args: argparse.Namespace) -> int:
         print(
             f"{r.name:<24} {r.state!s:<11} step {show(st.get('step', 0))}/"
             f"{show(r.spec.get('train', {}).get('steps'))}  world {show(st.get('world'))}  "
-            f"restarts {show(st.get('restarts', 0))}"
+            f"restarts {shown_restarts(st)}"
         )
     return 0
 
