@@ -110,11 +110,13 @@ def commit_step(
     ``what`` opening its message. It is asked right before the rename, again after the
     rename (before `latest`) and once more before anything is deleted, so that a writer
     frozen between a check and its next step and thawed in a newer world stops at the next
-    check. After the rename, a refused writer's own step stays where it is, complete
-    (moving it again could move a newer world's commit of the same step), and a committed
-    step it displaced is put back: nothing committed is deleted. A refused step that
-    displaced nothing is recorded as unloadable under its ``commit`` number, so it never
-    outranks the current world's commits.
+    check. Refused by the check after the rename (it may have been stale at the rename),
+    a writer's own step stays where it is, complete (moving it again could move a newer
+    world's commit of the same step), and a committed step it displaced is put back:
+    nothing committed is deleted. A refused step that displaced nothing is recorded as
+    unloadable under its ``commit`` number, so it never outranks the current world's
+    commits. Refused only by the last check, before the deletes, the writer was current
+    after its rename: its step is an ordinary commit, and only retention is skipped.
 
     An existing ``step-N`` (saved again after resuming from an older step) is first moved
     aside to ``step-N.<token>.replaced.tmp``; should the writer die before its own rename,
@@ -150,7 +152,19 @@ def commit_step(
     _warn_on_error(warn, f"checkpoint step {step} is committed, but switching `latest`",
                    lambda: write_latest(ckpt_dir, step, hook))  # fmt: skip
     hook("latest-switched")
-    _check_after_rename(*undo, check, f"checkpoint step {step} was committed, nothing pruned")
+    # The check after the rename passed: the fence still named our round after the step
+    # was in place, so a newer world (which writes its fence before it chooses what to
+    # resume from) sees it. It is committed, `latest` and all, even if we are refused now
+    # (frozen here, thawed in a newer world): then we only delete nothing of anyone's
+    # (no retention), and our own copy moved aside goes, replaced by our commit. (Marking
+    # the step unloadable here made retention delete a good commit: an in-process chaos
+    # soak lost step 1360 so, its writer frozen at this point.)
+    try:
+        check(f"checkpoint step {step} was committed, nothing pruned")
+    except BaseException:
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+        raise
 
     def tidy() -> None:
         if aside is not None:

@@ -256,20 +256,42 @@ def test_a_stale_step_left_in_place_after_its_rename_never_outranks_the_current_
     assert load_order(ckpt) == [6, 4, 2, 12]
 
 
-@pytest.mark.parametrize("call", [2, 3], ids=["before-latest", "after-latest"])
-def test_a_writer_fenced_after_its_rename_puts_back_the_committed_step_it_displaced(tmp_path, call):
+def test_a_writer_fenced_after_its_rename_puts_back_the_committed_step_it_displaced(tmp_path):
     ckpt = str(tmp_path)
     fake_step(step_path(ckpt, 4), "current world")
     fake_step(step_path(ckpt, 12), "current world")
     Path(ckpt, "latest").write_text("step-000000012\n")
     fake_step(step_path(ckpt, 12) + ".t.tmp", "stale")
-    check, _ = refuse_at(call)
+    check, _ = refuse_at(2)
     with pytest.raises(FencedError, match="the step it displaced is put back"):
         commit_step(ckpt, step=12, tmp=step_path(ckpt, 12) + ".t.tmp", token="t", keep=1,
                     check=check)  # fmt: skip
     assert Path(step_path(ckpt, 12), "manifest.json").read_text() == "current world"
     assert committed_steps(ckpt) == [4, 12] and read_latest(ckpt) == 12
     assert leftovers(ckpt) == [step_path(ckpt, 12) + ".t.fenced.tmp"]
+
+
+@pytest.mark.parametrize("replacing", [False, True])
+def test_a_writer_fenced_only_before_its_deletes_keeps_an_ordinary_commit(tmp_path, replacing):
+    """The check after the rename passed, so the step was committed by the current round;
+    the writer froze before its deletes and thawed in a newer world. Its step stays an
+    ordinary commit (an in-process chaos soak lost one: it was marked unloadable, and
+    retention deleted it first), `latest` names it, and nothing is pruned."""
+    ckpt = str(tmp_path)
+    for n, step in enumerate((2, 4, 6), start=1):
+        fake_step(step_path(ckpt, step), json.dumps({"commit": n}))
+    if replacing:
+        fake_step(step_path(ckpt, 12), json.dumps({"commit": 3}))
+    fake_step(step_path(ckpt, 12) + ".t.tmp", json.dumps({"commit": 5}))
+    check, calls = refuse_at(3)
+    with pytest.raises(FencedError, match="was committed, nothing pruned"):
+        commit_step(ckpt, step=12, tmp=step_path(ckpt, 12) + ".t.tmp", token="t", keep=1,
+                    check=check, commit=5)  # fmt: skip
+    assert len(calls) == 3
+    assert Path(step_path(ckpt, 12), "manifest.json").read_text() == json.dumps({"commit": 5})
+    assert committed_steps(ckpt) == [2, 4, 6, 12] and read_latest(ckpt) == 12
+    assert load_order(ckpt)[0] == 12
+    assert leftovers(ckpt) == []  # our own copy moved aside is gone, replaced by our commit
 
 
 def test_a_writer_refused_at_the_commit_point_touches_nothing(tmp_path):
