@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import socket
+import time
 from datetime import timedelta
 
 import pytest
@@ -72,3 +73,32 @@ def test_embedded_etcd_holds_the_ports_it_picked_until_it_is_healthy(tmp_path):
         assert not etcd._held
         with pytest.raises(OSError):
             _bind(etcd.client_port, reuse=True)  # etcd itself listens there now
+
+
+@pytest.mark.parametrize("gone", [True, False])
+def test_a_member_whose_rendezvous_refuses_connections_is_excused_from_a_reform_at_once(
+    etcd_config, gone
+):
+    """A node that died whole never re-joins, and its lease outlives the grace: a refused
+    probe excuses it at once. A member that answers (alive, or frozen: the kernel
+    accepts for a stopped process) is still waited for the whole grace."""
+    grace = 8.0  # far from both outcomes, on a loaded machine too
+    handlers = _handlers(etcd_config, fresh_run_id(), 3, ttl=30, reform_grace=grace, min_nodes=2)
+    try:
+        first = _form_all(handlers)
+        assert {w.size for w in first.values()} == {3}
+        assert all(m.probe for m in first["n0"].members)
+        dead, survivors = handlers[2], handlers[:2]
+        if gone:
+            dead._probe.close()  # its process died: nothing listens there any more
+        t0 = time.monotonic()
+        second = _form_all(survivors, evidence=True)
+        took = time.monotonic() - t0
+        assert {tuple(w.nodes) for w in second.values()} == {("n0", "n1")}
+        if gone:
+            assert took < grace / 2, took  # not the grace: the refusal
+        else:
+            assert took >= grace * 0.9, took  # answered: the grace decides, as before
+    finally:
+        for h in handlers:
+            h.close()

@@ -38,12 +38,13 @@ def _handlers(etcd_config, run, n, **kw):
     ]
 
 
-def _form_all(handlers, timeout=30):
+def _form_all(handlers, timeout=30, **kw):
+    """Each handler's next world (``next_world(**kw)``, one thread each), by node id."""
     out, errors = {}, []
 
     def go(h):
         try:
-            out[h.node_id] = h.next_world()
+            out[h.node_id] = h.next_world(**kw)
         except Exception as exc:
             errors.append(exc)
 

@@ -10,6 +10,7 @@ cannot, but the fence does not rely on it) would produce one world.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from elasticd.etcd.client import (
 )
 from elasticd.log import kv
 from elasticd.rendezvous.decisions import (
+    Member,
     RendezvousSettings,
     World,
     build_world,
@@ -33,6 +35,7 @@ from elasticd.rendezvous.decisions import (
     pending_previous,
 )
 from elasticd.rendezvous.mirror import Mirror
+from elasticd.rendezvous.probe import refused
 
 log = logging.getLogger("elasticd.rendezvous")
 
@@ -75,6 +78,10 @@ class RoundCloser:
         self._node = node_id
         self._wait = wait
         self._clock = clock
+        self._gone: dict[int, set[str]] = {}
+        """By world round: its members whose probe was refused (gone, lease or not)."""
+        self._probed: set[tuple[int, str]] = set()
+        """(world round, node) probed already: once each."""
 
     def run_for(self, round_: int, lease: int, seen_world_mod: int, deadline: float) -> bool:
         """Try to become ``round_``'s closer; either way, wait until the mirror shows who
@@ -108,7 +115,12 @@ class RoundCloser:
         changed its mind, else the world to write now."""
         s, m = self._settings, self._mirror
         previous = m.world
-        pend = pending_previous(previous, m.joined_nodes(previous.round) if previous else ())
+        live_old = m.joined_nodes(previous.round) if previous else ()
+        gone = self._gone.get(previous.round, set()) if previous else set()
+        pend = pending_previous(previous, live_old, gone)
+        if pend and previous is not None and s.reform_grace is not None:
+            if m.since_evidence(round_) is not None:
+                self._probe(previous, [n for n in previous.nodes if n in live_old])
         count = len(m.joined_nodes(round_))
         delay = close_delay(
             joined=count,
@@ -139,6 +151,33 @@ class RoundCloser:
             world_mod=m.world_mod,
             join_mod=m.last_join_mod(round_),
         )
+
+    def _probe(self, previous: World, waited: list[str]) -> None:
+        """Probe each member of ``previous`` we wait for, once, each on a thread of its
+        own (the mirror lock is held): a refusal marks it gone and wakes the planner."""
+        timeout = max(0.05, float(self._settings.reform_grace or 0.0))
+        self._probed = {k for k in self._probed if k[0] >= previous.round}
+        for member in previous.members:
+            key = (previous.round, member.node)
+            if member.node not in waited or not member.probe or key in self._probed:
+                continue
+            self._probed.add(key)
+            threading.Thread(
+                target=self._probe_one, args=(previous.round, member, timeout),
+                name="rdzv-probe-out", daemon=True,
+            ).start()  # fmt: skip
+
+    def _probe_one(self, round_: int, member: Member, timeout: float) -> None:
+        if not refused(member.addr, member.probe, timeout):
+            return
+        log.info("member gone: its rendezvous refuses connections",
+                 **kv(node=member.node, round=round_, by=self._node))  # fmt: skip
+        m = self._mirror
+        with m.cond:
+            self._gone.setdefault(round_, set()).add(member.node)
+            for old in [r for r in self._gone if r < round_]:
+                del self._gone[old]
+            m.cond.notify_all()
 
     def write(self, plan: ClosePlan, deadline: float) -> None:
         """The one transaction that closes the round (and drops its closer key); fenced so

@@ -51,6 +51,7 @@ from elasticd.rendezvous.decisions import (
 from elasticd.rendezvous.errors import RendezvousClosed, RendezvousConnection, RendezvousTimeout
 from elasticd.rendezvous.feeds import Feeds
 from elasticd.rendezvous.mirror import Mirror
+from elasticd.rendezvous.probe import ProbeListener
 
 log = logging.getLogger("elasticd.rendezvous")
 
@@ -102,6 +103,9 @@ class EtcdRendezvous:
         self._start_lock = threading.Lock()
         self._ports: list[socket.socket] = []
         """Reserved store ports of our last joins (see :meth:`_reserve_port`)."""
+        self._probe: ProbeListener | None = None
+        """Answers while we live: a closer waiting for us in a re-form learns at once that
+        we are gone when it is refused (elasticd/rendezvous/probe.py)."""
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -236,6 +240,7 @@ class EtcdRendezvous:
             node=self.node_id,
             addr=self.addr,
             port=self._reserve_port(),
+            probe=self._probe_port(),
             evidence=self._evidence,
         )
         fence = compare(s.world_key(), "mod", "==", seen_world_mod)
@@ -256,6 +261,11 @@ class EtcdRendezvous:
             # Our own join must be in the mirror before we judge the round from it.
             self._wait(deadline, lambda: self._mirror.revision["join"] >= result.revision)
         return True
+
+    def _probe_port(self) -> int:
+        if self._probe is None:
+            self._probe = ProbeListener(self.addr if self.addr else "127.0.0.1")
+        return self._probe.port
 
     def _reserve_port(self) -> int:
         """A port for the round's store (rank 0 on our node hosts it when we are the first
@@ -386,6 +396,9 @@ class EtcdRendezvous:
         self._feeds.close()
         while self._ports:
             self._ports.pop().close()
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
         if self._owns_client:
             self._client.close()
 

@@ -190,6 +190,10 @@ class Member:
     """Address other nodes reach it at."""
     port: int
     """A free port on ``addr``, reserved for the store if this node becomes rank 0."""
+    probe: int = 0
+    """A port on ``addr`` its rendezvous listens on while it lives (0: none, an older
+    agent): a refused connection there excuses it from a re-form at once
+    (elasticd/rendezvous/probe.py)."""
     evidence: bool = False
     """It joined because it saw a fault (a collective failed, a local worker died); not
     part of the world record."""
@@ -238,7 +242,7 @@ class World:
                 "version": 1,
                 "run_id": self.run_id,
                 "round": self.round,
-                "members": [{"node": m.node, "addr": m.addr, "port": m.port} for m in self.members],
+                "members": [_member_doc(m) for m in self.members],
                 "master_addr": self.master_addr,
                 "master_port": self.master_port,
             },
@@ -246,8 +250,15 @@ class World:
         )
 
 
-def member_json(member: Member) -> str:
+def _member_doc(member: Member) -> dict[str, object]:
     doc: dict[str, object] = {"node": member.node, "addr": member.addr, "port": member.port}
+    if member.probe:
+        doc["probe"] = member.probe
+    return doc
+
+
+def member_json(member: Member) -> str:
+    doc = _member_doc(member)
     if member.evidence:
         doc["evidence"] = True
     return json.dumps(doc)
@@ -275,7 +286,7 @@ def parse_member(node: str, raw: bytes) -> Member:
         doc = json.loads(raw)
         return Member(
             node=node, addr=str(doc["addr"]), port=int(doc["port"]),
-            evidence=doc.get("evidence") is True,
+            probe=int(doc.get("probe", 0)), evidence=doc.get("evidence") is True,
         )  # fmt: skip
     except (ValueError, KeyError, TypeError) as exc:
         raise RendezvousState(
@@ -290,7 +301,12 @@ def parse_world(raw: bytes, revision: int = 0) -> World:
         if doc.get("version") != 1:
             raise ValueError(f"unknown version {doc.get('version')!r}")
         members = tuple(
-            Member(node=str(m["node"]), addr=str(m["addr"]), port=int(m["port"]))
+            Member(
+                node=str(m["node"]),
+                addr=str(m["addr"]),
+                port=int(m["port"]),
+                probe=int(m.get("probe", 0)),
+            )
             for m in doc["members"]
         )
         return World(
@@ -316,11 +332,14 @@ def build_world(
     return World(run_id=run_id, round=round_, members=members), waiting
 
 
-def pending_previous(previous: World | None, live_old_joins: Collection[str]) -> int:
-    """How many members of the previous world are alive but have not re-joined yet."""
+def pending_previous(
+    previous: World | None, live_old_joins: Collection[str], gone: Collection[str] = ()
+) -> int:
+    """How many members of the previous world are alive but have not re-joined yet;
+    ``gone``: members known dead although their lease lives on (a refused probe)."""
     if previous is None or not live_old_joins:
         return 0
-    return sum(1 for n in previous.nodes if n in live_old_joins)
+    return sum(1 for n in previous.nodes if n in live_old_joins and n not in gone)
 
 
 # -- what makes a running world stale -------------------------------------------------------
