@@ -263,12 +263,13 @@ class WorkerChannel:
         (``step``, ``seconds`` from its start to its commit), for the agent's metrics. A
         second call for the same step (the trainer's, after its final save) adds to the
         first: the step's loss stays with it, and never a loss of an older step."""
-        same = self._last.get("step") == int(step)
-        keep = {k: v for k, v in self._last.items() if same or k == "recovery"}
-        self._last = {**keep, "step": int(step)}
         given = {"loss": (loss, float), "tokens_per_s": (tokens_per_s, float),
                  "checkpoint_step": (checkpoint_step, int), "step_s": (step_s, float),
                  "checkpoint_save": (checkpoint_save, dict), "mfu": (mfu, float)}  # fmt: skip
+        same = self._last.get("step") == int(step)
+        keep = {k: v for k, v in self._last.items()
+                if k == "recovery" or (same and k in given)}  # fmt: skip
+        self._last = {**keep, "step": int(step)}
         self._last.update({k: kind(v) for k, (v, kind) in given.items() if v is not None})
         self._write()
         self._at(None, step)  # a raising fault with no phase: "after step S"

@@ -149,6 +149,8 @@ def test_a_survivor_blocked_in_an_nccl_all_reduce_leaves_the_round_and_trains_in
                 os.kill(p.pid, signal.SIGCONT)
                 p.kill()
             p.communicate()
+        for h in holds:
+            h.close()
     took = first["t"] - ended
     print(
         f"{fault} peer: rank 0 completed its first all-reduce of round 2 {took:.2f} s "

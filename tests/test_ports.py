@@ -10,6 +10,7 @@ on the machine gets it, and the real listener (TCPStore, etcd) still binds it.
 from __future__ import annotations
 
 import errno
+import logging
 import socket
 import time
 from datetime import timedelta
@@ -75,30 +76,42 @@ def test_embedded_etcd_holds_the_ports_it_picked_until_it_is_healthy(tmp_path):
             _bind(etcd.client_port, reuse=True)  # etcd itself listens there now
 
 
-@pytest.mark.parametrize("gone", [True, False])
+@pytest.mark.parametrize("case", ["gone", "answers", "never-reached"])
 def test_a_member_whose_rendezvous_refuses_connections_is_excused_from_a_reform_at_once(
-    etcd_config, gone
+    etcd_config, caplog, case
 ):
     """A node that died whole never re-joins, and its lease outlives the grace: a refused
     probe excuses it at once. A member that answers (alive, or frozen: the kernel
-    accepts for a stopped process) is still waited for the whole grace."""
+    accepts for a stopped process) is still waited for the whole grace, and so is one
+    whose probe port the closer never reached (a firewall that rejects it would make
+    every probe of it a refusal): its world record carries no probe."""
+    caplog.set_level(logging.INFO, logger="elasticd.rendezvous")
     grace = 8.0  # far from both outcomes, on a loaded machine too
-    handlers = _handlers(etcd_config, fresh_run_id(), 3, ttl=30, reform_grace=grace, min_nodes=2)
+    handlers = _handlers(etcd_config, fresh_run_id(), 3, ttl=30, reform_grace=grace,
+                         min_nodes=2, max_nodes=4, settle=2.0)  # fmt: skip
+    dead, survivors = handlers[2], handlers[:2]
     try:
+        if case == "never-reached":
+            dead._probe_port()  # its listener, then gone before anyone connects to it
+            dead._probe.close()
+        # settle: the world closes 2 s after the last join, the closer's checks long done.
         first = _form_all(handlers)
         assert {w.size for w in first.values()} == {3}
-        assert all(m.probe for m in first["n0"].members)
-        dead, survivors = handlers[2], handlers[:2]
-        if gone:
+        probes = {m.node: m.probe for m in first["n0"].members}
+        assert probes["n0"] and probes["n1"]
+        assert bool(probes["n2"]) is (case != "never-reached")
+        if case == "gone":
             dead._probe.close()  # its process died: nothing listens there any more
         t0 = time.monotonic()
         second = _form_all(survivors, evidence=True)
         took = time.monotonic() - t0
         assert {tuple(w.nodes) for w in second.values()} == {("n0", "n1")}
-        if gone:
+        excused = "member gone: its rendezvous refuses connections" in caplog.text
+        assert excused is (case == "gone")
+        if case == "gone":
             assert took < grace / 2, took  # not the grace: the refusal
         else:
-            assert took >= grace * 0.9, took  # answered: the grace decides, as before
+            assert took >= grace * 0.9, took  # the grace decides, as before
     finally:
         for h in handlers:
             h.close()

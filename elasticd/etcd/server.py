@@ -66,17 +66,19 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def reserve_port(host: str = "127.0.0.1") -> socket.socket:
-    """A socket bound to a port the kernel picks, with SO_REUSEADDR and not listening: the
-    port is held for whoever will listen on it later (rank 0's TCPStore, which binds with
-    SO_REUSEADDR too), and no other ``bind(0)`` or outgoing connection on this machine gets
-    it meanwhile. :func:`free_port` closes its socket, so between its answer and the bind
-    any of them may take the port (EADDRINUSE), on a machine as busy as a test run. Close
-    the socket once the listener is up or will never be."""
+def reserve_port() -> socket.socket:
+    """A socket bound to a port the kernel picks, on every IPv4 address, with SO_REUSEADDR
+    and not listening: the port is held for whoever will listen on it later (rank 0's
+    TCPStore, etcd: both bind with SO_REUSEADDR too, on the wildcard), and no other IPv4
+    ``bind`` without SO_REUSEADDR, ``bind(0)`` or outgoing connection on this machine gets
+    it meanwhile, whatever address it names. :func:`free_port` closes its socket, so
+    between its answer and the bind any of them may take the port (EADDRINUSE), on a
+    machine as busy as a test run. Close the socket once the listener is up or will
+    never be."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, 0))
+        sock.bind(("", 0))
     except OSError:
         sock.close()
         raise
@@ -195,7 +197,7 @@ class EmbeddedEtcd:
         listener, binds with SO_REUSEADDR next to our hold)."""
         for name in ("client_port", "peer_port"):
             if not getattr(self, name):
-                sock = reserve_port(self.host)
+                sock = reserve_port()
                 self._held.append(sock)
                 setattr(self, name, sock.getsockname()[1])
 

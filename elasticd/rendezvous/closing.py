@@ -9,6 +9,7 @@ cannot, but the fence does not rely on it) would produce one world.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -35,9 +36,12 @@ from elasticd.rendezvous.decisions import (
     pending_previous,
 )
 from elasticd.rendezvous.mirror import Mirror
-from elasticd.rendezvous.probe import refused
+from elasticd.rendezvous.probe import reachable, refused
 
 log = logging.getLogger("elasticd.rendezvous")
+
+VERIFY_TIMEOUT = 2.0
+"""Seconds a closer's check that a joined member's probe port answers may take."""
 
 # ``wait(deadline, predicate, cap=0.0)``: wait on the mirror until ``predicate`` holds.
 Wait = Callable[..., None]
@@ -82,6 +86,12 @@ class RoundCloser:
         """By world round: its members whose probe was refused (gone, lease or not)."""
         self._probed: set[tuple[int, str]] = set()
         """(world round, node) probed already: once each."""
+        self._reachable: set[tuple[str, int]] = set()
+        """(node, probe port) we connected to: only these go into a world record with
+        their probe, so only a port once reached can later count as refused."""
+        self._verifying: set[tuple[str, int]] = set()
+        """Being checked now, or checked and found unreachable (then never again: one
+        listener serves a node's rendezvous for its whole life)."""
 
     def run_for(self, round_: int, lease: int, seen_world_mod: int, deadline: float) -> bool:
         """Try to become ``round_``'s closer; either way, wait until the mirror shows who
@@ -121,6 +131,8 @@ class RoundCloser:
         if pend and previous is not None and s.reform_grace is not None:
             if m.since_evidence(round_) is not None:
                 self._probe(previous, [n for n in previous.nodes if n in live_old])
+        joins = m.joins(round_)
+        self._verify(joins)
         count = len(m.joined_nodes(round_))
         delay = close_delay(
             joined=count,
@@ -141,9 +153,13 @@ class RoundCloser:
             run_id=s.run_id,
             round_=round_,
             previous=previous,
-            joined=m.joins(round_),
+            joined={
+                n: (rev, mem if (n, mem.probe) in self._reachable
+                    else dataclasses.replace(mem, probe=0))
+                for n, (rev, mem) in joins.items()
+            },
             max_nodes=s.max_nodes,
-        )
+        )  # fmt: skip
         return ClosePlan(
             round=round_,
             world=world,
@@ -151,6 +167,30 @@ class RoundCloser:
             world_mod=m.world_mod,
             join_mod=m.last_join_mod(round_),
         )
+
+    def _verify(self, joins: dict[str, tuple[int, Member]]) -> None:
+        """Connect once (a thread each; the mirror lock is held) to the probe port of each
+        joined member not reached yet. A member still unreached when the round closes (it
+        joined last, its check in flight) carries no probe in that world: the grace decides
+        for it there, and it has its probe from the next world this closer writes on."""
+        for node, (_, member) in joins.items():
+            key = (node, member.probe)
+            if not member.probe or key in self._reachable or key in self._verifying:
+                continue
+            self._verifying.add(key)
+            threading.Thread(
+                target=self._verify_one, args=(member,), name="rdzv-probe-check", daemon=True
+            ).start()
+
+    def _verify_one(self, member: Member) -> None:
+        ok = reachable(member.addr, member.probe, VERIFY_TIMEOUT)
+        with self._mirror.cond:
+            if ok:
+                self._verifying.discard((member.node, member.probe))
+                self._reachable.add((member.node, member.probe))
+            else:
+                log.warning("probe port not reachable: the member is left to the grace",
+                            **kv(node=member.node, addr=member.addr, port=member.probe))  # fmt: skip
 
     def _probe(self, previous: World, waited: list[str]) -> None:
         """Probe each member of ``previous`` we wait for, once, each on a thread of its

@@ -103,6 +103,10 @@ class EtcdRendezvous:
         self._start_lock = threading.Lock()
         self._ports: list[socket.socket] = []
         """Reserved store ports of our last joins (see :meth:`_reserve_port`)."""
+        self._closed = False
+        """Set by close(), which another thread may call while we join (the sockets a
+        join makes after it are closed at once); with the sockets, under this lock:"""
+        self._sockets_lock = threading.Lock()
         self._probe: ProbeListener | None = None
         """Answers while we live: a closer waiting for us in a re-form learns at once that
         we are gone when it is refused (elasticd/rendezvous/probe.py)."""
@@ -263,20 +267,34 @@ class EtcdRendezvous:
         return True
 
     def _probe_port(self) -> int:
-        if self._probe is None:
-            self._probe = ProbeListener(self.addr if self.addr else "127.0.0.1")
-        return self._probe.port
+        with self._sockets_lock:
+            if self._probe is None:
+                self._probe = ProbeListener()
+            port = self._probe.port
+            if self._closed:  # close() ran meanwhile (an abandoned wait): keep nothing
+                self._close_sockets_locked()
+        return port
 
     def _reserve_port(self) -> int:
         """A port for the round's store (rank 0 on our node hosts it when we are the first
         member), held until two joins later: the worker binds it seconds after the join,
         once the round formed and torch imported, and nothing else on this machine may
         take it meanwhile (see :func:`reserve_port`)."""
-        sock = reserve_port(self.addr if self.addr else "127.0.0.1")
-        self._ports.append(sock)
-        while len(self._ports) > 2:
-            self._ports.pop(0).close()
+        sock = reserve_port()
+        with self._sockets_lock:
+            self._ports.append(sock)
+            while len(self._ports) > 2:
+                self._ports.pop(0).close()
+            if self._closed:  # close() ran meanwhile (an abandoned wait): keep nothing
+                self._close_sockets_locked()
         return sock.getsockname()[1]
+
+    def _close_sockets_locked(self) -> None:
+        while self._ports:
+            self._ports.pop().close()
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
 
     def _wait(self, deadline: float, predicate: Callable[[], bool], cap: float = 0.0) -> None:
         """Wait (on the mirror) until ``predicate``, or ``cap`` seconds if given."""
@@ -392,13 +410,11 @@ class EtcdRendezvous:
 
     def close(self) -> None:
         """Leave and release threads and connections (does not close the run)."""
+        with self._sockets_lock:
+            self._closed = True
+            self._close_sockets_locked()
         self.leave()
         self._feeds.close()
-        while self._ports:
-            self._ports.pop().close()
-        if self._probe is not None:
-            self._probe.close()
-            self._probe = None
         if self._owns_client:
             self._client.close()
 

@@ -9,6 +9,12 @@ Each node's rendezvous therefore listens on a port of its own (``Member.probe``)
 long as it lives, and the round's closer connects to the port of each member it waits
 for:
 
+A refusal counts only from a member whose probe port a closer reached before: a join's
+``probe`` goes into the world record only once the round's closer connected to it (while
+the round filled), so a firewall that rejects the port (an ICMP or RST answer, which reads
+as a refusal) leaves ``probe`` out of every record, and the grace decides as before,
+instead of every re-form excusing live members.
+
 - **refused** (the host's kernel answers that nothing listens there): the member's
   rendezvous, and so its agent, is gone. Its workers die with their agent. It is excused
   at once; should it be alive after all (a firewall that rejects), it re-joins as a
@@ -33,14 +39,17 @@ log = logging.getLogger("elasticd.rendezvous")
 class ProbeListener:
     """A port that answers while this process lives (see the module's docstring)."""
 
-    def __init__(self, host: str) -> None:
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        try:
-            self._sock.bind((host, 0))
-            self._sock.listen(64)
-        except OSError:
-            self._sock.close()
-            raise
+    def __init__(self) -> None:
+        # Every address (IPv6 and IPv4 where the machine has both): peers reach us by the
+        # name or address we joined with, which may resolve for them to another address
+        # than for us (a host name that /etc/hosts maps to 127.0.1.1 here); a listener on
+        # one address would be refused on the others, and a live node excused.
+        if socket.has_dualstack_ipv6():
+            self._sock = socket.create_server(
+                ("", 0), family=socket.AF_INET6, backlog=64, dualstack_ipv6=True
+            )
+        else:
+            self._sock = socket.create_server(("", 0), backlog=64)
         self.port: int = self._sock.getsockname()[1]
         self._closed = False
         threading.Thread(target=self._serve, name="rdzv-probe", daemon=True).start()
@@ -61,12 +70,31 @@ class ProbeListener:
 
 
 def refused(addr: str, port: int, timeout: float) -> bool:
-    """Whether ``addr:port`` refuses a connection within ``timeout`` seconds: nothing
-    listens there. Accepted, timed out or any other error: False (not known to be gone)."""
+    """Whether every address ``addr`` resolves to refuses a connection to ``port`` within
+    ``timeout`` seconds: nothing listens there. One accepted, timed out or failed another
+    way (a name that does not resolve): False, not known to be gone."""
+    try:
+        infos = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as sock:
+            sock.settimeout(timeout)
+            try:
+                sock.connect(sockaddr)
+            except ConnectionRefusedError:
+                continue
+            except OSError:
+                return False
+            return False
+    return bool(infos)
+
+
+def reachable(addr: str, port: int, timeout: float) -> bool:
+    """Whether ``addr:port`` accepts a connection within ``timeout`` seconds (on some
+    address it resolves to)."""
     try:
         with socket.create_connection((addr, port), timeout=timeout):
-            return False
-    except ConnectionRefusedError:
-        return True
+            return True
     except OSError:
         return False
