@@ -42,6 +42,10 @@ log = logging.getLogger("elasticd.rendezvous")
 
 VERIFY_TIMEOUT = 2.0
 """Seconds a closer's check that a joined member's probe port answers may take."""
+VERIFY_WAIT = 0.1
+"""Seconds a round ready to close waits for checks still in flight (a loopback or LAN
+connect takes a millisecond or so; the last joiner's check starts as the round becomes
+ready): past it, an unchecked member carries no probe in this world."""
 
 # ``wait(deadline, predicate, cap=0.0)``: wait on the mirror until ``predicate`` holds.
 Wait = Callable[..., None]
@@ -89,9 +93,11 @@ class RoundCloser:
         self._reachable: set[tuple[str, int]] = set()
         """(node, probe port) we connected to: only these go into a world record with
         their probe, so only a port once reached can later count as refused."""
-        self._verifying: set[tuple[str, int]] = set()
-        """Being checked now, or checked and found unreachable (then never again: one
-        listener serves a node's rendezvous for its whole life)."""
+        self._verifying: dict[tuple[str, int], float] = {}
+        """Being checked now: when the check began."""
+        self._unreachable: set[tuple[str, int]] = set()
+        """Checked and not reached (never again: one listener serves a node's rendezvous
+        for its whole life)."""
 
     def run_for(self, round_: int, lease: int, seen_world_mod: int, deadline: float) -> bool:
         """Try to become ``round_``'s closer; either way, wait until the mirror shows who
@@ -149,6 +155,12 @@ class RoundCloser:
             left = deadline - self._clock()
             self._sleep(round_, count, pend, min(left, delay if delay is not None else left))
             return None
+        checking = [t for (n, _), t in self._verifying.items() if n in joins]
+        if checking:
+            wait = min(checking) + VERIFY_WAIT - self._clock()
+            if wait > 0:
+                m.cond.wait(wait)  # _verify_one notifies
+                return None
         world, waiting = build_world(
             run_id=s.run_id,
             round_=round_,
@@ -170,14 +182,15 @@ class RoundCloser:
 
     def _verify(self, joins: dict[str, tuple[int, Member]]) -> None:
         """Connect once (a thread each; the mirror lock is held) to the probe port of each
-        joined member not reached yet. A member still unreached when the round closes (it
-        joined last, its check in flight) carries no probe in that world: the grace decides
-        for it there, and it has its probe from the next world this closer writes on."""
+        joined member not reached yet. A round ready to close waits up to VERIFY_WAIT for
+        checks in flight (the last joiner's); a member still unreached then carries no
+        probe in that world: the grace decides for it there."""
         for node, (_, member) in joins.items():
             key = (node, member.probe)
-            if not member.probe or key in self._reachable or key in self._verifying:
+            if (not member.probe or key in self._reachable or key in self._verifying
+                    or key in self._unreachable):  # fmt: skip
                 continue
-            self._verifying.add(key)
+            self._verifying[key] = self._clock()
             threading.Thread(
                 target=self._verify_one, args=(member,), name="rdzv-probe-check", daemon=True
             ).start()
@@ -185,10 +198,11 @@ class RoundCloser:
     def _verify_one(self, member: Member) -> None:
         ok = reachable(member.addr, member.probe, VERIFY_TIMEOUT)
         with self._mirror.cond:
-            if ok:
-                self._verifying.discard((member.node, member.probe))
-                self._reachable.add((member.node, member.probe))
-            else:
+            key = (member.node, member.probe)
+            self._verifying.pop(key, None)
+            (self._reachable if ok else self._unreachable).add(key)
+            self._mirror.cond.notify_all()  # a round may wait for this check to close
+            if not ok:
                 log.warning("probe port not reachable: the member is left to the grace",
                             **kv(node=member.node, addr=member.addr, port=member.probe))  # fmt: skip
 
