@@ -42,6 +42,8 @@ log = logging.getLogger("elasticd.rendezvous")
 
 VERIFY_TIMEOUT = 2.0
 """Seconds a closer's check that a joined member's probe port answers may take."""
+REPROBE = 0.03
+"""Seconds between probes of a member that answered, while a re-form waits for it."""
 VERIFY_WAIT = 0.1
 """Seconds a round ready to close waits for checks still in flight (a loopback or LAN
 connect takes a millisecond or so; the last joiner's check starts as the round becomes
@@ -88,8 +90,11 @@ class RoundCloser:
         self._clock = clock
         self._gone: dict[int, set[str]] = {}
         """By world round: its members whose probe was refused (gone, lease or not)."""
-        self._probed: set[tuple[int, str]] = set()
-        """(world round, node) probed already: once each."""
+        self._probed: dict[tuple[int, str], float | None] = {}
+        """(world round, node) -> when its last probe answered (None: one in flight). A
+        member that answered is probed again every REPROBE seconds while we wait for it:
+        a killed node's agent may outlive its workers (whose closed sockets were the
+        evidence) by a few milliseconds."""
         self._reachable: set[tuple[str, int]] = set()
         """(node, probe port) we connected to: only these go into a world record with
         their probe, so only a port once reached can later count as refused."""
@@ -134,9 +139,10 @@ class RoundCloser:
         live_old = m.joined_nodes(previous.round) if previous else ()
         gone = self._gone.get(previous.round, set()) if previous else set()
         pend = pending_previous(previous, live_old, gone)
+        probing = False
         if pend and previous is not None and s.reform_grace is not None:
             if m.since_evidence(round_) is not None:
-                self._probe(previous, [n for n in previous.nodes if n in live_old])
+                probing = self._probe(previous, [n for n in previous.nodes if n in live_old])
         joins = m.joins(round_)
         self._verify(joins)
         count = len(m.joined_nodes(round_))
@@ -153,7 +159,8 @@ class RoundCloser:
         )
         if delay is None or delay > 0:
             left = deadline - self._clock()
-            self._sleep(round_, count, pend, min(left, delay if delay is not None else left))
+            left = min(left, delay if delay is not None else left)
+            self._sleep(round_, count, pend, min(left, REPROBE) if probing else left)
             return None
         checking = [t for (n, _), t in self._verifying.items() if n in joins]
         if checking:
@@ -206,23 +213,33 @@ class RoundCloser:
                 log.warning("probe port not reachable: the member is left to the grace",
                             **kv(node=member.node, addr=member.addr, port=member.probe))  # fmt: skip
 
-    def _probe(self, previous: World, waited: list[str]) -> None:
-        """Probe each member of ``previous`` we wait for, once, each on a thread of its
-        own (the mirror lock is held): a refusal marks it gone and wakes the planner."""
+    def _probe(self, previous: World, waited: list[str]) -> bool:
+        """Probe each member of ``previous`` we wait for that has a probe port, each on a
+        thread of its own (the mirror lock is held), again REPROBE seconds after its last
+        answer: a refusal marks it gone and wakes the planner. Whether any has a port."""
         timeout = max(0.05, float(self._settings.reform_grace or 0.0))
-        self._probed = {k for k in self._probed if k[0] >= previous.round}
+        now = self._clock()
+        self._probed = {k: t for k, t in self._probed.items() if k[0] >= previous.round}
+        any_port = False
         for member in previous.members:
             key = (previous.round, member.node)
-            if member.node not in waited or not member.probe or key in self._probed:
+            if member.node not in waited or not member.probe:
                 continue
-            self._probed.add(key)
+            any_port = True
+            last = self._probed.get(key, -1.0)
+            if last is None or (last >= 0 and now - last < REPROBE):
+                continue
+            self._probed[key] = None
             threading.Thread(
                 target=self._probe_one, args=(previous.round, member, timeout),
                 name="rdzv-probe-out", daemon=True,
             ).start()  # fmt: skip
+        return any_port
 
     def _probe_one(self, round_: int, member: Member, timeout: float) -> None:
         if not refused(member.addr, member.probe, timeout):
+            with self._mirror.cond:
+                self._probed[(round_, member.node)] = self._clock()
             return
         log.info("member gone: its rendezvous refuses connections",
                  **kv(node=member.node, round=round_, by=self._node))  # fmt: skip
