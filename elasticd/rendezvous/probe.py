@@ -9,12 +9,6 @@ Each node's rendezvous therefore listens on a port of its own (``Member.probe``)
 long as it lives, and the round's closer connects to the port of each member it waits
 for:
 
-A refusal counts only from a member whose probe port a closer reached before: a join's
-``probe`` goes into the world record only once the round's closer connected to it (while
-the round filled), so a firewall that rejects the port (an ICMP or RST answer, which reads
-as a refusal) leaves ``probe`` out of every record, and the grace decides as before,
-instead of every re-form excusing live members.
-
 - **refused** (the host's kernel answers that nothing listens there): the member's
   rendezvous, and so its agent, is gone. Its workers die with their agent. It is excused
   at once; should it be alive after all (a firewall that rejects), it re-joins as a
@@ -22,6 +16,12 @@ instead of every re-form excusing live members.
 - **accepted**: the process lives, or is frozen (the kernel completes the handshake of a
   stopped process): the grace and then the lease decide, as before;
 - **no answer** (a host down, a partition): the same.
+
+A refusal counts only from a member whose probe port a closer reached before: a join's
+``probe`` goes into the world record only once the round's closer connected to it (while
+the round filled), so a firewall that rejects the port (an ICMP or RST answer, which reads
+as a refusal) leaves ``probe`` out of every record, and the grace decides as before,
+instead of every re-form excusing live members.
 
 The listener accepts and closes at once; it reads and writes nothing.
 """
