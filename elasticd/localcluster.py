@@ -668,8 +668,9 @@ class LocalCluster:
                 proc.wait(timeout=10)
         # Workers need no sweep: each carries a parent-death SIGKILL, which reaches even a
         # SIGSTOPped one. (Killing pids from workers.json here could hit a reused pid.)
-        while self._port_holds:
-            self._port_holds.pop().close()
+        from elasticd.etcd import release_ports
+
+        release_ports(self._port_holds)
         if self.etcd is not None:
             with self._etcd_lock:
                 self.etcd.stop()

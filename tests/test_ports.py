@@ -57,6 +57,7 @@ def test_the_rendezvous_holds_the_store_port_it_advertises_until_two_joins_later
     (h,) = handlers
     try:
         world = _form_all(handlers)[h.node_id]
+        assert world.members[0].probe == 0  # no reform_grace: no probe port opened
         with pytest.raises(OSError):  # held: nobody else binds it before rank 0's store
             _bind(world.master_port, reuse=False)
         _bind(world.master_port, reuse=True)  # ...and rank 0's store, with SO_REUSEADDR, can

@@ -26,6 +26,7 @@ from elasticd.etcd.server import (
     ServerTLS,
     find_etcd_binary,
     free_port,
+    release_ports,
     reserve_port,
 )
 from elasticd.etcd.watch import Event, Watch
@@ -52,5 +53,6 @@ __all__ = [
     "get_op",
     "parse_endpoints",
     "put_op",
+    "release_ports",
     "reserve_port",
 ]

@@ -85,6 +85,12 @@ def reserve_port() -> socket.socket:
     return sock
 
 
+def release_ports(holds: list[socket.socket]) -> None:
+    """Close every hold of ``holds`` (:func:`reserve_port`) and empty the list."""
+    while holds:
+        holds.pop().close()
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ServerTLS:
     """Server-side TLS files; ``client_cert_auth`` demands a client certificate."""
@@ -202,8 +208,7 @@ class EmbeddedEtcd:
                 setattr(self, name, sock.getsockname()[1])
 
     def _release_ports(self) -> None:
-        while self._held:
-            self._held.pop().close()
+        release_ports(self._held)
 
     def _tie_to_parent(self) -> bool:
         # The kernel signals on the death of the *thread* that forked, so tie etcd only

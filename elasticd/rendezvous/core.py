@@ -36,7 +36,7 @@ from elasticd.etcd.client import (
     delete_op,
     put_op,
 )
-from elasticd.etcd.server import reserve_port
+from elasticd.etcd.server import release_ports, reserve_port
 from elasticd.log import kv
 from elasticd.rendezvous.closing import RoundCloser
 from elasticd.rendezvous.decisions import (
@@ -244,7 +244,9 @@ class EtcdRendezvous:
             node=self.node_id,
             addr=self.addr,
             port=self._reserve_port(),
-            probe=self._probe_port(),
+            # Probes serve fast re-forms only (reform_grace: in-process jobs); elsewhere
+            # no port is opened and no closer connects (elasticd/rendezvous/probe.py).
+            probe=self._probe_port() if s.reform_grace is not None else 0,
             evidence=self._evidence,
         )
         fence = compare(s.world_key(), "mod", "==", seen_world_mod)
@@ -290,8 +292,7 @@ class EtcdRendezvous:
         return sock.getsockname()[1]
 
     def _close_sockets_locked(self) -> None:
-        while self._ports:
-            self._ports.pop().close()
+        release_ports(self._ports)
         if self._probe is not None:
             self._probe.close()
             self._probe = None
