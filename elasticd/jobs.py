@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import enum
 import json
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -184,6 +185,50 @@ def shown_restarts(status: dict[str, Any]) -> int:
         and e.get("reason") in FAILURE_REASONS
     )  # fmt: skip
     return max(0, int(status.get("restarts", 0) or 0) - pending)
+
+
+TROUBLE_NODES = 32
+"""How many nodes' troubles a job's status keeps (the most recent ones)."""
+
+
+_SOURCE_PATH = re.compile(r"\[/[^\]\s]*:\d+\]")
+
+
+def brief(detail: str, limit: int = 160) -> str:
+    """``detail`` for a line: a source position (gloo's ``[/.../pair.cc:537]``) as
+    ``[...]``, and at most ``limit`` characters."""
+    detail = _SOURCE_PATH.sub("[...]", detail)
+    return detail if len(detail) <= limit else detail[: limit - 3] + "..."
+
+
+def event_lines(status: dict[str, Any], seen: set[tuple], *, final: bool = False) -> list[str]:
+    """Lines for people about what ``status`` tells that ``seen`` (updated here) has not
+    had yet: each round's failure once it is decided (the next world tells whether it
+    was a lost node's symptom; ``final``, the job over: every failure), and each node's
+    trouble (a round it could not run, its job runner's crash). A progress line says
+    only "restarts 5"; these say why."""
+    lines = []
+    for e in status.get("history", []):
+        if not isinstance(e, dict) or e.get("kind") != "failure":
+            continue
+        key = ("failure", e.get("round"), e.get("t"))
+        if key in seen or not (e.get("counted") or final):
+            continue
+        seen.add(key)
+        lines.append(f"  round {e.get('round')} ended on {e.get('node', '?')}: "
+                     f"{e.get('reason')}: {brief(str(e.get('detail', '')))}")  # fmt: skip
+    troubles = status.get("troubles")
+    if isinstance(troubles, dict):
+        for node, tr in sorted(troubles.items(), key=lambda kv: str(kv[1].get("t"))):
+            key = ("trouble", node, tr.get("t"))
+            if key in seen or not isinstance(tr, dict):
+                continue
+            seen.add(key)
+            count = int(tr.get("count", 1) or 1)
+            times = f" ({count} times in a row)" if count > 1 else ""
+            lines.append(f"  {node}: {tr.get('what')}{times}: {brief(str(tr.get('error')))}; "
+                         f"trying again in {float(tr.get('retry_in', 0)):g} s")  # fmt: skip
+    return lines
 
 
 def _key(name: str, part: str) -> str:
@@ -435,6 +480,41 @@ class JobRegistry:
             status.update(fields)
 
         self.update_status(name, change, fence=fence)
+
+    def note_trouble(self, name: str, node: str, what: str, error: str, *, retry_in: float) -> None:
+        """Record that ``node`` could not take part in job ``name`` (``what`` went wrong:
+        its round failed, or its job runner crashed), and when it tries again: the
+        status's ``troubles``, one entry a node, counting troubles in a row until
+        :meth:`clear_trouble`. The job goes on without that node meanwhile (or waits for
+        it), and without this a person sees only a job that does not start."""
+
+        def change(status: dict[str, Any]) -> None:
+            troubles = status.get("troubles")
+            if not isinstance(troubles, dict):
+                troubles = status["troubles"] = {}
+            old = troubles.get(node) if isinstance(troubles.get(node), dict) else {}
+            troubles[node] = {"t": round(self._clock(), 3), "what": what, "error": error[:500],
+                              "retry_in": round(retry_in, 3),
+                              "count": int(old.get("count", 0) or 0) + 1}  # fmt: skip
+            for stale in sorted(troubles, key=lambda n: troubles[n].get("t", 0))[:-TROUBLE_NODES]:
+                del troubles[stale]
+
+        self.update_status(name, change)
+
+    def clear_trouble(self, name: str, node: str) -> None:
+        """``node`` took part in a world of job ``name`` again: its troubles are over."""
+        record = self.get(name)
+        if record is None or node not in (record.status.get("troubles") or {}):
+            return
+
+        def change(status: dict[str, Any]) -> None:
+            troubles = status.get("troubles")
+            if isinstance(troubles, dict):
+                troubles.pop(node, None)
+                if not troubles:
+                    del status["troubles"]
+
+        self.update_status(name, change)
 
     def claim_failure(
         self, name: str, round_: int, info: dict[str, Any], *, fence: Fence | None = None

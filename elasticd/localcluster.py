@@ -33,7 +33,7 @@ from typing import Any
 
 from elasticd.agent.workers import prints_stacks, with_pdeathsig
 from elasticd.errors import ElasticdError, UsageError
-from elasticd.jobs import shown_restarts
+from elasticd.jobs import brief, event_lines, shown_restarts
 from elasticd.log import kv
 
 log = logging.getLogger("elasticd.localcluster")
@@ -881,6 +881,7 @@ def run_cluster(
             registry.submit(job, replace=True)
             deadline = time.monotonic() + timeout
             last_line, etcd_up = "", True
+            seen: set[tuple] = set()
             while True:
                 new = tail.new()
                 records.extend(new)
@@ -898,6 +899,9 @@ def run_cluster(
                         source.fault_injected(fault, fired)
                     out.write(f"fault {_verb(fired)}: {fault} (at step {step}){_detail(fired)}\n")
                 announced = _announce_ends(cluster, announced, out)
+                if record is not None and etcd_up:
+                    for said in event_lines(record.status, seen, final=record.state.terminal):
+                        out.write(said + "\n")
                 line = _progress(record, step) if etcd_up else f"  etcd unreachable: step {step}"
                 if progress is not None and etcd_up and record is not None:
                     progress.show(record)
@@ -1060,8 +1064,7 @@ def print_summary(result: dict[str, Any], *, out: Any) -> None:
             total = f"{detection + e['seconds']:.2f}s from the fault = detection {detection:.2f}s, "
         else:
             total = f"{e['seconds']:.2f}s from detection = "
-        detail = cause.get("detail", "")
-        detail = detail if len(detail) <= 120 else detail[:117] + "..."
+        detail = brief(cause.get("detail", ""), 120)
         how = ""
         if e.get("mode"):
             how = f" [{e['mode']}, from {e.get('source')}, lost steps {e.get('lost_steps')}]"

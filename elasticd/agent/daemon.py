@@ -453,6 +453,13 @@ class Agent:
                 self._retry_at[run_id] = (now + pause, tries)
                 log.warning("job runner crashed; taking the job again later",
                             **kv(job=held.runner.name, retry_in=pause))  # fmt: skip
+                try:  # said in the job's status, or the job just looks stuck
+                    self._registry.note_trouble(  # type: ignore[union-attr]
+                        held.runner.name, self.config.node_id, "its job runner crashed",
+                        held.runner.crash_error or "unknown error", retry_in=pause)  # fmt: skip
+                except Exception as exc:
+                    log.warning("could not note the crash in the job's status",
+                                **kv(job=held.runner.name, error=str(exc)))  # fmt: skip
             else:
                 self._done.add(run_id)
                 self._retiring[held.runner.name] = now + self.config.keep_finished_metrics
@@ -488,9 +495,10 @@ class Agent:
             try:
                 outcome = runner.run()
                 log.info("job done on this node", **kv(job=record.name, outcome=str(outcome)))
-            except Exception:
+            except Exception as exc:
                 # This node's trouble: never the job's. The job is taken again later.
                 log.exception("job runner crashed", **kv(job=record.name))
+                runner.crash_error = f"{type(exc).__name__}: {exc}"
                 runner.crashed = True
             finally:
                 self._wake.set()

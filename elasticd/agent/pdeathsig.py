@@ -30,7 +30,11 @@ def main(argv: list[str]) -> int:
     # The parent may have died before prctl took effect; then no signal would ever come.
     if os.getppid() != parent:
         return 1
-    os.execvp(cmd[0], cmd)
+    try:
+        os.execvp(cmd[0], cmd)
+    except OSError as exc:  # one line the agent's failure record carries, as a shell would
+        print(f"elasticd: cannot run {cmd[0]}: {exc.strerror or exc}", file=sys.stderr)
+        return 127 if isinstance(exc, FileNotFoundError) else 126
     return 1  # not reached
 
 

@@ -149,6 +149,8 @@ class JobRunner:
         failure carries it: the restart limit counts failures without progress)."""
         self.crashed = False
         """Set by the agent when ``run`` raised: the job is taken again after a back-off."""
+        self.crash_error: str | None = None
+        """What ``run`` raised, as the agent notes it in the job's status."""
         self.outcome: Outcome | None = None
         self._limit = self.job.restart.max_restarts
         self._report = JobReporter(name=self.name, registry=registry, metrics=metrics, clock=clock,
@@ -284,7 +286,19 @@ class JobRunner:
         except Exception:
             log.exception("leaving the round failed; our lease lapses on its own")
         self._left_world()
+        try:  # said in the job's status, which `elasticd run`, `submit` and `status` show
+            self._registry.note_trouble(self.name, self._node.node_id, "its round failed",
+                                        f"{type(exc).__name__}: {exc}", retry_in=pause)  # fmt: skip
+        except Exception as note_exc:
+            log.warning("could not note this node's trouble", **kv(error=str(note_exc)))
         self._preempt.wait(pause)
+
+    def _clear_trouble(self) -> None:
+        """A world took us again after a trouble: the job's status stops showing it."""
+        try:
+            self._registry.clear_trouble(self.name, self._node.node_id)
+        except Exception as exc:  # only a display: the next world's clear tries again
+            log.warning("could not clear this node's trouble", **kv(error=str(exc)))
 
     def _prewarm(self) -> None:
         """In-process jobs of the built-in trainer: before waiting for a round, have a
@@ -466,6 +480,8 @@ class JobRunner:
                  dp=rnd.layout.dp, tp=rnd.layout.parallel.tp, pids=rnd.workers.pids(),
                  carried=rnd.carried),
         )  # fmt: skip
+        if self._troubles:  # this node runs its part again: its trouble is over
+            self._clear_trouble()
         rnd.recovery = self._pending_recovery
         if rnd.node_rank == 0:
             try:

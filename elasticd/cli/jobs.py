@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from elasticd.errors import UsageError
-from elasticd.jobs import JobRecord, JobRegistry, JobState, shown_restarts
+from elasticd.jobs import JobRecord, JobRegistry, JobState, event_lines, shown_restarts
 from elasticd.jobspec import load_job
 
 
@@ -284,11 +284,14 @@ def follow(
     deadline = None if timeout is None else time.monotonic() + timeout
     hinted = False
     progress = Progress(out)
+    seen: set[tuple] = set()
     try:
         while True:
             record = registry.get(name)
             if record is None:
                 raise UsageError(f"job {name!r} disappeared")
+            for line in event_lines(record.status, seen, final=record.state.terminal):
+                progress.say(line + "\n")
             if not hinted and record.state == JobState.PENDING and not registry.node_count():
                 out.write(
                     f"{name}: waiting: no agent is registered (start one with `elasticd agent`)\n"
@@ -326,6 +329,7 @@ def _summary(record: JobRecord) -> dict[str, Any]:
         "restarts": shown_restarts(st),  # decided ones (the raw count is in "status")
         "restart_streak": st.get("restart_streak", 0),
         "last_failure": st.get("last_failure"),
+        "troubles": st.get("troubles") or {},
         "output_dir": record.spec.get("output_dir"),
     }
 
@@ -355,6 +359,9 @@ def run_status(args: argparse.Namespace) -> int:
         print(f"  restarts {s['restarts']} ({s['restart_streak']} in a row)  "
               f"last failure {s['last_failure']}")  # fmt: skip
         print(f"  output {s['output_dir']}")
+        troubles = r.status.get("troubles")
+        for line in event_lines({"troubles": troubles} if troubles else {}, set()):
+            print(line)
     return 0
 
 

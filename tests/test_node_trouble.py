@@ -1,0 +1,179 @@
+"""A job that does not start says why, live.
+
+A node whose round cannot run (its launch fails), or whose job runner crashes, leaves the
+round and tries again after a back-off; the job meanwhile waits, or goes on without it.
+Until now that was only in the agent's log: `elasticd run` printed `pending: step 0/30`
+until its timeout, and a job whose workers failed printed `restarts 5` with no cause. Now
+each node's trouble goes into the job's status (`troubles`, one entry a node, counted in a
+row) and every round's failure and every trouble is printed once by `elasticd run`,
+`elasticd submit` (following) and `elasticd status`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+from conftest import fresh_run_id
+from polling import wait_for
+
+from elasticd.agent import daemon as daemon_mod
+from elasticd.agent.daemon import Agent, AgentConfig
+from elasticd.jobs import TROUBLE_NODES, JobRegistry, brief, event_lines
+from elasticd.jobspec import parse_job
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_event_lines_say_each_failure_and_trouble_once():
+    status = {
+        "history": [
+            {"kind": "world", "round": 1, "t": 1.0},
+            {
+                "kind": "failure",
+                "round": 1,
+                "t": 2.0,
+                "node": "node-0",
+                "reason": "worker_failed",
+                "detail": "rank 0: exit code 127",
+                "counted": True,
+            },
+            {
+                "kind": "failure",
+                "round": 2,
+                "t": 3.0,
+                "node": "node-1",
+                "reason": "worker_failed",
+                "detail": "rank 1: exit code 1",
+                "counted": False,
+            },
+        ],
+        "troubles": {
+            "node-2": {
+                "t": 4.0,
+                "what": "its round failed",
+                "error": "OSError: x",
+                "retry_in": 2.0,
+                "count": 3,
+            }
+        },
+    }
+    seen: set[tuple] = set()
+    lines = event_lines(status, seen)
+    assert lines == [
+        "  round 1 ended on node-0: worker_failed: rank 0: exit code 127",
+        "  node-2: its round failed (3 times in a row): OSError: x; trying again in 2 s",
+    ]  # round 2's failure is not decided yet: the next world may show it a lost node's
+    assert event_lines(status, seen) == []  # each once
+    assert event_lines(status, seen, final=True) == [  # the job is over: as it stands
+        "  round 2 ended on node-1: worker_failed: rank 1: exit code 1"
+    ]
+    status["troubles"]["node-2"] = {**status["troubles"]["node-2"], "t": 5.0, "count": 4}
+    assert event_lines(status, seen) == [
+        "  node-2: its round failed (4 times in a row): OSError: x; trying again in 2 s"
+    ]
+    assert event_lines({}, set()) == []
+    gloo = "RuntimeError: [/__w/pytorch/third_party/gloo/tcp/pair.cc:537] Read error " + "x" * 300
+    assert brief(gloo) == ("RuntimeError: [...] Read error " + "x" * 300)[:157] + "..."
+
+
+def test_troubles_count_in_a_row_stay_bounded_and_clear(tmp_path, etcd_client):
+    registry, name = JobRegistry(etcd_client), fresh_run_id("trouble")
+    registry.submit(parse_job({"name": name, "output_dir": str(tmp_path / "out")}))
+    for _ in range(3):
+        registry.note_trouble(name, "node-0", "its round failed", "OSError: boom", retry_in=1.0)
+    troubles = registry.get(name).status["troubles"]
+    assert troubles["node-0"]["count"] == 3
+    assert troubles["node-0"]["error"] == "OSError: boom"
+    for i in range(TROUBLE_NODES + 5):
+        registry.note_trouble(name, f"n{i:03d}", "its job runner crashed", "x" * 2000,
+                              retry_in=2.0)  # fmt: skip
+    troubles = registry.get(name).status["troubles"]
+    assert len(troubles) == TROUBLE_NODES  # the newest nodes' troubles
+    assert "node-0" not in troubles and f"n{TROUBLE_NODES + 4:03d}" in troubles
+    assert all(len(t["error"]) == 500 for t in troubles.values())
+    for node in list(troubles):
+        registry.clear_trouble(name, node)
+    assert "troubles" not in registry.get(name).status
+    registry.clear_trouble(name, "never-troubled")  # nothing to clear: no write
+
+
+def _run(args: list[str], tmp_path, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "elasticd", "run", *args], cwd=str(tmp_path),
+                          env=env, capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def test_a_command_that_cannot_run_is_named_in_each_failure_as_it_happens(tmp_path):
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "name: badcmd\n"
+        f"output_dir: {tmp_path / 'out'}\n"
+        "nodes: {min: 1, max: 1}\n"
+        "command: [/nonexistent/bin/python, train.py]\n"
+        "restart: {max_restarts: 1}\n"
+    )
+    done = _run([str(job), "--nodes", "1", "--timeout", "120"], tmp_path)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0, out
+    line = "worker_failed: rank 0: exit code 127: elasticd: cannot run /nonexistent/bin/python"
+    assert out.count(line) >= 2, out  # each failure, live, as a shell would say it
+    assert "job badcmd: failed" in out, out
+    assert "Traceback" not in out, out
+
+
+def test_a_node_whose_round_cannot_start_says_so_while_the_job_waits(tmp_path):
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    (out_dir / "logs").write_text("a file where the round's log directory goes\n")
+    done = _run([os.path.join(ROOT, "examples", "tiny.yaml"), "--nodes", "1",
+                 "--set", f"output_dir={out_dir}", "--timeout", "6"], tmp_path)  # fmt: skip
+    out = done.stdout + done.stderr
+    assert "timed out after 6 s" in out, out
+    said = [ln for ln in out.splitlines() if ln.startswith("  node-0: its round failed")]
+    assert said and "NotADirectoryError" in said[0] and "trying again in 0.5 s" in said[0], out
+    assert any("2 times in a row" in ln for ln in said), out  # counted until it runs
+
+
+def test_a_crashed_job_runner_is_noted_in_the_jobs_status(tmp_path, etcd_config, monkeypatch):
+    """The agent's own crash guard (a bug outside any round): the job is taken again
+    later, and its status says which node crashed and why meanwhile."""
+    name = fresh_run_id("crash")
+    calls = []
+
+    def crash(self):  # a real agent; only its runner's body is replaced
+        calls.append(1)
+        raise KeyError("a bug in the runner")
+
+    monkeypatch.setattr(daemon_mod.JobRunner, "run", crash)
+    config = AgentConfig(etcd=etcd_config, node_id=f"{name}-node", addr="127.0.0.1", nproc=None,
+                         state_dir=str(tmp_path / "state"), metrics_port=0)  # fmt: skip
+    agent = Agent(config)
+    thread = threading.Thread(target=agent.run, daemon=True)
+    thread.start()
+    try:
+        from elasticd.etcd import connect
+
+        with connect(etcd_config) as client:
+            registry = JobRegistry(client)
+            raw = {"name": name, "output_dir": str(tmp_path / "out"), "nodes": {"min": 1}}
+            registry.submit(parse_job(raw))
+
+            def noted():
+                record = registry.get(name)
+                return (record.status.get("troubles") or {}).get(config.node_id)
+
+            trouble = wait_for(noted, timeout=30)
+            assert trouble["what"] == "its job runner crashed"
+            assert trouble["error"] == "KeyError: 'a bug in the runner'"
+            assert trouble["retry_in"] == pytest.approx(2.0)
+            trouble = wait_for(lambda: (noted() or {}).get("count", 0) >= 2 and noted(), timeout=30)
+            assert trouble["retry_in"] == pytest.approx(4.0)  # backing off, taken again
+            registry.cancel(name)
+    finally:
+        agent.stop()
+        thread.join(timeout=30)
+    assert len(calls) >= 2
