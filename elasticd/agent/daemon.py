@@ -42,7 +42,7 @@ from prometheus_client import CollectorRegistry
 
 from elasticd.agent.launch import NodeInfo
 from elasticd.agent.policy import command_allowed, device_ids, queue_reason, take_slots
-from elasticd.agent.runner import JobRunner
+from elasticd.agent.runner import JobRunner, note_trouble_later
 from elasticd.agent.view import NODES_PREFIX, ClusterView
 from elasticd.errors import ElasticdError, UsageError
 from elasticd.jobs import USAGE_PREFIX, JobRecord, JobRegistry, JobState
@@ -453,13 +453,10 @@ class Agent:
                 self._retry_at[run_id] = (now + pause, tries)
                 log.warning("job runner crashed; taking the job again later",
                             **kv(job=held.runner.name, retry_in=pause))  # fmt: skip
-                try:  # said in the job's status, or the job just looks stuck
-                    self._registry.note_trouble(  # type: ignore[union-attr]
-                        held.runner.name, self.config.node_id, "its job runner crashed",
-                        held.runner.crash_error or "unknown error", retry_in=pause)  # fmt: skip
-                except Exception as exc:
-                    log.warning("could not note the crash in the job's status",
-                                **kv(job=held.runner.name, error=str(exc)))  # fmt: skip
+                # Said in the job's status, or the job just looks stuck.
+                note_trouble_later(self._registry, held.runner.name, self.config.node_id,
+                                   "its job runner crashed",
+                                   held.runner.crash_error or "unknown error", retry_in=pause)  # fmt: skip
             else:
                 self._done.add(run_id)
                 self._retiring[held.runner.name] = now + self.config.keep_finished_metrics

@@ -89,6 +89,23 @@ whole new world for the 10-minute group timeout; past the bound it counts as hun
 process-restart fallback replaces it."""
 
 
+def note_trouble_later(registry: Any, name: str, node: str, what: str, error: str, *,
+                       retry_in: float) -> threading.Thread:  # fmt: skip
+    """:meth:`JobRegistry.note_trouble` on a thread of its own: the trouble may be etcd
+    itself, and the node's back-off and re-join must not wait for the client's retries."""
+
+    def note() -> None:
+        try:
+            registry.note_trouble(name, node, what, error, retry_in=retry_in)
+        except Exception as exc:  # only a display
+            log.warning("could not note a node's trouble in the job's status",
+                        **kv(job=name, error=str(exc)))  # fmt: skip
+
+    thread = threading.Thread(target=note, name="elasticd-note-trouble", daemon=True)
+    thread.start()
+    return thread
+
+
 class JobRunner:
     """Runs one job (one submission, ``record.run_id``) on this node until it ends here."""
 
@@ -286,11 +303,9 @@ class JobRunner:
         except Exception:
             log.exception("leaving the round failed; our lease lapses on its own")
         self._left_world()
-        try:  # said in the job's status, which `elasticd run`, `submit` and `status` show
-            self._registry.note_trouble(self.name, self._node.node_id, "its round failed",
-                                        f"{type(exc).__name__}: {exc}", retry_in=pause)  # fmt: skip
-        except Exception as note_exc:
-            log.warning("could not note this node's trouble", **kv(error=str(note_exc)))
+        # Said in the job's status, which `elasticd run`, `submit` and `status` show.
+        note_trouble_later(self._registry, self.name, self._node.node_id, "its round failed",
+                           f"{type(exc).__name__}: {exc}", retry_in=pause)  # fmt: skip
         self._preempt.wait(pause)
 
     def _clear_trouble(self) -> None:
