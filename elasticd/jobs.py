@@ -15,6 +15,8 @@ Keys (``<job>`` is the job name)::
                                   when a peer's claim came first (its workers' collectives
                                   failing on the cause); the next world's node rank 0 puts
                                   it in the claim's place in the history
+                                  (both deleted, every 16 rounds, for the rounds before
+                                  the previous one: ``prune_failures``)
 
 ``state`` also holds the ``run_id`` of this submission (``<job>-<8 hex>``): the rendezvous
 of a replaced job starts fresh rather than finding the old run closed; and ``submitted``,
@@ -186,6 +188,12 @@ def shown_restarts(status: dict[str, Any]) -> int:
     )  # fmt: skip
     return max(0, int(status.get("restarts", 0) or 0) - pending)
 
+
+PRUNE_BATCH = 100
+"""Keys deleted per transaction (etcd's default limit is 128 operations)."""
+FAILURES_PRUNE_EVERY = 16
+"""Every this many rounds, the new world's node rank 0 deletes the failure records of the
+rounds before the previous one (:meth:`JobRegistry.prune_failures`)."""
 
 TROUBLE_NODES = 32
 """How many nodes' troubles a job's status keeps (the most recent ones)."""
@@ -535,6 +543,31 @@ class JobRegistry:
         force came from an agent whose workers only failed on it (``by_peer``). Kept once;
         :meth:`cause_of` reads it. Returns whether this note is the one kept."""
         return self._put_once(_key(name, f"failures/{round_}/cause"), round_, info, fence)[1]
+
+    def prune_failures(self, name: str, before: int, *, fence: Fence | None = None) -> int:
+        """Delete the failure records (claims and causes) of rounds below ``before``:
+        once a later world formed, its node rank 0 has decided them into the history, and
+        a stale round's late claim is refused by its fence. Without this a job kept a key
+        for every failed round, and every :meth:`get` of it (each agent's, each progress
+        poll) read them all. Returns how many keys went."""
+        from elasticd.etcd import compare, delete_op
+
+        prefix = _key(name, "failures/")
+        kvs, _ = self._client.get_prefix(prefix)
+        old = []
+        for kv in kvs:
+            number = kv.key[len(prefix) :].partition("/")[0]
+            if number.isdigit() and int(number) < before:
+                old.append(kv.key)
+        fences = [] if fence is None else [compare(fence.key, "mod", "==", fence.mod)]
+        gone = 0
+        for i in range(0, len(old), PRUNE_BATCH):  # etcd caps a transaction's operations
+            batch = old[i : i + PRUNE_BATCH]
+            if not self._client.txn(fences, [delete_op(k) for k in batch]).succeeded:
+                self._check_fence(fence)
+                break
+            gone += len(batch)
+        return gone
 
     def cause_of(self, name: str, round_: int) -> dict[str, Any] | None:
         """The note of :meth:`note_cause` for round ``round_``, if any."""

@@ -193,3 +193,35 @@ def test_queued_jobs_move_back_to_pending_and_only_then_run(etcd_client):
     assert reg.set_state(name, JobState.QUEUED, "queued: needs 3 nodes")  # the reason follows
     assert reg.get(name).reason == "queued: needs 3 nodes"
     assert reg.set_state(name, JobState.RUNNING, "round 1")
+
+
+def test_failure_records_of_decided_rounds_are_pruned_and_a_stale_round_cannot_prune(
+    etcd_client,
+):
+    from elasticd.jobs import FAILURES_PRUNE_EVERY, PRUNE_BATCH, Fence, FencedError
+
+    reg = JobRegistry(etcd_client)
+    name = unique("prune")
+    reg.submit(parse_job({"name": name}))
+    rounds = PRUNE_BATCH + 42  # more keys than one transaction deletes; rounds - 1 = 3k
+    for r in range(1, rounds + 1):
+        reg.claim_failure(name, r, {"reason": "worker_failed"})
+        if r % 3 == 0:
+            reg.note_cause(name, r, {"reason": "worker_hung"})
+    prefix = f"/elasticd/jobs/{name}/failures/"
+    world_key = f"/test/rdzv-{name}/state/world"
+    fence = Fence(world_key, etcd_client.put(world_key, '{"round":1}'), rounds)
+    gone = reg.prune_failures(name, rounds - 1, fence=fence)
+    left = sorted(kv.key[len(prefix) :] for kv in etcd_client.get_prefix(prefix)[0])
+    assert left == [str(rounds - 1), f"{rounds - 1}/cause", str(rounds)]
+    assert gone == rounds - 2 + len([r for r in range(1, rounds - 1) if r % 3 == 0])
+    assert reg.cause_of(name, rounds - 1) == {"t": reg.cause_of(name, rounds - 1)["t"],
+                                              "round": rounds - 1, "reason": "worker_hung"}  # fmt: skip
+    assert reg.get(name).state == JobState.PENDING  # the job's own keys stay
+    etcd_client.put(world_key, '{"round":2}')  # a newer world: the old round is fenced
+    reg.claim_failure(name, rounds + 1, {"reason": "worker_failed"})
+    with pytest.raises(FencedError):
+        reg.prune_failures(name, rounds + 5, fence=fence)
+    assert len(etcd_client.get_prefix(prefix)[0]) == 4
+    assert FAILURES_PRUNE_EVERY > 1
+    assert reg.prune_failures(name, 0) == 0  # nothing below round 0

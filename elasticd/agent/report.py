@@ -27,7 +27,14 @@ from elasticd.agent.policy import (
     uncount_failure,
 )
 from elasticd.errors import ElasticdError
-from elasticd.jobs import FAILURE_REASONS, Fence, FencedError, JobRegistry, JobState
+from elasticd.jobs import (
+    FAILURE_REASONS,
+    FAILURES_PRUNE_EVERY,
+    Fence,
+    FencedError,
+    JobRegistry,
+    JobState,
+)
 from elasticd.log import kv
 from elasticd.metrics import AgentMetrics
 
@@ -140,6 +147,11 @@ class JobReporter:
             world=world.size, nodes=list(world.nodes), round=world.round, layout=summary,
             layout_text=text, checkpoint=ckpt_step, fence=f,
         )  # fmt: skip
+        if world.round % FAILURES_PRUNE_EVERY == 0:  # a few ms, once in 16 rounds
+            try:
+                self._registry.prune_failures(self.name, world.round - 1, fence=f)
+            except ElasticdError as exc:  # the next prune takes them
+                log.warning("old failure records not pruned", **kv(job=self.name, error=str(exc)))
 
     def reattribute(self, world: Any) -> list[str]:
         """A node death usually shows up first as our workers crashing (their collectives
