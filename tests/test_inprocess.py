@@ -452,3 +452,52 @@ def test_a_survivor_keeps_no_thread_or_socket_of_the_rounds_it_left(tmp_path):
             reg.cancel(job.name)
     (t1, s1), (t4, s4) = seen[0], seen[-1]
     assert t4 <= t1 + 2 and s4 <= s1 + 2, f"threads, sockets after each recovery: {seen}"
+
+
+def test_two_in_process_jobs_on_the_same_agents_recover_apart(tmp_path):
+    """Two jobs share two agents (two slots each), each with its own control files, warm
+    and standby workers, rendezvous, store and probe ports. One of job a's workers is
+    killed: a recovers in-process from its peers, b never notices (no re-form), and a's
+    losses equal b's step for step (the same job, the same seed, dp2 in every round)."""
+    import signal
+
+    from polling import wait_for
+
+    from elasticd.etcd import connect
+    from elasticd.jobs import JobRegistry
+    from elasticd.localcluster import LocalCluster, read_metrics
+
+    jobs = {n: make_job(tmp_path, n, steps=120, nodes={"min": 1, "max": 2}) for n in "ab"}
+    metrics = {n: os.path.join(j.out_dir, "metrics.jsonl") for n, j in jobs.items()}
+    with LocalCluster(base_dir=str(tmp_path / "c"), nproc=2) as c:
+        c.start(2)
+        with connect(c.etcd.client_config()) as client:
+            wait_for(lambda: len(client.get_prefix("/elasticd/nodes/")[0]) == 2, timeout=60)
+            reg = JobRegistry(client)
+            for j in jobs.values():
+                reg.submit(j)
+            wait_for(lambda: all(len(read_metrics(m)) >= 10 for m in metrics.values()),
+                     timeout=180)  # fmt: skip
+            # Job a's worker on node 1, from its round's record (each job has its own).
+            pattern = os.path.join(c.state_dir(1), "jobs", "a-*", "round-1", "workers.json")
+            (path,) = glob.glob(pattern)
+            with open(path, encoding="utf-8") as fh:
+                (victim,) = json.load(fh).values()
+            os.kill(victim, signal.SIGKILL)
+            finals = {n: wait_for(lambda n=n: (r := reg.get(n)) and r.state.terminal and r,
+                                  timeout=240) for n in jobs}  # fmt: skip
+    assert all(f.state == "succeeded" for f in finals.values()), {
+        n: f.reason for n, f in finals.items()
+    }
+    recoveries = {n: [e for e in f.status["history"] if e.get("kind") == "recovery"]
+                  for n, f in finals.items()}  # fmt: skip
+    assert [(e["mode"], e["source"], e["lost_steps"]) for e in recoveries["a"]] == [
+        ("inprocess", "peers", 0)
+    ], story(jobs["a"])
+    assert recoveries["b"] == [] and finals["b"].status["round"] == 1
+    records = {n: read_metrics(m) for n, m in metrics.items()}
+    for n in jobs:  # every step once: no rollback in a, nothing trained twice
+        assert sorted(r["step"] for r in records[n]) == list(range(1, 121)), n
+    losses = {n: {r["step"]: r["loss"] for r in rs} for n, rs in records.items()}
+    for step, loss in losses["b"].items():
+        assert abs(losses["a"][step] - loss) <= 1e-4, (step, losses["a"][step], loss)
