@@ -209,12 +209,22 @@ def brief(detail: str, limit: int = 160) -> str:
     return detail if len(detail) <= limit else detail[: limit - 3] + "..."
 
 
-def event_lines(status: dict[str, Any], seen: set[tuple], *, final: bool = False) -> list[str]:
+def _trouble_time(entry: Any) -> float:
+    try:
+        return float(entry.get("t", 0))
+    except (AttributeError, TypeError, ValueError):
+        return 0.0
+
+
+def event_lines(
+    status: dict[str, Any], seen: set[tuple], *, final: bool = False, now: float | None = None
+) -> list[str]:
     """Lines for people about what ``status`` tells that ``seen`` (updated here) has not
     had yet: each round's failure once it is decided (the next world tells whether it
     was a lost node's symptom; ``final``, the job over: every failure), and each node's
-    trouble (a round it could not run, its job runner's crash). A progress line says
-    only "restarts 5"; these say why."""
+    trouble (a round it could not run, its job runner's crash) while the job is not over.
+    A progress line says only "restarts 5"; these say why. Live (``now`` None) a trouble
+    says when the node tries again; read later (``now`` given), how long ago it was."""
     lines = []
     for e in status.get("history", []):
         if not isinstance(e, dict) or e.get("kind") != "failure":
@@ -223,19 +233,25 @@ def event_lines(status: dict[str, Any], seen: set[tuple], *, final: bool = False
         if key in seen or not (e.get("counted") or final):
             continue
         seen.add(key)
-        lines.append(f"  round {e.get('round')} ended on {e.get('node', '?')}: "
-                     f"{e.get('reason')}: {brief(str(e.get('detail', '')))}")  # fmt: skip
+        lines.append(f"  round {e.get('round')} ended: {e.get('reason')}: "
+                     f"{brief(str(e.get('detail', '')))} [seen by {e.get('node', '?')}]")  # fmt: skip
     troubles = status.get("troubles")
-    if isinstance(troubles, dict):
-        for node, tr in sorted(troubles.items(), key=lambda kv: str(kv[1].get("t"))):
+    if isinstance(troubles, dict) and not final:
+        for node, tr in sorted(troubles.items(), key=lambda kv: _trouble_time(kv[1])):
+            if not isinstance(tr, dict):
+                continue
             key = ("trouble", node, tr.get("t"))
-            if key in seen or not isinstance(tr, dict):
+            if key in seen:
                 continue
             seen.add(key)
             count = int(tr.get("count", 1) or 1)
             times = f" ({count} times in a row)" if count > 1 else ""
+            retry = float(tr.get("retry_in", 0) or 0)
+            when = (f"trying again in {retry:g} s" if now is None else
+                    f"{max(0.0, now - _trouble_time(tr)):.0f} s ago (it tries again {retry:g} s "
+                    "after each)")  # fmt: skip
             lines.append(f"  {node}: {tr.get('what')}{times}: {brief(str(tr.get('error')))}; "
-                         f"trying again in {float(tr.get('retry_in', 0)):g} s")  # fmt: skip
+                         f"{when}")  # fmt: skip
     return lines
 
 
@@ -489,22 +505,27 @@ class JobRegistry:
 
         self.update_status(name, change, fence=fence)
 
-    def note_trouble(self, name: str, node: str, what: str, error: str, *, retry_in: float) -> None:
-        """Record that ``node`` could not take part in job ``name`` (``what`` went wrong:
-        its round failed, or its job runner crashed), and when it tries again: the
-        status's ``troubles``, one entry a node, counting troubles in a row until
+    def note_trouble(self, name: str, run_id: str, node: str, what: str, error: str, *,
+                     count: int, retry_in: float) -> None:  # fmt: skip
+        """Record that ``node`` could not take part in run ``run_id`` of job ``name``
+        (``what`` went wrong: its round failed, or its job runner crashed; ``count`` times in
+        a row) and when it tries again: the status's ``troubles``, one entry a node, until
         :meth:`clear_trouble`. The job goes on without that node meanwhile (or waits for
-        it), and without this a person sees only a job that does not start."""
+        it), and without this a person sees only a job that does not start. A note of an
+        earlier submission of the job (replaced since) is dropped."""
+        record = self.get(name)
+        if record is None or record.run_id != run_id or record.state.terminal:
+            return
+        entry = {"t": round(self._clock(), 3), "run_id": run_id, "what": what,
+                 "error": error[:500], "retry_in": round(retry_in, 3), "count": count}  # fmt: skip
 
         def change(status: dict[str, Any]) -> None:
             troubles = status.get("troubles")
             if not isinstance(troubles, dict):
                 troubles = status["troubles"] = {}
-            old = troubles.get(node) if isinstance(troubles.get(node), dict) else {}
-            troubles[node] = {"t": round(self._clock(), 3), "what": what, "error": error[:500],
-                              "retry_in": round(retry_in, 3),
-                              "count": int(old.get("count", 0) or 0) + 1}  # fmt: skip
-            for stale in sorted(troubles, key=lambda n: troubles[n].get("t", 0))[:-TROUBLE_NODES]:
+            troubles[node] = entry
+            oldest_first = sorted(troubles, key=lambda n: _trouble_time(troubles[n]))
+            for stale in oldest_first[:-TROUBLE_NODES]:
                 del troubles[stale]
 
         self.update_status(name, change)

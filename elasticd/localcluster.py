@@ -923,6 +923,9 @@ def run_cluster(
                     time.sleep(2)
                     with contextlib.suppress(ElasticdError):
                         record = registry.get(job.name)
+                    if record is not None:  # the last failure's cause, decided or not
+                        for said in event_lines(record.status, seen, final=True):
+                            out.write(said + "\n")
                     break
                 time.sleep(poll)  # faults fire within a step or two of the one asked for
     _announce_ends(cluster, announced, final_out)

@@ -64,13 +64,13 @@ def test_event_lines_say_each_failure_and_trouble_once():
     seen: set[tuple] = set()
     lines = event_lines(status, seen)
     assert lines == [
-        "  round 1 ended on node-0: worker_failed: rank 0: exit code 127",
+        "  round 1 ended: worker_failed: rank 0: exit code 127 [seen by node-0]",
         "  node-2: its round failed (3 times in a row): OSError: x; trying again in 2 s",
     ]  # round 2's failure is not decided yet: the next world may show it a lost node's
     assert event_lines(status, seen) == []  # each once
     assert event_lines(status, seen, final=True) == [  # the job is over: as it stands
-        "  round 2 ended on node-1: worker_failed: rank 1: exit code 1"
-    ]
+        "  round 2 ended: worker_failed: rank 1: exit code 1 [seen by node-1]"
+    ]  # and no trouble: moot once the job is over
     status["troubles"]["node-2"] = {**status["troubles"]["node-2"], "t": 5.0, "count": 4}
     assert event_lines(status, seen) == [
         "  node-2: its round failed (4 times in a row): OSError: x; trying again in 2 s"
@@ -82,15 +82,18 @@ def test_event_lines_say_each_failure_and_trouble_once():
 
 def test_troubles_count_in_a_row_stay_bounded_and_clear(tmp_path, etcd_client):
     registry, name = JobRegistry(etcd_client), fresh_run_id("trouble")
-    registry.submit(parse_job({"name": name, "output_dir": str(tmp_path / "out")}))
-    for _ in range(3):
-        registry.note_trouble(name, "node-0", "its round failed", "OSError: boom", retry_in=1.0)
+    run_id = registry.submit(parse_job({"name": name, "output_dir": str(tmp_path / "out")})).run_id
+    for count in (1, 2, 3):
+        registry.note_trouble(name, run_id, "node-0", "its round failed", "OSError: boom",
+                              count=count, retry_in=1.0)  # fmt: skip
     troubles = registry.get(name).status["troubles"]
     assert troubles["node-0"]["count"] == 3
     assert troubles["node-0"]["error"] == "OSError: boom"
+    [line] = event_lines(registry.get(name).status, set(), now=troubles["node-0"]["t"] + 12)
+    assert line.endswith("OSError: boom; 12 s ago (it tries again 1 s after each)"), line
     for i in range(TROUBLE_NODES + 5):
-        registry.note_trouble(name, f"n{i:03d}", "its job runner crashed", "x" * 2000,
-                              retry_in=2.0)  # fmt: skip
+        registry.note_trouble(name, run_id, f"n{i:03d}", "its job runner crashed", "x" * 2000,
+                              count=1, retry_in=2.0)  # fmt: skip
     troubles = registry.get(name).status["troubles"]
     assert len(troubles) == TROUBLE_NODES  # the newest nodes' troubles
     assert "node-0" not in troubles and f"n{TROUBLE_NODES + 4:03d}" in troubles
@@ -99,6 +102,17 @@ def test_troubles_count_in_a_row_stay_bounded_and_clear(tmp_path, etcd_client):
         registry.clear_trouble(name, node)
     assert "troubles" not in registry.get(name).status
     registry.clear_trouble(name, "never-troubled")  # nothing to clear: no write
+    # A late note of an earlier submission (replaced since), or of a finished job: dropped.
+    registry.note_trouble(name, "old-run", "node-0", "its round failed", "late", count=1,
+                          retry_in=1.0)  # fmt: skip
+    registry.cancel(name)
+    registry.note_trouble(name, run_id, "node-0", "its round failed", "late", count=1,
+                          retry_in=1.0)  # fmt: skip
+    assert "troubles" not in registry.get(name).status
+    # A malformed entry (written by hand, or by another version) is skipped, not a traceback.
+    assert event_lines({"troubles": {"a": "junk", "b": {"t": "x"}}}, set()) == [
+        "  b: None: None; trying again in 0 s"
+    ]
 
 
 def _run(args: list[str], tmp_path, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -138,17 +152,25 @@ def test_a_node_whose_round_cannot_start_says_so_while_the_job_waits(tmp_path):
     assert any("2 times in a row" in ln for ln in said), out  # counted until it runs
 
 
-def test_a_crashed_job_runner_is_noted_in_the_jobs_status(tmp_path, etcd_config, monkeypatch):
+def test_a_crashed_job_runner_is_noted_in_the_jobs_status_and_cleared_once_it_runs(
+    tmp_path, etcd_config, monkeypatch
+):
     """The agent's own crash guard (a bug outside any round): the job is taken again
-    later, and its status says which node crashed and why meanwhile."""
+    later, and its status says which node crashed and why meanwhile; once the node's
+    runner forms a world, the note goes (a new runner has no trouble count of its own:
+    it reads the note in the watched status)."""
     name = fresh_run_id("crash")
+    real_run = daemon_mod.JobRunner.run
     calls = []
 
-    def crash(self):  # a real agent; only its runner's body is replaced
+    def crash_twice(self):  # a real agent; only its runner's first two runs are replaced
         calls.append(1)
-        raise KeyError("a bug in the runner")
+        if len(calls) <= 2:
+            raise KeyError("a bug in the runner")
+        return real_run(self)
 
-    monkeypatch.setattr(daemon_mod.JobRunner, "run", crash)
+    monkeypatch.setattr(daemon_mod.JobRunner, "run", crash_twice)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     config = AgentConfig(etcd=etcd_config, node_id=f"{name}-node", addr="127.0.0.1", nproc=None,
                          state_dir=str(tmp_path / "state"), metrics_port=0)  # fmt: skip
     agent = Agent(config)
@@ -159,7 +181,11 @@ def test_a_crashed_job_runner_is_noted_in_the_jobs_status(tmp_path, etcd_config,
 
         with connect(etcd_config) as client:
             registry = JobRegistry(client)
-            raw = {"name": name, "output_dir": str(tmp_path / "out"), "nodes": {"min": 1}}
+            raw = {"name": name, "output_dir": str(tmp_path / "out"), "nodes": {"min": 1},
+                   "model": {"layers": 1, "hidden": 32, "heads": 2, "ffn_hidden": 64,
+                             "seq_len": 16},
+                   "train": {"steps": 3, "global_batch": 2, "micro_batch": 2},
+                   "checkpoint": {"every": 0}}  # fmt: skip
             registry.submit(parse_job(raw))
 
             def noted():
@@ -169,11 +195,14 @@ def test_a_crashed_job_runner_is_noted_in_the_jobs_status(tmp_path, etcd_config,
             trouble = wait_for(noted, timeout=30)
             assert trouble["what"] == "its job runner crashed"
             assert trouble["error"] == "KeyError: 'a bug in the runner'"
-            assert trouble["retry_in"] == pytest.approx(2.0)
-            trouble = wait_for(lambda: (noted() or {}).get("count", 0) >= 2 and noted(), timeout=30)
+            assert (trouble["count"], trouble["retry_in"]) == (1, pytest.approx(2.0))
+            trouble = wait_for(lambda: (noted() or {}).get("count", 0) >= 2 and noted(),
+                               timeout=30)  # fmt: skip
             assert trouble["retry_in"] == pytest.approx(4.0)  # backing off, taken again
-            registry.cancel(name)
+            final = wait_for(lambda: (r := registry.get(name)).state.terminal and r, timeout=120)
+            assert final.state == "succeeded", final.reason
+            assert "troubles" not in final.status  # cleared once its world formed
     finally:
         agent.stop()
         thread.join(timeout=30)
-    assert len(calls) >= 2
+    assert len(calls) == 3

@@ -454,9 +454,10 @@ class Agent:
                 log.warning("job runner crashed; taking the job again later",
                             **kv(job=held.runner.name, retry_in=pause))  # fmt: skip
                 # Said in the job's status, or the job just looks stuck.
-                note_trouble_later(self._registry, held.runner.name, self.config.node_id,
+                note_trouble_later(self._registry, held.runner.name, run_id, self.config.node_id,
                                    "its job runner crashed",
-                                   held.runner.crash_error or "unknown error", retry_in=pause)  # fmt: skip
+                                   held.runner.crash_error or "unknown error", count=tries,
+                                   retry_in=pause)  # fmt: skip
             else:
                 self._done.add(run_id)
                 self._retiring[held.runner.name] = now + self.config.keep_finished_metrics

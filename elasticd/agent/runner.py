@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -89,21 +90,42 @@ whole new world for the 10-minute group timeout; past the bound it counts as hun
 process-restart fallback replaces it."""
 
 
-def note_trouble_later(registry: Any, name: str, node: str, what: str, error: str, *,
-                       retry_in: float) -> threading.Thread:  # fmt: skip
-    """:meth:`JobRegistry.note_trouble` on a thread of its own: the trouble may be etcd
-    itself, and the node's back-off and re-join must not wait for the client's retries."""
+class _Notes:
+    """One daemon thread that writes the agent's trouble notes and clears, in order: the
+    trouble may be etcd itself, so a node's back-off and re-join never wait for them, and
+    a clear never lands before the note it clears."""
 
-    def note() -> None:
-        try:
-            registry.note_trouble(name, node, what, error, retry_in=retry_in)
-        except Exception as exc:  # only a display
-            log.warning("could not note a node's trouble in the job's status",
-                        **kv(job=name, error=str(exc)))  # fmt: skip
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
 
-    thread = threading.Thread(target=note, name="elasticd-note-trouble", daemon=True)
-    thread.start()
-    return thread
+    def put(self, work: Callable[[], None]) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="elasticd-notes",
+                                                daemon=True)  # fmt: skip
+                self._thread.start()
+        self._queue.put(work)
+
+    def _run(self) -> None:
+        while True:
+            work = self._queue.get()
+            try:
+                work()
+            except Exception as exc:  # only a display
+                log.warning("could not update a node's trouble in the job's status",
+                            **kv(error=str(exc)))  # fmt: skip
+
+
+NOTES = _Notes()
+
+
+def note_trouble_later(registry: Any, name: str, run_id: str, node: str, what: str,
+                       error: str, *, count: int, retry_in: float) -> None:  # fmt: skip
+    """:meth:`JobRegistry.note_trouble`, queued on :data:`NOTES`."""
+    NOTES.put(lambda: registry.note_trouble(name, run_id, node, what, error, count=count,
+                                            retry_in=retry_in))  # fmt: skip
 
 
 class JobRunner:
@@ -145,6 +167,8 @@ class JobRunner:
         the workers were stopped (a hang: :meth:`_claim_early`)."""
         self._failures_here = 0
         self._troubles = 0
+        self._noted = False
+        """Whether a trouble note of ours is queued or written and not cleared since."""
         self._last_step_written: Any = None
         self._closed_run = False
         self._kept: Any = None
@@ -238,6 +262,7 @@ class JobRunner:
                     else:
                         world = handler.next_world()
                     self._evidence = False
+                    self._clear_trouble()
                 except RendezvousClosed:
                     break
                 except RendezvousTimeout as exc:
@@ -304,16 +329,24 @@ class JobRunner:
             log.exception("leaving the round failed; our lease lapses on its own")
         self._left_world()
         # Said in the job's status, which `elasticd run`, `submit` and `status` show.
-        note_trouble_later(self._registry, self.name, self._node.node_id, "its round failed",
-                           f"{type(exc).__name__}: {exc}", retry_in=pause)  # fmt: skip
+        note_trouble_later(self._registry, self.name, self.record.run_id, self._node.node_id,
+                           "its round failed", f"{type(exc).__name__}: {exc}",
+                           count=self._troubles, retry_in=pause)  # fmt: skip
+        self._noted = True
         self._preempt.wait(pause)
 
     def _clear_trouble(self) -> None:
-        """A world took us again after a trouble: the job's status stops showing it."""
-        try:
-            self._registry.clear_trouble(self.name, self._node.node_id)
-        except Exception as exc:  # only a display: the next world's clear tries again
-            log.warning("could not clear this node's trouble", **kv(error=str(exc)))
+        """A world took us (active or spare): a trouble of ours that the job's status shows
+        is over. Queued behind our notes, so it never lands before one of them; a trouble
+        noted by the agent (a crash of an earlier runner) shows in the watched status."""
+        current = self._current()
+        troubles = current.status.get("troubles") if current is not None else None
+        shown = isinstance(troubles, dict) and self._node.node_id in troubles
+        if not (self._noted or shown):
+            return
+        self._noted = False
+        registry, name, node = self._registry, self.name, self._node.node_id
+        NOTES.put(lambda: registry.clear_trouble(name, node))
 
     def _prewarm(self) -> None:
         """In-process jobs of the built-in trainer: before waiting for a round, have a
@@ -495,8 +528,6 @@ class JobRunner:
                  dp=rnd.layout.dp, tp=rnd.layout.parallel.tp, pids=rnd.workers.pids(),
                  carried=rnd.carried),
         )  # fmt: skip
-        if self._troubles:  # this node runs its part again: its trouble is over
-            self._clear_trouble()
         rnd.recovery = self._pending_recovery
         if rnd.node_rank == 0:
             try:

@@ -360,8 +360,9 @@ def run_status(args: argparse.Namespace) -> int:
               f"last failure {s['last_failure']}")  # fmt: skip
         print(f"  output {s['output_dir']}")
         troubles = r.status.get("troubles")
-        for line in event_lines({"troubles": troubles} if troubles else {}, set()):
-            print(line)
+        if troubles and not r.state.terminal:  # moot once the job is over
+            for line in event_lines({"troubles": troubles}, set(), now=time.time()):
+                print(line)
     return 0
 
 
