@@ -30,6 +30,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from elasticd.errors import UsageError
 
 JOB_LABEL = "elasticd_job"
+TROUBLE_KINDS = ("round_failed", "runner_crashed")
+"""The ``kind`` label of ``elasticd_node_troubles_total``."""
 WORKER_STATES = ("starting", "running", "stopping", "exited", "failed")
 RESTART_REASONS = (
     "worker_failed",
@@ -77,6 +79,12 @@ class AgentMetrics:
             "Seconds since the worker of this agent nearest to being judged hung last "
             "reported progress (one waiting on its peers in a collective has twice the "
             "bound; aggregate with max).", [j], registry=r,
+        )  # fmt: skip
+        self.node_troubles = Counter(
+            "elasticd_node_troubles_total",
+            "Times this node could not take part in the job and backs off: its round failed "
+            "(kind round_failed) or its job runner crashed (runner_crashed).", [j, "kind"],
+            registry=r,
         )  # fmt: skip
         self.in_world = Gauge(
             "elasticd_job_node_in_world",
@@ -212,6 +220,8 @@ class AgentMetrics:
             self.restarts.labels(job, reason)
             for source in RECOVERY_SOURCES:
                 self.recoveries.labels(job, reason, mode, source)
+        for kind in TROUBLE_KINDS:
+            self.node_troubles.labels(job, kind)
         for metric in (self.lost_steps, self.ckpt_saved_bytes, self.ckpt_loaded_bytes,
                        self.step_seconds, self.ckpt_save_seconds, self.ckpt_load_seconds,
                        self.rendezvous_rounds, self.rendezvous_seconds):  # fmt: skip

@@ -202,6 +202,10 @@ def test_a_crashed_job_runner_is_noted_in_the_jobs_status_and_cleared_once_it_ru
             final = wait_for(lambda: (r := registry.get(name)).state.terminal and r, timeout=120)
             assert final.state == "succeeded", final.reason
             assert "troubles" not in final.status  # cleared once its world formed
+            counted = {kind: agent.metrics.registry.get_sample_value(
+                "elasticd_node_troubles_total", {"elasticd_job": name, "kind": kind})
+                for kind in ("runner_crashed", "round_failed")}  # fmt: skip
+            assert counted == {"runner_crashed": 2.0, "round_failed": 0.0}
     finally:
         agent.stop()
         thread.join(timeout=30)

@@ -453,6 +453,7 @@ class Agent:
                 self._retry_at[run_id] = (now + pause, tries)
                 log.warning("job runner crashed; taking the job again later",
                             **kv(job=held.runner.name, retry_in=pause))  # fmt: skip
+                self.metrics.node_troubles.labels(held.runner.name, "runner_crashed").inc()
                 # Said in the job's status, or the job just looks stuck.
                 note_trouble_later(self._registry, held.runner.name, run_id, self.config.node_id,
                                    "its job runner crashed",

@@ -333,6 +333,7 @@ class JobRunner:
                            "its round failed", f"{type(exc).__name__}: {exc}",
                            count=self._troubles, retry_in=pause)  # fmt: skip
         self._noted = True
+        self._metrics.node_troubles.labels(self.name, "round_failed").inc()
         self._preempt.wait(pause)
 
     def _clear_trouble(self) -> None:
