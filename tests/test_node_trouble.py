@@ -115,6 +115,21 @@ def test_troubles_count_in_a_row_stay_bounded_and_clear(tmp_path, etcd_client):
     ]
 
 
+def test_notes_and_clears_are_written_in_order_and_never_by_the_caller():
+    from elasticd.agent.runner import _Notes
+
+    notes, done, gate = _Notes(), [], threading.Event()
+    notes.put(lambda: (gate.wait(10), done.append("note")))  # etcd slow: the note waits
+    notes.put(lambda: done.append("clear"))
+    assert done == []  # the caller (a node backing off, a world forming) never waited
+    gate.set()
+    wait_for(lambda: len(done) == 2, timeout=10)
+    assert done == ["note", "clear"]  # a clear never lands before the note it clears
+    notes.put(lambda: 1 / 0)  # a failed write is logged; the thread goes on
+    notes.put(lambda: done.append("after"))
+    wait_for(lambda: "after" in done, timeout=10)
+
+
 def _run(args: list[str], tmp_path, timeout: float = 180) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "elasticd", "run", *args], cwd=str(tmp_path),
