@@ -209,6 +209,30 @@ def brief(detail: str, limit: int = 160) -> str:
     return detail if len(detail) <= limit else detail[: limit - 3] + "..."
 
 
+RECOVERY_PARTS = ("stop", "abort", "rendezvous", "spawn", "pg_init", "ckpt_load",
+                  "state_transfer", "first_step")  # fmt: skip
+"""The parts of a recovery record (``parts``), in the order they happen."""
+
+
+def last_recovery(status: dict[str, Any]) -> dict[str, Any] | None:
+    """The newest recovery record in a job's ``status`` history, if any."""
+    events = [e for e in status.get("history", []) if isinstance(e, dict)
+              and e.get("kind") == "recovery"]  # fmt: skip
+    return events[-1] if events else None
+
+
+def recovery_text(event: dict[str, Any]) -> str:
+    """One recovery record for people: where to, why, how, what it lost, its parts."""
+    parts = event.get("parts") or {}
+    timed = ", ".join(f"{k} {float(parts[k]):.2f}" for k in RECOVERY_PARTS if k in parts)
+    how = f"{event.get('mode', '?')} from {event.get('source', '?')}"
+    seconds = event.get("seconds")
+    took = f"{float(seconds):.2f} s" if seconds is not None else "? s"
+    return (f"into round {event.get('round')} ({event.get('reason')}), {how}, "
+            f"{event.get('lost_steps', '?')} steps lost, {took} from detection to its first step"
+            + (f" ({timed})" if timed else ""))  # fmt: skip
+
+
 def _trouble_time(entry: Any) -> float:
     try:
         return float(entry.get("t", 0))

@@ -33,7 +33,7 @@ from typing import Any
 
 from elasticd.agent.workers import prints_stacks, with_pdeathsig
 from elasticd.errors import ElasticdError, UsageError
-from elasticd.jobs import brief, event_lines, shown_restarts
+from elasticd.jobs import RECOVERY_PARTS, brief, event_lines, shown_restarts
 from elasticd.log import kv
 
 log = logging.getLogger("elasticd.localcluster")
@@ -1021,8 +1021,7 @@ def _progress(record: Any, step: int) -> str:
     )
 
 
-PART_ORDER = ("stop", "abort", "rendezvous", "spawn", "pg_init", "ckpt_load", "state_transfer",
-              "first_step")  # fmt: skip
+PART_ORDER = RECOVERY_PARTS
 
 
 def print_summary(result: dict[str, Any], *, out: Any) -> None:

@@ -67,3 +67,31 @@ def test_a_failure_not_yet_decided_is_not_shown_as_a_restart():
     record = SimpleNamespace(name="j", state="running", reason="",
                              spec={"train": {"steps": 10}}, status={**pending, "step": 3})  # fmt: skip
     assert "restarts 0 " in progress_line(record)
+
+
+def test_status_shows_the_last_recovery_and_a_waiting_nodes_trouble(etcd_client, etcd_server,
+                                                                    capsys):  # fmt: skip
+    from elasticd.cli import main
+
+    registry, name = JobRegistry(etcd_client), fresh_run_id("recovered")
+    run_id = registry.submit(parse_job({"name": name})).run_id
+    recovery = {"kind": "recovery", "round": 2, "reason": "peer_lost", "seconds": 0.3412,
+                "mode": "inprocess", "source": "peers", "lost_steps": 0,
+                "parts": {"abort": 0.0, "rendezvous": 0.03, "state_transfer": 0.09}}  # fmt: skip
+    registry.add_event(name, {"kind": "world", "round": 1})
+    registry.add_event(name, {**recovery, "round": 1, "seconds": 9.0})
+    registry.add_event(name, recovery)
+    registry.note_trouble(name, run_id, "node-3", "its round failed", "OSError: disk", count=2,
+                          retry_in=1.0)  # fmt: skip
+    assert main(["status", name, "--etcd", etcd_server.endpoint]) == 0
+    out = capsys.readouterr().out
+    assert ("  last recovery into round 2 (peer_lost), inprocess from peers, 0 steps lost, "
+            "0.34 s from detection to its first step (abort 0.00, rendezvous 0.03, "
+            "state_transfer 0.09)\n") in out  # fmt: skip
+    assert "  node-3: its round failed (2 times in a row): OSError: disk; " in out
+    assert main(["status", name, "--json", "--etcd", etcd_server.endpoint]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["last_recovery"]["seconds"] == 0.3412 and doc["troubles"]["node-3"]["count"] == 2
+    registry.cancel(name)
+    assert main(["status", name, "--etcd", etcd_server.endpoint]) == 0
+    assert "node-3" not in capsys.readouterr().out  # moot once the job is over

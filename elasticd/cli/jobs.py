@@ -16,7 +16,15 @@ import time
 from typing import Any
 
 from elasticd.errors import UsageError
-from elasticd.jobs import JobRecord, JobRegistry, JobState, event_lines, shown_restarts
+from elasticd.jobs import (
+    JobRecord,
+    JobRegistry,
+    JobState,
+    event_lines,
+    last_recovery,
+    recovery_text,
+    shown_restarts,
+)
 from elasticd.jobspec import load_job
 
 
@@ -330,6 +338,7 @@ def _summary(record: JobRecord) -> dict[str, Any]:
         "restart_streak": st.get("restart_streak", 0),
         "last_failure": st.get("last_failure"),
         "troubles": st.get("troubles") or {},
+        "last_recovery": last_recovery(st),
         "output_dir": record.spec.get("output_dir"),
     }
 
@@ -358,6 +367,9 @@ def run_status(args: argparse.Namespace) -> int:
         print(f"  step {s['step']}/{s['steps']}  loss {s['loss']}  checkpoint {s['checkpoint']}")
         print(f"  restarts {s['restarts']} ({s['restart_streak']} in a row)  "
               f"last failure {s['last_failure']}")  # fmt: skip
+        recovery = last_recovery(r.status)
+        if recovery is not None:
+            print(f"  last recovery {recovery_text(recovery)}")
         print(f"  output {s['output_dir']}")
         troubles = r.status.get("troubles")
         if troubles and not r.state.terminal:  # moot once the job is over
