@@ -42,8 +42,10 @@ same process, instead of exiting (the built-in trainer does).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import select
 import signal
 import threading
 import time
@@ -52,6 +54,9 @@ from typing import Any
 
 ENV_HEARTBEAT = "ELASTICD_HEARTBEAT_FILE"
 """Path of this worker's heartbeat file; set by the agent."""
+ENV_DOORBELL = "ELASTICD_DOORBELL"
+"""Path of the agent's doorbell (a FIFO): a worker that reports a fault rings it, so its
+agent acts at once instead of at its next look (``elasticd.agent.runner.TICK``)."""
 PREEMPTED_EXIT_CODE = 75
 """Exit status of a worker that stopped early because its node is preempted (EX_TEMPFAIL).
 The agent treats it as "re-form the world", not as a failure."""
@@ -76,6 +81,7 @@ class WorkerChannel:
         self._env: Mapping[str, str] = {}
         self._faults: Any = None
         self._metrics_path: str | None = None
+        self._doorbell: str | None = None
 
     @classmethod
     def from_env(
@@ -87,6 +93,7 @@ class WorkerChannel:
         env = os.environ if env is None else env
         channel = cls(path=env.get(ENV_HEARTBEAT) or None, rank=int(env.get("RANK", "0") or 0))
         channel._env = dict(env)
+        channel._doorbell = env.get(ENV_DOORBELL) or None
         if preempt is not None:
             channel._preempt = preempt
         return channel
@@ -212,6 +219,7 @@ class WorkerChannel:
         The agent takes it as evidence and re-forms the world at once."""
         self._last["fault"] = {"t": self._clock(), "error": error[:500]}
         self._write()
+        ring(self._doorbell)
 
     def peer_preempted(self) -> None:
         """In-process restart: another node is being preempted. Every rank agreed and saved
@@ -221,6 +229,7 @@ class WorkerChannel:
         (``Outcome.PEER_PREEMPTED``, as when a worker exits with PREEMPTED_EXIT_CODE)."""
         self._last["peer_preempted"] = {"t": self._clock()}
         self._write()
+        ring(self._doorbell)
 
     def waiting(self, on: bool) -> None:
         """In-process restart: this rank has been blocked for a while in a collective or a
@@ -302,6 +311,67 @@ class WorkerChannel:
             # A full or vanished state dir must not kill training; the agent sees a stale
             # heartbeat and judges for itself.
             pass
+
+
+def ring(path: str | None) -> None:
+    """Ring the agent's doorbell at ``path`` (a FIFO it reads): one byte, never blocking.
+    No doorbell, no agent reading it (ENXIO) or a full pipe (it is already rung): nothing
+    to do, the agent looks within its tick anyway."""
+    if not path:
+        return
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return
+    try:
+        os.write(fd, b"!")
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+class Doorbell:
+    """The agent's end of :func:`ring`: a FIFO at ``path`` that :meth:`wait` sleeps on.
+    Where a FIFO cannot be made (a filesystem without them), :meth:`wait` is a plain
+    sleep and workers get no doorbell (``path`` None)."""
+
+    def __init__(self, path: str) -> None:
+        self.path: str | None = None
+        self._fds: tuple[int, int] | None = None
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            os.mkfifo(path, 0o600)
+            read = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+            # Our own writer: the FIFO never reads as closed (EOF) between two workers' rings.
+            keep = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            return
+        self.path, self._fds = path, (read, keep)
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep up to ``timeout`` seconds, less if rung; returns whether it was rung."""
+        if self._fds is None:
+            time.sleep(timeout)
+            return False
+        ready, _, _ = select.select([self._fds[0]], [], [], timeout)
+        if not ready:
+            return False
+        with contextlib.suppress(OSError):  # drained: rings while we act are one wake-up
+            while os.read(self._fds[0], 4096):
+                pass
+        return True
+
+    def close(self) -> None:
+        fds, self._fds = self._fds, None
+        if fds is not None:
+            for fd in fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        if self.path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
 
 
 def flag_device(backend: str) -> str:

@@ -31,6 +31,7 @@ never from polling etcd.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -60,7 +61,7 @@ from elasticd.jobs import Fence, FencedError, JobRecord, JobRegistry, JobState
 from elasticd.jobspec import JobSpec
 from elasticd.log import kv
 from elasticd.metrics import AgentMetrics
-from elasticd.worker import PREEMPTED_EXIT_CODE
+from elasticd.worker import ENV_DOORBELL, PREEMPTED_EXIT_CODE, Doorbell
 
 log = logging.getLogger("elasticd.agent")
 
@@ -169,6 +170,8 @@ class JobRunner:
         self._troubles = 0
         self._noted = False
         """Whether a trouble note of ours is queued or written and not cleared since."""
+        self._doorbell: Doorbell | None = None
+        """Rung by our workers' faults (:func:`elasticd.worker.ring`); made by ``run``."""
         self._last_step_written: Any = None
         self._closed_run = False
         self._kept: Any = None
@@ -252,6 +255,12 @@ class JobRunner:
         from elasticd.rendezvous import RendezvousClosed, RendezvousConnection, RendezvousTimeout
 
         handler = self._handler = self._make_handler()
+        # A worker that reports a fault rings it: the round ends at once, not at our next
+        # look (up to TICK later: a third of a killed node's recovery was waiting for it).
+        jobs_dir = os.path.join(self._node.state_dir, "jobs", self.record.run_id)
+        with contextlib.suppress(OSError):
+            os.makedirs(jobs_dir, exist_ok=True)
+        self._doorbell = Doorbell(os.path.join(jobs_dir, "doorbell"))
         try:
             while not self._preempt.is_set() and not self._over():
                 joined_at = self._clock()
@@ -372,7 +381,7 @@ class JobRunner:
         if missing:
             try:
                 warm = warm_workers(job=self.job, run_id=self.record.run_id, node=self._node,
-                                    local_ranks=missing, env=os.environ, clock=self._clock,
+                                    local_ranks=missing, env=self._worker_env(), clock=self._clock,
                                     devices=self.devices)  # fmt: skip
             except OSError as exc:  # the round starts them the usual way
                 log.warning("warm workers not started", **kv(job=self.name, error=str(exc)))
@@ -416,7 +425,7 @@ class JobRunner:
             return
         try:
             fresh = standby_workers(job=self.job, run_id=self.record.run_id, node=self._node,
-                                    count=want - have, env=os.environ, clock=self._clock,
+                                    count=want - have, env=self._worker_env(), clock=self._clock,
                                     devices=self.devices)  # fmt: skip
         except OSError as exc:  # a replacement then starts cold, as without standbys
             log.warning("standby worker not started", **kv(job=self.name, error=str(exc)))
@@ -466,6 +475,9 @@ class JobRunner:
         standby, self._standby = self._standby, None
         if standby is not None:
             standby.kill()
+        doorbell, self._doorbell = self._doorbell, None
+        if doorbell is not None:
+            doorbell.close()
         # The job is over (not only for us): node rank 0 keeps its final values.
         over = self.outcome in (Outcome.SUCCEEDED, Outcome.FINISHED, Outcome.CANCELLED)
         try:
@@ -507,7 +519,7 @@ class JobRunner:
             rnd = launch(
                 job=self.job, run_id=self.record.run_id, world=world, node=self._node,
                 restarts=int(status.status.get("restarts", 0)) if status else 0,
-                resume_step=resume_step, env=os.environ, clock=self._clock,
+                resume_step=resume_step, env=self._worker_env(), clock=self._clock,
                 devices=self.devices, keep=keep,
             )  # fmt: skip
         except BaseException:
@@ -697,7 +709,17 @@ class JobRunner:
                 if obs.not_begun and outcome == Outcome.WORKER_HUNG:
                     return outcome, self._not_begun_detail(rnd, not_begun)
                 return outcome, self._detail(outcome, rnd, obs, stalest)
-            time.sleep(TICK)
+            if self._doorbell is not None:
+                self._doorbell.wait(TICK)
+            else:
+                time.sleep(TICK)
+
+    def _worker_env(self) -> dict[str, str]:
+        """What our workers inherit: this process's environment and the doorbell."""
+        env = dict(os.environ)
+        if self._doorbell is not None and self._doorbell.path is not None:
+            env[ENV_DOORBELL] = self._doorbell.path
+        return env
 
     def _round_begin_timeout(self) -> float:
         return max(ROUND_BEGIN_TIMEOUT, self.job.restart.hang_timeout)
