@@ -384,3 +384,51 @@ def test_cleaning_up_unfinished_saves_leaves_a_fence_being_written_alone(tmp_pat
     fake_step(step_path(ckpt, 3) + ".t.tmp", "unfinished")
     assert remove_leftovers(ckpt) == [step_path(ckpt, 3) + ".t.tmp"]
     assert agent_tmp.exists()
+
+
+def test_a_metrics_writer_of_a_round_the_fence_left_behind_writes_nothing(tmp_path):
+    """A rank 0 frozen in a step and thawed after the world moved on: its record would
+    follow the newer round's (a step trained again appearing twice). Once the checkpoint
+    fence names another round it writes nothing, from then on, and says so once; an
+    unreadable fence stops no record (metrics are no commit)."""
+    from checkpoint import Fence
+    from checkpoint.fence import write_fence
+    from elasticd.jobspec import parse_job
+    from elasticd.layout import plan
+    from trainer.checkpointing import round_still_current
+    from trainer.train import MetricsWriter, StepResult
+
+    ckpt = str(tmp_path / "ckpt")
+    os.makedirs(ckpt)
+    env = {"ELASTICD_ROUND": "4", "TORCHELASTIC_RUN_ID": "job-1a2b3c4d"}
+    assert round_still_current(ckpt, {}) is None  # plain torchrun: nothing to check
+    current = round_still_current(ckpt, env)
+    assert current() is None  # no fence file yet
+    write_fence(ckpt, Fence(run_id="job-1a2b3c4d", round=4))
+    assert current() is None
+    said: list[str] = []
+    path = str(tmp_path / "metrics.jsonl")
+    layout = plan(1, parse_job({"name": "m"}))
+    writer = MetricsWriter(path=path, layout=layout, round_=4, total_steps=9, echo=said.append,
+                           once=True, current=current)  # fmt: skip
+
+    def result(step: int) -> StepResult:
+        return StepResult(step=step, loss=1.0, grad_norm=1.0, lr=1e-3, step_s=0.1,
+                          tokens_per_s=1.0, mfu=None, mem_gb=0.1)  # fmt: skip
+
+    writer.write(result(1))
+    with open(os.path.join(ckpt, "fence.json"), "w") as fh:
+        fh.write("not json")  # unreadable: written anyway
+    writer.write(result(2))
+    write_fence(ckpt, Fence(run_id="job-1a2b3c4d", round=5))  # the world moved on
+    writer.write(result(3))
+    write_fence(ckpt, Fence(run_id="job-1a2b3c4d", round=4))  # (never happens) still stale
+    writer.write(result(4))
+    steps = [json.loads(line)["step"] for line in Path(path).read_text().splitlines()]
+    assert steps == [1, 2]
+    stale = [s for s in said if "record not written" in s]
+    assert stale == [
+        "step 3's record not written: this is round 4 of run job-1a2b3c4d, but "
+        f"{os.path.join(ckpt, 'fence.json')} names round 5 of run job-1a2b3c4d "
+        "(the world moved on without this node)"
+    ]

@@ -198,6 +198,31 @@ def test_rank_0_killed_after_a_steps_collectives_leaves_no_gap_in_the_metrics(tm
     assert (rec["source"], rec["lost_steps"]) == ("peers", 0), rec
 
 
+def test_rank_0_frozen_after_a_steps_collectives_and_thawed_late_writes_no_stale_record(
+    tmp_path,
+):
+    """Rank 0's node is SIGSTOPped after step 5's last collective, before rank 0 writes
+    step 5's record, and thawed after the world moved on without it: the survivor's new
+    round writes step 5 from its own copy and trains on. The thawed rank 0 then finishes
+    its step: it must not write step 5 again (an in-process chaos soak found such a
+    record, round 4's, after round 5's steps). The checkpoint fence names the newer round,
+    so it writes nothing and says so."""
+    job, result, _ = run_cli(tmp_path, "thawed", 16, "freeze-node=0@step=5:phase=step-end:for=8",
+                             rendezvous={"ttl": 2, "settle": 2.0})  # fmt: skip
+    assert result["state"] == "succeeded", f"{result['reason']}\n{story(job)}"
+    records = result["metrics"]
+    assert [r["step"] for r in records] == list(range(1, 17)), story(job)
+    assert [r["round"] for r in records][:5] == [1] * 5 and records[5]["round"] > 1
+    logs = "".join(
+        Path(p).read_text(errors="replace")
+        for p in glob.glob(os.path.join(job.out_dir, "logs", "**", "*.log"), recursive=True)
+    )
+    assert "step 5's record not written: this is round 1 of run " in logs, story(job)
+    reference = reference_losses(tmp_path, job)
+    for rec in records:
+        assert rec["loss"] == pytest.approx(reference[rec["step"]], rel=1e-4), rec["step"]
+
+
 def standby_pids(job) -> set[int]:
     """Every standby worker's pid, from the agents' "standby workers started" lines."""
     out: set[int] = set()

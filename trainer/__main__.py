@@ -198,6 +198,7 @@ def _train_round(ctx, *, job, layout, device) -> int:
     import torch.distributed as dist
 
     from elasticd.inprocess import stepped
+    from trainer.checkpointing import round_still_current
     from trainer.parallel import comm
     from trainer.parallel.context import ParallelContext, slot_of
     from trainer.parallel.groups import ProcessGroups
@@ -244,6 +245,7 @@ def _train_round(ctx, *, job, layout, device) -> int:
                     path=os.path.join(job.out_dir, "metrics.jsonl"), layout=layout,
                     round_=int(env.get("ELASTICD_ROUND", "0") or 0), total_steps=job.train.steps,
                     echo=lambda line: print(line, flush=True), once=ctx.inprocess,
+                    current=round_still_current(job.ckpt_dir, env),
                 )  # fmt: skip
 
             def progress(r) -> None:

@@ -65,6 +65,30 @@ def fence_from_env(env: Mapping[str, str]) -> Fence | None:
     return Fence(run_id=env.get("TORCHELASTIC_RUN_ID", ""), round=round_)
 
 
+def round_still_current(ckpt_dir: str, env: Mapping[str, str]) -> Callable[[], str | None] | None:
+    """For ``MetricsWriter(current=...)``: a check that returns None while this worker's
+    round (:func:`fence_from_env`) is the one the checkpoint fence names, else why not.
+    None without a fence (plain torchrun). Unlike a commit, a record is written when the
+    fence cannot be read: only a fence that names another round stops it."""
+    from checkpoint.fence import fence_path, read_fence
+
+    fence = fence_from_env(env)
+    if fence is None:
+        return None
+
+    def current() -> str | None:
+        try:
+            now = read_fence(ckpt_dir)
+        except Exception:  # unreadable: metrics are no commit, and are not lost for it
+            return None
+        if now is None or now == fence:
+            return None
+        return (f"this is {fence.describe()}, but {fence_path(ckpt_dir)} names "
+                f"{now.describe()} (the world moved on without this node)")  # fmt: skip
+
+    return current
+
+
 def checkpoint_extra(job) -> dict[str, Any]:
     """The trainer's ``extra`` in a manifest: the seed, the job's ``train.lr`` (to say a
     changed one on resume) and the model settings (for ``ckpt export --format hf``)."""

@@ -485,11 +485,19 @@ class MetricsWriter:
         total_steps: int,
         echo: Callable[[str], None] | None = print,
         once: bool = False,
+        current: Callable[[], str | None] | None = None,
     ) -> None:
         """``once``: write each step at most once (in-process restart: a step trained again
-        after a fault, when some ranks had not completed it, keeps its first record)."""
+        after a fault, when some ranks had not completed it, keeps its first record).
+        ``current``: asked before each write whether this round is still the job's; it
+        returns None if so, else why not (the checkpoint fence names a newer round). A
+        rank 0 frozen in a step and thawed after the world moved on (a SIGSTOPped node)
+        then writes nothing: its record would follow the newer round's, and a step the
+        newer round trained again would appear twice."""
         self.path, self.layout, self.round, self.total = path, layout, round_, total_steps
         self.echo = echo
+        self.current = current
+        self.stale: str | None = None
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.written = last_step_in(path) if once else None
 
@@ -516,9 +524,15 @@ class MetricsWriter:
 
     def _append(self, rec: dict, note: str = "") -> None:
         step = int(rec["step"])
+        if self.written is not None and step <= self.written:
+            return
+        if self.stale is None and self.current is not None:
+            self.stale = self.current()
+            if self.stale is not None and self.echo is not None:
+                self.echo(f"step {step}'s record not written: {self.stale}")
+        if self.stale is not None:
+            return
         if self.written is not None:
-            if step <= self.written:
-                return
             self.written = step
         with open(self.path, "a", encoding="utf-8") as fh:
             fh.write(json.dumps(rec, separators=(",", ":")) + "\n")
