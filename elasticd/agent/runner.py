@@ -349,7 +349,10 @@ class JobRunner:
         """A world took us (active or spare): a trouble of ours that the job's status shows
         is over. Queued behind our notes, so it never lands before one of them; a trouble
         noted by the agent (a crash of an earlier runner) shows in the watched status."""
-        current = self._current()
+        try:
+            current = self._current()
+        except ElasticdError:  # the mirror unreadable: only what we noted ourselves
+            current = None
         troubles = current.status.get("troubles") if current is not None else None
         shown = isinstance(troubles, dict) and self._node.node_id in troubles
         if not (self._noted or shown):
