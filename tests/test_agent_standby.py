@@ -53,6 +53,7 @@ def runner(monkeypatch, tmp_path: Path):
     r.job = SimpleNamespace(restart=SimpleNamespace(standby=1))
     r.record = SimpleNamespace(run_id="run-1")
     r._node, r.devices, r.name = None, None, "job"
+    r._doorbell = None  # made by run(), which this test does not call
     yield r, clock, started
     for w in started:
         w.proc.kill()

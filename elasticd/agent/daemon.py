@@ -42,7 +42,7 @@ from prometheus_client import CollectorRegistry
 
 from elasticd.agent.launch import NodeInfo
 from elasticd.agent.policy import command_allowed, device_ids, queue_reason, take_slots
-from elasticd.agent.runner import JobRunner, note_trouble_later
+from elasticd.agent.runner import JobRunner, Notes, note_trouble_later
 from elasticd.agent.view import NODES_PREFIX, ClusterView
 from elasticd.errors import ElasticdError, UsageError
 from elasticd.jobs import USAGE_PREFIX, JobRecord, JobRegistry, JobState
@@ -150,6 +150,8 @@ class Agent:
         """run_id -> (nodes.min, checkpoint.every): the coordinator exports them; each spec
         is parsed once."""
         self._retry_at: dict[str, tuple[float, int]] = {}
+        self._notes = Notes()
+        """Trouble notes and clears of this agent's runners and its own, written in order."""
         self._view: ClusterView | None = None
         self._registry: JobRegistry | None = None
         devices = config.devices if config.devices is not None else count_devices()
@@ -455,7 +457,8 @@ class Agent:
                             **kv(job=held.runner.name, retry_in=pause))  # fmt: skip
                 self.metrics.node_troubles.labels(held.runner.name, "runner_crashed").inc()
                 # Said in the job's status, or the job just looks stuck.
-                note_trouble_later(self._registry, held.runner.name, run_id, self.config.node_id,
+                note_trouble_later(self._notes, self._registry, held.runner.name, run_id,
+                                   self.config.node_id,
                                    "its job runner crashed",
                                    held.runner.crash_error or "unknown error", count=tries,
                                    retry_in=pause)  # fmt: skip
@@ -488,7 +491,8 @@ class Agent:
                         state_dir=self.config.state_dir)  # fmt: skip
         runner = JobRunner(record=record, client=self._client, registry=self._registry,
                            node=node, metrics=self.metrics, preempt=self.preempt,
-                           view=self._view, devices=devices, clock=self._clock)  # fmt: skip
+                           view=self._view, devices=devices, clock=self._clock,
+                           notes=self._notes)  # fmt: skip
 
         def body() -> None:
             try:

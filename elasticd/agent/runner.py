@@ -91,10 +91,11 @@ whole new world for the 10-minute group timeout; past the bound it counts as hun
 process-restart fallback replaces it."""
 
 
-class _Notes:
-    """One daemon thread that writes the agent's trouble notes and clears, in order: the
+class Notes:
+    """One daemon thread that writes an agent's trouble notes and clears, in order: the
     trouble may be etcd itself, so a node's back-off and re-join never wait for them, and
-    a clear never lands before the note it clears."""
+    a clear never lands before the note it clears. One per agent (a note stuck on one
+    agent's etcd holds up no other agent's)."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -119,13 +120,10 @@ class _Notes:
                             **kv(error=str(exc)))  # fmt: skip
 
 
-NOTES = _Notes()
-
-
-def note_trouble_later(registry: Any, name: str, run_id: str, node: str, what: str,
-                       error: str, *, count: int, retry_in: float) -> None:  # fmt: skip
-    """:meth:`JobRegistry.note_trouble`, queued on :data:`NOTES`."""
-    NOTES.put(lambda: registry.note_trouble(name, run_id, node, what, error, count=count,
+def note_trouble_later(notes: Notes, registry: Any, name: str, run_id: str, node: str,
+                       what: str, error: str, *, count: int, retry_in: float) -> None:  # fmt: skip
+    """:meth:`JobRegistry.note_trouble`, queued on ``notes``."""
+    notes.put(lambda: registry.note_trouble(name, run_id, node, what, error, count=count,
                                             retry_in=retry_in))  # fmt: skip
 
 
@@ -145,9 +143,12 @@ class JobRunner:
         devices: list[str] | None = None,
         make_handler: Callable[..., Any] | None = None,
         clock: Callable[[], float] = time.time,
+        notes: Notes | None = None,
     ) -> None:
+        """``notes``: the agent's queue of trouble notes (default: one of this runner's own)."""
         self.record = record
         self._view = view
+        self._notes = notes if notes is not None else Notes()
         self.devices = devices
         self.job: JobSpec = record.job()
         self.name = record.name
@@ -338,9 +339,10 @@ class JobRunner:
             log.exception("leaving the round failed; our lease lapses on its own")
         self._left_world()
         # Said in the job's status, which `elasticd run`, `submit` and `status` show.
-        note_trouble_later(self._registry, self.name, self.record.run_id, self._node.node_id,
-                           "its round failed", f"{type(exc).__name__}: {exc}",
-                           count=self._troubles, retry_in=pause)  # fmt: skip
+        note_trouble_later(self._notes, self._registry, self.name, self.record.run_id,
+                           self._node.node_id, "its round failed",
+                           f"{type(exc).__name__}: {exc}", count=self._troubles,
+                           retry_in=pause)  # fmt: skip
         self._noted = True
         self._metrics.node_troubles.labels(self.name, "round_failed").inc()
         self._preempt.wait(pause)
@@ -359,7 +361,7 @@ class JobRunner:
             return
         self._noted = False
         registry, name, node = self._registry, self.name, self._node.node_id
-        NOTES.put(lambda: registry.clear_trouble(name, node))
+        self._notes.put(lambda: registry.clear_trouble(name, node))
 
     def _prewarm(self) -> None:
         """In-process jobs of the built-in trainer: before waiting for a round, have a
