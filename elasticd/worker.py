@@ -349,14 +349,15 @@ class Doorbell:
         except OSError:
             return
         self.path, self._fds = path, (read, keep)
+        self._poll = select.poll()  # not select(): no FD_SETSIZE limit on the descriptor
+        self._poll.register(read, select.POLLIN)
 
     def wait(self, timeout: float) -> bool:
         """Sleep up to ``timeout`` seconds, less if rung; returns whether it was rung."""
         if self._fds is None:
             time.sleep(timeout)
             return False
-        ready, _, _ = select.select([self._fds[0]], [], [], timeout)
-        if not ready:
+        if not self._poll.poll(max(0.0, timeout) * 1000.0):
             return False
         with contextlib.suppress(OSError):  # drained: rings while we act are one wake-up
             while os.read(self._fds[0], 4096):
