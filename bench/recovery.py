@@ -172,10 +172,9 @@ def first_record(metrics: str, match, limit: float) -> tuple[float, dict] | None
 
 
 def _recovery(record) -> dict | None:
-    if record is None:
-        return None
-    events = [e for e in record.status.get("history", []) if e.get("kind") == "recovery"]
-    return events[-1] if events else None
+    from elasticd.jobs import last_recovery
+
+    return None if record is None else last_recovery(record.status)
 
 
 def _transfer_line(out: str) -> str | None:
