@@ -176,17 +176,32 @@ FAILURE_REASONS = ("worker_failed", "worker_hung", "collective_failed")
 was lost (then the failure is a lost node's symptom and is given back)."""
 
 
+def _number(value: Any) -> float | None:
+    """A status field written as a number, or None (missing, or written by hand or by
+    another version as something else: a line for people never fails on it)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+def _history(status: dict[str, Any]) -> list[Any]:
+    history = status.get("history")
+    return history if isinstance(history, list) else []
+
+
 def shown_restarts(status: dict[str, Any]) -> int:
     """The restarts to show for a job ``status``: those decided. A failure is counted into
     ``restarts`` when it happens, and given back when the next world shows a lost node;
     until then it is pending, and a progress line that showed it would go from 1 back to 0."""
     pending = sum(
         1
-        for e in status.get("history", [])
+        for e in _history(status)
         if isinstance(e, dict) and e.get("kind") == "failure" and not e.get("counted")
         and e.get("reason") in FAILURE_REASONS
     )  # fmt: skip
-    return max(0, int(status.get("restarts", 0) or 0) - pending)
+    restarts = _number(status.get("restarts")) or 0.0
+    return max(0, int(restarts) - pending) if restarts < 2**62 else 0
 
 
 PRUNE_BATCH = 100
@@ -216,28 +231,28 @@ RECOVERY_PARTS = ("stop", "abort", "rendezvous", "spawn", "pg_init", "ckpt_load"
 
 def last_recovery(status: dict[str, Any]) -> dict[str, Any] | None:
     """The newest recovery record in a job's ``status`` history, if any."""
-    events = [e for e in status.get("history", []) if isinstance(e, dict)
+    events = [e for e in _history(status) if isinstance(e, dict)
               and e.get("kind") == "recovery"]  # fmt: skip
     return events[-1] if events else None
 
 
 def recovery_text(event: dict[str, Any]) -> str:
     """One recovery record for people: where to, why, how, what it lost, its parts."""
-    parts = event.get("parts") or {}
-    timed = ", ".join(f"{k} {float(parts[k]):.2f}" for k in RECOVERY_PARTS if k in parts)
+    parts = event.get("parts")
+    parts = parts if isinstance(parts, dict) else {}
+    timed = ", ".join(f"{k} {v:.2f}" for k in RECOVERY_PARTS
+                      if (v := _number(parts.get(k))) is not None)  # fmt: skip
     how = f"{event.get('mode', '?')} from {event.get('source', '?')}"
-    seconds = event.get("seconds")
-    took = f"{float(seconds):.2f} s" if seconds is not None else "? s"
+    seconds = _number(event.get("seconds"))
+    took = f"{seconds:.2f} s" if seconds is not None else "? s"
     return (f"into round {event.get('round')} ({event.get('reason')}), {how}, "
             f"{event.get('lost_steps', '?')} steps lost, {took} from detection to its first step"
             + (f" ({timed})" if timed else ""))  # fmt: skip
 
 
 def _trouble_time(entry: Any) -> float:
-    try:
-        return float(entry.get("t", 0))
-    except (AttributeError, TypeError, ValueError):
-        return 0.0
+    t = _number(entry.get("t", 0)) if isinstance(entry, dict) else None
+    return t if t is not None else 0.0
 
 
 def event_lines(
@@ -250,10 +265,10 @@ def event_lines(
     A progress line says only "restarts 5"; these say why. Live (``now`` None) a trouble
     says when the node tries again; read later (``now`` given), how long ago it was."""
     lines = []
-    for e in status.get("history", []):
+    for e in _history(status):
         if not isinstance(e, dict) or e.get("kind") != "failure":
             continue
-        key = ("failure", e.get("round"), e.get("t"))
+        key = ("failure", repr(e.get("round")), repr(e.get("t")))  # hashable, whatever they are
         if key in seen or not (e.get("counted") or final):
             continue
         seen.add(key)
@@ -264,13 +279,13 @@ def event_lines(
         for node, tr in sorted(troubles.items(), key=lambda kv: _trouble_time(kv[1])):
             if not isinstance(tr, dict):
                 continue
-            key = ("trouble", node, tr.get("t"))
+            key = ("trouble", node, repr(tr.get("t")))
             if key in seen:
                 continue
             seen.add(key)
-            count = int(tr.get("count", 1) or 1)
-            times = f" ({count} times in a row)" if count > 1 else ""
-            retry = float(tr.get("retry_in", 0) or 0)
+            count = _number(tr.get("count")) or 1.0
+            times = f" ({count:.0f} times in a row)" if count > 1 else ""
+            retry = _number(tr.get("retry_in")) or 0.0
             when = (f"trying again in {retry:g} s" if now is None else
                     f"{max(0.0, now - _trouble_time(tr)):.0f} s ago (it tries again {retry:g} s "
                     "after each)")  # fmt: skip

@@ -339,15 +339,23 @@ class Doorbell:
     def __init__(self, path: str) -> None:
         self.path: str | None = None
         self._fds: tuple[int, int] | None = None
+        made: list[int] = []
         try:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
             os.mkfifo(path, 0o600)
-            read = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+            made.append(os.open(path, os.O_RDONLY | os.O_NONBLOCK))
             # Our own writer: the FIFO never reads as closed (EOF) between two workers' rings.
-            keep = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+            made.append(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
         except OSError:
+            # Half made (out of descriptors at the second open): nothing of it is kept.
+            for fd in made:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
             return
+        read, keep = made
         self.path, self._fds = path, (read, keep)
         self._poll = select.poll()  # not select(): no FD_SETSIZE limit on the descriptor
         self._poll.register(read, select.POLLIN)

@@ -56,3 +56,30 @@ def test_without_a_fifo_the_wait_is_a_plain_sleep(tmp_path):
     assert bell.path is None
     assert bell.wait(0.01) is False
     bell.close()
+
+
+def test_a_doorbell_half_made_keeps_no_descriptor_and_no_fifo(tmp_path, monkeypatch):
+    """Out of descriptors at the writer's open: the reader's descriptor is closed again,
+    the FIFO is gone, and the wait is a plain sleep."""
+    real_open, opened = os.open, []
+
+    def open_then_emfile(path, flags, *args):
+        if flags & os.O_WRONLY:
+            raise OSError(24, "Too many open files")
+        fd = real_open(path, flags, *args)
+        opened.append(fd)
+        return fd
+
+    monkeypatch.setattr(os, "open", open_then_emfile)
+    bell = Doorbell(str(tmp_path / "doorbell"))
+    monkeypatch.undo()
+    assert bell.path is None and len(opened) == 1
+    assert not os.path.exists(tmp_path / "doorbell")
+    try:
+        os.fstat(opened[0])
+    except OSError:
+        pass
+    else:
+        raise AssertionError("the reader's descriptor was left open")
+    assert bell.wait(0.01) is False
+    bell.close()

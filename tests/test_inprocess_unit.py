@@ -635,6 +635,9 @@ def test_a_hung_rounds_workers_print_their_stacks_and_no_other_process_is_signal
     from elasticd.agent.workers import Worker, WorkerGroup
 
     (tmp_path / "trainer").mkdir()  # run as `python -m trainer`, as the built-in one is
+    # A regular package: the working directory's wins over ours wherever ours is found (a
+    # namespace package would lose to ours on PYTHONPATH).
+    (tmp_path / "trainer" / "__init__.py").write_text("")
     (tmp_path / "trainer" / "__main__.py").write_text(
         "import time\n"
         "from elasticd.log import dump_stacks_on_sigusr1\n"

@@ -169,8 +169,12 @@ class JobRunner:
         the workers were stopped (a hang: :meth:`_claim_early`)."""
         self._failures_here = 0
         self._troubles = 0
-        self._noted = False
-        """Whether a trouble note of ours is queued or written and not cleared since."""
+        self._noted = True
+        """Whether a trouble note of ours may be queued or written and not cleared since.
+        True at the start: the agent may have queued a note of an earlier runner's crash
+        that lands only after our first world (etcd slow, which may be why it crashed), so
+        that world always queues a clear, behind the note (``clear_trouble`` reads first
+        and writes nothing when there is nothing to clear)."""
         self._doorbell: Doorbell | None = None
         """Rung by our workers' faults (:func:`elasticd.worker.ring`); made by ``run``."""
         self._last_step_written: Any = None
@@ -349,8 +353,9 @@ class JobRunner:
 
     def _clear_trouble(self) -> None:
         """A world took us (active or spare): a trouble of ours that the job's status shows
-        is over. Queued behind our notes, so it never lands before one of them; a trouble
-        noted by the agent (a crash of an earlier runner) shows in the watched status."""
+        is over. Queued behind our notes and the agent's (one queue), so it never lands
+        before one of them. Later worlds clear only what we noted since, or what the
+        watched status shows of our node."""
         try:
             current = self._current()
         except ElasticdError:  # the mirror unreadable: only what we noted ourselves
