@@ -3,6 +3,7 @@ from the resharded checkpoint and reproduces an uninterrupted run."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -11,6 +12,7 @@ import sys
 import time
 
 import pytest
+from session_cache import once_per_session
 
 from elasticd.cli.run import print_summary, run_cluster
 from elasticd.jobspec import parse_job
@@ -35,20 +37,33 @@ def make_job(tmp_path, name: str, *, nproc: int = 1, tp: int = 1, steps: int = 1
     return parse_job(raw).with_paths_resolved(tmp_path)
 
 
+# What a one-process run's losses cannot depend on: where it writes, what it is called,
+# and how a cluster would run it (the reference forces one process, tp1, no saves).
+NOT_IN_THE_MATH = ("name", "output_dir", "nodes", "nproc_per_node", "parallel", "checkpoint",
+                   "restart", "rendezvous")  # fmt: skip
+
+
 def reference_losses(tmp_path, job) -> dict[int, float]:
-    """The same job, uninterrupted, as one process."""
-    path = tmp_path / "ref.json"
-    path.write_text(json.dumps({**job.to_dict(), "output_dir": str(tmp_path / "ref"),
-                                "checkpoint": {"every": 0}, "parallel": {"tp": 1},
-                                "nproc_per_node": 1}))  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "ELASTICD_LAYOUT"):
-        env.pop(var, None)
-    r = subprocess.run([sys.executable, "-m", "trainer", str(path)], env=env,
-                       capture_output=True, text=True, timeout=180)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-2000:]
-    with open(tmp_path / "ref" / "metrics.jsonl", encoding="utf-8") as fh:
-        return {rec["step"]: rec["loss"] for rec in map(json.loads, fh)}
+    """The same job, uninterrupted, as one process: trained once per session for every
+    test that trains the same job (``session_cache``)."""
+    spec = {**job.to_dict(), "output_dir": str(tmp_path / "ref"), "checkpoint": {"every": 0},
+            "parallel": {"tp": 1}, "nproc_per_node": 1}  # fmt: skip
+    math = {k: v for k, v in spec.items() if k not in NOT_IN_THE_MATH}
+    key = "losses-" + hashlib.sha256(json.dumps(math, sort_keys=True).encode()).hexdigest()[:24]
+
+    def train() -> dict[int, float]:
+        path = tmp_path / "ref.json"
+        path.write_text(json.dumps(spec))
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "ELASTICD_LAYOUT"):
+            env.pop(var, None)
+        r = subprocess.run([sys.executable, "-m", "trainer", str(path)], env=env,
+                           capture_output=True, text=True, timeout=180)  # fmt: skip
+        assert r.returncode == 0, r.stderr[-2000:]
+        with open(tmp_path / "ref" / "metrics.jsonl", encoding="utf-8") as fh:
+            return {rec["step"]: rec["loss"] for rec in map(json.loads, fh)}
+
+    return {int(k): v for k, v in once_per_session(tmp_path, key, train).items()}
 
 
 def run(job, nodes, faults):

@@ -28,6 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from session_cache import once_per_session
 
 import checkpoint.live as live
 from checkpoint.live import (
@@ -647,12 +648,14 @@ def _reference_worker(idx: int, moe: bool, tmp: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory) -> dict[bool, dict[str, float]]:
-    refs = {}
-    for moe in (False, True):
+    def train(moe: bool) -> dict[str, float]:
         tmp = tmp_path_factory.mktemp(f"ref-{int(moe)}")
         mp.spawn(_reference_worker, args=(moe, str(tmp), str(tmp)), nprocs=1, join=True)
-        refs[moe] = json.loads((tmp / "reference.json").read_text())
-    return refs
+        return json.loads((tmp / "reference.json").read_text())
+
+    base = tmp_path_factory.getbasetemp()
+    return {moe: once_per_session(base, f"live-reference-{int(moe)}", lambda m=moe: train(m))
+            for moe in (False, True)}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(CASES))

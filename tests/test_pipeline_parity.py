@@ -8,11 +8,13 @@ counted once and that its two copies stay in step).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
 
 import pytest
+from session_cache import once_per_session
 
 from trainer.launch import launch_local
 
@@ -52,7 +54,9 @@ def reference(tmp_path_factory):
 
     def get(model: tuple[str, ...]) -> list[dict]:
         if model not in cache:
-            cache[model] = train(tmp_path_factory.mktemp("ref"), 1, model)
+            key = "pipeline-reference-" + hashlib.sha256(repr(model).encode()).hexdigest()[:16]
+            cache[model] = once_per_session(tmp_path_factory.getbasetemp(), key,
+                                            lambda: train(tmp_path_factory.mktemp("ref"), 1, model))  # fmt: skip
         return cache[model]
 
     return get

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from session_cache import once_per_session
 
 from trainer.launch import launch_local
 
@@ -63,8 +64,11 @@ def _train(tmp: Path, name: str, world: int, settings: dict) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory) -> dict[str, list[dict]]:
-    tmp = tmp_path_factory.mktemp("reference")
-    return {"dense": _train(tmp, "dense", 1, {}), "moe": _train(tmp, "moe", 1, MOE)}
+    def train() -> dict[str, list[dict]]:
+        tmp = tmp_path_factory.mktemp("reference")
+        return {"dense": _train(tmp, "dense", 1, {}), "moe": _train(tmp, "moe", 1, MOE)}
+
+    return once_per_session(tmp_path_factory.getbasetemp(), "trainer-parity-references", train)
 
 
 def _max_rel(ref: list[dict], got: list[dict], key: str) -> float:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from session_cache import once_per_session
 from torch.overrides import TorchFunctionMode
 
 from elasticd.jobspec import parse_job
@@ -200,8 +201,11 @@ def _train(tmp: Path, name: str, world: int, settings: dict) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def bf16_references(tmp_path_factory) -> dict[str, list[dict]]:
-    tmp = tmp_path_factory.mktemp("bf16-reference")
-    return {"dense": _train(tmp, "dense", 1, {}), "moe": _train(tmp, "moe", 1, MOE)}
+    def train() -> dict[str, list[dict]]:
+        tmp = tmp_path_factory.mktemp("bf16-reference")
+        return {"dense": _train(tmp, "dense", 1, {}), "moe": _train(tmp, "moe", 1, MOE)}
+
+    return once_per_session(tmp_path_factory.getbasetemp(), "bf16-references", train)
 
 
 BF16_LAYOUTS = {

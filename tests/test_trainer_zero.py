@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import yaml
+from session_cache import once_per_session
 
 from checkpoint.shards import ShardInfo
 from elasticd.errors import JobSpecError
@@ -133,8 +134,13 @@ def references(tmp_path_factory):
 
     def get(name: str) -> dict[int, dict]:
         if name not in cache:
-            tmp = tmp_path_factory.mktemp(f"ref-{name}")
-            cache[name] = _train(tmp, name, 1, MOE if name == "moe" else {})
+
+            def train() -> dict[int, dict]:
+                tmp = tmp_path_factory.mktemp(f"ref-{name}")
+                return _train(tmp, name, 1, MOE if name == "moe" else {})
+
+            got = once_per_session(tmp_path_factory.getbasetemp(), f"zero-reference-{name}", train)
+            cache[name] = {int(step): rec for step, rec in got.items()}  # JSON keys: strings
         return cache[name]
 
     return get
