@@ -45,21 +45,25 @@ def _start_rank(cfg: dict, **trainer_kw):
     from torchrun-style variables); returns (rank, trainer)."""
     import torch.distributed as dist
 
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    return rank, _build_trainer(cfg, rank, world, **trainer_kw)
+
+
+def _build_trainer(cfg: dict, rank: int, world: int, **trainer_kw):
+    """A Trainer for ``cfg["job"]`` on the initialised default group (its groups too)."""
     from elasticd.jobspec import parse_job
     from elasticd.layout import plan
     from trainer.parallel.context import ParallelContext, slot_of
     from trainer.parallel.groups import ProcessGroups
     from trainer.train import Trainer
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     job = parse_job(cfg["job"])
     layout = plan(world, job)
     groups = ProcessGroups.build(layout, rank=rank)
-    trainer = Trainer(job=job, layout=layout, ctx=ParallelContext.from_groups(groups),
-                      dp_rank=groups.index("dp"), model_groups=(slot_of(groups, "tp-dp-cp"),),
-                      **trainer_kw)  # fmt: skip
-    return rank, trainer
+    return Trainer(job=job, layout=layout, ctx=ParallelContext.from_groups(groups),
+                   dp_rank=groups.index("dp"), model_groups=(slot_of(groups, "tp-dp-cp"),),
+                   **trainer_kw)  # fmt: skip
 
 
 def worker(cfg: dict) -> None:
@@ -176,6 +180,59 @@ def activation_memory(args: argparse.Namespace) -> None:
         mib = max(r["act_bytes"] for r in rs) / 2**20
         ref = base.setdefault((world, dropout), mib)
         print(f"{name:>28}: {mib:8.1f} MiB/rank  {mib / ref:5.2f}x")
+
+
+def init_worker(cfg: dict) -> None:
+    """The trainer built as ``python -m trainer`` builds it every round (``init=False``:
+    zeros, to be overwritten by a load or a recovery) against built with its parameters
+    drawn, alternately, ``repeats`` times each; then ``initialize()`` of a deferred one (a
+    start with nothing to load draws them there)."""
+    import time
+
+    import torch.distributed as dist
+
+    times: dict[str, list[float]] = {"drawn": [], "deferred": [], "initialize": []}
+    rank, trainer = _start_rank(cfg, init=True)  # untimed: imports, first allocations
+    world = int(os.environ["WORLD_SIZE"])
+    trainer.close()
+    for i in range(2 * cfg["repeats"]):
+        init = i % 2 == 0
+        del trainer
+        dist.barrier()
+        start = time.perf_counter()
+        trainer = _build_trainer(cfg, rank, world, init=init)
+        times["drawn" if init else "deferred"].append(time.perf_counter() - start)
+        if not init:
+            start = time.perf_counter()
+            trainer.initialize()
+            times["initialize"].append(time.perf_counter() - start)
+        trainer.close()
+    params = sum(q.numel() for q in trainer.params)
+    dist.destroy_process_group()
+    print("BENCH " + json.dumps({"rank": rank, "params": params,
+                                 **{k: statistics.median(v) for k, v in times.items()}}),
+          flush=True)  # fmt: skip
+
+
+def init_cost(args: argparse.Namespace) -> None:
+    """What not drawing the parameters saves at every start, restart and recovery of
+    ``python -m trainer``: the trainer's construction with ``init=False`` against drawn at
+    construction, side by side in the same processes, per tp. A rank's draws reach the end
+    of its part of each tensor (the generator cannot jump ahead), so the last tp rank draws
+    the whole model; the slowest rank is what a world waits for."""
+    print(f"\n== building the trainer: parameters drawn vs not drawn (init=False), layers "
+          f"{args.layers}, hidden {args.hidden}, vocab {args.vocab}; medians of "
+          f"{args.repeats}, slowest rank")  # fmt: skip
+    print(f"{'tp':>3} {'params/rank':>12} {'drawn s':>9} {'not drawn s':>12} {'ratio':>7} "
+          f"{'initialize() s':>15}")  # fmt: skip
+    for tp in (1, 2, 4):
+        job = job_dict(args, world=tp, tp=tp)
+        rs = launch({"job": job, "init": True, "repeats": args.repeats}, tp)
+        drawn = max(r["drawn"] for r in rs)
+        deferred = max(r["deferred"] for r in rs)
+        print(f"{tp:>3} {max(r['params'] for r in rs) / 1e6:>11.1f}M {drawn:>9.3f} "
+              f"{deferred:>12.3f} {deferred / drawn:>6.2f}x "
+              f"{max(r['initialize'] for r in rs):>15.3f}")  # fmt: skip
 
 
 def optimizer_worker(cfg: dict) -> None:
@@ -298,6 +355,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="repeats of the baseline comparison")
     ap.add_argument("--baseline-only", action="store_true",
                     help="only the tokens/s comparison against --baseline-rev")  # fmt: skip
+    ap.add_argument("--init-only", action="store_true",
+                    help="only the trainer's construction, parameters drawn vs not (init=False)")  # fmt: skip
     ap.add_argument("--activations-only", action="store_true",
                     help="only the activation memory per rank (sp, recompute)")  # fmt: skip
     args = ap.parse_args()
@@ -305,6 +364,9 @@ def main() -> None:
         cfg = json.loads(args.worker)
         if cfg.get("optimizer"):
             optimizer_worker(cfg)
+            return
+        if cfg.get("init"):
+            init_worker(cfg)
             return
         (activation_worker if cfg.get("activations") else worker)(cfg)
         return
@@ -317,6 +379,9 @@ def main() -> None:
         return
     if args.activations_only:
         activation_memory(args)
+        return
+    if args.init_only:
+        init_cost(args)
         return
     if args.baseline_only:
         against_baseline(args)

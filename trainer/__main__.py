@@ -235,9 +235,12 @@ def _train_round(ctx, *, job, layout, device) -> int:
             torch.manual_seed(job.train.seed + groups.index("dp"))
             pctx = ParallelContext.from_groups(groups)
             model_groups = (slot_of(groups, "tp-dp-cp"),)
+            # Not drawn (init=False): a resume or a recovery overwrites every parameter, and
+            # the draws grow with the model; Checkpointing.resume draws them when nothing
+            # is loaded.
             trainer = Trainer(job=job, layout=layout, ctx=pctx, dp_rank=groups.index("dp"),
                               model_groups=model_groups, device=device,
-                              pipeline=PipelineGroups.from_groups(groups))  # fmt: skip
+                              pipeline=PipelineGroups.from_groups(groups), init=False)  # fmt: skip
             trainer.on_phase = channel.phase  # faults keyed to a phase (elasticd.testing)
             metrics = None
             if rank == 0:

@@ -233,6 +233,7 @@ class Checkpointing:
         """Load the latest committed checkpoint, resharded to this layout, if there is one.
         Without one (or with ``--fresh``), start from ``model.init_from`` if it is set."""
         if not self.job.checkpoint.resume or not self._everyone_sees_a_checkpoint():
+            self.trainer.initialize()  # built with init=False: nothing to load, so drawn now
             init = self.job.model.init_from
             if init is not None:
                 from trainer.hf import init_from_hf

@@ -23,12 +23,25 @@ Every parameter also carries its place in the global model:
   the region this rank holds; padding rows excluded);
 - ``param.tp_split``: whether it is split across its tensor group (tp, or etp for experts);
 - ``param.expert``: whether it belongs to an expert (its gradients reduce over expert-dp).
+- ``param.draw_init``: a callable giving the parameter's initial values (fp32, its local
+  shape), drawn again on demand (:func:`deferred`).
+
+**Deferred** (:func:`deferred`): a trainer whose state is about to be overwritten (a
+resume from a checkpoint, an in-process recovery from its peers' memory) need not draw it.
+The draws cost CPU time that grows with the model, not the shard: a rank holding the last
+part of a tensor draws all of it (about 0.5-1 s a GB of fp32 here), in every restart and
+every recovery. Inside :func:`deferred` parameters are made of zeros (never garbage: a
+region no load covers, such as vocabulary padding, must read as zeros) and the trainer
+draws them with :meth:`trainer.train.Trainer.initialize` only if nothing was loaded.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import math
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -98,6 +111,40 @@ def normal_region(
     return local.mul_(std)
 
 
+_DEFERRED: contextvars.ContextVar[bool] = contextvars.ContextVar("deferred_init", default=False)
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Parameters made inside are zeros, their draws left to ``param.draw_init``."""
+    token = _DEFERRED.set(True)
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
+
+
+def make_param(
+    draw: Callable[[], torch.Tensor], shape: tuple[int, ...], *, dtype: torch.dtype
+) -> nn.Parameter:
+    """A parameter of ``shape`` holding ``draw()`` (fp32, cast to ``dtype``), or zeros
+    inside :func:`deferred`; ``draw`` is kept as ``param.draw_init`` either way."""
+    if _DEFERRED.get():
+        param = nn.Parameter(torch.zeros(shape, dtype=dtype))
+    else:
+        param = nn.Parameter(draw().to(dtype).contiguous())
+    param.draw_init = draw
+    return param
+
+
+@torch.no_grad()
+def draw_into(params: Iterator[nn.Parameter] | list[nn.Parameter]) -> None:
+    """Draw every parameter's initial values into it (after :func:`deferred`), on
+    whatever device it now lives."""
+    for p in params:
+        p.copy_(p.draw_init())
+
+
 def annotate(
     param: nn.Parameter, info: ShardInfo, *, tp_split: bool, expert: bool = False
 ) -> nn.Parameter:
@@ -127,17 +174,19 @@ def sharded_param(
         info = ShardInfo.whole(name, shape)
     else:
         info = ShardInfo.split(name, shape, dim, index, parts)
-    if std is None:
-        local = torch.zeros(info.sizes, dtype=torch.float32)
-    else:
-        d = 0 if dim is None or parts == 1 else dim
-        local = normal_region(seed, name, shape, std, dim=d, start=info.offsets[d] if shape else 0,
-                              size=info.sizes[d] if shape else None)  # fmt: skip
-    param = nn.Parameter(local.to(dtype).contiguous())
+    d = 0 if dim is None or parts == 1 else dim
+
+    def draw() -> torch.Tensor:
+        if std is None:
+            return torch.zeros(info.sizes, dtype=torch.float32)
+        return normal_region(seed, name, shape, std, dim=d, start=info.offsets[d] if shape else 0,
+                             size=info.sizes[d] if shape else None)  # fmt: skip
+
+    param = make_param(draw, tuple(info.sizes), dtype=dtype)
     return annotate(param, info, tp_split=dim is not None and parts > 1, expert=expert)
 
 
 def ones_param(name: str, shape: tuple[int, ...], *, dtype: torch.dtype) -> nn.Parameter:
     """A replicated parameter of ones (LayerNorm gains)."""
-    param = nn.Parameter(torch.ones(shape, dtype=dtype))
+    param = make_param(lambda: torch.ones(shape, dtype=torch.float32), tuple(shape), dtype=dtype)
     return annotate(param, ShardInfo.whole(name, tuple(shape)), tp_split=False)

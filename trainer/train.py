@@ -33,6 +33,7 @@ heartbeat).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -48,6 +49,7 @@ from elasticd.inprocess import check_results
 from elasticd.layout import Layout
 from trainer.data import BatchPlan, micro_batches, open_source
 from trainer.errors import TrainerConfigError
+from trainer.init import deferred, draw_into
 from trainer.model import build_chunks
 from trainer.optim import MainParams, build_optimizer, grad_replicas, lr_at, set_lr
 from trainer.parallel import comm
@@ -125,7 +127,11 @@ class Trainer:
         device: torch.device | None = None,
         overlap_grads: bool = True,
         pipeline: PipelineGroups | None = None,
+        init: bool = True,
     ) -> None:
+        """``init`` False: the parameters are zeros, not drawn (``trainer.init.deferred``),
+        for a state about to be loaded or received; :meth:`initialize` draws them if
+        nothing was, and no step trains before one of the two."""
         check_supported(job, layout)
         if layout.parallel.pp > 1 and pipeline is None:
             raise TrainerConfigError(f"parallel.pp: {layout.parallel.pp} needs the pipeline groups")
@@ -169,10 +175,14 @@ class Trainer:
             ctx = self.ctx = replace(ctx, rng=self.rng)
         if job.parallel.sp:
             ctx = self.ctx = replace(ctx, sp=True)
-        self.chunks = build_chunks(
-            m, self.layer_ranges, ctx=ctx, seed=t.seed, dtype=DTYPES[t.dtype],
-            recompute=t.recompute,
-        )  # fmt: skip
+        with contextlib.nullcontext() if init else deferred():
+            self.chunks = build_chunks(
+                m, self.layer_ranges, ctx=ctx, seed=t.seed, dtype=DTYPES[t.dtype],
+                recompute=t.recompute,
+            )  # fmt: skip
+        self.initialized = init
+        """Whether the state holds something: drawn at construction, loaded from a
+        checkpoint, received from peers, or drawn by :meth:`initialize`."""
         accum = self.batches.grad_accum
         for chunk in self.chunks:
             chunk.to(self.device)
@@ -229,11 +239,31 @@ class Trainer:
         """Copy the main parameters into the model (after a load or a recovery wrote
         them; collective over the data-parallel groups with ``parallel.zero``)."""
         self.main.to_model()
+        self.initialized = True
+
+    def initialize(self) -> None:
+        """Draw the initial parameters a trainer built with ``init=False`` left out (a
+        start with nothing to load); a no-op once the state holds something."""
+        if self.initialized:
+            return
+        draw_into(self.params)
+        self.main.from_model()
+        # A fresh start: AdamW's state too, which a failed transfer may have written into;
+        # in place, as the same tensors are what recovery and checkpoints name.
+        with torch.no_grad():
+            for state in self.optimizer.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor):
+                        value.zero_()
+        self.initialized = True
 
     # -- one step, in pieces -----------------------------------------------------------------
 
     def begin_step(self) -> float:
         """Zero the gradients, set and return this step's lr, and read its micro-batches."""
+        if not self.initialized:  # a bug, never a user's error: it would train on zeros
+            raise RuntimeError("a trainer built with init=False trained before its state was "
+                               "loaded, received or initialised")  # fmt: skip
         self._losses = []
         for sync in self.grad_syncs:
             sync.zero()

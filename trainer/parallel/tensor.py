@@ -40,7 +40,7 @@ from torch import nn
 from torch.autograd import Function
 
 from checkpoint.shards import ShardInfo
-from trainer.init import annotate, normal_region, sharded_param
+from trainer.init import annotate, make_param, normal_region, sharded_param
 from trainer.parallel import comm
 from trainer.parallel.context import GroupSlot
 
@@ -286,11 +286,15 @@ def vocab_param(
     per = padded_vocab(vocab, slot.size) // slot.size
     start = slot.rank * per
     real = max(0, min(start + per, vocab) - start)
-    local = torch.zeros(per, hidden, dtype=torch.float32)
-    if real:
-        local[:real] = normal_region(seed, name, (vocab, hidden), 0.02, start=start, size=real)
+
+    def draw() -> torch.Tensor:
+        local = torch.zeros(per, hidden, dtype=torch.float32)
+        if real:
+            local[:real] = normal_region(seed, name, (vocab, hidden), 0.02, start=start, size=real)
+        return local
+
     info = ShardInfo(name, (vocab, hidden), (min(start, vocab), 0), (real, hidden))
-    return annotate(nn.Parameter(local.to(dtype)), info, tp_split=slot.active)
+    return annotate(make_param(draw, (per, hidden), dtype=dtype), info, tp_split=slot.active)
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -1,0 +1,85 @@
+"""A trainer built with ``init=False`` (every round of ``python -m trainer``): its
+parameters are not drawn, since a resume or a recovery overwrites them; drawn later by
+``Trainer.initialize`` when nothing was loaded, they are the same bits as drawn at
+construction, and no step trains on the zeros in between.
+
+The paths through it under real processes are the suite's parity tests: a fresh start
+(drawn late), a resume (loaded) and an in-process recovery (received) each match one
+process that drew its parameters at construction."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from elasticd.jobspec import parse_job
+from elasticd.layout import plan
+from trainer.parallel.context import ParallelContext
+from trainer.train import Trainer
+
+BASE = {
+    "name": "deferred",
+    "output_dir": "/nonexistent",
+    "nproc_per_node": 1,
+    "model": {"layers": 2, "hidden": 32, "heads": 4, "ffn_hidden": 64, "vocab": 50,
+              "seq_len": 16, "tie_embeddings": False},
+    "train": {"steps": 4, "global_batch": 4, "micro_batch": 2, "lr": 3.0e-3, "warmup": 1,
+              "seed": 11, "bucket_mb": 0.002},
+    "checkpoint": {"every": 0},
+}  # fmt: skip
+
+
+def _trainer(init: bool, **sections) -> Trainer:
+    raw = json.loads(json.dumps(BASE))
+    for section, fields in sections.items():
+        raw[section].update(fields)
+    job = parse_job(raw)
+    torch.manual_seed(job.train.seed)
+    return Trainer(job=job, layout=plan(1, job), ctx=ParallelContext.single(), dp_rank=0,
+                   init=init)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "sections",
+    [{}, {"train": {"dtype": "bfloat16"}}, {"model": {"experts": 4, "top_k": 2, "tie_embeddings": True}}],
+    ids=["fp32", "bf16-main-copies", "moe-tied"],
+)  # fmt: skip
+def test_drawn_late_is_drawn_the_same_and_trains_the_same(sections):
+    drawn, late = _trainer(True, **sections), _trainer(False, **sections)
+    assert drawn.initialized and not late.initialized
+    assert all(not p.any() for p in late.params)  # zeros, never garbage
+    with pytest.raises(RuntimeError, match="before its state was loaded"):
+        late.train_step()
+    late.initialize()
+    named = dict(drawn.named_parameters())
+    for name, p in late.named_parameters():
+        assert torch.equal(p, named[name]), name
+    mains = {name: t for name, t, _ in drawn.named_main()}
+    for name, t, _ in late.named_main():
+        assert t.dtype == torch.float32 and torch.equal(t, mains[name]), name
+    for _ in range(2):
+        a, b = drawn.train_step(), late.train_step()
+        assert a.loss == b.loss and a.grad_norm == b.grad_norm
+
+
+def test_a_fresh_start_after_a_failed_transfer_starts_adamw_from_zeros_in_place():
+    """A transfer that failed its check may have written into the parameters and AdamW's
+    state before the fall back found no checkpoint: the start is fresh, so both are
+    drawn and zeroed again, AdamW's in place (the same tensors stay named)."""
+    from trainer.checkpointing import optimizer_tensors
+
+    late = _trainer(False)
+    held = optimizer_tensors(late, create=True)  # as recovery's `need` makes them
+    for tensor, _info in held.values():
+        tensor.fill_(7.0)  # what a failed transfer left
+    for p in late.params:
+        p.data.fill_(3.0)
+    late.initialize()
+    again = optimizer_tensors(late, create=True)
+    assert set(again) == set(held)
+    for key, (tensor, _info) in held.items():
+        assert again[key][0] is tensor and not tensor.any(), key
+    assert torch.equal(dict(late.named_parameters())["embedding.word_embeddings.weight"],
+                       dict(_trainer(True).named_parameters())["embedding.word_embeddings.weight"])  # fmt: skip
