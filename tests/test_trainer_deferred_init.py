@@ -83,3 +83,25 @@ def test_a_fresh_start_after_a_failed_transfer_starts_adamw_from_zeros_in_place(
         assert again[key][0] is tensor and not tensor.any(), key
     assert torch.equal(dict(late.named_parameters())["embedding.word_embeddings.weight"],
                        dict(_trainer(True).named_parameters())["embedding.word_embeddings.weight"])  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_the_parameters_not_drawn_are_made_there_and_drawn_late_into_it():
+    """No host copy of the model and no transfer at construction: the zeros are made on
+    the device; ``initialize`` draws on the CPU generator and copies into them."""
+    device = torch.device("cuda", torch.cuda.current_device())
+
+    def build(init: bool) -> Trainer:
+        job = parse_job({**BASE, "train": {**BASE["train"], "dtype": "bfloat16"}})
+        return Trainer(job=job, layout=plan(1, job), ctx=ParallelContext.single(), dp_rank=0,
+                       device=device, init=init)  # fmt: skip
+
+    drawn, late = build(True), build(False)
+    assert all(p.device == device and not p.any() for p in late.params)
+    late.initialize()
+    named = dict(drawn.named_parameters())
+    for name, p in late.named_parameters():
+        assert p.device == device and torch.equal(p, named[name]), name
+    a, b = drawn.train_step(), late.train_step()
+    assert a.loss == b.loss

@@ -111,13 +111,16 @@ def normal_region(
     return local.mul_(std)
 
 
-_DEFERRED: contextvars.ContextVar[bool] = contextvars.ContextVar("deferred_init", default=False)
+_DEFERRED: contextvars.ContextVar[torch.device | None] = contextvars.ContextVar(
+    "deferred_init", default=None
+)
 
 
 @contextlib.contextmanager
-def deferred() -> Iterator[None]:
-    """Parameters made inside are zeros, their draws left to ``param.draw_init``."""
-    token = _DEFERRED.set(True)
+def deferred(device: torch.device | str = "cpu") -> Iterator[None]:
+    """Parameters made inside are zeros on ``device`` (made there: on a GPU, no host copy
+    of the model and no transfer), their draws left to ``param.draw_init``."""
+    token = _DEFERRED.set(torch.device(device))
     try:
         yield
     finally:
@@ -129,8 +132,9 @@ def make_param(
 ) -> nn.Parameter:
     """A parameter of ``shape`` holding ``draw()`` (fp32, cast to ``dtype``), or zeros
     inside :func:`deferred`; ``draw`` is kept as ``param.draw_init`` either way."""
-    if _DEFERRED.get():
-        param = nn.Parameter(torch.zeros(shape, dtype=dtype))
+    device = _DEFERRED.get()
+    if device is not None:
+        param = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
     else:
         param = nn.Parameter(draw().to(dtype).contiguous())
     param.draw_init = draw

@@ -175,7 +175,7 @@ class Trainer:
             ctx = self.ctx = replace(ctx, rng=self.rng)
         if job.parallel.sp:
             ctx = self.ctx = replace(ctx, sp=True)
-        with contextlib.nullcontext() if init else deferred():
+        with contextlib.nullcontext() if init else deferred(self.device):
             self.chunks = build_chunks(
                 m, self.layer_ranges, ctx=ctx, seed=t.seed, dtype=DTYPES[t.dtype],
                 recompute=t.recompute,
