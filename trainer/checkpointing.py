@@ -434,6 +434,9 @@ class Checkpointing:
         state = self.trainer.state
         if self.last_saved == state.step:
             return
+        if not self.trainer.initialized:  # a bug, never a user's error: zeros never commit
+            raise RuntimeError("a checkpoint save of a trainer whose state was never loaded, "
+                               "received or initialised")  # fmt: skip
         if self.claim is not None:
             # A claim made while this run's previous round still held the lock takes it
             # over once that process has gone: the directory is not left unlocked.

@@ -123,8 +123,9 @@ def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any, job: Any) -> str
                   f"local, {result.seconds:.3f} s)", flush=True)  # fmt: skip
     else:
         if newest >= 0 and ctx.rank == 0:
-            print("in-process recovery: the survivors' memory does not cover the new layout; "
-                  "resuming from the latest checkpoint", flush=True)  # fmt: skip
+            print("in-process recovery: the survivors' memory does not cover the new layout "
+                  "(or a transfer failed its check); resuming from the latest checkpoint",
+                  flush=True)  # fmt: skip
         if ckpt.resume():
             source = "checkpoint"
     if source not in ("peers", "replica"):  # steps after a checkpoint are trained again
@@ -167,9 +168,13 @@ def _gather_records(ctx: Any, group: Any) -> list[dict]:
 def _checkpoint_is_newer(job: Any, step: int, group: Any) -> bool:
     """Whether every rank sees a committed checkpoint newer than ``step`` (collective: all
     ranks agree, or none moves): with ``memory_every`` above ``checkpoint.every`` the last
-    replicated step can be older than the last checkpoint."""
+    replicated step can be older than the last checkpoint. Never with ``checkpoint.resume:
+    false``: the resume would load nothing, and the run would start over (the same on every
+    rank: it is the job's)."""
     from elasticd.agent.policy import latest_checkpoint_step
 
+    if not job.checkpoint.resume:
+        return False
     on_disk = latest_checkpoint_step(job.ckpt_dir)
     newer = torch.tensor([1 if on_disk is not None and on_disk > step else 0], dtype=torch.int32)
     if dist.is_initialized():
