@@ -29,8 +29,8 @@ Every parameter also carries its place in the global model:
 **Deferred** (:func:`deferred`): a trainer whose state is about to be overwritten (a
 resume from a checkpoint, an in-process recovery from its peers' memory) need not draw it.
 The draws cost CPU time that grows with the model, not the shard: a rank holding the last
-part of a tensor draws all of it (about 0.5-1 s a GB of fp32 here), in every restart and
-every recovery. Inside :func:`deferred` parameters are made of zeros (never garbage: a
+part of a tensor draws all of it (about 1.3 s a GB of fp32 on the 2-core dev box), in
+every restart and every recovery. Inside :func:`deferred` parameters are made of zeros (never garbage: a
 region no load covers, such as vocabulary padding, must read as zeros) and the trainer
 draws them with :meth:`trainer.train.Trainer.initialize` only if nothing was loaded.
 """
