@@ -183,14 +183,15 @@ def _transfer_line(out: str) -> str | None:
     best: tuple[int, str] | None = None
     pattern = re.compile(
         r"from (?:peers|replica) at step (\d+) \(([\d.]+) MB received, ([\d.]+) MB local, "
-        r"([\d.]+) s\)"
+        r"([\d.]+) s(?:; ([\d.]+) MB of the previous round's memory kept)?\)"
     )
     for path in glob.glob(os.path.join(out, "logs", "**", "*.log"), recursive=True):
         with open(path, encoding="utf-8", errors="replace") as fh:
             for line in fh:
                 m = pattern.search(line)
                 if m and (best is None or int(m[1]) >= best[0]):
-                    best = (int(m[1]), f"{m[2]} MB in, {m[3]} MB local, {m[4]} s")
+                    kept = f", {m[5]} MB kept" if m[5] else ""
+                    best = (int(m[1]), f"{m[2]} MB in, {m[3]} MB local, {m[4]} s{kept}")
     return best[1] if best else None
 
 

@@ -717,6 +717,7 @@ def recover_from_peers(
     need: Holding,
     group: dist.ProcessGroup | None,
     extra: Sequence[Held] = (),
+    before_write: Callable[[int], None] | None = None,
 ) -> LiveRecovery | None:
     """Fill ``need`` in place from what the ranks of ``group`` still hold; collective.
 
@@ -724,7 +725,9 @@ def recover_from_peers(
     ``have_step`` with the data position ``have_consumed``. ``extra``: more holdings, each
     at its own step (snapshots, peers' in-memory replicas); a region may come from any of
     them held at the agreed step. ``need``: the new layout's
-    tensors. ``group``: a gloo group over the new world (every rank calls this); None or
+    tensors, which may be (or share memory with) ``have``'s where the region is the same.
+    ``before_write(step)``: called once the step is agreed, before anything is written
+    into ``need`` (not called when nothing will be). ``group``: a gloo group over the new world (every rank calls this); None or
     torch.distributed not initialised means one process. Returns None on every rank when
     the live state cannot fill every needed region at one step, or a chunk failed its CRC
     on any rank (``need`` may then be partly written). Raises when a peer dies mid-transfer.
@@ -752,6 +755,8 @@ def recover_from_peers(
         if me == 0:
             log.warning("state from peers is not possible: %s", why)
         return None
+    if before_write is not None:
+        before_write(plan.step)
     held: Holding = have or {}
     sets: list[Holding] = [held, *(h.tensors for h in extra)]
     pairs: dict[tuple[int, int], list[Piece]] = defaultdict(list)

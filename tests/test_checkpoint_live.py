@@ -392,11 +392,17 @@ def _synthetic_worker(rank: int, world: int, store: str, out: str) -> None:
     results = {}
 
     def run(name, have, step, need, *, check_step=None):
+        before = {k: t.clone() for k, (t, _) in need.items()}
+        told = []
+
+        def before_write(agreed: int) -> None:  # nothing of `need` written yet
+            told.append([agreed, all(torch.equal(t, before[k]) for k, (t, _) in need.items())])
+
         rec = recover_from_peers(
             have=have, have_step=step, have_consumed=None if step is None else 16 * step,
-            need=need, group=group,
+            need=need, group=group, before_write=before_write,
         )  # fmt: skip
-        res = {"none": rec is None}
+        res = {"none": rec is None, "before_write": told}
         if rec is not None:
             res.update(step=rec.step, consumed=rec.consumed_samples, bytes_in=rec.bytes_in,
                        bytes_local=rec.bytes_local, sources=rec.sources,
@@ -507,6 +513,20 @@ def test_step_skew_takes_the_higher_step_when_it_covers_everything(synthetic) ->
         r = res["skew-ahead-partial"]
         assert not r["none"] and r["step"] == 4 and r["wrong"] == []
         assert r["sources"]["holders"] == [1, 2] and r["sources"]["skipped_steps"] == [5]
+
+
+def test_the_caller_is_told_the_agreed_step_before_anything_is_written(synthetic) -> None:
+    """``before_write(step)``: once, with the step every rank agreed on, while ``need`` is
+    untouched (in-process recovery drops a trainer whose adopted memory is about to be
+    written at another step); never when nothing will be written."""
+    for res in synthetic:
+        for name, r in res.items():
+            if r["none"] and name == "uncovered":
+                assert r["before_write"] == [], name
+            elif not r["none"]:
+                assert r["before_write"] == [[r["step"], True]], name
+            else:  # a corrupted chunk: told before the transfer that then failed
+                assert len(r["before_write"]) == 1 and r["before_write"][0][1], name
 
 
 def test_an_uncovered_region_gives_none_on_every_rank(synthetic) -> None:

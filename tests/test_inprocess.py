@@ -85,6 +85,17 @@ def story(job) -> str:
     return "\n".join(lines)
 
 
+def kept_mb(job) -> list[float]:
+    """MB of the previous round's memory rank 0's new trainer adopted, per recovery from
+    memory it printed (``trainer.recovery``: a box kept is not allocated again)."""
+    found = []
+    for path in glob.glob(os.path.join(job.out_dir, "logs", "**", "*.log"), recursive=True):
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+        found += [float(m) for m in re.findall(r"([\d.]+) MB of the previous round's memory kept",
+                                               text)]  # fmt: skip
+    return found
+
+
 def check_inprocess(
     tmp_path, job, result, *, recoveries: int, source: str = "peers", lost: int = 0
 ) -> list[dict]:
@@ -122,6 +133,9 @@ def test_dp3_loses_a_node_then_a_newcomer_joins_the_survivors_all_in_process(tmp
     first, second, third = (pids[r] for r in sorted(pids))
     assert len(first) == 3 and second < first and len(second) == 2  # dp3 -> dp2: survivors
     assert second < third and len(third) == 3  # dp2 -> dp3: a newcomer joins them
+    # Every box of a data-parallel replica stays: rank 0's state is its old memory, twice.
+    kept = kept_mb(job)
+    assert len(kept) == 2 and all(mb > 0 for mb in kept), f"{kept}\n{story(job)}"
     # The newcomer's worker was started warm, before its round formed: its log is the
     # warm one, and it holds the same process through the round (no second start).
     (newcomer_pid,) = third - second
@@ -260,6 +274,8 @@ def test_a_sharded_layout_loses_a_node_and_the_survivors_reshard_from_memory(
     pids = round_pids(job)
     first, second = (pids[r] for r in sorted(pids))
     assert second < first and len(second) == (nodes - 1) * nproc
+    if name != "pp":  # node 0 survives whole: rank 0 keeps its shard, and adopts it
+        assert [mb > 0 for mb in kept_mb(job)] == [True], f"{kept_mb(job)}\n{story(job)}"
 
 
 @pytest.mark.parametrize("every", [0, 5], ids=["no-save", "save-step"])
@@ -302,6 +318,21 @@ def test_a_tp_shard_with_no_live_holder_comes_back_from_its_in_memory_replica(tm
     pids = round_pids(job)
     first, second = (pids[r] for r in sorted(pids))
     assert second < first and len(second) == 2
+
+
+def test_bf16_zero1_loses_a_node_and_the_dead_ranks_rows_come_from_its_replica(tmp_path):
+    """bf16 with ZeRO-1, dp3 -> dp2, ``memory_replicas: 1``: each rank holds only its rows
+    of the fp32 main parameters and AdamW state, so the dead rank's rows come from their
+    replica, and every survivor's rows change with dp. Rank 0's new trainer adopts what
+    keeps its box (the bf16 model, whole on every rank), allocates its new rows, and the
+    losses are still those of one process."""
+    job = make_job(tmp_path, "zero", steps=12, parallel={"zero": 1},
+                   train={"steps": 12, "global_batch": 12, "micro_batch": 2, "dtype": "bfloat16"},
+                   checkpoint={"every": 0, "memory_replicas": 1, "memory_every": 1})  # fmt: skip
+    result = run(job, 3, ["kill-node=1@step=5"])
+    records = check_inprocess(tmp_path, job, result, recoveries=1, source="replica", lost=1)
+    assert (records[0]["world"], records[-1]["world"]) == (3, 2)
+    assert [mb > 0 for mb in kept_mb(job)] == [True], f"{kept_mb(job)}\n{story(job)}"
 
 
 def test_without_replicas_a_lost_tp_shard_falls_back_to_the_checkpoint(tmp_path):

@@ -214,12 +214,18 @@ def _train_round(ctx, *, job, layout, device) -> int:
     trainer = None
     preempted = False
     left_early = False  # a spare whose own node is preempted
+    agreed = None
     try:
+        if ctx.inprocess:
+            from trainer.recovery import agree
+
+            # Before the trainer is built: it may then adopt the previous round's memory.
+            agreed = agree(ctx)
         if groups.is_spare:
             if ctx.inprocess:  # our memory may hold what the active ranks need
                 from trainer.recovery import recover
 
-                recover(ctx, None, None, channel=channel, job=job)
+                recover(ctx, None, None, channel=channel, job=job, agreed=agreed)
             print(f"rank {rank}: spare in a world of {world}; idling until the end", flush=True)
             # Poll the store rather than sit in a collective, which would time out.
             while not store.check([DONE_KEY]):
@@ -237,10 +243,17 @@ def _train_round(ctx, *, job, layout, device) -> int:
             model_groups = (slot_of(groups, "tp-dp-cp"),)
             # Not drawn (init=False): a resume or a recovery overwrites every parameter, and
             # the draws grow with the model; Checkpointing.resume draws them when nothing
-            # is loaded.
+            # is loaded. In-process, what keeps its box is the previous round's memory.
+            adopt = None
+            if agreed is not None:
+                from trainer.recovery import adoption
+
+                adopt = adoption(ctx, agreed, env)
             trainer = Trainer(job=job, layout=layout, ctx=pctx, dp_rank=groups.index("dp"),
                               model_groups=model_groups, device=device,
-                              pipeline=PipelineGroups.from_groups(groups), init=False)  # fmt: skip
+                              pipeline=PipelineGroups.from_groups(groups), init=False,
+                              adopt=adopt)  # fmt: skip
+            del adopt
             trainer.on_phase = channel.phase  # faults keyed to a phase (elasticd.testing)
             metrics = None
             if rank == 0:
@@ -266,7 +279,7 @@ def _train_round(ctx, *, job, layout, device) -> int:
                 from trainer.recovery import recover
 
                 def restore(ckpt) -> None:
-                    recover(ctx, trainer, ckpt, channel=channel, job=job)
+                    recover(ctx, trainer, ckpt, channel=channel, job=job, agreed=agreed)
                     records = ctx.state.pop("peer_records", None)
                     if metrics is not None and records:
                         metrics.fill(records, upto=trainer.state.step)

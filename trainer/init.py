@@ -33,6 +33,13 @@ part of a tensor draws all of it (about 1.3 s a GB of fp32 on the 2-core dev box
 every restart and every recovery. Inside :func:`deferred` parameters are made of zeros (never garbage: a
 region no load covers, such as vocabulary padding, must read as zeros) and the trainer
 draws them with :meth:`trainer.train.Trainer.initialize` only if nothing was loaded.
+
+**Adopted** (:func:`adopting`): a trainer built for a new round of in-process recovery
+takes the previous round's tensors where they are the same region of the same global
+tensor, in the same dtype, shape and device (a data-parallel shrink keeps every box), so
+that a recovery holds one copy of the model and its optimizer state, not two
+(docs/inprocess.md, "Memory"). An adopted parameter is the old one's storage, unchanged:
+it already holds the state the recovery agrees on.
 """
 
 from __future__ import annotations
@@ -127,13 +134,93 @@ def deferred(device: torch.device | str = "cpu") -> Iterator[None]:
         _DEFERRED.reset(token)
 
 
+class Adoption:
+    """Tensors of a previous trainer a new one may take instead of allocating its own, by
+    ``(kind, ShardInfo)``: ``kind`` is ``model`` (a model parameter, in the dtype the model
+    computes in), ``main`` (an fp32 main parameter, or its rows) or an AdamW state's name
+    (``exp_avg``, ``exp_avg_sq``, ``step``, under its main parameter's box). Each is taken
+    at most once, and only where dtype, shape and device match as well; what is taken is
+    counted in :attr:`taken_bytes`."""
+
+    def __init__(self) -> None:
+        self._pool: dict[tuple[str, ShardInfo], torch.Tensor] = {}
+        self._dup: set[tuple[str, ShardInfo]] = set()
+        self.taken_bytes = 0
+        self.taken = 0
+
+    def offer(self, kind: str, info: ShardInfo | None, tensor: torch.Tensor) -> None:
+        if info is None:
+            return
+        key = (kind, info)
+        if key in self._pool or key in self._dup:  # held twice: neither is taken
+            self._pool.pop(key, None)
+            self._dup.add(key)
+            return
+        self._pool[key] = tensor.detach()
+
+    def take(
+        self,
+        kind: str,
+        info: ShardInfo | None,
+        *,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device | str | None,
+        peek: bool = False,
+    ) -> torch.Tensor | None:
+        """The tensor offered for ``(kind, info)`` if it has this shape, dtype and device
+        (any device with None), taken out of the pool unless ``peek``."""
+        if info is None:
+            return None
+        t = self._pool.get((kind, info))
+        if (
+            t is None
+            or tuple(t.shape) != tuple(shape)
+            or t.dtype != dtype
+            or (device is not None and t.device != torch.device(device))
+            or not t.is_contiguous()
+        ):
+            return None
+        if peek:
+            return t
+        del self._pool[kind, info]
+        self.taken += 1
+        self.taken_bytes += t.numel() * t.element_size()
+        return t
+
+
+_ADOPT: contextvars.ContextVar[Adoption | None] = contextvars.ContextVar("adopt_init", default=None)
+
+
+@contextlib.contextmanager
+def adopting(adoption: Adoption | None) -> Iterator[None]:
+    """Parameters made inside (with their ShardInfo) take ``adoption``'s tensors where
+    they match (see :class:`Adoption`); the others are made as they would be."""
+    token = _ADOPT.set(adoption)
+    try:
+        yield
+    finally:
+        _ADOPT.reset(token)
+
+
 def make_param(
-    draw: Callable[[], torch.Tensor], shape: tuple[int, ...], *, dtype: torch.dtype
+    draw: Callable[[], torch.Tensor],
+    shape: tuple[int, ...],
+    *,
+    dtype: torch.dtype,
+    info: ShardInfo | None = None,
 ) -> nn.Parameter:
     """A parameter of ``shape`` holding ``draw()`` (fp32, cast to ``dtype``), or zeros
-    inside :func:`deferred`; ``draw`` is kept as ``param.draw_init`` either way."""
+    inside :func:`deferred`, or a previous trainer's tensor of the same global region
+    ``info`` inside :func:`adopting`; ``draw`` is kept as ``param.draw_init`` either way."""
     device = _DEFERRED.get()
-    if device is not None:
+    adoption = _ADOPT.get()
+    adopted = None
+    if adoption is not None:
+        adopted = adoption.take("model", info, shape=tuple(shape), dtype=dtype, device=device)
+    if adopted is not None:
+        param = nn.Parameter(adopted)
+    elif device is not None:
         param = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device))
     else:
         param = nn.Parameter(draw().to(dtype).contiguous())
@@ -186,11 +273,13 @@ def sharded_param(
         return normal_region(seed, name, shape, std, dim=d, start=info.offsets[d] if shape else 0,
                              size=info.sizes[d] if shape else None)  # fmt: skip
 
-    param = make_param(draw, tuple(info.sizes), dtype=dtype)
+    param = make_param(draw, tuple(info.sizes), dtype=dtype, info=info)
     return annotate(param, info, tp_split=dim is not None and parts > 1, expert=expert)
 
 
 def ones_param(name: str, shape: tuple[int, ...], *, dtype: torch.dtype) -> nn.Parameter:
     """A replicated parameter of ones (LayerNorm gains)."""
-    param = make_param(lambda: torch.ones(shape, dtype=torch.float32), tuple(shape), dtype=dtype)
-    return annotate(param, ShardInfo.whole(name, tuple(shape)), tp_split=False)
+    info = ShardInfo.whole(name, tuple(shape))
+    param = make_param(lambda: torch.ones(shape, dtype=torch.float32), tuple(shape), dtype=dtype,
+                       info=info)  # fmt: skip
+    return annotate(param, info, tp_split=False)

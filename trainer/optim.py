@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from checkpoint.shards import ShardInfo
+from trainer.init import Adoption
 from trainer.parallel import comm
 from trainer.parallel.context import GroupSlot
 from trainer.parallel.data import GradSync
@@ -188,19 +189,27 @@ class MainParams:
     """Every model parameter's fp32 main parameter, gradients bound to the reduced fp32
     buckets of its :class:`~trainer.parallel.data.GradSync` (see the module docstring)."""
 
-    def __init__(self, chunks: Sequence[tuple[GradSync, Sequence[nn.Parameter]]]) -> None:
-        """``chunks``: each chunk's GradSync with the parameters it reduces."""
+    def __init__(
+        self,
+        chunks: Sequence[tuple[GradSync, Sequence[nn.Parameter]]],
+        *,
+        adopt: Adoption | None = None,
+    ) -> None:
+        """``chunks``: each chunk's GradSync with the parameters it reduces. ``adopt``: a
+        previous trainer's main parameters to take where the box is the same (in-process
+        recovery, ``trainer.init.Adoption``) instead of copying the model's."""
         self.entries: list[Main] = []
         self._sync_of: dict[int, GradSync] = {}
         with torch.no_grad():
             for sync, params in chunks:
                 for p in params:
                     self._sync_of[id(p)] = sync
-                    self.entries.append(self._make(sync, p))
+                    self.entries.append(self._make(sync, p, adopt))
 
     @staticmethod
-    def _make(sync: GradSync, p: nn.Parameter) -> Main:
+    def _make(sync: GradSync, p: nn.Parameter, adopt: Adoption | None = None) -> Main:
         start, stop = sync.rows(p)
+        info = _rows_box(p.shard_info, start, stop)
         if p.dtype == torch.float32 and not sync.shard:
             tensor = p
         elif p.dtype == torch.float32:
@@ -208,8 +217,14 @@ class MainParams:
             # storage, so AdamW updates those rows in place and fp32 costs no second copy.
             tensor = nn.Parameter(p.detach()[start:stop])
         else:
-            tensor = nn.Parameter(p.detach()[start:stop].to(torch.float32, copy=True))
-        return Main(param=p, tensor=tensor, rows=(start, stop), info=_rows_box(p.shard_info, start, stop),
+            rows = p.detach()[start:stop]
+            kept = None
+            if adopt is not None:
+                kept = adopt.take("main", info, shape=tuple(rows.shape), dtype=torch.float32,
+                                  device=rows.device)  # fmt: skip
+            tensor = nn.Parameter(kept if kept is not None
+                                  else rows.to(torch.float32, copy=True))  # fmt: skip
+        return Main(param=p, tensor=tensor, rows=(start, stop), info=info,
                     replicas=p.grad_replicas // sync.shards(p))  # fmt: skip
 
     @property

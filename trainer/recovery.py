@@ -37,6 +37,7 @@ heartbeat, and ``state_loaded`` marks the end of the state transfer.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,18 +58,33 @@ def holdings(trainer: Any, *, create: bool) -> dict[str, tuple[torch.Tensor, Any
     return {**model_tensors(trainer), **optimizer_tensors(trainer, create=create)}
 
 
-def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any, job: Any) -> str:
-    """Restore ``trainer`` (None on a spare rank, which only serves what it holds) for
-    this round; returns the source. ``ctx.state['trainer']`` is the previous round's
-    trainer of this process, if any; it is replaced by ``trainer`` once restored, and
-    ``ctx.state['replicator']`` by this round's (``job.checkpoint.memory_replicas``). If
-    this round fails before that, both stay for the next one."""
-    from checkpoint.live import recover_from_peers
+ADOPT_ENV = "ELASTICD_ADOPT"
+"""Set to ``0`` in a worker's environment, a new round's trainer allocates all of its state
+instead of adopting the previous round's (the baseline of ``bench/recovery.py``'s memory
+figures; a way out should adoption ever be at fault)."""
+
+
+@dataclass(frozen=True)
+class Agreed:
+    """What every rank of a new world agreed on before building anything (:func:`agree`)."""
+
+    newest: int
+    """The newest step any rank holds in memory; -1 when nobody holds anything."""
+    group: Any
+    """The group the state moves over (``elasticd.inprocess.transfer_group``)."""
+
+
+def agree(ctx: Any) -> Agreed:
+    """The first collective of an in-process round, on every rank of the new world, active
+    or spare, before its trainer is built: an all-reduce (MAX) of the newest step any rank
+    holds. A rank one step behind that stopped after the step's gradient norm completes
+    the step's update now (``Trainer.complete_pending``). The previous trainer is then only
+    the state this rank offers, so its gradient buckets go (unless a pending update still
+    needs them), before the new trainer allocates its own."""
     from elasticd.inprocess import transfer_group
-    from trainer.checkpointing import reseed_value
 
     old = ctx.state.get("trainer")
-    group = transfer_group()
+    group = transfer_group()  # on NCCL a new gloo group: made here, in the same order everywhere
     newest_t = torch.tensor([-1 if old is None else old.state.step], dtype=torch.int64)
     if dist.is_initialized():
         comm.all_reduce(newest_t, group, op=dist.ReduceOp.MAX)
@@ -76,11 +92,53 @@ def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any, job: Any) -> str
     if old is not None and old.complete_pending(newest):
         print(f"rank {ctx.rank}: in-process recovery: completed step {newest}'s update "
               "(the fault stopped this rank after its gradient norm)", flush=True)  # fmt: skip
-    # Read, not taken: if this round fails too, the next one still has them.
+    if old is not None and old.pending_norm is None:
+        old.release_gradients()
+    return Agreed(newest=newest, group=group)
+
+
+def adoption(ctx: Any, agreed: Agreed, env: Any = None) -> Any:
+    """What the new round's trainer may take of the previous one's memory
+    (``Trainer(adopt=...)``), or None: only when the previous trainer holds the newest
+    step, whose state the recovery will keep where the boxes stay (a data-parallel
+    shrink, a spare turned active elsewhere). A rank behind, or one whose boxes all
+    change, allocates as before."""
+    import os
+
+    old = ctx.state.get("trainer")
+    env = os.environ if env is None else env
+    if old is None or old.state.step != agreed.newest or env.get(ADOPT_ENV, "1") == "0":
+        return None
+    return old.adoption()
+
+
+def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any, job: Any, agreed: Agreed) -> str:
+    """Restore ``trainer`` (None on a spare rank, which only serves what it holds) for
+    this round; returns the source. ``agreed``: this round's :func:`agree`.
+    ``ctx.state['trainer']`` is the previous round's trainer of this process, if any; it
+    is replaced by ``trainer`` once restored, and ``ctx.state['replicator']`` by this
+    round's (``job.checkpoint.memory_replicas``). If this round fails before that, both
+    stay for the next one, except a previous trainer whose memory ``trainer`` adopted and
+    that is about to be written (a step other than its own, or a fall back to the
+    checkpoint): it goes first, so that no later round offers its tensors under a step
+    they no longer hold."""
+    from checkpoint.live import recover_from_peers
+    from trainer.checkpointing import reseed_value
+
+    old = ctx.state.get("trainer")
+    group, newest = agreed.group, agreed.newest
+    adopted = trainer is not None and trainer.adopted_bytes > 0
+    have_step = old.state.step if old is not None else None
+
+    def before_write(step: int) -> None:
+        # Adopted tensors are written only at a step other than the old trainer's own (a
+        # region held at its step is the same memory, never copied): it is not offered again.
+        if adopted and step != have_step:
+            ctx.state.pop("trainer", None)
+
     old_replicas = ctx.state.get("replicator")
     extra = old_replicas.held() if old_replicas is not None else []
     have = holdings(old, create=True) if old is not None else None
-    have_step = old.state.step if old is not None else None
     need = holdings(trainer, create=True) if trainer is not None else {}
     source = "none"
     result = None
@@ -88,7 +146,7 @@ def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any, job: Any) -> str
         result = recover_from_peers(
             have=have, have_step=have_step,
             have_consumed=old.state.consumed_samples if old is not None else None,
-            need=need, group=group, extra=extra,
+            need=need, group=group, extra=extra, before_write=before_write,
         )  # fmt: skip
     del old_replicas, extra
     if newest >= 0 and dist.is_initialized():  # the same on every rank (all-reduced)
@@ -120,12 +178,15 @@ def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any, job: Any) -> str
         if ctx.rank == 0:
             print(f"recovered in-process from {source} at step {result.step} "
                   f"({result.bytes_in / 1e6:.1f} MB received, {result.bytes_local / 1e6:.1f} MB "
-                  f"local, {result.seconds:.3f} s)", flush=True)  # fmt: skip
+                  f"local, {result.seconds:.3f} s; {trainer.adopted_bytes / 1e6:.1f} MB of the "
+                  "previous round's memory kept)", flush=True)  # fmt: skip
     else:
         if newest >= 0 and ctx.rank == 0:
             print("in-process recovery: the survivors' memory does not cover the new layout "
                   "(or a transfer failed its check); resuming from the latest checkpoint",
                   flush=True)  # fmt: skip
+        if adopted:  # the load (or the draws) writes into the previous trainer's memory
+            ctx.state.pop("trainer", None)
         if ckpt.resume():
             source = "checkpoint"
     if source not in ("peers", "replica"):  # steps after a checkpoint are trained again

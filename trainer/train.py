@@ -49,7 +49,7 @@ from elasticd.inprocess import check_results
 from elasticd.layout import Layout
 from trainer.data import BatchPlan, micro_batches, open_source
 from trainer.errors import TrainerConfigError
-from trainer.init import deferred, draw_into
+from trainer.init import Adoption, adopting, deferred, draw_into
 from trainer.model import build_chunks
 from trainer.optim import MainParams, build_optimizer, grad_replicas, lr_at, set_lr
 from trainer.parallel import comm
@@ -128,10 +128,17 @@ class Trainer:
         overlap_grads: bool = True,
         pipeline: PipelineGroups | None = None,
         init: bool = True,
+        adopt: Adoption | None = None,
     ) -> None:
         """``init`` False: the parameters are zeros, not drawn (``trainer.init.deferred``),
         for a state about to be loaded or received; :meth:`initialize` draws them if
-        nothing was, and no step trains before one of the two."""
+        nothing was, and no step trains before one of the two. ``adopt`` (with ``init``
+        False): a previous trainer's tensors to take where this one holds the same region
+        (in-process recovery, :meth:`adoption`); they are this trainer's state from then
+        on, so whoever passes them must not offer the previous trainer's state once this
+        one's is written."""
+        if adopt is not None and init:
+            raise ValueError("adopt needs init=False: adopted tensors are never drawn")
         check_supported(job, layout)
         if layout.parallel.pp > 1 and pipeline is None:
             raise TrainerConfigError(f"parallel.pp: {layout.parallel.pp} needs the pipeline groups")
@@ -175,7 +182,7 @@ class Trainer:
             ctx = self.ctx = replace(ctx, rng=self.rng)
         if job.parallel.sp:
             ctx = self.ctx = replace(ctx, sp=True)
-        with contextlib.nullcontext() if init else deferred(self.device):
+        with contextlib.nullcontext() if init else deferred(self.device), adopting(adopt):
             self.chunks = build_chunks(
                 m, self.layer_ranges, ctx=ctx, seed=t.seed, dtype=DTYPES[t.dtype],
                 recompute=t.recompute,
@@ -207,11 +214,16 @@ class Trainer:
             for c in self.chunks
         ]  # fmt: skip
         self.main = MainParams(
-            [(s, list(c.parameters())) for s, c in zip(self.grad_syncs, self.chunks, strict=True)]
-        )
+            [(s, list(c.parameters())) for s, c in zip(self.grad_syncs, self.chunks, strict=True)],
+            adopt=adopt,
+        )  # fmt: skip
         """The optimizer's fp32 main parameters (trainer/optim.py): the model's own in an
         fp32 run without ``parallel.zero``."""
         self.optimizer = build_optimizer(self.main.tensors, lr=t.lr, weight_decay=t.weight_decay)
+        if adopt is not None:
+            self._adopt_optimizer_state(adopt)
+        self.adopted_bytes = adopt.taken_bytes if adopt is not None else 0
+        """Bytes of state taken from a previous trainer rather than allocated."""
         self.state = TrainState()
         self.pending_norm: float | None = None
         """Set from the global norm of step ``state.step + 1`` until its update: the
@@ -228,6 +240,44 @@ class Trainer:
         """``(global name, local shard)`` for every model parameter this rank holds."""
         for q in self.params:
             yield q.shard_info.name, q
+
+    def adoption(self) -> Adoption:
+        """What a next round's trainer may take of this one (``Trainer(adopt=...)``): every
+        model parameter, fp32 main parameter and AdamW state tensor, by global region. Call
+        it on a trainer that will not train again."""
+        pool = Adoption()
+        for q in self.params:
+            pool.offer("model", q.shard_info, q)
+        for _, t, info in self.named_main():
+            pool.offer("main", info, t)
+            for kind, value in self.optimizer.state.get(t, {}).items():
+                if isinstance(value, torch.Tensor):
+                    pool.offer(kind, info, value)
+        return pool
+
+    def _adopt_optimizer_state(self, adopt: Adoption) -> None:
+        """AdamW's state of each main parameter from ``adopt``, where all of it is there
+        for the same box (else it is made at the first step, or by the recovery)."""
+        for _, t, info in self.named_main():
+            wanted = {"step": ((), None), "exp_avg": (tuple(t.shape), t.device),
+                      "exp_avg_sq": (tuple(t.shape), t.device)}  # fmt: skip
+            if all(adopt.take(kind, info, shape=shape, dtype=torch.float32, device=device,
+                              peek=True) is not None
+                   for kind, (shape, device) in wanted.items()):  # fmt: skip
+                self.optimizer.state[t] = {
+                    kind: adopt.take(kind, info, shape=shape, dtype=torch.float32, device=device)
+                    for kind, (shape, device) in wanted.items()
+                }
+
+    def release_gradients(self) -> None:
+        """Let go of the gradient buckets (a trainer kept only as the state a recovery
+        offers: its next step, if any, is a new round's trainer's)."""
+        for sync in self.grad_syncs:
+            sync.release()
+        for q in self.params:
+            q.grad = None
+        for _, t, _ in self.named_main():
+            t.grad = None
 
     def named_main(self) -> Iterator[tuple[str, nn.Parameter, ShardInfo]]:
         """``(global name, main tensor, its box)`` for every fp32 main parameter (or rows of

@@ -346,3 +346,13 @@ class GradSync:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+    def release(self) -> None:
+        """Remove the hooks and let go of every bucket's storage: for a trainer that will
+        not step again (kept only as the state an in-process recovery offers)."""
+        self.close()
+        for b in self.buckets:
+            b.buffer = torch.empty(0, dtype=b.buffer.dtype, device=b.buffer.device)
+            b.recv = None if b.recv is None else b.buffer
+            b.views.clear()
+            b.handle = None

@@ -294,7 +294,8 @@ def vocab_param(
         return local
 
     info = ShardInfo(name, (vocab, hidden), (min(start, vocab), 0), (real, hidden))
-    return annotate(make_param(draw, (per, hidden), dtype=dtype), info, tp_split=slot.active)
+    param = make_param(draw, (per, hidden), dtype=dtype, info=info)
+    return annotate(param, info, tp_split=slot.active)
 
 
 class VocabParallelEmbedding(nn.Module):

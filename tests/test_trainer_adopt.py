@@ -1,0 +1,251 @@
+"""A new round's trainer adopting the previous round's memory (in-process recovery): where
+a region keeps its box, dtype, shape and device, the new trainer's model parameter, main
+parameter and AdamW state *are* the old one's tensors, so a recovery holds one copy of the
+state, not two (docs/inprocess.md, "What it costs").
+
+One process here: the adopted trainer trains on exactly as the old one would have (bit
+for bit, against a twin never interrupted), allocates no state of its own, and a region
+whose box changed is not adopted. The paths under real agents (a data-parallel shrink
+adopting everything, a fall back to the checkpoint writing into adopted memory) are in
+``tests/test_inprocess.py``; ``test_recovery_adopt`` below runs the real ``agree`` /
+``adoption`` / ``recover`` of ``trainer.recovery`` over two gloo processes."""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from checkpoint.shards import ShardInfo
+from elasticd.jobspec import parse_job
+from elasticd.layout import plan
+from trainer.init import Adoption
+from trainer.parallel.context import ParallelContext
+from trainer.train import Trainer
+
+BASE = {
+    "name": "adopt",
+    "output_dir": "/nonexistent",
+    "nproc_per_node": 1,
+    "model": {"layers": 2, "hidden": 32, "heads": 4, "ffn_hidden": 64, "vocab": 50,
+              "seq_len": 16, "tie_embeddings": False},
+    "train": {"steps": 6, "global_batch": 4, "micro_batch": 2, "lr": 3.0e-3, "warmup": 1,
+              "seed": 11, "bucket_mb": 0.002},
+    "checkpoint": {"every": 0},
+}  # fmt: skip
+
+SETTINGS = [
+    {},
+    {"train": {"dtype": "bfloat16"}},
+    {"train": {"dtype": "bfloat16"}, "parallel": {"zero": 1}},
+    {"model": {"experts": 4, "top_k": 2, "tie_embeddings": True}},
+]
+IDS = ["fp32", "bf16-main-copies", "bf16-zero1", "moe-tied"]
+
+
+def _raw(**sections) -> dict:
+    raw = json.loads(json.dumps(BASE))
+    for section, fields in sections.items():
+        raw.setdefault(section, {}).update(fields)
+    return raw
+
+
+def _trainer(raw: dict, *, init: bool = True, adopt: Adoption | None = None) -> Trainer:
+    job = parse_job(raw)
+    torch.manual_seed(job.train.seed)
+    return Trainer(job=job, layout=plan(1, job), ctx=ParallelContext.single(), dp_rank=0,
+                   init=init, adopt=adopt)  # fmt: skip
+
+
+def _state_tensors(t: Trainer) -> list[torch.Tensor]:
+    """Every tensor of a trainer's state: model parameters, main parameters, AdamW's."""
+    out = list(t.params)
+    for _, main, _ in t.named_main():
+        out.append(main)
+        out += [v for v in t.optimizer.state.get(main, {}).values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def _storages(tensors) -> set[int]:
+    return {x.untyped_storage().data_ptr() for x in tensors if x.numel()}
+
+
+@pytest.mark.parametrize("sections", SETTINGS, ids=IDS)
+def test_an_adopted_trainer_trains_on_bit_for_bit_and_allocates_no_state(sections):
+    raw = _raw(**sections)
+    twin, old = _trainer(raw), _trainer(raw)
+    for _ in range(2):
+        a, b = twin.train_step(), old.train_step()
+        assert a.loss == b.loss
+    old.release_gradients()  # what `trainer.recovery.agree` does to the round that ended
+    assert all(s.nbytes == 0 for s in old.grad_syncs)
+    new = _trainer(raw, init=False, adopt=old.adoption())
+    # Nothing of its state is its own: every tensor is one of the old trainer's.
+    assert _storages(_state_tensors(new)) <= _storages(_state_tensors(old))
+    expected = sum(x.numel() * x.element_size() for x in {id(x): x for x in _state_tensors(new)
+                                                         if x.numel()}.values())  # fmt: skip
+    held = {id(x): x for x in _state_tensors(old)}  # an fp32 model's main is its parameter
+    assert new.adopted_bytes == sum(x.numel() * x.element_size() for x in held.values()
+                                    if x.numel() and x.untyped_storage().data_ptr()
+                                    in _storages(_state_tensors(new)))  # fmt: skip
+    assert new.adopted_bytes >= expected > 0
+    # What recovery does once the state is agreed (here: this rank's own, nothing moves).
+    new.state.step, new.state.consumed_samples = old.state.step, old.state.consumed_samples
+    new.main_to_model()
+    for _ in range(3):
+        a, b = twin.train_step(), new.train_step()
+        assert (a.loss, a.grad_norm) == (b.loss, b.grad_norm)
+    for (name, t, _), (_, u, _) in zip(twin.named_main(), new.named_main(), strict=True):
+        assert torch.equal(t, u), name
+
+
+def test_a_trainer_not_yet_stepped_adopts_its_parameters_and_makes_adamw_state_later():
+    raw = _raw(train={"dtype": "bfloat16"})
+    old = _trainer(raw)
+    new = _trainer(raw, init=False, adopt=old.adoption())
+    assert _storages(new.params) == _storages(old.params)
+    assert not new.optimizer.state  # nothing to adopt: made at the first step or by recovery
+    new.main_to_model()
+    assert new.train_step().loss == _trainer(raw).train_step().loss
+
+
+def test_only_the_same_region_dtype_shape_and_device_is_adopted():
+    info = ShardInfo("w", (4, 6), (0, 0), (4, 3))
+    pool = Adoption()
+    t = torch.ones(4, 3)
+    pool.offer("model", info, t)
+    other = ShardInfo("w", (4, 6), (0, 3), (4, 3))  # the other half of the same tensor
+    assert pool.take("model", other, shape=(4, 3), dtype=torch.float32, device="cpu") is None
+    assert pool.take("main", info, shape=(4, 3), dtype=torch.float32, device="cpu") is None
+    assert pool.take("model", info, shape=(4, 3), dtype=torch.bfloat16, device="cpu") is None
+    assert pool.take("model", info, shape=(3, 4), dtype=torch.float32, device="cpu") is None
+    assert pool.take("model", info, shape=(4, 3), dtype=torch.float32, device="meta") is None
+    got = pool.take("model", info, shape=(4, 3), dtype=torch.float32, device="cpu")
+    assert got is not None and got.data_ptr() == t.data_ptr() and pool.taken_bytes == 48
+    assert pool.take("model", info, shape=(4, 3), dtype=torch.float32, device="cpu") is None
+    # A region offered twice (two tensors claiming it) is adopted by nobody.
+    pool.offer("main", info, torch.ones(4, 3))
+    pool.offer("main", info, torch.ones(4, 3))
+    assert pool.take("main", info, shape=(4, 3), dtype=torch.float32, device=None) is None
+    # Not contiguous: never adopted (a parameter must own plain storage).
+    pool.offer("model", other, torch.ones(3, 4).t())
+    assert pool.take("model", other, shape=(4, 3), dtype=torch.float32, device=None) is None
+
+
+def test_adopting_needs_a_trainer_not_drawn():
+    raw = _raw()
+    with pytest.raises(ValueError, match="init=False"):
+        _trainer(raw, init=True, adopt=_trainer(raw).adoption())
+
+
+# -- two gloo processes: trainer.recovery's agree / adoption / recover --------------------------
+
+
+class _Ctx:
+    """The part of ``elasticd.inprocess.Context`` the recovery reads: rank and state."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.state: dict = {}
+
+
+class _Channel:
+    """The worker's channel to its agent, recording what the recovery reports; ``fail``
+    makes the report raise, as a fault right after the state is loaded would."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail, self.reports = fail, []
+
+    def recovered(self, **kw) -> None:
+        if self.fail:
+            raise RuntimeError("a second fault")
+        self.reports.append(kw)
+
+    def mark(self, name: str) -> None:
+        pass
+
+
+def _recovery_worker(rank: int, world: int, tmp: str, raw: dict, out: str) -> None:
+    from trainer.checkpointing import Checkpointing
+    from trainer.parallel.groups import ProcessGroups
+    from trainer.recovery import adoption, agree, recover
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))  # fmt: skip
+    job = parse_job(raw).with_paths_resolved(tmp)
+    layout = plan(world, job)
+
+    def build(adopt=None, init=True) -> tuple[Trainer, ProcessGroups]:
+        groups = ProcessGroups.build(layout, rank=rank)
+        torch.manual_seed(job.train.seed)
+        return Trainer(job=job, layout=layout, ctx=ParallelContext.from_groups(groups),
+                       dp_rank=groups.index("dp"), init=init, adopt=adopt), groups  # fmt: skip
+
+    # Round A: tp2, a checkpoint committed at step 1, then two more steps in memory.
+    old, groups = build()
+    ckpt = Checkpointing.create(old, group=groups.side("checkpoint"))
+    ckpt.resume()
+    old.train_step()
+    ckpt.after_step()
+    ckpt.finish()  # committed, and the directory's claim let go
+    old.train_step()
+    old.train_step()
+    old.close()
+    if rank == 1:  # its shard's step is not the newest: no step covers every region
+        old.state.step -= 1
+    results = {}
+    for fail in (True, False):
+        ctx = _Ctx(rank)
+        ctx.state["trainer"] = old
+        agreed = agree(ctx)
+        new, groups = build(adoption(ctx, agreed, env={}), init=False)
+        kept = new.adopted_bytes
+        ckpt = Checkpointing.create(new, group=groups.side("checkpoint"))
+        channel = _Channel(fail=fail and rank == 0)
+        try:
+            source = recover(ctx, new, ckpt, channel=channel, job=job, agreed=agreed)
+        except RuntimeError:
+            source = "raised"
+        ckpt.abandon()  # as a round's end does: the claim on the directory goes
+        shared = _storages(_state_tensors(new)) & _storages(_state_tensors(old))
+        results["fail" if fail else "ok"] = {
+            "newest": agreed.newest, "kept": kept, "source": source, "step": new.state.step,
+            "old_offered": ctx.state.get("trainer") is old, "shared": len(shared),
+        }  # fmt: skip
+        new.close()
+        dist.barrier()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+def test_recovery_adopt_falls_back_to_the_checkpoint_and_offers_no_overwritten_memory(tmp_path):
+    """tp2, no step at which the two ranks' memory covers every region (rank 1 is a step
+    behind, with nothing pending): both fall back to the checkpoint of step 1. Rank 0 held
+    the newest step, so its new trainer adopted its memory, and the load writes step 1
+    into it: the old trainer must be gone from the state the next round offers *before*
+    the load. With a fault right after the load (the report raising) rank 0 still offers
+    nothing; without, the round goes on from the checkpoint."""
+    raw = _raw(parallel={"tp": 2}, checkpoint={"every": 1})
+    raw["nproc_per_node"] = 2
+    raw["output_dir"] = str(tmp_path / "job")
+    out = tmp_path / "results"
+    out.mkdir()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_recovery_worker, args=(2, str(tmp_path), raw, str(out)), nprocs=2, join=True)
+    r0 = json.loads((out / "rank0.json").read_text())
+    r1 = json.loads((out / "rank1.json").read_text())
+    for run in ("fail", "ok"):
+        assert r0[run]["newest"] == r1[run]["newest"] == 3
+        assert r0[run]["kept"] > 0 and r1[run]["kept"] == 0  # only the newest adopts
+        assert r0[run]["shared"] > 0 and r1[run]["shared"] == 0
+        assert not r0[run]["old_offered"], run  # its memory now holds step 1
+        assert not r1[run]["old_offered"], run  # replaced by the round's trainer
+    assert r0["fail"]["source"] == "raised" and r1["fail"]["source"] == "checkpoint"
+    assert r0["ok"]["source"] == r1["ok"]["source"] == "checkpoint"
+    assert r0["ok"]["step"] == r1["ok"]["step"] == 1
