@@ -248,7 +248,7 @@ def _train_round(ctx, *, job, layout, device) -> int:
             if agreed is not None:
                 from trainer.recovery import adoption
 
-                adopt = adoption(ctx, agreed, env)
+                adopt = adoption(ctx, agreed)
             trainer = Trainer(job=job, layout=layout, ctx=pctx, dp_rank=groups.index("dp"),
                               model_groups=model_groups, device=device,
                               pipeline=PipelineGroups.from_groups(groups), init=False,

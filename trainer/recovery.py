@@ -1,12 +1,15 @@
 """In-process recovery of the built-in trainer: fill a new round's Trainer from the
 survivors' memory, else from the latest committed checkpoint (docs/inprocess.md).
 
-Every rank of the new world calls :func:`recover` at the start of a round, active or
-spare, survivor or newcomer, in the same order:
+Every rank of the new world calls :func:`agree`, then (once its trainer is built)
+:func:`recover` at the start of a round, active or spare, survivor or newcomer, in the
+same order:
 
-1. an all-reduce (MAX) of the newest step any rank holds in memory; -1 means nobody holds
-   anything (the first round, or only newcomers): resume from the checkpoint as a fresh
-   process would;
+1. :func:`agree`, before the trainer is built: an all-reduce (MAX) of the newest step any
+   rank holds in memory; -1 means nobody holds anything (the first round, or only
+   newcomers): resume from the checkpoint as a fresh process would. A rank that holds the
+   newest step builds its new trainer adopting the previous one's memory where a box
+   stays (:func:`adoption`, ``trainer.init.Adoption``): one copy of the state, not two;
 2. otherwise ``checkpoint.live.recover_from_peers``: every parameter and AdamW tensor is
    named globally by its ShardInfo, exactly as in checkpoints; the live planner picks, for
    each region the new layout needs, a rank that holds it at one agreed step, and the
