@@ -133,8 +133,13 @@ def run_case(base: str, case: str, *, adopt: bool, kill_step: int, limit: float)
             training = {pid: status_kb(pid, "VmHWM") for pid in survivors}
             if os.environ.get("RECMEM_DEBUG"):
                 for pid in survivors:
-                    print(pid, {f: status_kb(pid, f) // 1024 for f in
-                                ("VmHWM", "VmRSS", "RssAnon", "RssFile", "VmSwap")})
+                    print(
+                        pid,
+                        {
+                            f: status_kb(pid, f) // 1024
+                            for f in ("VmHWM", "VmRSS", "RssAnon", "RssFile", "VmSwap")
+                        },
+                    )
             for pid in survivors:
                 reset_peak(pid)
             old_round = max(r["round"] for r in read_records(metrics))
