@@ -410,6 +410,68 @@ def rank_coordinates(layout: Layout, rank: int) -> dict[str, int]:
     return coords
 
 
+STATE_KINDS = ("tp", "pp", "expert-ep", "expert-tp")
+"""The group kinds whose index decides which regions of the global model a rank holds
+(a dense tensor's tp shard and pp stage, an expert's ep and expert-tp shards). Its dp and
+cp indexes do not: data- and context-parallel ranks hold replicas."""
+
+
+def shard_signature(layout: Layout, rank: int) -> tuple[int | None, ...] | None:
+    """What ``rank`` holds of the model in ``layout``, as its index in each
+    :data:`STATE_KINDS` group (None: a spare, which holds nothing). Two ranks of layouts
+    with the same tp, pp, ep and expert-tp sizes hold the same regions exactly when their
+    signatures are equal (without ZeRO, whose rows follow the dp index and size too)."""
+    if layout.is_spare(rank):
+        return None
+    return tuple(layout.index_in(kind, rank) for kind in STATE_KINDS)
+
+
+def keep_shards(
+    previous: Sequence[str], order: Sequence[str], *, nproc: int, plan_for: Any
+) -> list[str]:
+    """``order`` (a re-formed world's nodes, in the rendezvous's node-rank order) rearranged
+    so that each surviving node keeps holding what it held: in node-rank order, every
+    position of the new world takes the first node (in ``order``) whose ranks held exactly
+    what that position's ranks hold in the new layout; the positions left take the nodes
+    left, in ``order``. ``previous``: the last world's nodes in node-rank order;
+    ``plan_for(ranks)``: the job's layout for a world of that many ranks.
+
+    In-process recovery then finds each survivor's state in its own memory: nothing moves
+    and its new trainer adopts its old one's tensors. tp2 x dp2 losing the node of rank 0
+    (tp0 of replica 0) used to renumber the survivors so that all three took another tp
+    index; now replica 1's tp0 becomes rank 0 and replica 0's tp1 rank 1. Where every node
+    holds the same (data parallelism alone) the order is ``order`` itself."""
+    order = list(order)
+    if not previous or nproc < 1:
+        return order
+    old, new = plan_for(len(previous) * nproc), plan_for(len(order) * nproc)
+    sizes = [(g.tp, g.pp, g.ep, g.expert_tp) for g in (old.parallel, new.parallel)]
+    if sizes[0] != sizes[1]:
+        return order  # different shards: nothing is kept by placement
+
+    def held(layout: Layout, position: int) -> tuple:
+        return tuple(shard_signature(layout, position * nproc + i) for i in range(nproc))
+
+    survivors = set(order)
+    by_held: dict[tuple, list[str]] = {}
+    for position, node in enumerate(previous):
+        if node in survivors:
+            by_held.setdefault(held(old, position), []).append(node)
+    rank_in_order = {node: i for i, node in enumerate(order)}
+    for nodes in by_held.values():
+        nodes.sort(key=rank_in_order.__getitem__, reverse=True)  # pop() takes the first
+    placed: list[str | None] = [None] * len(order)
+    for position in range(len(order)):
+        want = held(new, position)
+        if all(sig is None for sig in want):
+            continue  # spares hold nothing: filled below, with what is left
+        if by_held.get(want):
+            placed[position] = by_held[want].pop()
+    taken = {n for n in placed if n is not None}
+    rest = iter(n for n in order if n not in taken)
+    return [n if n is not None else next(rest) for n in placed]
+
+
 def format_table(layout: Layout, kinds: Iterable[str] = GROUP_KINDS) -> str:
     """A readable summary: sizes, spares and each group kind's groups."""
     p = layout.parallel

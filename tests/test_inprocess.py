@@ -320,6 +320,24 @@ def test_a_tp_shard_with_no_live_holder_comes_back_from_its_in_memory_replica(tm
     assert second < first and len(second) == 2
 
 
+def test_tp2_dp2_losing_rank_0s_node_keeps_each_survivors_shard_where_it_is(tmp_path):
+    """tp2 x dp2 on four nodes loses the node of rank 0 (tp0 of replica 0). The re-formed
+    world is placed so that each survivor keeps what it holds (``elasticd.layout.
+    keep_shards``): replica 1's tp0 becomes rank 0 and replica 0's tp1 keeps tp1. So the
+    recovery moves no byte and rank 0's new trainer adopts its old memory. (Placed in
+    plain node order, all three survivors took another tp index and every shard moved.)"""
+    job = make_job(tmp_path, "place", steps=10, parallel={"tp": 2},
+                   nodes={"min": 2, "max": 4})  # fmt: skip
+    result = run(job, 4, ["kill-node=0@step=5"])
+    records = check_inprocess(tmp_path, job, result, recoveries=1)
+    shape = lambda r: (r["world"], r["tp"], r["dp"])  # noqa: E731
+    assert shape(records[0]) == (4, 2, 2) and shape(records[-1]) == (3, 2, 1)
+    logs = glob.glob(os.path.join(job.out_dir, "logs", "**", "*.log"), recursive=True)
+    said = "".join(Path(p).read_text(encoding="utf-8", errors="replace") for p in logs)
+    assert re.search(r"from peers at step \d+ \(0\.0 MB received", said), story(job)
+    assert [mb > 0 for mb in kept_mb(job)] == [True], f"{kept_mb(job)}\n{story(job)}"
+
+
 def test_bf16_zero1_loses_a_node_and_the_dead_ranks_rows_come_from_its_replica(tmp_path):
     """bf16 with ZeRO-1, dp3 -> dp2, ``memory_replicas: 1``: each rank holds only its rows
     of the fp32 main parameters and AdamW state, so the dead rank's rows come from their

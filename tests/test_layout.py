@@ -13,9 +13,12 @@ from elasticd.layout import (
     GROUP_KINDS,
     Layout,
     ParallelConfig,
+    keep_shards,
     masked_orthogonal_groups,
+    plan,
     plan_world,
     rank_coordinates,
+    shard_signature,
 )
 
 
@@ -284,3 +287,75 @@ def test_planning_is_deterministic_and_keeps_the_global_batch(case, micro, multi
             or uneven != 0
             or (p.vpp > 1 and accum % p.pp != 0)
         ), bigger
+
+
+# -- placement of a re-formed world: survivors keep what they hold ---------------------------
+
+
+def _job(parallel: dict, *, nproc: int = 1, batch: int = 12, **model):
+    from elasticd.jobspec import parse_job
+
+    return parse_job({
+        "name": "place", "output_dir": "/nonexistent", "nproc_per_node": nproc,
+        "nodes": {"min": 8, "max": 16}, "parallel": parallel,
+        "model": {"layers": 4, "hidden": 64, "heads": 4, "ffn_hidden": 128, "vocab": 256,
+                  "seq_len": 32, **model},
+        "train": {"steps": 4, "global_batch": batch, "micro_batch": 1},
+    })  # fmt: skip
+
+
+def _held(job, nodes: list[str], *, nproc: int) -> dict[str, tuple]:
+    layout = plan(len(nodes) * nproc, job)
+    return {n: tuple(shard_signature(layout, i * nproc + k) for k in range(nproc))
+            for i, n in enumerate(nodes)}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("parallel", "nproc", "model", "previous", "order", "expected"),
+    [
+        # tp2 x dp2 loses rank 0's node: replica 1's tp0 (c) becomes rank 0, b keeps tp1,
+        # d (replica 1's tp1) is the spare. Plain order: b, c, d took tp0, tp1, spare.
+        ({"tp": 2}, 1, {}, "abcd", "bcd", "cbd"),
+        ({"tp": 2}, 1, {}, "abcd", "abd", "abd"),  # nothing moves anyway
+        # Data parallelism alone: every node holds the same; the order stays.
+        ({}, 1, {}, "abc", "ac", "ac"),
+        ({}, 2, {}, "abc", "bc", "bc"),
+        # pp2 x dp2 loses stage 0 of replica 0 (a): b is stage 0 of replica 1.
+        ({"pp": 2}, 1, {}, "abcd", "bcd", "bcd"),
+        # tp2 with two ranks a node and dp2 over 2 nodes: whole tp groups a node, kept.
+        ({"tp": 2}, 2, {}, "abc", "bc", "bc"),
+        # tp2 x ep2 (MoE, dp4, expert-dp2) on 8 nodes losing node 0: every survivor keeps
+        # its tp index and expert shard.
+        ({"tp": 2, "ep": 2}, 1, {"experts": 4, "top_k": 2}, "abcdefgh", "bcdefgh", None),
+        # A newcomer joins: the survivors keep their places, the newcomer takes the rest.
+        ({"tp": 2}, 1, {}, "ab", "abz", "abz"),
+        ({"tp": 2}, 1, {}, "abcd", "bcdz", None),
+    ],
+)  # fmt: skip
+def test_keep_shards_places_each_survivor_where_it_holds_the_same(
+    parallel, nproc, model, previous, order, expected
+):
+    job = _job(parallel, nproc=nproc, **model)
+    out = keep_shards(list(previous), list(order), nproc=nproc,
+                      plan_for=lambda ranks: plan(ranks, job))  # fmt: skip
+    assert sorted(out) == sorted(order)
+    if expected is not None:
+        assert "".join(out) == expected
+    before, after = _held(job, list(previous), nproc=nproc), _held(job, out, nproc=nproc)
+    kept = [n for n in out if n in before and before[n] == after[n]]
+    plain = _held(job, list(order), nproc=nproc)
+    kept_plain = [n for n in order if n in before and before[n] == plain[n]]
+    assert len(kept) >= len(kept_plain)
+    # Every position that some survivor could fill exactly is filled by one.
+    for n in out:
+        if n not in kept and all(s is not None for s in after[n]):
+            assert not any(before.get(m) == after[n] for m in out if m not in kept), (n, out)
+
+
+def test_keep_shards_changes_nothing_when_the_shards_differ_or_nothing_was_held():
+    job = _job({"tp": 2})
+    plan_for = lambda ranks: plan(ranks, job)  # noqa: E731
+    assert keep_shards([], ["b", "a"], nproc=1, plan_for=plan_for) == ["b", "a"]
+    other = _job({"tp": 4})
+    mixed = lambda ranks: plan(ranks, job if ranks == 4 else other)  # noqa: E731
+    assert keep_shards(list("abcd"), list("bcdefg"), nproc=1, plan_for=mixed) == list("bcdefg")

@@ -238,3 +238,29 @@ def test_a_member_whose_join_is_not_seen_yet_is_not_lost_until_the_join_feed_cat
                             live={"a"} | (set(world.nodes) - {"c"}), next_round=(),
                             still_joined=True, closed=False)  # fmt: skip
     assert changes == [Change("lost", ("c",))]
+
+
+def test_build_world_takes_a_placement_only_when_it_is_a_permutation():
+    old = World(run_id="r", round=1, members=tuple(Member(node=n, addr="h", port=1) for n in "abc"))
+    joined = {n: (i, Member(node=n, addr=f"h-{n}", port=i)) for i, n in enumerate("abcd")}
+
+    def build(arrange):
+        world, _ = build_world(run_id="r", round_=2, previous=old, joined=joined, max_nodes=8,
+                               arrange=arrange)  # fmt: skip
+        return world
+
+    told = []
+    swap = lambda prev, order: (told.append((prev, order)), [order[1], order[0], *order[2:]])[1]  # noqa: E731
+    world = build(swap)
+    assert told == [(("a", "b", "c"), ("a", "b", "c", "d"))]
+    assert world.nodes == ("b", "a", "c", "d") and world.master_addr == "h-b"
+    assert build(lambda prev, order: ["a", "b", "c"]).nodes == ("a", "b", "c", "d")  # one short
+    assert build(lambda prev, order: ["a", "a", "b", "c"]).nodes == ("a", "b", "c", "d")
+
+    def broken(prev, order):
+        raise ValueError("no layout for this world")
+
+    assert build(broken).nodes == ("a", "b", "c", "d")  # a round closes all the same
+    first, _ = build_world(run_id="r", round_=1, previous=None, joined=joined, max_nodes=8,
+                           arrange=broken)  # fmt: skip
+    assert first.nodes == ("a", "b", "c", "d")  # nothing held before the first world

@@ -32,6 +32,7 @@ never from polling etcd.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import queue
@@ -127,6 +128,24 @@ def note_trouble_later(notes: Notes, registry: Any, name: str, run_id: str, node
                                             retry_in=retry_in))  # fmt: skip
 
 
+def placement(job: JobSpec) -> Callable[[tuple[str, ...], tuple[str, ...]], list[str]]:
+    """The rendezvous's ``arrange`` for ``job`` (in-process restart): survivors keep the
+    shards they hold (``elasticd.layout.keep_shards``). Pure and the same on every agent:
+    whichever member closes a round places the nodes alike."""
+    from elasticd.layout import keep_shards, plan
+
+    def arrange(previous: tuple[str, ...], order: tuple[str, ...]) -> list[str]:
+        try:
+            return keep_shards(previous, order, nproc=job.nproc_per_node,
+                               plan_for=lambda ranks: plan(ranks, job))  # fmt: skip
+        except Exception as exc:
+            log.warning("placing the nodes failed; keeping their order",
+                        **kv(job=job.name, error=str(exc)))  # fmt: skip
+            raise
+
+    return arrange
+
+
 class JobRunner:
     """Runs one job (one submission, ``record.run_id``) on this node until it ends here."""
 
@@ -217,6 +236,9 @@ class JobRunner:
             min_nodes=self.job.nodes.min,
             max_nodes=self.job.nodes.max,
         )
+        if self.job.restart.mode == "inprocess":
+            # Survivors keep what they hold (in-process recovery then moves nothing).
+            settings = dataclasses.replace(settings, arrange=placement(self.job))
         return EtcdRendezvous(
             client=self._client,
             settings=settings,

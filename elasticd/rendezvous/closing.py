@@ -179,6 +179,7 @@ class RoundCloser:
                 for n, (rev, mem) in joins.items()
             },
             max_nodes=s.max_nodes,
+            arrange=s.arrange,
         )  # fmt: skip
         return ClosePlan(
             round=round_,

@@ -15,7 +15,7 @@ of a running world also watch ``join/`` (see ``core``).
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from elasticd.errors import UsageError
@@ -49,6 +49,14 @@ class RendezvousSettings:
     failed on a closed socket, or a local worker died), wait at most this many seconds for
     previous members that have not re-joined, instead of until their leases expire. A
     member wrongly left out can only come back as a newcomer: rounds are fenced."""
+    arrange: Callable[[Sequence[str], Sequence[str]], Sequence[str]] | None = field(
+        default=None, compare=False, repr=False
+    )
+    """``arrange(previous nodes, order)``: a permutation of a re-forming round's node-rank
+    order, chosen by whoever knows what the nodes hold (the agent: ``elasticd.layout.
+    keep_shards`` for in-process jobs). It must be a pure function of its arguments, the
+    same on every node, since any member may close the round. None, or an answer that is
+    not a permutation of ``order`` (or that raises): ``order`` as it is."""
 
     def __post_init__(self) -> None:
         if not self.run_id or "/" in self.run_id:
@@ -175,6 +183,21 @@ def order_members(
     room = max_nodes - len(survivors)
     admitted, waiting = by_arrival[:room], by_arrival[room:]
     return survivors + sorted(admitted), waiting
+
+
+def arranged(
+    arrange: Callable[[Sequence[str], Sequence[str]], Sequence[str]],
+    previous: Sequence[str],
+    order: list[str],
+) -> list[str]:
+    """``arrange(previous, order)`` if it is a permutation of ``order``, else ``order``: a
+    placement is an optimisation, never a reason for a round not to close (the arranger
+    says why it failed: this module does no I/O)."""
+    try:
+        out = list(arrange(tuple(previous), tuple(order)))
+    except Exception:  # any failure keeps the plain order
+        return order
+    return out if sorted(out) == sorted(order) else order
 
 
 # -- the world record -----------------------------------------------------------------------
@@ -323,11 +346,15 @@ def build_world(
     previous: World | None,
     joined: Mapping[str, tuple[int, Member]],
     max_nodes: int,
+    arrange: Callable[[Sequence[str], Sequence[str]], Sequence[str]] | None = None,
 ) -> tuple[World, list[str]]:
-    """The world to write for ``round_`` from the joins ``node -> (join revision, member)``."""
+    """The world to write for ``round_`` from the joins ``node -> (join revision, member)``,
+    its order rearranged by ``arrange`` (see ``RendezvousSettings.arrange``)."""
     order, waiting = order_members(
         previous.nodes if previous else (), {n: rev for n, (rev, _) in joined.items()}, max_nodes
     )
+    if arrange is not None and previous is not None:
+        order = arranged(arrange, previous.nodes, order)
     members = tuple(joined[n][1] for n in order)
     return World(run_id=run_id, round=round_, members=members), waiting
 
