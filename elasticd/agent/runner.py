@@ -128,6 +128,11 @@ def note_trouble_later(notes: Notes, registry: Any, name: str, run_id: str, node
                                             retry_in=retry_in))  # fmt: skip
 
 
+KEEP_SHARDS_ENV = "ELASTICD_KEEP_SHARDS"
+"""``0`` in an agent's environment: its in-process jobs' worlds keep the rendezvous's plain
+node order (the baseline of ``bench/recovery.py``'s ``inproc-move-plain``)."""
+
+
 def placement(job: JobSpec) -> Callable[[tuple[str, ...], tuple[str, ...]], list[str]]:
     """The rendezvous's ``arrange`` for ``job`` (in-process restart): survivors keep the
     shards they hold (``elasticd.layout.keep_shards``). Pure and the same on every agent:
@@ -236,7 +241,7 @@ class JobRunner:
             min_nodes=self.job.nodes.min,
             max_nodes=self.job.nodes.max,
         )
-        if self.job.restart.mode == "inprocess":
+        if self.job.restart.mode == "inprocess" and os.environ.get(KEEP_SHARDS_ENV) != "0":
             # Survivors keep what they hold (in-process recovery then moves nothing).
             settings = dataclasses.replace(settings, arrange=placement(self.job))
         return EtcdRendezvous(
