@@ -12,7 +12,13 @@ node, ``restart.mode: inprocess``, ``checkpoint.every: 0``) and SIGKILLs one nod
 
 - ``dp``: dp3 -> dp2, fp32 (every survivor keeps every box);
 - ``dp-bf16``: the same in bf16 (a bf16 model and fp32 main copies);
-- ``move``: tp2 x dp2 -> tp2 x dp1 (the survivors keep their tp shards).
+- ``move``: tp2 x dp2 -> tp2 x dp1, rank 0's node killed; the re-formed world is placed so
+  that the survivors keep their tp shards (``elasticd.layout.keep_shards``);
+- ``move-plain``: the same in the rendezvous's plain order (``ELASTICD_KEEP_SHARDS=0``):
+  every survivor takes another tp index, so every shard moves.
+
+The time from the kill to the first record of the re-formed world is printed too
+(``seconds``), with rank 0's MB received.
 
 Per survivor, from ``/proc/PID/status``: the peak resident memory (``VmHWM``) is reset
 (``/proc/PID/clear_refs``, 5) once step ``--kill-step`` is done and read two steps later:
@@ -38,6 +44,7 @@ import signal
 import statistics
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -51,8 +58,10 @@ CASES = {
     "dp": (3, {}, "float32", 1),
     "dp-bf16": (3, {}, "bfloat16", 1),
     "move": (4, {"tp": 2}, "float32", 0),
+    "move-plain": (4, {"tp": 2}, "float32", 0),
 }
 KEPT = re.compile(r"([\d.]+) MB of the previous round's memory kept")
+RECEIVED = re.compile(r"from (?:peers|replica) at step \d+ \(([\d.]+) MB received")
 
 
 def job_dict(out: str, *, nodes: int, parallel: dict, dtype: str) -> dict:
@@ -108,6 +117,8 @@ def run_case(base: str, case: str, *, adopt: bool, kill_step: int, limit: float)
     nodes, parallel, dtype, victim_rank = CASES[case]
     out = os.path.join(base, "out")
     env = dict(os.environ, ELASTICD_ADOPT="1" if adopt else "0")
+    if case == "move-plain":
+        env["ELASTICD_KEEP_SHARDS"] = "0"
     metrics = os.path.join(out, "metrics.jsonl")
 
     def reached(step: int, world: int) -> bool:
@@ -131,23 +142,16 @@ def run_case(base: str, case: str, *, adopt: bool, kill_step: int, limit: float)
             if not wait_until(lambda: reached(at + 2, nodes), limit):
                 return {"error": "training stopped before the kill"}
             training = {pid: status_kb(pid, "VmHWM") for pid in survivors}
-            if os.environ.get("RECMEM_DEBUG"):
-                for pid in survivors:
-                    print(
-                        pid,
-                        {
-                            f: status_kb(pid, f) // 1024
-                            for f in ("VmHWM", "VmRSS", "RssAnon", "RssFile", "VmSwap")
-                        },
-                    )
             for pid in survivors:
                 reset_peak(pid)
             old_round = max(r["round"] for r in read_records(metrics))
+            killed = time.time()
             cluster.kill_node(victim)
             first = wait_until(lambda: next((r for r in read_records(metrics)
                                              if r["round"] > old_round), None), limit)  # fmt: skip
             if first is None:
                 return {"error": "no step in the re-formed world"}
+            seconds = time.time() - killed
             if not wait_until(lambda: reached(first["step"] + 1, nodes - 1), limit):
                 return {"error": "the re-formed world stopped"}
             try:
@@ -156,17 +160,20 @@ def run_case(base: str, case: str, *, adopt: bool, kill_step: int, limit: float)
                 return {"error": "a survivor's process is gone: not recovered in-process"}
             with contextlib.suppress(Exception):
                 reg.cancel(JOB)
-    kept = []
+    kept, received = [], []
     for root, _, files in os.walk(os.path.join(out, "logs")):
         for name in files:
             with open(os.path.join(root, name), encoding="utf-8", errors="replace") as fh:
-                kept += [float(m) for m in KEPT.findall(fh.read())]
+                text = fh.read()
+            kept += [float(m) for m in KEPT.findall(text)]
+            received += [float(m) for m in RECEIVED.findall(text)]
     rise = {pid: (recovery[pid] - training[pid]) / 1024 for pid in survivors}
     return {
         "rise_mb": max(rise.values()), "rises_mb": sorted(rise.values()),
         "training_peak_mb": max(training.values()) / 1024,
         "recovery_peak_mb": max(recovery.values()) / 1024,
         "kept_mb": kept[-1] if kept else 0.0, "first_step": first["step"],
+        "seconds": seconds, "received_mb": received[-1] if received else None,
         "training_mb": {str(p): v / 1024 for p, v in training.items()},
         "recovery_mb": {str(p): v / 1024 for p, v in recovery.items()},
     }  # fmt: skip
@@ -191,8 +198,8 @@ def main() -> int:
     sizes = {c: state_mb(CASES[c][2], CASES[c][1].get("tp", 1)) for c in names}
     print("recovery_memory: a survivor's peak RSS during an in-process recovery, above its "
           "training peak (MB)")  # fmt: skip
-    print(f"{'case':<8} {'adopt':<5} {'run':>3} {'state MB':>8} {'train pk':>8} {'recov pk':>8} "
-          f"{'rise':>7} {'kept MB':>7}")  # fmt: skip
+    print(f"{'case':<10} {'adopt':<5} {'run':>3} {'state MB':>8} {'train pk':>8} {'recov pk':>8} "
+          f"{'rise':>7} {'kept MB':>7} {'recv MB':>7} {'seconds':>7}")  # fmt: skip
     results: dict[str, list[dict]] = {}
     for rep in range(args.repeats):
         for case in names:
@@ -206,9 +213,11 @@ def main() -> int:
                 if "error" in res:
                     print(f"{case:<8} {key[-3:]:<5} {rep + 1:>3} n/a  {res['error']}", flush=True)
                     continue
-                print(f"{case:<8} {key.split('/')[1]:<5} {rep + 1:>3} {sizes[case]:>8.1f} "
+                print(f"{case:<10} {key.split('/')[1]:<5} {rep + 1:>3} {sizes[case]:>8.1f} "
                       f"{res['training_peak_mb']:>8.1f} {res['recovery_peak_mb']:>8.1f} "
-                      f"{res['rise_mb']:>7.1f} {res['kept_mb']:>7.1f}", flush=True)  # fmt: skip
+                      f"{res['rise_mb']:>7.1f} {res['kept_mb']:>7.1f} "
+                      f"{res['received_mb'] if res['received_mb'] is not None else '-':>7} "
+                      f"{res['seconds']:>7.2f}", flush=True)  # fmt: skip
     print("\nsummary (medians of the largest rise over the survivors)")
     for case in names:
         med = {}
@@ -218,9 +227,12 @@ def main() -> int:
         if med["yes"] is None or med["no"] is None:
             print(f"{case:<8} n/a (failed runs)")
             continue
-        print(f"{case:<8} state {sizes[case]:.1f} MB a rank: rise adopting {med['yes']:.1f} MB "
+        secs = {a: statistics.median(r["seconds"] for r in results[f"{case}/{a}"] if "seconds" in r)
+                for a in ("yes", "no")}  # fmt: skip
+        print(f"{case:<10} state {sizes[case]:.1f} MB a rank: rise adopting {med['yes']:.1f} MB "
               f"({med['yes'] / sizes[case]:.2f}x the state), allocating {med['no']:.1f} MB "
-              f"({med['no'] / sizes[case]:.2f}x)")  # fmt: skip
+              f"({med['no'] / sizes[case]:.2f}x); kill -> first step {secs['yes']:.2f} s "
+              f"adopting, {secs['no']:.2f} s allocating")  # fmt: skip
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump({"args": vars(args), "state_mb": sizes, "runs": results}, fh, indent=1)

@@ -449,20 +449,28 @@ def keep_shards(
     if sizes[0] != sizes[1]:
         return order  # different shards: nothing is kept by placement
 
-    def held(layout: Layout, position: int) -> tuple:
-        return tuple(shard_signature(layout, position * nproc + i) for i in range(nproc))
+    def indexes(layout: Layout) -> list[dict[int, int]]:
+        # rank -> its index in its group, per kind: one pass over the groups, so a world of
+        # thousands of ranks is placed in linear time (index_in scans every group).
+        return [{r: i for g in layout.groups[k] for i, r in enumerate(g)} for k in STATE_KINDS]
+
+    old_at, new_at = indexes(old), indexes(new)
+
+    def held(layout: Layout, at: list[dict[int, int]], position: int) -> tuple:
+        ranks = range(position * nproc, (position + 1) * nproc)
+        return tuple(None if layout.is_spare(r) else tuple(m.get(r) for m in at) for r in ranks)
 
     survivors = set(order)
     by_held: dict[tuple, list[str]] = {}
     for position, node in enumerate(previous):
         if node in survivors:
-            by_held.setdefault(held(old, position), []).append(node)
+            by_held.setdefault(held(old, old_at, position), []).append(node)
     rank_in_order = {node: i for i, node in enumerate(order)}
     for nodes in by_held.values():
         nodes.sort(key=rank_in_order.__getitem__, reverse=True)  # pop() takes the first
     placed: list[str | None] = [None] * len(order)
     for position in range(len(order)):
-        want = held(new, position)
+        want = held(new, new_at, position)
         if all(sig is None for sig in want):
             continue  # spares hold nothing: filled below, with what is left
         if by_held.get(want):
