@@ -432,8 +432,9 @@ def keep_shards(
     """``order`` (a re-formed world's nodes, in the rendezvous's node-rank order) rearranged
     so that each surviving node keeps holding what it held: in node-rank order, every
     position of the new world takes the first node (in ``order``) whose ranks held exactly
-    what that position's ranks hold in the new layout; the positions left take the nodes
-    left, in ``order``. ``previous``: the last world's nodes in node-rank order;
+    what that position's ranks hold in the new layout (with ZeRO-1 preferring one whose
+    ranks also keep their dp and cp indexes, which its rows follow); the positions left
+    take the nodes left, in ``order``. ``previous``: the last world's nodes in node-rank order;
     ``plan_for(ranks)``: the job's layout for a world of that many ranks.
 
     In-process recovery then finds each survivor's state in its own memory: nothing moves
@@ -449,33 +450,45 @@ def keep_shards(
     if sizes[0] != sizes[1]:
         return order  # different shards: nothing is kept by placement
 
+    # With ZeRO-1 a rank's rows follow its dp index too: an exact place (the same shards
+    # and the same replica) first. Without, replicas are alike: the shards alone.
+    zero = bool(getattr(new.parallel, "zero", 0))
+    kinds = (*STATE_KINDS, "dp", "cp") if zero else STATE_KINDS
+
     def indexes(layout: Layout) -> list[dict[int, int]]:
         # rank -> its index in its group, per kind: one pass over the groups, so a world of
         # thousands of ranks is placed in linear time (index_in scans every group).
-        return [{r: i for g in layout.groups[k] for i, r in enumerate(g)} for k in STATE_KINDS]
+        return [{r: i for g in layout.groups[k] for i, r in enumerate(g)} for k in kinds]
 
     old_at, new_at = indexes(old), indexes(new)
+    shards = len(STATE_KINDS)
 
-    def held(layout: Layout, at: list[dict[int, int]], position: int) -> tuple:
+    def held(layout: Layout, at: list[dict[int, int]], position: int, n: int) -> tuple:
         ranks = range(position * nproc, (position + 1) * nproc)
-        return tuple(None if layout.is_spare(r) else tuple(m.get(r) for m in at) for r in ranks)
+        return tuple(None if layout.is_spare(r) else tuple(m.get(r) for m in at[:n]) for r in ranks)
 
     survivors = set(order)
-    by_held: dict[tuple, list[str]] = {}
-    for position, node in enumerate(previous):
-        if node in survivors:
-            by_held.setdefault(held(old, old_at, position), []).append(node)
     rank_in_order = {node: i for i, node in enumerate(order)}
-    for nodes in by_held.values():
-        nodes.sort(key=rank_in_order.__getitem__, reverse=True)  # pop() takes the first
     placed: list[str | None] = [None] * len(order)
-    for position in range(len(order)):
-        want = held(new, new_at, position)
-        if all(sig is None for sig in want):
-            continue  # spares hold nothing: filled below, with what is left
-        if by_held.get(want):
-            placed[position] = by_held[want].pop()
-    taken = {n for n in placed if n is not None}
+    taken: set[str] = set()
+    # The exact place first (with ZeRO-1), then the same shards; each position takes the
+    # first such node in ``order``.
+    for n in dict.fromkeys((len(kinds), shards)):
+        by_held: dict[tuple, list[str]] = {}
+        for position, node in enumerate(previous):
+            if node in survivors and node not in taken:
+                by_held.setdefault(held(old, old_at, position, n), []).append(node)
+        for nodes in by_held.values():
+            nodes.sort(key=rank_in_order.__getitem__, reverse=True)  # pop() takes the first
+        for position in range(len(order)):
+            if placed[position] is not None:
+                continue
+            want = held(new, new_at, position, n)
+            if all(sig is None for sig in want):
+                continue  # spares hold nothing: filled below, with what is left
+            if by_held.get(want):
+                placed[position] = by_held[want].pop()
+                taken.add(placed[position])
     rest = iter(n for n in order if n not in taken)
     return [n if n is not None else next(rest) for n in placed]
 

@@ -317,6 +317,12 @@ def _held(job, nodes: list[str], *, nproc: int) -> dict[str, tuple]:
         # d (replica 1's tp1) is the spare. Plain order: b, c, d took tp0, tp1, spare.
         ({"tp": 2}, 1, {}, "abcd", "bcd", "cbd"),
         ({"tp": 2}, 1, {}, "abcd", "abd", "abd"),  # nothing moves anyway
+        # tp2 x dp2 + a spare (e) loses b (tp1 of replica 0). With ZeRO-1 c and d keep
+        # their exact places (the dp index too, which the rows follow) and the spare takes
+        # b's; without, d (the first tp1 holder) takes b's and e fills in.
+        ({"tp": 2, "zero": 1}, 1, {}, "abcde", "acde", "aecd"),
+        ({"tp": 2}, 1, {}, "abcde", "acde", "adce"),
+        ({"zero": 1}, 2, {}, "abc", "bc", "cb"),  # ZeRO-1: b keeps its replica's rows
         # Data parallelism alone: every node holds the same; the order stays.
         ({}, 1, {}, "abc", "ac", "ac"),
         ({}, 2, {}, "abc", "bc", "bc"),

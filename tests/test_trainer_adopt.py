@@ -249,3 +249,158 @@ def test_recovery_adopt_falls_back_to_the_checkpoint_and_offers_no_overwritten_m
     assert r0["fail"]["source"] == "raised" and r1["fail"]["source"] == "checkpoint"
     assert r0["ok"]["source"] == r1["ok"]["source"] == "checkpoint"
     assert r0["ok"]["step"] == r1["ok"]["step"] == 1
+
+
+class _NoCheckpoint:
+    """Stands where the round's Checkpointing would: these recoveries never fall back."""
+
+    last_saved = None
+
+    def resume(self) -> bool:
+        raise AssertionError("no fall back to the checkpoint expected")
+
+
+class _Replicas:
+    """What ``ctx.state['replicator']`` offers: ``held()``, the kept snapshots."""
+
+    def __init__(self, held) -> None:
+        self._held = held
+
+    def held(self):
+        return self._held
+
+
+def _another_step_worker(rank: int, world: int, tmp: str, raw: dict, out: str) -> None:
+    from checkpoint.live import Held
+    from trainer.parallel.groups import ProcessGroups
+    from trainer.recovery import adoption, agree, holdings, recover
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))  # fmt: skip
+    job = parse_job(raw)
+    layout = plan(world, job)
+
+    def build(adopt=None, init=True) -> Trainer:
+        groups = ProcessGroups.build(layout, rank=rank)
+        torch.manual_seed(job.train.seed)
+        return Trainer(job=job, layout=layout, ctx=ParallelContext.from_groups(groups),
+                       dp_rank=groups.index("dp"), init=init, adopt=adopt)  # fmt: skip
+
+    results = {}
+    for fail in (True, False):
+        old = build()
+        for _ in range(2):
+            old.train_step()
+        snap = {k: (t.clone(), i) for k, (t, i) in holdings(old, create=True).items()}
+        at = (old.state.step, old.state.consumed_samples)
+        old.train_step()
+        old.close()
+        ctx = _Ctx(rank)
+        if rank == 1:  # its shard is held at step 2 only: step 3 covers nothing of it
+            for key, (t, _) in holdings(old, create=True).items():
+                t.copy_(snap[key][0])
+            old.state.step, old.state.consumed_samples = at
+        else:  # rank 0 holds step 3, and a snapshot of step 2 (a memory replica)
+            ctx.state["replicator"] = _Replicas([Held(step=at[0], consumed=at[1], tensors=snap)])
+        ctx.state["trainer"] = old
+        agreed = agree(ctx)
+        new = build(adoption(ctx, agreed, env={}), init=False)
+        kept = new.adopted_bytes
+        try:
+            source = recover(ctx, new, _NoCheckpoint(), channel=_Channel(fail=fail and rank == 0),
+                             job=job, agreed=agreed)  # fmt: skip
+        except RuntimeError:
+            source = "raised"
+        results["fail" if fail else "ok"] = {
+            "newest": agreed.newest, "kept": kept, "source": source, "step": new.state.step,
+            "old_offered": ctx.state.get("trainer") is old,
+            "snapshot": all(torch.equal(t, snap[k][0])
+                            for k, (t, _) in holdings(new, create=True).items()),
+        }  # fmt: skip
+        new.close()
+        dist.barrier()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_adopted_memory_written_at_another_step_is_never_offered_again(tmp_path, dtype):
+    """tp2: rank 0 holds step 3 (and a replica snapshot of step 2), rank 1 only step 2, so
+    the survivors agree on step 2 from rank 0's snapshot. Rank 0 held the newest step and
+    adopted its memory, which the transfer then overwrites with step 2: the old trainer
+    must be gone from what the next round offers before that write (``before_write``),
+    even when a fault follows the transfer (the report raising). Without the fault the
+    round goes on at step 2, every tensor the snapshot's."""
+    raw = _raw(parallel={"tp": 2}, train={"dtype": dtype})
+    raw["nproc_per_node"] = 2
+    out = tmp_path / "results"
+    out.mkdir()
+    mp.spawn(_another_step_worker, args=(2, str(tmp_path), raw, str(out)), nprocs=2, join=True)
+    r0 = json.loads((out / "rank0.json").read_text())
+    r1 = json.loads((out / "rank1.json").read_text())
+    for run in ("fail", "ok"):
+        assert r0[run]["newest"] == r1[run]["newest"] == 3
+        assert r0[run]["kept"] > 0 and r1[run]["kept"] == 0
+        assert not r0[run]["old_offered"] and not r1[run]["old_offered"], run
+        assert r0[run]["step"] == r1[run]["step"] == 2
+        assert r0[run]["snapshot"] and r1[run]["snapshot"], run
+    assert r0["fail"]["source"] == "raised" and r1["fail"]["source"] == "replica"
+    assert r0["ok"]["source"] == r1["ok"]["source"] == "replica"
+
+
+def _zero_swap_worker(rank: int, world: int, tmp: str, raw: dict, out: str) -> None:
+    from trainer.parallel.groups import ProcessGroups
+    from trainer.recovery import adoption, agree, recover
+
+    job = parse_job(raw)
+    layout = plan(world, job)
+
+    def build(r: int, adopt=None, init=True) -> Trainer:
+        groups = ProcessGroups.build(layout, rank=r)
+        torch.manual_seed(job.train.seed)
+        return Trainer(job=job, layout=layout, ctx=ParallelContext.from_groups(groups),
+                       dp_rank=groups.index("dp"), init=init, adopt=adopt)  # fmt: skip
+
+    results = {}
+    for adopt in (True, False):
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/a-{adopt}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=60))  # fmt: skip
+        old = build(rank)
+        for _ in range(2):
+            old.train_step()
+        old.close()
+        dist.destroy_process_group()
+        swapped = world - 1 - rank  # a new round in which every rank takes the other's dp index
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/b-{adopt}", rank=swapped,
+                                world_size=world, timeout=timedelta(seconds=60))  # fmt: skip
+        ctx = _Ctx(swapped)
+        ctx.state["trainer"] = old
+        agreed = agree(ctx)
+        env = {} if adopt else {"ELASTICD_ADOPT": "0"}
+        new = build(swapped, adoption(ctx, agreed, env=env), init=False)
+        kept = new.adopted_bytes
+        source = recover(ctx, new, _NoCheckpoint(), channel=_Channel(), job=job, agreed=agreed)
+        losses = [new.train_step().loss for _ in range(3)]
+        results[str(adopt)] = {"kept": kept, "source": source, "losses": losses}
+        new.close()
+        dist.destroy_process_group()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def test_fp32_zero1_ranks_that_swap_rows_adopt_and_train_as_if_they_had_allocated(tmp_path):
+    """fp32 with ZeRO-1: each rank's main parameter is a view of its rows of the model
+    parameter, and AdamW's state is those rows'. Two ranks swap dp indexes in the new
+    round, so each adopts the whole model parameter (the same box) but needs the other's
+    rows of main and AdamW state, received into rows of the very storage it adopted while
+    it sends its own old rows from it. The steps after are exactly those of the same
+    recovery allocating everything (``ELASTICD_ADOPT=0``)."""
+    raw = _raw(parallel={"zero": 1}, train={"micro_batch": 1})
+    raw["nproc_per_node"] = 2
+    out = tmp_path / "results"
+    out.mkdir()
+    mp.spawn(_zero_swap_worker, args=(2, str(tmp_path), raw, str(out)), nprocs=2, join=True)
+    for rank in (0, 1):
+        res = json.loads((out / f"rank{rank}.json").read_text())
+        assert res["True"]["kept"] > 0 and res["False"]["kept"] == 0
+        assert res["True"]["source"] == res["False"]["source"] == "peers"
+        assert res["True"]["losses"] == res["False"]["losses"]
