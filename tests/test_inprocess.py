@@ -251,7 +251,12 @@ def standby_pids(job) -> set[int]:
 @pytest.mark.parametrize(
     ("name", "nodes", "nproc", "parallel", "model", "before", "after"),
     [
-        ("tp", 2, 2, {"tp": 2}, {}, (4, 2, 1, 2), (2, 2, 1, 1)),
+        # One rank a node, and the node of rank 0 (tp0 of replica 0) dies. The re-formed
+        # world is placed so that each survivor keeps what it holds (elasticd.layout.
+        # keep_shards): replica 1's tp0 becomes rank 0, replica 0's tp1 stays tp1, and
+        # nothing moves. (In plain node order all three survivors took another tp index
+        # and every shard moved.)
+        ("tp", 4, 1, {"tp": 2}, {}, (4, 2, 1, 2), (3, 2, 1, 1)),
         # pp is the slowest dimension: with 2 ranks a node, a node would hold a whole
         # stage. One rank a node: the dead node held one stage of one replica; the third
         # survivor is a spare in pp2 x dp1 (and serves what it holds).
@@ -267,15 +272,19 @@ def test_a_sharded_layout_loses_a_node_and_the_survivors_reshard_from_memory(
     data-parallel replica, so every shard the new layout needs is alive, but ranks move."""
     job = make_job(tmp_path, name, nproc=nproc, steps=10, parallel=parallel, model=model,
                    nodes={"min": 2 // nproc, "max": nodes}, batch=8 if name == "ep" else 12)  # fmt: skip
-    result = run(job, nodes, ["kill-node=1@step=5"])
+    result = run(job, nodes, [f"kill-node={0 if name == 'tp' else 1}@step=5"])
     records = check_inprocess(tmp_path, job, result, recoveries=1)
     shape = lambda r: (r["world"], r["tp"], r["pp"], r["dp"])  # noqa: E731
     assert shape(records[0]) == before and shape(records[-1]) == after
     pids = round_pids(job)
     first, second = (pids[r] for r in sorted(pids))
     assert second < first and len(second) == (nodes - 1) * nproc
-    # Node 0 survives: rank 0 keeps its shard (pp: its stage), and adopts its memory.
+    # The new rank 0 keeps its shard (pp: its stage), and adopts its old memory.
     assert [mb > 0 for mb in kept_mb(job)] == [True], f"{kept_mb(job)}\n{story(job)}"
+    if name == "tp":  # placed: nothing moves
+        logs = glob.glob(os.path.join(job.out_dir, "logs", "**", "*.log"), recursive=True)
+        said = "".join(Path(p).read_text(encoding="utf-8", errors="replace") for p in logs)
+        assert re.search(r"from peers at step \d+ \(0\.0 MB received", said), story(job)
 
 
 @pytest.mark.parametrize("every", [0, 5], ids=["no-save", "save-step"])
@@ -318,24 +327,6 @@ def test_a_tp_shard_with_no_live_holder_comes_back_from_its_in_memory_replica(tm
     pids = round_pids(job)
     first, second = (pids[r] for r in sorted(pids))
     assert second < first and len(second) == 2
-
-
-def test_tp2_dp2_losing_rank_0s_node_keeps_each_survivors_shard_where_it_is(tmp_path):
-    """tp2 x dp2 on four nodes loses the node of rank 0 (tp0 of replica 0). The re-formed
-    world is placed so that each survivor keeps what it holds (``elasticd.layout.
-    keep_shards``): replica 1's tp0 becomes rank 0 and replica 0's tp1 keeps tp1. So the
-    recovery moves no byte and rank 0's new trainer adopts its old memory. (Placed in
-    plain node order, all three survivors took another tp index and every shard moved.)"""
-    job = make_job(tmp_path, "place", steps=10, parallel={"tp": 2},
-                   nodes={"min": 2, "max": 4})  # fmt: skip
-    result = run(job, 4, ["kill-node=0@step=5"])
-    records = check_inprocess(tmp_path, job, result, recoveries=1)
-    shape = lambda r: (r["world"], r["tp"], r["dp"])  # noqa: E731
-    assert shape(records[0]) == (4, 2, 2) and shape(records[-1]) == (3, 2, 1)
-    logs = glob.glob(os.path.join(job.out_dir, "logs", "**", "*.log"), recursive=True)
-    said = "".join(Path(p).read_text(encoding="utf-8", errors="replace") for p in logs)
-    assert re.search(r"from peers at step \d+ \(0\.0 MB received", said), story(job)
-    assert [mb > 0 for mb in kept_mb(job)] == [True], f"{kept_mb(job)}\n{story(job)}"
 
 
 def test_bf16_zero1_loses_a_node_and_the_dead_ranks_rows_come_from_its_replica(tmp_path):
