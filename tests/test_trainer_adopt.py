@@ -171,21 +171,29 @@ class _Channel:
         pass
 
 
+def _ranked_trainer(job, rank: int, *, adopt=None, init: bool = True):
+    """``(Trainer, ProcessGroups)`` of ``rank`` in the job's layout for the current world,
+    as ``python -m trainer`` builds them (the world already initialised)."""
+    from trainer.parallel.groups import ProcessGroups
+
+    layout = plan(dist.get_world_size(), job)
+    groups = ProcessGroups.build(layout, rank=rank)
+    torch.manual_seed(job.train.seed)
+    trainer = Trainer(job=job, layout=layout, ctx=ParallelContext.from_groups(groups),
+                      dp_rank=groups.index("dp"), init=init, adopt=adopt)  # fmt: skip
+    return trainer, groups
+
+
 def _recovery_worker(rank: int, world: int, tmp: str, raw: dict, out: str) -> None:
     from trainer.checkpointing import Checkpointing
-    from trainer.parallel.groups import ProcessGroups
     from trainer.recovery import adoption, agree, recover
 
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
                             world_size=world, timeout=timedelta(seconds=60))  # fmt: skip
     job = parse_job(raw).with_paths_resolved(tmp)
-    layout = plan(world, job)
 
-    def build(adopt=None, init=True) -> tuple[Trainer, ProcessGroups]:
-        groups = ProcessGroups.build(layout, rank=rank)
-        torch.manual_seed(job.train.seed)
-        return Trainer(job=job, layout=layout, ctx=ParallelContext.from_groups(groups),
-                       dp_rank=groups.index("dp"), init=init, adopt=adopt), groups  # fmt: skip
+    def build(adopt=None, init=True):
+        return _ranked_trainer(job, rank, adopt=adopt, init=init)
 
     # Round A: tp2, a checkpoint committed at step 1, then two more steps in memory.
     old, groups = build()
@@ -272,19 +280,14 @@ class _Replicas:
 
 def _another_step_worker(rank: int, world: int, tmp: str, raw: dict, out: str) -> None:
     from checkpoint.live import Held
-    from trainer.parallel.groups import ProcessGroups
     from trainer.recovery import adoption, agree, holdings, recover
 
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
                             world_size=world, timeout=timedelta(seconds=60))  # fmt: skip
     job = parse_job(raw)
-    layout = plan(world, job)
 
     def build(adopt=None, init=True) -> Trainer:
-        groups = ProcessGroups.build(layout, rank=rank)
-        torch.manual_seed(job.train.seed)
-        return Trainer(job=job, layout=layout, ctx=ParallelContext.from_groups(groups),
-                       dp_rank=groups.index("dp"), init=init, adopt=adopt)  # fmt: skip
+        return _ranked_trainer(job, rank, adopt=adopt, init=init)[0]
 
     results = {}
     for fail in (True, False):
@@ -349,17 +352,12 @@ def test_adopted_memory_written_at_another_step_is_never_offered_again(tmp_path,
 
 
 def _zero_swap_worker(rank: int, world: int, tmp: str, raw: dict, out: str) -> None:
-    from trainer.parallel.groups import ProcessGroups
     from trainer.recovery import adoption, agree, recover
 
     job = parse_job(raw)
-    layout = plan(world, job)
 
     def build(r: int, adopt=None, init=True) -> Trainer:
-        groups = ProcessGroups.build(layout, rank=r)
-        torch.manual_seed(job.train.seed)
-        return Trainer(job=job, layout=layout, ctx=ParallelContext.from_groups(groups),
-                       dp_rank=groups.index("dp"), init=init, adopt=adopt)  # fmt: skip
+        return _ranked_trainer(job, r, adopt=adopt, init=init)[0]
 
     results = {}
     for adopt in (True, False):
