@@ -105,6 +105,42 @@ def test_an_adopted_trainer_trains_on_bit_for_bit_and_allocates_no_state(section
         assert torch.equal(t, u), name
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_the_adopted_state_is_the_old_device_memory_and_the_peak_stays_one_copy():
+    """bf16 on the device (fused AdamW, its step counts on the device): the adopted
+    trainer's state is the old trainer's device memory, the CUDA allocator's peak during
+    the new trainer's build rises by no more than its gradient buckets (which replace the
+    old ones, freed first), and it trains on exactly as the old one would have."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    raw = _raw(train={"dtype": "bfloat16"})
+
+    def build(init: bool = True, adopt: Adoption | None = None) -> Trainer:
+        job = parse_job(raw)
+        torch.manual_seed(job.train.seed)
+        return Trainer(job=job, layout=plan(1, job), ctx=ParallelContext.single(), dp_rank=0,
+                       device=device, init=init, adopt=adopt)  # fmt: skip
+
+    twin, old = build(), build()
+    for _ in range(2):
+        assert twin.train_step().loss == old.train_step().loss
+    buckets = sum(s.nbytes for s in old.grad_syncs)
+    old.release_gradients()
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    new = build(init=False, adopt=old.adoption())
+    torch.cuda.synchronize(device)
+    assert torch.cuda.max_memory_allocated(device) - before <= buckets + (1 << 20)
+    assert all(t.device == device for t in _state_tensors(new))
+    assert _storages(_state_tensors(new)) <= _storages(_state_tensors(old))
+    new.state.step, new.state.consumed_samples = old.state.step, old.state.consumed_samples
+    new.main_to_model()
+    for _ in range(2):
+        a, b = twin.train_step(), new.train_step()
+        assert (a.loss, a.grad_norm) == (b.loss, b.grad_norm)
+
+
 def test_a_trainer_not_yet_stepped_adopts_its_parameters_and_makes_adamw_state_later():
     raw = _raw(train={"dtype": "bfloat16"})
     old = _trainer(raw)
