@@ -724,11 +724,11 @@ def recover_from_peers(
     ``have``: what this rank holds from before the fault (None for a newcomer), at step
     ``have_step`` with the data position ``have_consumed``. ``extra``: more holdings, each
     at its own step (snapshots, peers' in-memory replicas); a region may come from any of
-    them held at the agreed step. ``need``: the new layout's
-    tensors, which may be (or share memory with) ``have``'s where the region is the same.
-    ``before_write(step)``: called once the step is agreed, before anything is written
-    into ``need`` (not called when nothing will be). ``group``: a gloo group over the new world (every rank calls this); None or
-    torch.distributed not initialised means one process. Returns None on every rank when
+    them held at the agreed step. ``need``: the new layout's tensors, which may be (or
+    share memory with) ``have``'s where the region is the same. ``before_write(step)``:
+    called once the step is agreed, before anything is written into ``need`` (not called
+    when nothing will be). ``group``: a gloo group over the new world (every rank calls
+    this); None or torch.distributed not initialised means one process. Returns None on every rank when
     the live state cannot fill every needed region at one step, or a chunk failed its CRC
     on any rank (``need`` may then be partly written). Raises when a peer dies mid-transfer.
     """
