@@ -728,9 +728,10 @@ def recover_from_peers(
     share memory with) ``have``'s where the region is the same. ``before_write(step)``:
     called once the step is agreed, before anything is written into ``need`` (not called
     when nothing will be). ``group``: a gloo group over the new world (every rank calls
-    this); None or torch.distributed not initialised means one process. Returns None on every rank when
-    the live state cannot fill every needed region at one step, or a chunk failed its CRC
-    on any rank (``need`` may then be partly written). Raises when a peer dies mid-transfer.
+    this); None or torch.distributed not initialised means one process. Returns None on
+    every rank when the live state cannot fill every needed region at one step, or a chunk
+    failed its CRC on any rank (``need`` may then be partly written). Raises when a peer
+    dies mid-transfer.
     """
     started = time.perf_counter()
     marks: dict[str, float] = {}

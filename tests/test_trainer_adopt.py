@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_trainer_deferred_init import BASE as DEFERRED_BASE
 
 from checkpoint.shards import ShardInfo
 from elasticd.jobspec import parse_job
@@ -29,16 +30,9 @@ from trainer.init import Adoption
 from trainer.parallel.context import ParallelContext
 from trainer.train import Trainer
 
-BASE = {
-    "name": "adopt",
-    "output_dir": "/nonexistent",
-    "nproc_per_node": 1,
-    "model": {"layers": 2, "hidden": 32, "heads": 4, "ffn_hidden": 64, "vocab": 50,
-              "seq_len": 16, "tie_embeddings": False},
-    "train": {"steps": 6, "global_batch": 4, "micro_batch": 2, "lr": 3.0e-3, "warmup": 1,
-              "seed": 11, "bucket_mb": 0.002},
-    "checkpoint": {"every": 0},
-}  # fmt: skip
+# The small job of the deferred-init tests (a trainer built with init=False is what adopts),
+# with room for the steps these take.
+BASE = {**DEFERRED_BASE, "name": "adopt", "train": {**DEFERRED_BASE["train"], "steps": 6}}
 
 SETTINGS = [
     {},

@@ -38,7 +38,7 @@ draws them with :meth:`trainer.train.Trainer.initialize` only if nothing was loa
 takes the previous round's tensors where they are the same region of the same global
 tensor, in the same dtype, shape and device (a data-parallel shrink keeps every box), so
 that a recovery holds one copy of the model and its optimizer state, not two
-(docs/inprocess.md, "Memory"). An adopted parameter is the old one's storage, unchanged:
+(docs/inprocess.md, "What it costs"). An adopted parameter is the old one's storage, unchanged:
 it already holds the state the recovery agrees on.
 """
 
@@ -146,7 +146,6 @@ class Adoption:
         self._pool: dict[tuple[str, ShardInfo], torch.Tensor] = {}
         self._dup: set[tuple[str, ShardInfo]] = set()
         self.taken_bytes = 0
-        self.taken = 0
 
     def offer(self, kind: str, info: ShardInfo | None, tensor: torch.Tensor) -> None:
         if info is None:
@@ -184,7 +183,6 @@ class Adoption:
         if peek:
             return t
         del self._pool[kind, info]
-        self.taken += 1
         self.taken_bytes += t.numel() * t.element_size()
         return t
 
