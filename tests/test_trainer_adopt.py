@@ -299,10 +299,12 @@ class _NoCheckpoint:
 
 
 class _Replicas:
-    """What ``ctx.state['replicator']`` offers: ``held()``, the kept snapshots."""
+    """What ``ctx.state['replicator']`` offers: ``held()``, the kept snapshots; ``live``,
+    as a real one's, reaches the trainer it replicates."""
 
-    def __init__(self, held) -> None:
+    def __init__(self, held, live=None) -> None:
         self._held = held
+        self.live = live
 
     def held(self):
         return self._held
@@ -334,7 +336,8 @@ def _another_step_worker(rank: int, world: int, tmp: str, raw: dict, out: str) -
                 t.copy_(snap[key][0])
             old.state.step, old.state.consumed_samples = at
         else:  # rank 0 holds step 3, and a snapshot of step 2 (a memory replica)
-            ctx.state["replicator"] = _Replicas([Held(step=at[0], consumed=at[1], tensors=snap)])
+            ctx.state["replicator"] = _Replicas([Held(step=at[0], consumed=at[1], tensors=snap)],
+                                                live=lambda t=old: holdings(t, create=True))  # fmt: skip
         ctx.state["trainer"] = old
         agreed = agree(ctx)
         new = build(adoption(ctx, agreed, env={}), init=False)
@@ -347,6 +350,9 @@ def _another_step_worker(rank: int, world: int, tmp: str, raw: dict, out: str) -
         results["fail" if fail else "ok"] = {
             "newest": agreed.newest, "kept": kept, "source": source, "step": new.state.step,
             "old_offered": ctx.state.get("trainer") is old,
+            # the previous replicator, kept for the next round's copies, no longer reaches
+            # the old trainer either: its memory goes with it
+            "old_reached": getattr(ctx.state.get("replicator"), "live", None) is not None,
             "snapshot": all(torch.equal(t, snap[k][0])
                             for k, (t, _) in holdings(new, create=True).items()),
         }  # fmt: skip
@@ -375,6 +381,7 @@ def test_adopted_memory_written_at_another_step_is_never_offered_again(tmp_path,
         assert r0[run]["newest"] == r1[run]["newest"] == 3
         assert r0[run]["kept"] > 0 and r1[run]["kept"] == 0
         assert not r0[run]["old_offered"] and not r1[run]["old_offered"], run
+        assert not r0[run]["old_reached"], run
         assert r0[run]["step"] == r1[run]["step"] == 2
         assert r0[run]["snapshot"] and r1[run]["snapshot"], run
     assert r0["fail"]["source"] == "raised" and r1["fail"]["source"] == "replica"

@@ -232,6 +232,10 @@ class MainParams:
         """What the optimizer steps: every main parameter that holds something."""
         return [m.tensor for m in self.entries if m.tensor.numel()]
 
+    def all_tensors(self) -> list[nn.Parameter]:
+        """Every main parameter, empty ones (no rows here, or only padding) included."""
+        return [m.tensor for m in self.entries]
+
     def named(self):
         """``(global name, main tensor, ShardInfo)`` for every main parameter that holds a
         part of the global tensor (what checkpoints and recovery save and restore)."""

@@ -137,7 +137,7 @@ def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any, job: Any, agreed
         # Adopted tensors are written only at a step other than the old trainer's own (a
         # region held at its step is the same memory, never copied): it is not offered again.
         if adopted and step != have_step:
-            ctx.state.pop("trainer", None)
+            _drop_previous(ctx)
 
     old_replicas = ctx.state.get("replicator")
     extra = old_replicas.held() if old_replicas is not None else []
@@ -189,7 +189,7 @@ def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any, job: Any, agreed
                   "(or a transfer failed its check); resuming from the latest checkpoint",
                   flush=True)  # fmt: skip
         if adopted:  # the load (or the draws) writes into the previous trainer's memory
-            ctx.state.pop("trainer", None)
+            _drop_previous(ctx)
         if ckpt.resume():
             source = "checkpoint"
     if source not in ("peers", "replica"):  # steps after a checkpoint are trained again
@@ -201,6 +201,17 @@ def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any, job: Any, agreed
     ctx.state["trainer"] = trainer  # the old one (and its memory) goes
     ctx.state["replicator"] = replicator  # and the old copies
     return source
+
+
+def _drop_previous(ctx: Any) -> None:
+    """The previous trainer is never offered again: out of ``ctx.state``, and out of the
+    previous replicator's reach (whose ``live`` held it; that replicator now only serves
+    the copies it holds, and a second fault before this round's replaces it must not keep
+    the old trainer's memory beside a new trainer's)."""
+    ctx.state.pop("trainer", None)
+    rep = ctx.state.get("replicator")
+    if rep is not None:
+        rep.live = None
 
 
 RECORDS_KEPT = 16

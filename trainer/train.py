@@ -276,7 +276,7 @@ class Trainer:
             sync.release()
         for q in self.params:
             q.grad = None
-        for _, t, _ in self.named_main():
+        for t in self.main.all_tensors():  # empty shards too: their grad views a bucket
             t.grad = None
 
     def named_main(self) -> Iterator[tuple[str, nn.Parameter, ShardInfo]]:
