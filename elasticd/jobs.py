@@ -631,7 +631,14 @@ class JobRegistry:
 
     def cause_of(self, name: str, round_: int) -> dict[str, Any] | None:
         """The note of :meth:`note_cause` for round ``round_``, if any."""
-        key = _key(name, f"failures/{round_}/cause")
+        return self._failure_record(name, f"failures/{round_}/cause")
+
+    def claim_of(self, name: str, round_: int) -> dict[str, Any] | None:
+        """The claim in force for round ``round_`` (:meth:`claim_failure`), if any."""
+        return self._failure_record(name, f"failures/{round_}")
+
+    def _failure_record(self, name: str, part: str) -> dict[str, Any] | None:
+        key = _key(name, part)
         kv = self._client.get(key)
         return _load(kv.value, key) if kv else None
 

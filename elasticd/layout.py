@@ -450,9 +450,11 @@ def keep_shards(
     if sizes[0] != sizes[1]:
         return order  # different shards: nothing is kept by placement
 
-    # With ZeRO-1 a rank's rows follow its dp index too: an exact place (the same shards
-    # and the same replica) first. Without, replicas are alike: the shards alone.
-    zero = bool(getattr(new.parallel, "zero", 0))
+    # With ZeRO-1 a rank's rows follow its dp index and the dp size: where the dp size
+    # stays, an exact place (the same shards and the same replica) first. Where it changes
+    # no rank keeps its rows, and the plain order keeps the most of them in place (old and
+    # new row ranges both rise with the dp index). Without ZeRO-1 replicas are alike.
+    zero = bool(getattr(new.parallel, "zero", 0)) and old.dp == new.dp
     kinds = (*STATE_KINDS, "dp", "cp") if zero else STATE_KINDS
 
     def indexes(layout: Layout) -> list[dict[int, int]]:

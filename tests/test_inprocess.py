@@ -329,6 +329,23 @@ def test_a_tp_shard_with_no_live_holder_comes_back_from_its_in_memory_replica(tm
     assert second < first and len(second) == 2
 
 
+def test_a_newcomer_placed_at_node_rank_0_records_the_recovery(tmp_path):
+    """tp2 on two nodes (``nodes.max: 2``) and a third agent added, which waits outside the
+    world; the node of tp0 (node rank 0) dies. The survivor keeps tp1, so the newcomer takes position 0: it becomes
+    node rank 0 (placement, ``elasticd.layout.keep_shards``), and node rank 0 is who records
+    the recovery, which its agent never saw fail. It reads the cause from the failed round's
+    claim: the recovery is in the history, from the replica of tp0 on the survivor."""
+    job = make_job(tmp_path, "newrank0", steps=12, parallel={"tp": 2},
+                   nodes={"min": 2, "max": 2},
+                   checkpoint={"every": 0, "memory_replicas": 1, "memory_every": 1})  # fmt: skip
+    result = run(job, 2, ["add-node@step=2", "kill-node=0@step=5"])
+    check_inprocess(tmp_path, job, result, recoveries=1, source="replica", lost=1)
+    assert result["status"]["nodes"][0] not in ("node-0", "node-1"), result["status"]["nodes"]
+    history = result["status"]["history"]
+    (rec,) = [e for e in history if e["kind"] == "recovery"]
+    assert rec["reason"] in ("peer_lost", "worker_failed", "collective_failed"), rec
+
+
 def test_bf16_zero1_loses_a_node_and_the_dead_ranks_rows_come_from_its_replica(tmp_path):
     """bf16 with ZeRO-1, dp3 -> dp2, ``memory_replicas: 1``: each rank holds only its rows
     of the fp32 main parameters and AdamW state, so the dead rank's rows come from their

@@ -322,7 +322,14 @@ def _held(job, nodes: list[str], *, nproc: int) -> dict[str, tuple]:
         # b's; without, d (the first tp1 holder) takes b's and e fills in.
         ({"tp": 2, "zero": 1}, 1, {}, "abcde", "acde", "aecd"),
         ({"tp": 2}, 1, {}, "abcde", "acde", "adce"),
-        ({"zero": 1}, 2, {}, "abc", "bc", "cb"),  # ZeRO-1: b keeps its replica's rows
+        # ZeRO-1, dp6 + a spare node (d) loses a: still dp6, so b and c keep their rows
+        # (the dp index too) and d takes a's.
+        ({"zero": 1}, 2, {}, "abcd", "bcd", "dbc"),
+        # ZeRO-1 where the dp size changes: no rank keeps its rows, and the plain order
+        # keeps the most in place (dp3 → dp2: 1/2 of them, against 1/6 swapped).
+        ({"zero": 1}, 1, {}, "abc", "bc", "bc"),
+        ({"zero": 1}, 2, {}, "abc", "bc", "bc"),
+        ({"tp": 2, "zero": 1}, 1, {}, "abcdef", "cdef", "cdef"),
         # Data parallelism alone: every node holds the same; the order stays.
         ({}, 1, {}, "abc", "ac", "ac"),
         ({}, 2, {}, "abc", "bc", "bc"),

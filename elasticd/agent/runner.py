@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import queue
@@ -139,10 +140,14 @@ def placement(job: JobSpec) -> Callable[[tuple[str, ...], tuple[str, ...]], list
     whichever member closes a round places the nodes alike."""
     from elasticd.layout import keep_shards, plan
 
+    # A layout of a thousand nodes takes a quarter of a second to plan, and a round's
+    # closer places inside the rendezvous's lock: the last close's new layout is this
+    # one's old (and the world size repeats), so the few last are kept.
+    plan_for = functools.lru_cache(maxsize=4)(lambda ranks: plan(ranks, job))
+
     def arrange(previous: tuple[str, ...], order: tuple[str, ...]) -> list[str]:
         try:
-            return keep_shards(previous, order, nproc=job.nproc_per_node,
-                               plan_for=lambda ranks: plan(ranks, job))  # fmt: skip
+            return keep_shards(previous, order, nproc=job.nproc_per_node, plan_for=plan_for)
         except Exception as exc:
             log.warning("placing the nodes failed; keeping their order",
                         **kv(job=job.name, error=str(exc)))  # fmt: skip
@@ -581,6 +586,8 @@ class JobRunner:
         rnd.recovery = self._pending_recovery
         if rnd.node_rank == 0:
             try:
+                if rnd.recovery is None:
+                    rnd.recovery = self._recovery_of_newcomer(world.round - 1)
                 lost = self._report.reattribute(world)
                 cause = "peer_lost" if lost else self._report.noted_reason
                 if cause and rnd.recovery is not None and rnd.recovery["reason"] in FAILURE_REASONS:
@@ -593,6 +600,19 @@ class JobRunner:
                 # etcd away right now: the workers train on; the status catches up later.
                 log.warning("world status not written", **kv(job=self.name, error=str(exc)))
         return rnd
+
+    def _recovery_of_newcomer(self, previous: int) -> dict[str, Any] | None:
+        """Node rank 0 that was not in the world that failed (a spare turned active, a
+        newcomer: in-process placement puts one at position 0 when no survivor holds rank
+        0's shards) saw no failure itself, yet records the recovery: from the claim in
+        force for the round before (its cause and when it was seen; when its own workers
+        stopped is not known here)."""
+        claim = self._registry.claim_of(self.name, previous) if previous >= 0 else None
+        detected = (claim or {}).get("detected_at")
+        if not claim or "reason" not in claim or not isinstance(detected, int | float):
+            return None
+        return {"reason": str(claim["reason"]), "detected_at": float(detected), "stopped_at": None,
+                "newcomer": True}  # fmt: skip
 
     @property
     def in_round(self) -> bool:
@@ -863,7 +883,9 @@ class JobRunner:
         phases = lead.get("phases", {}) or {}
         told = lead.get("recovery") or {}
         rec = rnd.recovery or {}
-        if rnd.carried:
+        # In-process: this node's workers were kept, or it is a newcomer (it had none to
+        # keep) in a job whose survivors keep theirs.
+        if rnd.carried or (rec.get("newcomer") and self.job.restart.mode == "inprocess"):
             mode = "inprocess"
             marks = [("abort", phases.get("aborted")), ("rendezvous", rnd.formed_at),
                      ("pg_init", phases.get("pg_ready")),
