@@ -61,7 +61,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -464,8 +464,6 @@ class _Control:
         self._ended_at: dict[int, float] = {}
         self._described: set[int] = set()
         """Rounds this process was still in STILL_IN_ROUND after their end (logged once)."""
-        self._nccl_aborted: set[int] = set()
-        """Ids of the NCCL backends the watcher has aborted (the current round's)."""
         self._nccl_look = 0.0
         self._idle_since: tuple[int, float, float] | None = None
         """(round, when, CPU seconds of the other threads) at the start of an idle stretch."""
@@ -594,7 +592,6 @@ class _Control:
             self.round = round_
             self._before = set(_socket_fds().values())
             self._handled = set()
-            self._nccl_aborted = set()
             self._begun = True
 
     def left(self, round_: int) -> None:
@@ -621,19 +618,18 @@ class _Control:
             self._shut_new(late=False)
 
     def _abort_nccl_once(self, *, late: bool) -> None:
-        """Abort the NCCL backends of this process not aborted yet in the current round
-        (the lock held): the first time the round's end is read, then, while the worker
-        is still in the round, every :data:`STUCK_LOOK` s, for a group made after that
-        (its set-up was under way). Skipped while the round's own thread is aborting."""
+        """Abort the NCCL backends of this process whose abort nobody has begun (the
+        watcher's lock held): the first time the round's end is read, then, while the
+        worker is still in the round, every :data:`STUCK_LOOK` s, for a group made after
+        that (its set-up was under way)."""
         now = time.monotonic()
         if late and now - self._nccl_look < STUCK_LOOK:
             return
         self._nccl_look = now
-        aborted = abort_nccl_communicators(skip=self._nccl_aborted)
-        self._nccl_aborted |= aborted
+        aborted = abort_nccl_communicators()
         if aborted:
             what = "more NCCL communicators, made after its end," if late else "NCCL communicators"
-            print(f"elasticd.inprocess: round {self.round} ended; {len(aborted)} {what} aborted",
+            print(f"elasticd.inprocess: round {self.round} ended; {aborted} {what} aborted",
                   file=sys.stderr, flush=True)  # fmt: skip
 
     def _shut_new(self, *, late: bool) -> None:
@@ -1123,14 +1119,32 @@ def _nccl_groups() -> tuple[list[Any], list[Any]]:
 
 
 _abort_lock = threading.Lock()
-"""Held by whoever is aborting NCCL backends: the control watcher, or the thread the
-round's teardown starts (:func:`_abort_nccl`); never two aborts of a backend at once."""
+"""Guards :data:`_abort_begun` (held only to claim, never across an abort)."""
+
+_abort_begun: dict[int, Any] = {}
+"""The NCCL process groups whose communicators' abort has begun, by ``id``, each held (so
+that its id is never another group's). Whoever claims a group first aborts it, the
+control watcher or the thread of the round's teardown (:func:`_abort_nccl`), and nobody
+aborts it again: not the teardown after the watcher (a second ``ncclCommAbort`` of a
+communicator is what may hang), nor the watcher's later looks. An abort that hangs holds
+nothing another round's abort needs: it used to hold one lock for its whole length, so
+that once a teardown's abort hung, the watcher skipped every later round's aborts."""
+
+
+def _claim_aborts(groups: list[Any], backends: list[Any]) -> list[Any]:
+    """The backends of ``groups`` whose abort nobody has begun; claimed for the caller."""
+    with _abort_lock:
+        fresh = [b for g, b in zip(groups, backends, strict=True) if id(g) not in _abort_begun]
+        for g in groups:
+            _abort_begun.setdefault(id(g), g)
+    return fresh
 
 
 def _abort_backends(backends: list[Any]) -> None:
     """``ncclCommAbort`` of each backend's communicators, all in one NCCL group call so
     that two aborts cannot wait on each other (pytorch/pytorch#119797); one that fails
-    does not keep the others from theirs. Call with :data:`_abort_lock` held."""
+    does not keep the others from theirs. Call with backends claimed
+    (:func:`_claim_aborts`)."""
     if not backends:
         return
     try:
@@ -1150,25 +1164,20 @@ def _abort_backends(backends: list[Any]) -> None:
             log.warning("NCCL group end: %s", exc)
 
 
-def abort_nccl_communicators(skip: Collection[int] = ()) -> set[int]:
-    """Abort the NCCL communicators of every process group of this process (but the
-    backends whose ``id`` is in ``skip``), from any thread, under :class:`_Watchdog`;
-    returns the ids of the backends aborted (none without NCCL, or while another thread
-    is aborting). torch's bookkeeping of the groups is left alone: the round's own
-    thread forgets them once it has left the round (:func:`_close_round`).
+def abort_nccl_communicators() -> int:
+    """Abort the NCCL communicators of every process group of this process whose abort
+    nobody has begun (:data:`_abort_begun`), from any thread, under :class:`_Watchdog`;
+    returns how many backends this call aborted (none without NCCL). torch's bookkeeping
+    of the groups is left alone: the round's own thread forgets them once it has left the
+    round (:func:`_close_round`).
 
     What an aborted collective leaves in its output is undefined (NCCL stops the kernel
     wherever it was); :func:`check_results` is how a reader of such values finds out."""
-    _, backends = _nccl_groups()
-    backends = [b for b in backends if id(b) not in skip]
-    if not backends or not _abort_lock.acquire(blocking=False):
-        return set()
-    try:
+    backends = _claim_aborts(*_nccl_groups())
+    if backends:
         with _Watchdog("NCCL abort"):
             _abort_backends(backends)
-    finally:
-        _abort_lock.release()
-    return {id(b) for b in backends}
+    return len(backends)
 
 
 def check_results(group: Any = None) -> None:
@@ -1223,12 +1232,9 @@ def _abort_nccl() -> None:
 
     groups, backends = _nccl_groups()
     _retired_groups.extend(groups)
-
-    def abort() -> None:
-        with _abort_lock:
-            _abort_backends(backends)
-
-    aborting = threading.Thread(target=abort, name="elasticd-nccl-abort", daemon=True)
+    backends = _claim_aborts(groups, backends)  # those the watcher aborted are done
+    aborting = threading.Thread(target=_abort_backends, args=(backends,),
+                                name="elasticd-nccl-abort", daemon=True)  # fmt: skip
     aborting.start()
     aborting.join(ABORT_WAIT)
     if aborting.is_alive():

@@ -1097,3 +1097,53 @@ def test_the_nccl_teardown_forgets_every_group_and_keeps_no_gloo_one(tmp_path):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def test_an_nccl_abort_that_hangs_keeps_no_later_abort_from_running(monkeypatch, capfd):
+    """An ended NCCL round's teardown aborts its communicators on a thread it leaves behind
+    after ``ABORT_WAIT`` s when the abort hangs (one did, on an H200). That thread used to
+    hold the one abort lock for as long as it hung, and the control watcher, finding the
+    lock taken, then aborted nothing in any later round: the next fault would have left
+    every survivor's NCCL kernels spinning. Now each group's abort is claimed once, by the
+    watcher or the teardown, and no lock is held across an abort: the later round's
+    communicators are aborted, and the hung one is not aborted a second time. The groups
+    and backends here are stand-ins for ProcessGroupNCCL (no GPU on this machine): what is
+    tested is the bookkeeping."""
+    import elasticd.inprocess as ei
+
+    release = threading.Event()
+    calls: list[str] = []
+
+    class Backend:
+        def __init__(self, name: str, hang: bool = False) -> None:
+            self.name, self.hang = name, hang
+
+        def _group_start(self) -> None:
+            pass
+
+        def _group_end(self) -> None:
+            pass
+
+        def abort(self) -> None:
+            calls.append(self.name)
+            if self.hang:
+                release.wait(30)
+
+    old, new = (object(), Backend("old", hang=True)), (object(), Backend("new"))
+    table = [old]
+    monkeypatch.setattr(ei, "_nccl_groups", lambda: ([g for g, _ in table], [b for _, b in table]))
+    monkeypatch.setattr(ei, "ABORT_WAIT", 0.2)
+    monkeypatch.setattr(ei, "_retired_groups", [])
+    monkeypatch.setattr(ei, "_abort_begun", {})
+    try:
+        t0 = time.monotonic()
+        ei._abort_nccl()  # the teardown: its abort hangs, and it goes on without it
+        assert time.monotonic() - t0 < 5 and calls == ["old"]
+        assert "did not return" in capfd.readouterr().err
+        table[:] = [old, new]  # the next round's group, beside the kept old one
+        assert ei.abort_nccl_communicators() == 1  # the watcher, at the next round's end
+        assert calls == ["old", "new"]
+        assert ei.abort_nccl_communicators() == 0  # a later look: nothing aborted twice
+        assert calls == ["old", "new"]
+    finally:
+        release.set()
