@@ -85,6 +85,14 @@ ALONE_BYTES = 256 << 10
 the tensors where those are contiguous CPU regions); smaller ones are packed together."""
 SEND_SLOTS = 4
 """Staging slots of one chunk each through which a rank sends (all destinations)."""
+PINNED_RECEIVE_MAX = 64 << 20
+"""Largest receive buffer (one source's packed chunks, for GPU destinations) made of
+pinned host memory; a larger one is pageable. Every receive is posted up front (a rank
+sends before it takes what it receives, so a bounded ring of posted receives could wait
+on a sender waiting on it), so that buffer holds all a source sends: for a newcomer, its
+whole shard. Pinning that much is seconds of ``cudaHostAlloc`` on the recovery's path,
+and torch's host allocator keeps the block for the life of the process; the host-to-device
+copy from pageable memory is slower than from pinned, still faster than gloo's TCP."""
 DESCRIPTION_VERSION = 1
 DESCRIPTION_CAP = 64 << 10
 """Bytes of a compressed description that go in the one all-gather of descriptions (a
@@ -624,8 +632,8 @@ class _Inbound:
         chunk count). A one-piece chunk whose region is contiguous in its CPU destination
         lands there (no buffer, no unpack); the others in one buffer for the source."""
         places = [_direct(c, self.need) for c in chunks]
-        buf = _new_buffer(sum(c.length for c, d in zip(chunks, places, strict=True)
-                              if d is None), self.pinned)  # fmt: skip
+        size = sum(c.length for c, d in zip(chunks, places, strict=True) if d is None)
+        buf = _new_buffer(size, self.pinned and size <= PINNED_RECEIVE_MAX)
         at = 0
         for i, (c, place) in enumerate(zip(chunks, places, strict=True)):
             direct = place is not None

@@ -111,7 +111,18 @@ def _worker(rank: int, store: str, out: str, device: str) -> None:
     else:
         result = recover_from_peers(have={"w": (w, info)}, have_step=3, have_consumed=24,
                                     need=need, group=None, extra=held)  # fmt: skip
+    # The next round's replicator, this rank's tensors laid out alike: it shares the
+    # snapshot buffers (and offers them at their steps before its first replication); one
+    # laid out otherwise makes its own.
+    again = Replicator(live=lambda: {"w": (w, info)}, copies=1, every=1, node=f"n{rank}",
+                       group=None, previous=rep)  # fmt: skip
+    half = ShardInfo("w", SHAPE, (rank * rows, 0), (1, SHAPE[1]))
+    other = Replicator(live=lambda: {"w": (w[:1], half)}, copies=1, every=1, node=f"n{rank}",
+                       group=None, previous=again)  # fmt: skip
     Path(out, f"rank-{rank}.json").write_text(json.dumps({
+        "shared": [a is b for a, b in zip(again.snapshots, rep.snapshots, strict=True)],
+        "offered_again": sorted(h.step for h in again.held()),
+        "other": len(other.snapshots),
         "steps": sorted(h.step for h in held),
         "step": result.step if result else None,
         "values": need_t.unique().tolist(),
@@ -137,3 +148,5 @@ def test_replicas_on_real_gloo_restore_a_lost_shard_at_the_last_replicated_step(
         assert r["step"] == 2 and r["from_extra"], (rank, r)
         assert r["values"] == [20 + rank], (rank, r)
         assert r["pinned"] == [device == "cuda"] * 2, r
+        assert r["shared"] == [True, True] and r["offered_again"] == [1, 2], r
+        assert r["other"] == 0, r

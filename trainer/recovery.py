@@ -273,6 +273,7 @@ def _start_replication(ctx: Any, trainer: Any, *, job: Any, group: Any) -> Any:
         every=job.checkpoint.memory_every,
         node=ctx.env.get("GROUP_RANK") or socket.gethostname(),
         group=group,
+        previous=ctx.state.get("replicator"),
     )
 
 

@@ -139,7 +139,11 @@ class Replicator:
         every: int,
         node: str,
         group: dist.ProcessGroup | None,
+        previous: Replicator | None = None,
     ) -> None:
+        """``previous``: the last round's replicator in this process, whose snapshot
+        buffers this one shares when this rank's tensors are laid out alike (see
+        ``snapshots`` below)."""
         self.every = every
         self.group = group
         self.rank = group_rank(group)
@@ -163,7 +167,16 @@ class Replicator:
         self._sources = {src: descs[src]["entries"] for src in active if self.rank in plan[src]}
         # Allocated at the first replication, not here: a recovery does not wait for them,
         # and the previous round's copies are still held while this one is being built.
-        self.snapshots: list[_Buffer] = []
+        # The snapshots are the previous round's where this rank's tensors are laid out
+        # alike (a data-parallel shrink, a recovery in place): shared, not copied, so a
+        # buffer's step and what it holds stay one whichever replicator offers it (the
+        # previous one, if a second fault keeps it for the next recovery). On a GPU they
+        # are pinned host memory: seconds of cudaHostAlloc a few GB, and torch's host
+        # allocator keeps every block it made, so a new pair each recovery grew the
+        # process's pinned memory by a state's worth at each.
+        same = bool(self.to) and previous is not None and (previous._mine, previous._pinned) == (
+            self._mine, self._pinned)  # fmt: skip
+        self.snapshots: list[_Buffer] = list(previous.snapshots) if same else []
         self.replicas: dict[int, list[_Buffer]] = {}
         self._sends: list[Any] = []
         self._recvs: dict[int, tuple[Any, _Buffer]] = {}
