@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
 
+from elasticd.inprocess import check_results
 from trainer.init import sharded_param
 from trainer.parallel import comm
 from trainer.parallel.context import GroupSlot, ParallelContext
@@ -128,15 +129,19 @@ def _gather_rows(x: torch.Tensor, group, n: int, size: int) -> torch.Tensor:
     return out[:n]
 
 
-def regroup_by_expert(recv_counts: torch.Tensor, *, local: int, ep: int) -> torch.Tensor:
+def regroup_by_expert(
+    recv_counts: torch.Tensor, *, local: int, ep: int, total: int | None = None
+) -> torch.Tensor:
     """The permutation that sorts received rows by local expert.
 
     ``recv_counts[r·local + e]`` rows came from ep rank ``r`` for local expert ``e``, and
     they arrive grouped by source rank, then by expert. Everything is built on the counts'
     device: a CPU ``arange`` against CUDA repeats raises on NCCL (gloo tests cannot see it).
+    ``total``: the rows received, when the caller knows it on the host (on CUDA,
+    ``repeat_interleave`` otherwise reads the counts back: a device synchronisation).
     """
     experts = torch.arange(local, device=recv_counts.device).repeat(ep)
-    expert_of_row = torch.repeat_interleave(experts, recv_counts)
+    expert_of_row = torch.repeat_interleave(experts, recv_counts, output_size=total)
     return torch.argsort(expert_of_row, stable=True)
 
 
@@ -276,15 +281,24 @@ class MoE(nn.Module):
         if ep.active:
             recv_counts = torch.empty_like(counts)
             comm.all_to_all_single(recv_counts, counts, None, None, ep.group)
-            send = counts.view(ep.size, self.local).sum(1).tolist()
-            recv = recv_counts.view(ep.size, self.local).sum(1).tolist()
+            # The counts on the host, read once each (a device synchronisation apiece).
+            # An all-to-all aborted when its in-process round ended returns whatever its
+            # buffer held: not sizes to allocate or index with (check_results raises).
+            sent_h, got_h = counts.tolist(), recv_counts.tolist()
+            check_results(ep.group)
+            per_rank = range(ep.size)
+            send = [sum(sent_h[r * self.local : (r + 1) * self.local]) for r in per_rank]
+            recv = [sum(got_h[r * self.local : (r + 1) * self.local]) for r in per_rank]
             rows = _AllToAll.apply(rows, recv, send, ep.group)
-            regroup = regroup_by_expert(recv_counts, local=self.local, ep=ep.size)
+            regroup = regroup_by_expert(recv_counts, local=self.local, ep=ep.size,
+                                        total=sum(recv))  # fmt: skip
             rows = rows[regroup]
             local_counts = recv_counts.view(ep.size, self.local).sum(0)
+            per_expert = [sum(got_h[r * self.local + e] for r in per_rank)
+                          for e in range(self.local)]  # fmt: skip
         else:
-            local_counts = counts
-        out_rows = self.run_experts(rows, local_counts, local_counts.tolist())
+            local_counts, per_expert = counts, counts.tolist()
+        out_rows = self.run_experts(rows, local_counts, per_expert)
         if ep.active:
             out_rows = out_rows[torch.argsort(regroup)]
             out_rows = _AllToAll.apply(out_rows, send, recv, ep.group)
