@@ -145,12 +145,14 @@ class WorkerChannel:
         device = flag_device(str(dist.get_backend(group)))
         if device == "cuda":
             device = f"cuda:{torch.cuda.current_device()}"
-        from elasticd.inprocess import wait_collective
+        from elasticd.inprocess import check_results, wait_collective
 
         flag = torch.tensor([1 if local else 0], dtype=torch.int32, device=device)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
         wait_collective(work, group)  # left when an in-process round ends
-        return bool(flag.item())
+        agreed = bool(flag.item())
+        check_results(group)  # an NCCL all-reduce aborted with its round: not an answer
+        return agreed
 
     # -- phases and metrics (elasticd.testing) -----------------------------------------------
 
