@@ -170,10 +170,11 @@ class Replicator:
         # The snapshots are the previous round's where this rank's tensors are laid out
         # alike (a data-parallel shrink, a recovery in place): shared, not copied, so a
         # buffer's step and what it holds stay one whichever replicator offers it (the
-        # previous one, if a second fault keeps it for the next recovery). On a GPU they
-        # are pinned host memory: seconds of cudaHostAlloc a few GB, and torch's host
-        # allocator keeps every block it made, so a new pair each recovery grew the
-        # process's pinned memory by a state's worth at each.
+        # previous one, if a second fault keeps it for the next recovery). So this round
+        # offers them at their steps from its start, not only after its first
+        # replication (a second fault soon after a recovery still finds them), and makes
+        # no new pair (pinned host memory on a GPU, which torch's host allocator keeps
+        # cached by size: reused when the size repeats, held beside when it does not).
         same = bool(self.to) and previous is not None and (previous._mine, previous._pinned) == (
             self._mine, self._pinned)  # fmt: skip
         self.snapshots: list[_Buffer] = list(previous.snapshots) if same else []

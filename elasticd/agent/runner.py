@@ -608,8 +608,10 @@ class JobRunner:
         force for the round before (its cause and when it was seen; when its own workers
         stopped is not known here)."""
         claim = self._registry.claim_of(self.name, previous) if previous >= 0 else None
-        detected = (claim or {}).get("detected_at")
-        if not claim or "reason" not in claim or not isinstance(detected, int | float):
+        if not isinstance(claim, dict) or "reason" not in claim:
+            return None  # none, or not a record this version wrote
+        detected = claim.get("detected_at")
+        if not isinstance(detected, int | float):
             return None
         return {"reason": str(claim["reason"]), "detected_at": float(detected), "stopped_at": None,
                 "newcomer": True}  # fmt: skip
@@ -883,9 +885,13 @@ class JobRunner:
         phases = lead.get("phases", {}) or {}
         told = lead.get("recovery") or {}
         rec = rnd.recovery or {}
-        # In-process: this node's workers were kept, or it is a newcomer (it had none to
-        # keep) in a job whose survivors keep theirs.
-        if rnd.carried or (rec.get("newcomer") and self.job.restart.mode == "inprocess"):
+        resume = told.get("resume_step", rnd.resume_step)
+        source = str(told.get("source") or ("checkpoint" if resume else "none"))
+        # In-process: this node's workers were kept; or it is a newcomer (it had none to
+        # keep) and the state came from memory, which only kept processes hold. (A
+        # newcomer whose world loaded the checkpoint cannot tell whether the survivors
+        # kept their processes: process, as when none did.)
+        if rnd.carried or (rec.get("newcomer") and source in ("peers", "replica")):
             mode = "inprocess"
             marks = [("abort", phases.get("aborted")), ("rendezvous", rnd.formed_at),
                      ("pg_init", phases.get("pg_ready")),
@@ -896,8 +902,6 @@ class JobRunner:
                      ("spawn", rnd.spawned_at), ("pg_init", phases.get("pg_ready")),
                      ("ckpt_load", phases.get("ckpt_loaded") or phases.get("state_loaded")),
                      ("first_step", now)]  # fmt: skip
-        resume = told.get("resume_step", rnd.resume_step)
-        source = str(told.get("source") or ("checkpoint" if resume else "none"))
         # The workers know what they lost only when some of them held state: a round of
         # fresh processes says 0 (nothing to compare with). What we saw rank 0 complete
         # before the fault bounds it from below either way.
