@@ -906,12 +906,21 @@ def _open_round(
                                   wait_for_workers=False)  # fmt: skip
         else:
             store = _connect_store(addr, port, world, timeout, aborted)
-    prefix = (
-        f"elasticd/{env.get('TORCHELASTIC_RUN_ID', '')}/round-{env.get('ELASTICD_ROUND', '0')}/"
-    )
-    prefixed = dist.PrefixStore(prefix, store)
+    prefixed = dist.PrefixStore(store_prefix(env), store)
     dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
     return prefixed
+
+
+def store_prefix(env: Mapping[str, str]) -> str:
+    """The prefix of a round's keys in its store: the run and the round. Under plain
+    torchrun (no ``ELASTICD_ROUND``) the agent's store outlives a restart of the workers,
+    and the restart count tells the attempts apart, as torch's own ``env://`` prefix does.
+    (Before, every attempt used "round-0": the built-in trainer restarted after a lost
+    node read the dead attempt's gloo addresses and failed to connect, every restart.)"""
+    round_ = env.get("ELASTICD_ROUND")
+    part = (f"round-{round_}" if round_ is not None
+            else f"attempt-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}")  # fmt: skip
+    return f"elasticd/{env.get('TORCHELASTIC_RUN_ID', '')}/{part}/"
 
 
 CONNECT_TRY = timedelta(seconds=5)

@@ -1147,3 +1147,19 @@ def test_an_nccl_abort_that_hangs_keeps_no_later_abort_from_running(monkeypatch,
         assert calls == ["old", "new"]
     finally:
         release.set()
+
+
+def test_each_round_and_each_torchrun_attempt_has_its_own_store_prefix():
+    """A round's keys never meet another's: under elasticd each round has its number; under
+    plain torchrun, whose agent store outlives a restart of the workers, each attempt (the
+    restart count). With one prefix for every torchrun attempt, the built-in trainer
+    restarted after a lost node read the dead attempt's gloo addresses and never connected
+    (`bench/recovery.py --cases torchrun`: no step in 150 s, twice; 43 s with this)."""
+    from elasticd.inprocess import store_prefix
+
+    run = {"TORCHELASTIC_RUN_ID": "r1"}
+    assert store_prefix({**run, "ELASTICD_ROUND": "3"}) == "elasticd/r1/round-3/"
+    first = store_prefix({**run, "TORCHELASTIC_RESTART_COUNT": "0"})
+    again = store_prefix({**run, "TORCHELASTIC_RESTART_COUNT": "1"})
+    assert first != again and first == store_prefix(run)
+    assert store_prefix({"TORCHELASTIC_RUN_ID": "r2", "TORCHELASTIC_RESTART_COUNT": "1"}) != again
