@@ -1135,7 +1135,8 @@ _abort_begun: dict[int, Any] = {}
 that its id is never another group's). Whoever claims a group first aborts it, the
 control watcher or the thread of the round's teardown (:func:`_abort_nccl`), and nobody
 aborts it again: not the teardown after the watcher (a second ``ncclCommAbort`` of a
-communicator is what may hang), nor the watcher's later looks. An abort that hangs holds
+communicator is one suspect of the teardown hang seen on an H200, see
+:func:`_abort_nccl`), nor the watcher's later looks. An abort that hangs holds
 nothing another round's abort needs: it used to hold one lock for its whole length, so
 that once a teardown's abort hung, the watcher skipped every later round's aborts."""
 

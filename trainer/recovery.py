@@ -163,7 +163,10 @@ def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any, job: Any, agreed
             print(f"in-process recovery: the replicas hold step {result.step}, the latest "
                   "checkpoint a newer one; resuming from the checkpoint", flush=True)  # fmt: skip
         result = None
-    replicator = _start_replication(ctx, trainer, job=job, group=group)
+    # Its snapshots carry over only on the timeline they were taken on: state from memory.
+    # After a fall back to the checkpoint they hold steps this round trains again.
+    replicator = _start_replication(ctx, trainer, job=job, group=group,
+                                    carry=result is not None)  # fmt: skip
     if trainer is None:  # a spare: it served its part
         ctx.state.pop("trainer", None)
         ctx.state.pop("peer_records", None)
@@ -257,9 +260,10 @@ def _checkpoint_is_newer(job: Any, step: int, group: Any) -> bool:
     return bool(newer.item())
 
 
-def _start_replication(ctx: Any, trainer: Any, *, job: Any, group: Any) -> Any:
+def _start_replication(ctx: Any, trainer: Any, *, job: Any, group: Any, carry: bool = False) -> Any:
     """This round's :class:`trainer.replicas.Replicator` (collective over ``group``), or
-    None when the job keeps no replicas."""
+    None when the job keeps no replicas. ``carry``: it may share the previous round's
+    snapshot buffers (``Replicator(previous=...)``)."""
     import socket
 
     from trainer.replicas import Replicator
@@ -273,7 +277,7 @@ def _start_replication(ctx: Any, trainer: Any, *, job: Any, group: Any) -> Any:
         every=job.checkpoint.memory_every,
         node=ctx.env.get("GROUP_RANK") or socket.gethostname(),
         group=group,
-        previous=ctx.state.get("replicator"),
+        previous=ctx.state.get("replicator") if carry else None,
     )
 
 
