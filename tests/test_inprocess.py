@@ -335,10 +335,11 @@ def test_a_tp_shard_with_no_live_holder_comes_back_from_its_in_memory_replica(tm
 
 def test_a_newcomer_placed_at_node_rank_0_records_the_recovery(tmp_path):
     """tp2 on two nodes (``nodes.max: 2``) and a third agent added, which waits outside the
-    world; the node of tp0 (node rank 0) dies. The survivor keeps tp1, so the newcomer takes position 0: it becomes
-    node rank 0 (placement, ``elasticd.layout.keep_shards``), and node rank 0 is who records
-    the recovery, which its agent never saw fail. It reads the cause from the failed round's
-    claim: the recovery is in the history, from the replica of tp0 on the survivor."""
+    world; the node of tp0 (node rank 0) dies. The survivor keeps tp1, so the newcomer
+    takes position 0 and becomes node rank 0 (placement, ``elasticd.layout.keep_shards``),
+    which is who records the recovery, though its agent never saw the failure. It reads
+    the cause from the failed round's claim: the recovery is in the history (mode
+    inprocess), from the replica of tp0 on the survivor."""
     job = make_job(tmp_path, "newrank0", steps=12, parallel={"tp": 2},
                    nodes={"min": 2, "max": 2},
                    checkpoint={"every": 0, "memory_replicas": 1, "memory_every": 1})  # fmt: skip
