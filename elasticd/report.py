@@ -20,6 +20,7 @@ import base64
 import html
 import io
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,11 +151,12 @@ def draw(run: Run):
 
     steps = run.steps
     recs = [run.records[s] for s in steps]
-    ax_loss.plot(steps, [r.get("loss") for r in recs], color="#1565c0", lw=1.4)
+    ax_loss.plot(steps, _series(recs, "loss"), color="#1565c0", lw=1.4)
     ax_loss.set_ylabel("loss")
-    ax_tok.plot(steps, [r.get("tokens_per_s") for r in recs], color="#2e7d32", lw=1.2)
+    # A script's own records may lack a field (tokens/s, the loss): a gap, not an error.
+    ax_tok.plot(steps, _series(recs, "tokens_per_s"), color="#2e7d32", lw=1.2)
     ax_tok.set_ylabel("tokens/s")
-    ax_world.step(steps, [r.get("world") for r in recs], where="post", color="#6a1b9a", lw=1.6)
+    ax_world.step(steps, _series(recs, "world"), where="post", color="#6a1b9a", lw=1.6)
     ax_world.set_ylabel("world (nodes)")
     ax_world.set_xlabel("step")
     ax_world.xaxis.get_major_locator().set_params(integer=True)
@@ -194,7 +196,9 @@ def draw(run: Run):
             ax_loss.annotate(text, (rec["first_step"], top), rotation=90, va="top", ha="left",
                              fontsize=8, color="#2e7d32")  # fmt: skip
     for s, w in ([(steps[0], worlds[0])] if steps else []) + changes:
-        ax_world.annotate(f"{w}", (s, w), xytext=(3, 3), textcoords="offset points", fontsize=8)
+        if isinstance(w, int):  # a script's own records may not say
+            ax_world.annotate(f"{w}", (s, w), xytext=(3, 3), textcoords="offset points",
+                              fontsize=8)  # fmt: skip
     ax_loss.set_title("loss, throughput and world size over steps (red --: fault; green -.: "
                       "training resumed; orange: steps trained again; purple :: world change)",
                       fontsize=10)  # fmt: skip
@@ -245,6 +249,16 @@ def draw(run: Run):
     ax_ckpt.set_title("checkpoint save and load times", fontsize=10)
     ax_ckpt.grid(axis="y", alpha=0.3)
     return fig
+
+
+def _series(recs: list[dict[str, Any]], key: str) -> list[float]:
+    """``key`` of each record as a float, NaN (a gap in the line) where it is missing or
+    not a number."""
+    out = []
+    for r in recs:
+        v = r.get(key)
+        out.append(float(v) if isinstance(v, int | float) and not isinstance(v, bool) else math.nan)
+    return out
 
 
 def png_bytes(run: Run) -> bytes:

@@ -163,6 +163,13 @@ def test_export_writes_consolidated_safetensors_that_plain_load_file_reads(tmp_p
     assert code == 0 and set(index["weight_map"]) == {"w", "b"}
     for name, fname in index["weight_map"].items():
         assert torch.equal(load_file(str(tmp_path / "split" / fname))[name], weights[name])
+    # Onto a file: named in one line, before anything is read (was a bare "[Errno 17]").
+    (tmp_path / "a-file").write_text("mine")
+    for fmt in ("raw", "hf"):
+        code, _, err = run(capsys, "export", str(tmp_path / "ckpt"), str(tmp_path / "a-file"),
+                           "--format", fmt)  # fmt: skip
+        assert code == 2 and err.strip().endswith("a-file exists and is not a directory"), err
+    assert (tmp_path / "a-file").read_text() == "mine"
 
 
 def test_prune_keeps_the_newest_n(tmp_path, capsys):

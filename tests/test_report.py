@@ -65,6 +65,20 @@ def test_a_run_without_events_is_still_drawn(tmp_path):
     assert (tmp_path / "run" / "report.html").stat().st_size > 10_000
 
 
+def test_a_scripts_own_records_without_throughput_or_loss_are_drawn(tmp_path, capsys):
+    """A script's own records (its own file, as examples/ddp_inprocess.py's ``DDP_LOG``)
+    may hold no world or tokens/s, and not always a loss: gaps in the lines (before, matplotlib raised on the None values, and
+    ``elasticd run`` of examples/ddp_inprocess.py ended in a traceback, exit 1, after a
+    job that succeeded; found by a newcomer's walk)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    rows = [{"step": s, **({"loss": 1.0 / s} if s % 3 else {})} for s in range(1, 7)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    html = tmp_path / "r.html"
+    assert main(["report", str(run_dir), "-o", str(html)]) == 0
+    assert "data:image/png;base64," in html.read_text()
+
+
 def test_a_directory_that_is_not_a_run_is_one_line_and_exit_2(tmp_path, capsys):
     assert main(["report", str(tmp_path / "nope")]) == 2
     assert (

@@ -311,6 +311,8 @@ def run_verify(args: argparse.Namespace) -> int:
 def run_export(args: argparse.Namespace) -> int:
     from checkpoint import export
 
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise UsageError(f"ckpt export: {args.out} exists and is not a directory")
     ckpt = _open(args, tensors=True)
     if args.format == "hf":
         from trainer.errors import TrainerConfigError
