@@ -173,6 +173,13 @@ class JobReporter:
         status = record.status if record is not None else {}
         previous = status.get("nodes")
         lost = sorted(set(previous or ()) - set(world.nodes))
+        if lost:
+            # A node whose own worker ended the round is missing only while it starts a
+            # new one (a crash loop backs off first): not lost. Its failure counts, or a
+            # script that crashes every time would re-form for ever, each round a
+            # "lost node" that uses no restart.
+            own = self._failed_on_their_own(world.round - 1)
+            lost = [n for n in lost if n not in own]
         if (not lost and "limit_reached" not in status
                 and not any(_uncounted(e) for e in status.get("history", []))):  # fmt: skip
             return []
@@ -229,6 +236,18 @@ class JobReporter:
         if verdict:
             self.fail(verdict[0])
         return lost
+
+    def _failed_on_their_own(self, round_: int) -> set[str]:
+        """The nodes whose own workers ended round ``round_`` (a worker that died, hung or
+        failed on its own, as its agent claimed or noted it; not one that failed on a
+        peer)."""
+        nodes = set()
+        for rec in (self._registry.claim_of(self.name, round_),
+                    self._registry.cause_of(self.name, round_)):  # fmt: skip
+            if (isinstance(rec, dict) and rec.get("reason") in FAILURE_REASONS
+                    and not rec.get("by_peer") and isinstance(rec.get("node"), str)):  # fmt: skip
+                nodes.add(rec["node"])
+        return nodes
 
     def progress(
         self, lead: dict[str, Any], *, checkpoint: int | None, write: bool, lead_node: bool = True,
