@@ -102,6 +102,16 @@ def test_three_nodes_lose_one_at_step_8_and_the_resumed_steps_match_an_uninterru
         assert rec["loss"] == pytest.approx(reference[rec["step"]], rel=1e-4)
 
 
+def test_a_rerun_of_a_finished_job_stands_at_its_last_step(tmp_path):
+    """A job run again after it finished resumes at its last step and trains nothing; its
+    status still says that step (it read ``step None``, shown as 0/4: a newcomer's walk)."""
+    job = make_job(tmp_path, "again", steps=4)
+    assert run(job, 1, [])["state"] == "succeeded"
+    again = run(job, 1, [])
+    assert again["state"] == "succeeded", again["reason"]
+    assert again["status"]["step"] == 4, again["status"]
+
+
 def test_a_tp2_job_on_two_nodes_goes_on_from_the_resharded_checkpoint_on_the_last_node(tmp_path):
     # No worker failure allowed: a lost node uses no restart, though node 0's workers
     # fail first (their collectives break before node 1's lease expires).

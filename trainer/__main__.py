@@ -308,6 +308,10 @@ def _train_round(ctx, *, job, layout, device) -> int:
                 on_resumed=lambda: channel.mark("ckpt_loaded"), restore=restore,
                 after_step=after_step,
             )  # fmt: skip
+            if channel.last_step != trainer.state.step:
+                # Resumed at its last step (a re-run of a finished job): nothing trained,
+                # yet the job stands at that step. Said, or its status reads "step 0/N".
+                channel.progress(step=trainer.state.step)
             ck = trainer.checkpointing
             if ck is not None and ck.saver.last is not None:
                 # The final save commits after the last step's heartbeat: tell the agent.
