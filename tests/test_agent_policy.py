@@ -239,6 +239,11 @@ def test_workers_get_the_torchrun_environment_and_elasticd_variables():
 def test_the_default_command_is_the_built_in_trainer_on_the_job_file():
     assert worker_argv(None, "/s/job.json", "/py") == ["/py", "-m", "trainer", "/s/job.json"]
     assert worker_argv(["bash", "x.sh"], "/s/job.json", "/py") == ["bash", "x.sh"]
+    # A bare python is the agent's own interpreter (on PATH it may be one without torch);
+    # a path is used as given.
+    assert worker_argv(["python", "t.py"], "/s/job.json", "/py") == ["/py", "t.py"]
+    assert worker_argv(["python3", "-m", "m"], "/s/job.json", "/py") == ["/py", "-m", "m"]
+    assert worker_argv(["/usr/bin/python3", "t.py"], "/s/job.json", "/py")[0] == "/usr/bin/python3"
 
 
 def test_the_latest_committed_checkpoint_is_read_from_the_pointer_or_the_manifests(tmp_path):

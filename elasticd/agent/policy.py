@@ -525,10 +525,21 @@ def _allow(node: Mapping[str, object]) -> str | Sequence[str]:
     return allow if isinstance(allow, str | list) else "none"
 
 
+BARE_PYTHON = frozenset({"python", "python3"})
+"""A command's first word meaning the agent's own interpreter (:func:`worker_argv`)."""
+
+
 def worker_argv(command: Sequence[str] | None, job_path: str, python: str) -> list[str]:
-    """The built-in trainer on the job file, or the job's own command as given."""
+    """The built-in trainer on the job file, or the job's own command as given, except a
+    bare ``python`` or ``python3`` first word: the interpreter the agent runs under
+    (``python``), as torchrun runs a script with its own. Looked up on the agent's PATH
+    it could be another one, without torch (a job of examples/ then crashed on import on
+    every node). A path (``/opt/venv/bin/python``) is used as given."""
     if command:
-        return list(command)
+        argv = list(command)
+        if argv[0] in BARE_PYTHON:
+            argv[0] = python
+        return argv
     return [python, "-m", "trainer", job_path]
 
 
