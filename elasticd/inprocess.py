@@ -53,6 +53,7 @@ calls ``train`` exactly once in a process group made from the torchrun environme
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -230,9 +231,15 @@ class Context:
 
     def sync_state(self, tensors: Mapping[str, Any], *, step: int | None) -> int | None:
         """Make every rank's ``tensors`` (whole, data-parallel-replicated tensors: a DDP
-        model's and optimizer's) equal to those of a rank at the newest step, and return
-        that step. ``step`` is None in a process that holds nothing yet (a newcomer, or the
-        first round): it receives. None if no rank holds anything (start fresh).
+        model's and optimizer's, as :func:`state_tensors` names them) equal to those of a
+        rank at the newest step, and return that step. ``step`` is None in a process that
+        holds nothing yet (a newcomer, or the first round): it receives. None if no rank
+        holds anything (start fresh).
+
+        Given :func:`state_tensors`' result, a rank that lacks optimizer state the holders
+        have (a newcomer, before its first step) is given it first, as the holders' dtype
+        and shape, and the numbers carried with the tensors (learning rates, a scheduler's
+        position, a loss scale) are put back where they live once the tensors arrived.
 
         Transfers go rank to rank over a gloo group, CRC-checked (``checkpoint.live``).
         Raises ``RuntimeError`` when the holders disagree on shapes or a transfer fails
@@ -243,7 +250,6 @@ class Context:
         from checkpoint.live import recover_from_peers
         from checkpoint.shards import ShardInfo
 
-        boxes = {name: (t, ShardInfo.whole(name, tuple(t.shape))) for name, t in tensors.items()}
         newest = torch.tensor([-1 if step is None else int(step)], dtype=torch.int64)
         group = transfer_group()
         # The transfer's own description gather carries every step too, but its waits are
@@ -254,12 +260,19 @@ class Context:
             wait_collective(work, group)
         if int(newest) < 0:
             return None
+        if isinstance(tensors, StateTensors):
+            tensors.complete(step, group)
+        # Detached: a Parameter given as it is would refuse the in-place writes.
+        boxes = {name: (t.detach(), ShardInfo.whole(name, tuple(t.shape)))
+                 for name, t in tensors.items()}  # fmt: skip
         result = recover_from_peers(
             have=boxes if step is not None else None, have_step=step,
             have_consumed=0 if step is not None else None, need=boxes, group=group,
         )  # fmt: skip
         if result is None:
             raise RuntimeError("in-process recovery: the survivors' state could not be agreed")
+        if isinstance(tensors, StateTensors):
+            tensors.put_back()
         # What the agent records of this recovery (source, lost steps): the step every
         # rank now holds against the newest any survivor held.
         self.channel.recovered(source="peers", resume_step=result.step,
@@ -268,30 +281,184 @@ class Context:
         return result.step
 
 
-def state_tensors(model: Any, optimizer: Any = None) -> dict[str, Any]:
-    """A model's parameters and buffers and an optimizer's per-parameter tensors, by name
-    (for :meth:`Context.sync_state`). Optimizer state that does not exist yet (before the
-    first step) is created as the optimizer would, zeros, so that every rank names the same
-    tensors."""
+class StateTensors(dict):
+    """What :func:`state_tensors` returns: name -> tensor, plus what
+    :meth:`Context.sync_state` needs beyond the tensors: how to give a rank the optimizer
+    state it lacks (:meth:`complete`), and how to put carried numbers back where they
+    live (:meth:`put_back`). A plain dict of tensors works too, without either."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._makers: dict[str, Callable[[str, tuple[int, ...], Any, bool], Any]] = {}
+        """Name prefix -> maker(rest of the name, shape, dtype, on the device) of a tensor
+        under it that this rank lacks: optimizer state, created lazily by the optimizer."""
+        self._put_back: list[Callable[[], None]] = []
+
+    def carry_number(self, name: str, value: int | float, write: Callable[[Any], None]) -> None:
+        """Carry a Python number as a 0-d float64 tensor ``name``; ``write`` gets it back,
+        as the number's own type, after the sync."""
+        import torch
+
+        kind = int if isinstance(value, int) else float
+        t = torch.tensor(float(value), dtype=torch.float64)
+        self[f"{name}#{kind.__name__}"] = t
+        self._put_back.append(lambda: write(kind(t.item())))
+
+    def _missing(self) -> dict[str, list[Any]]:
+        """This rank's tensors under a maker's prefix: name -> [shape, dtype, on CPU]."""
+        return {
+            name: [list(t.shape), str(t.dtype).removeprefix("torch."), t.device.type == "cpu"]
+            for name, t in self.items()
+            if any(name.startswith(prefix) for prefix in self._makers)
+        }
+
+    def complete(self, step: int | None, group: Any) -> None:
+        """Collective: create what the ranks at the newest step hold under a maker's
+        prefix and this rank lacks (a newcomer's optimizer state before its first step).
+        A name no maker covers is left to the transfer, which then refuses."""
+        import torch
+        import torch.distributed as dist
+
+        from checkpoint.live import gather_descriptions
+
+        if not self._makers:  # the same on every rank: the same script built it
+            return
+        desc = {"step": step, "names": self._missing()}
+        descs = gather_descriptions(desc, group) if dist.is_initialized() else [desc]
+        newest = max((d["step"] for d in descs if d["step"] is not None), default=None)
+        wanted: dict[str, list[Any]] = {}
+        for d in descs:
+            if d["step"] is not None and d["step"] == newest:
+                wanted.update(d["names"])
+        for name in sorted(wanted.keys() - self.keys()):
+            prefix = next((p for p in self._makers if name.startswith(p)), None)
+            if prefix is None:
+                continue
+            shape, dtype, on_cpu = wanted[name]
+            made = self._makers[prefix](name[len(prefix) :], tuple(shape),
+                                        getattr(torch, dtype), not on_cpu)  # fmt: skip
+            if made is not None:
+                self[name] = made
+
+    def put_back(self) -> None:
+        """Write the carried numbers back (after a sync every rank holds the newest)."""
+        for write in self._put_back:
+            write()
+
+
+_NUMBER_TYPES = (int, float)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, _NUMBER_TYPES) and not isinstance(v, bool)
+
+
+def _carry_leaves(out: StateTensors, name: str, value: Any, write: Callable[[Any], None]) -> None:
+    """Carry ``value``'s tensors and numbers (nested in dicts, lists and tuples) under
+    ``name``; ``write`` takes the rebuilt value back after the sync. Anything else (strings,
+    callables, None) stays as this rank has it."""
     import torch
 
-    out: dict[str, Any] = {}
+    if torch.is_tensor(value):
+        out[name] = value.detach()
+        return
+    if _is_number(value):
+        out.carry_number(name, value, write)
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _carry_leaves(out, f"{name}/{k}", v, _setter(value, k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _carry_leaves(out, f"{name}/{i}", v, _setter(value, i))
+    elif isinstance(value, tuple) and any(_is_number(v) or torch.is_tensor(v) for v in value):
+        items = list(value)
+        for i, v in enumerate(items):
+            _carry_leaves(out, f"{name}/{i}", v, _setter(items, i))
+        out._put_back.append(lambda: write(type(value)(items)))  # after the items' writes
+
+
+def _setter(container: Any, key: Any) -> Callable[[Any], None]:
+    def write(v: Any) -> None:
+        container[key] = v
+
+    return write
+
+
+def state_tensors(model: Any, optimizer: Any = None, *others: Any) -> StateTensors:
+    """What a data-parallel script's ranks must hold alike, by name, for
+    :meth:`Context.sync_state`:
+
+    - the model's parameters and tensor buffers (``model/<name>``; a module's non-tensor
+      extra state stays as each rank has it);
+    - the optimizer's per-parameter state, whatever the optimizer keeps (``optim/<param
+      name>/<key>``; a parameter not in ``model`` is named by its place in
+      ``param_groups``, and carried itself too). A rank without it (a newcomer, before
+      its first step) is given it in the sync, as the ranks at the newest step hold it;
+    - the numbers of the optimizer's ``param_groups`` (the learning rate a scheduler set,
+      betas, weight decay);
+    - for each of ``others`` (an LR scheduler, a ``GradScaler``, anything with
+      ``state_dict()``/``load_state_dict()``), the tensors and numbers of its state dict,
+      loaded back after the sync.
+
+    The model's gradients are dropped (set to None): at the start of a round they are
+    those of the step the fault interrupted, partly reduced, or absent on a newcomer."""
+    import torch
+
+    out = StateTensors()
+    for p in model.parameters():
+        p.grad = None
     for name, t in model.state_dict(keep_vars=True).items():
-        out[f"model/{name}"] = t.data if hasattr(t, "data") else t
-    if optimizer is None:
-        return out
+        if torch.is_tensor(t):
+            out[f"model/{name}"] = t.detach()
+    if optimizer is not None:
+        _optimizer_state(out, model, optimizer)
+    for i, obj in enumerate(others):
+        sd = obj.state_dict()
+        _carry_leaves(out, f"other/{i}", sd, lambda _v: None)
+        out._put_back.append(lambda obj=obj, sd=sd: obj.load_state_dict(sd))  # after its leaves
+    return out
+
+
+def _optimizer_state(out: StateTensors, model: Any, optimizer: Any) -> None:
+    import torch
+
     names = {id(p): n for n, p in model.named_parameters()}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
+    for gi, group in enumerate(optimizer.param_groups):
+        for pi, p in enumerate(group["params"]):
+            p.grad = None
+            pname = names.get(id(p))
+            if pname is None:  # trained, yet not the model's: carried itself too
+                pname = f"param_groups/{gi}/params/{pi}"
+                out[f"optim/{pname}"] = p.detach()
             st = optimizer.state[p]
-            if not st:
-                st["step"] = torch.tensor(0.0)
-                st["exp_avg"] = torch.zeros_like(p)
-                st["exp_avg_sq"] = torch.zeros_like(p)
             for key, value in st.items():
                 if torch.is_tensor(value):
-                    out[f"optim/{names.get(id(p), id(p))}/{key}"] = value
-    return out
+                    out[f"optim/{pname}/{key}"] = value
+                elif _is_number(value):
+                    out.carry_number(f"optim/{pname}/{key}", value, _setter(st, key))
+            out._makers[f"optim/{pname}/"] = functools.partial(_make_state, out, st, p)
+        for key, value in group.items():
+            if key != "params":
+                _carry_leaves(out, f"optim/param_groups/{gi}/{key}", value, _setter(group, key))
+
+
+def _make_state(out: StateTensors, st: dict, p: Any, key: str, shape: tuple[int, ...],
+                dtype: Any, on_device: bool) -> Any:  # fmt: skip
+    """A missing optimizer state entry ``key`` of parameter ``p`` (state ``st``), as the
+    holders have it: a tensor on ``p``'s device (or the CPU, as Adam keeps its ``step``),
+    or a number (``key`` ends in ``#int`` or ``#float``) written back after the sync."""
+    import torch
+
+    key, _, kind = key.partition("#")
+    if kind:
+        t = torch.zeros((), dtype=torch.float64)
+        cast = int if kind == "int" else float
+        out._put_back.append(lambda: st.__setitem__(key, cast(t.item())))
+        return t
+    t = torch.zeros(shape, dtype=dtype, device=p.device if on_device else "cpu")
+    st[key] = t
+    return t
 
 
 def transfer_group() -> Any:
@@ -676,7 +843,30 @@ class _Control:
 
 def is_comm_error(exc: BaseException) -> bool:
     """Whether ``exc`` comes from a process group or store (a peer died, froze, or our
-    round's sockets were shut), rather than from the training code."""
+    round's sockets were shut), rather than from the training code: it, or an exception
+    it was raised from or while handling (a script's own error wrapping a failed
+    collective), is one of torch.distributed's errors, ours, or an error whose text comes
+    from gloo, NCCL or c10d. A script's own connection or timeout error (a data loader's,
+    an HTTP client's) is not one."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo and len(seen) < 32:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if _is_comm_error_itself(e):
+            return True
+        todo += [e.__cause__, e.__context__]
+    return False
+
+
+_COMM_TEXT = ("gloo", "NCCL", "TCPStore", "c10d", "ProcessGroup")
+"""Words in the text of a communication error raised as a plain RuntimeError: gloo's
+carry its source path (``.../gloo/transport/tcp/pair.cc:553] Connection closed by peer``)."""
+
+
+def _is_comm_error_itself(exc: BaseException) -> bool:
     import torch.distributed as dist
 
     from elasticd.faultplan import InjectedCollectiveFault
@@ -688,11 +878,7 @@ def is_comm_error(exc: BaseException) -> bool:
         return True
     if isinstance(exc, (RuntimeError, ConnectionError, TimeoutError)):
         text = str(exc)
-        return any(
-            s in text
-            for s in ("gloo", "Connection closed", "Connection reset", "NCCL", "Broken pipe",
-                      "TCPStore", "Socket", "socket", "timed out", "Timed out")
-        )  # fmt: skip
+        return any(s in text for s in _COMM_TEXT)
     return False
 
 
@@ -1037,7 +1223,7 @@ def _close_round(*, abort: bool) -> None:
         # fresh process, and its store keys (prefixed by the name) would never meet.
         _reset_group_names()
         return
-    if abort and dist.get_backend() == "nccl":
+    if abort and "nccl" in str(dist.get_backend()):  # also "cpu:gloo,cuda:nccl"
         _abort_nccl()
         return
     try:
@@ -1302,6 +1488,8 @@ def run(
         for name, value in NCCL_INPROCESS_ENV.items():
             os.environ.setdefault(name, value)  # a user's own setting stands
     local_rank = int(env.get("LOCAL_RANK", "0") or 0)
+    if "nccl" in backend:
+        _set_device(local_rank)
     control = None
     warming = None
     if path:
@@ -1362,7 +1550,11 @@ def run(
                 env = control.next_round(round_)
                 lived += 1
                 continue
-            if control is None or not (control.aborted(round_) or is_comm_error(exc)):
+            if (
+                control is None
+                or not isinstance(exc, Exception)  # Ctrl-C, sys.exit(): never a round's end
+                or not (control.aborted(round_) or is_comm_error(exc))
+            ):
                 _close_round(abort=True)
                 if control is not None:
                     control.left(round_)
@@ -1370,7 +1562,8 @@ def run(
             # A round the agent ended before its group opened (the world changed during the
             # hand-over) is no failed recovery: only the others count toward the fallback.
             if opened or not control.aborted(round_):
-                failed_in_row = failed_in_row + 1 if not state.get("_stepped") else 1
+                trained = state.get("_stepped") or control.channel.reported_step()
+                failed_in_row = failed_in_row + 1 if not trained else 1
                 state["_stepped"] = False
             _leave_round(control, round_, exc)
             if failed_in_row >= MAX_FAILED_RECOVERIES:
@@ -1388,8 +1581,25 @@ def run(
 
 def stepped(ctx: Context) -> None:
     """Note that this round completed a training step (a later failure is a fresh one,
-    not a failed recovery). The built-in trainer calls it after every step."""
+    not a failed recovery). The built-in trainer calls it after every step. A round whose
+    channel reported a step (``ctx.channel.progress`` or ``record``) counts as one that
+    stepped too."""
     ctx.state["_stepped"] = True
+
+
+def _set_device(local_rank: int) -> None:
+    """Make ``cuda:<local_rank>`` this process's device before its NCCL groups are made
+    (the agent shows each worker all of its node's devices for the job: without this every
+    local rank's groups would be on ``cuda:0``). With one device visible, that one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    n = torch.cuda.device_count()
+    if 0 <= local_rank < n:
+        torch.cuda.set_device(local_rank)
+    elif n == 1:
+        torch.cuda.set_device(0)
 
 
 def _leave_round(control: _Control, round_: int, exc: BaseException) -> None:
@@ -1415,6 +1625,7 @@ __all__ = [
     "Context",
     "PeerPreempted",
     "RoundAborted",
+    "StateTensors",
     "abort_nccl_communicators",
     "check_results",
     "first_round_env",

@@ -252,6 +252,21 @@ class WorkerChannel:
         elif self._last.pop("waiting", None) is not None:
             self._write()
 
+    @property
+    def last_step(self) -> int | None:
+        """The step this channel last reported (:meth:`progress`), None before any."""
+        step = self._last.get("step")
+        return step if isinstance(step, int) else None
+
+    def reported_step(self) -> bool:
+        """Whether this channel reported a completed step past the one its round resumed
+        at (:meth:`recovered`'s ``resume_step``, when it said one)."""
+        step = self._last.get("step")
+        if step is None:
+            return False
+        resumed = (self._last.get("recovery") or {}).get("resume_step")
+        return not isinstance(resumed, int) or step > resumed
+
     def recovered(self, **info: Any) -> None:
         """In-process restart: how this round's state was recovered (``source``,
         ``resume_step``, ``lost_steps``); rank 0's goes into the job's recovery record."""

@@ -1,13 +1,14 @@
 """A plain PyTorch DDP script, made to survive faults in-process with elasticd.
 
 The lines marked ``# elasticd`` are the whole change. Run it under agents with
-``restart: {mode: inprocess}`` and ``command: [python, examples/ddp_inprocess.py]``
-(see docs/inprocess.md); alone, or under torchrun, it trains once as any DDP script.
+``restart: {mode: inprocess}`` (``elasticd run examples/ddp_inprocess.yaml --nodes 3
+--fault kill-node=1@step=8``; docs/inprocess.md); alone, or under torchrun, it trains
+once as any DDP script.
 
 On a fault the process is not restarted: ``train`` is called again for the new world,
-with the same ``ctx.state`` (model, optimizer, step); ``ctx.sync_state`` makes every
-rank's model and optimizer equal to those of a rank at the newest step (a newcomer
-receives them), rank to rank, CRC-checked.
+with the same ``ctx.state`` (model, optimizer, scheduler, step); ``ctx.sync_state`` makes
+every rank's model, optimizer state, learning rates and scheduler equal to those of a rank
+at the newest step (a newcomer receives them), rank to rank, CRC-checked.
 """
 
 import json
@@ -23,14 +24,23 @@ STEPS = int(os.environ.get("DDP_STEPS", "40"))
 BATCH = 12  # the global batch: 12 samples split over 1, 2, 3, 4 or 6 ranks
 
 
-def train(ctx: ei.Context) -> None:  # elasticd: was main(); the process group exists
+def build(device: torch.device) -> dict:
     torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)).to(device)  # fmt: skip
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))  # warm-up
+    return {"model": model, "opt": opt, "sched": sched}
+
+
+def train(ctx: ei.Context) -> None:  # elasticd: was main(); the process group exists
     cuda = torch.cuda.is_available()  # ei.run picks NCCL then, gloo otherwise
     device = torch.device("cuda", ctx.local_rank) if cuda else torch.device("cpu")
-    model = ctx.state.setdefault("model", torch.nn.Sequential(  # elasticd: kept across rounds
-        torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1)).to(device))  # fmt: skip
-    opt = ctx.state.setdefault("opt", torch.optim.AdamW(model.parameters(), lr=1e-2))  # elasticd
-    step = ctx.sync_state(ei.state_tensors(model, opt), step=ctx.state.get("step")) or 0  # elasticd
+    if "model" not in ctx.state:  # elasticd: built once, kept across rounds
+        ctx.state.update(build(device))  # elasticd
+    model, opt, sched = ctx.state["model"], ctx.state["opt"], ctx.state["sched"]  # elasticd
+    tensors = ei.state_tensors(model, opt, sched)  # elasticd
+    step = ctx.sync_state(tensors, step=ctx.state.get("step")) or 0  # elasticd
     ddp = DDP(model, device_ids=[device.index] if cuda else None)
     rank, world = dist.get_rank(), dist.get_world_size()
     while step < STEPS:
@@ -46,11 +56,11 @@ def train(ctx: ei.Context) -> None:  # elasticd: was main(); the process group e
         mean = float(mean) / world  # waits for this and the gradients' all-reduces
         ei.check_results()  # elasticd: on NCCL an aborted all-reduce gives garbage, not an error
         opt.step()
+        sched.step()
         step += 1
         ctx.state["step"] = step  # elasticd
-        ei.stepped(ctx)  # elasticd
-        ctx.channel.progress(step=step, loss=mean)  # elasticd: the heartbeat
-        if rank == 0 and os.environ.get("DDP_LOG"):
+        ctx.channel.record(step=step, loss=mean)  # elasticd: heartbeat and metrics.jsonl
+        if rank == 0 and os.environ.get("DDP_LOG"):  # a run without elasticd's metrics
             with open(os.environ["DDP_LOG"], "a", encoding="utf-8") as fh:
                 fh.write(json.dumps({"step": step, "loss": mean}) + "\n")
 

@@ -453,7 +453,11 @@ def test_a_frozen_node_is_left_behind_in_process_and_comes_back_as_a_newcomer(tm
 
 
 def test_the_ddp_example_survives_a_killed_node_in_process_and_matches_one_process(tmp_path):
-    """examples/ddp_inprocess.py: a plain DDP script with the elasticd lines, dp3 -> dp2."""
+    """examples/ddp_inprocess.py: a plain DDP script with the elasticd lines, dp3 -> dp2,
+    then a killed worker whose replacement (a new process: a script of its own has no
+    standby) receives the model, AdamW's state and the warm-up scheduler's position from
+    the survivor (before the review fix, a newcomer's made-up optimizer state and its
+    scheduler at step 0 would have trained on differently)."""
     script = os.path.join(
         os.path.dirname(os.path.dirname(__file__)), "examples", "ddp_inprocess.py"
     )
@@ -467,23 +471,37 @@ def test_the_ddp_example_survives_a_killed_node_in_process_and_matches_one_proce
     }
     assert sorted(reference) == list(range(1, 41))
     job = make_job(tmp_path, "ddp", command=[sys.executable, script])
-    # Where elasticd run looks for steps (its faults fire by step).
-    log = tmp_path / "ddp" / "metrics.jsonl"
-    os.environ["DDP_LOG"] = str(log)  # the agents' environment reaches the workers
-    try:
-        result = run(job, 3, ["kill-node=1@step=10"])
-    finally:
-        del os.environ["DDP_LOG"]
+    result = run(job, 3, ["kill-node=1@step=10", "kill-worker=1@step=25"])
     assert result["state"] == "succeeded", result["reason"]
-    records = [json.loads(line) for line in log.read_text().splitlines()]
+    # The script's channel.record wrote them (where elasticd run reads steps and losses).
+    records = [json.loads(line) for line in (tmp_path / "ddp" / "metrics.jsonl").open()]
     assert [rec["step"] for rec in records] == list(range(1, 41))
     for rec in records:
         assert rec["loss"] == pytest.approx(reference[rec["step"]], rel=1e-5, abs=1e-7)
     recs = [e for e in result["status"]["history"] if e["kind"] == "recovery"]
-    assert [e["mode"] for e in recs] == ["inprocess"]
+    assert [e["mode"] for e in recs] == ["inprocess", "inprocess"], recs
     pids = round_pids(job)
-    first, second = (pids[r] for r in sorted(pids))
+    first, second, *later = (pids[r] for r in sorted(pids))
     assert second < first and len(second) == 2
+    # The killed worker's replacement is a new process beside rank 0's, which went on.
+    assert len(later[-1]) == 2 and len(later[-1] & second) == 1, pids
+
+
+def test_a_script_that_crashes_every_time_fails_the_job_in_process_too(tmp_path):
+    """A worker that exits 1 at once, on every node, every round (an import error). Its
+    agent backs off before its node re-joins (a crash loop), so the others re-form without
+    it; that node was taken for a lost one, which uses no restart, so the job re-formed for
+    ever (98 rounds in 5 minutes before the fix, found by a newcomer's walk through the
+    README with a job whose ``python`` had no torch). A node whose own worker ended the
+    round is not lost: the failure counts, and the restart limit ends the job."""
+    job = make_job(tmp_path, "crash", command=[sys.executable, "-c", "raise SystemExit(1)"],
+                   restart={"mode": "inprocess", "max_restarts": 2})  # fmt: skip
+    result = run(job, 3, [])
+    assert result["state"] == "failed", result["reason"]
+    assert "restart limit reached (2)" in result["reason"], result["reason"]
+    history = result["status"]["history"]
+    failures = [e for e in history if e.get("reason") in ("worker_failed", "peer_lost")]
+    assert all(e["reason"] == "worker_failed" for e in failures), failures
 
 
 def _threads_and_sockets(pid: int) -> tuple[int, int]:

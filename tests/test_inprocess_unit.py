@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -184,11 +185,38 @@ def test_a_round_ended_before_it_began_is_never_trained_and_the_next_one_is(tmp_
 
 
 def test_communication_errors_are_told_from_bugs():
-    assert is_comm_error(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer"))
-    assert is_comm_error(ConnectionResetError("Connection reset by peer"))
+    import torch.distributed as dist
+
+    gloo = RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+    assert is_comm_error(gloo)
+    assert is_comm_error(dist.DistNetworkError("Connection reset by peer"))
     assert not is_comm_error(ValueError("bad shape"))
     assert not is_comm_error(KeyError("step"))
     assert not is_comm_error(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    # A script's own connections and timeouts are its own (review: these counted as a
+    # lost peer, and three in a row ended the process).
+    assert not is_comm_error(ConnectionResetError("Connection reset by peer"))
+    assert not is_comm_error(RuntimeError("DataLoader timed out after 60 seconds"))
+    assert not is_comm_error(TimeoutError("timed out"))
+
+    class TrainError(Exception):
+        pass
+
+    # A script that wraps a failed collective in its own error: the cause is what counts.
+    try:
+        try:
+            raise gloo
+        except RuntimeError as exc:
+            raise TrainError("step 7 failed") from exc
+    except TrainError as exc:
+        assert is_comm_error(exc)
+    try:
+        try:
+            raise gloo
+        except RuntimeError:
+            raise ValueError("in the handler")  # noqa: B904
+    except ValueError as exc:
+        assert is_comm_error(exc)
 
 
 @pytest.mark.gpu
@@ -445,6 +473,70 @@ def test_two_failed_recoveries_in_a_row_end_the_process_and_one_does_not(
         assert "2 recoveries in a row failed before a step; exiting" in r.stderr
     else:
         assert r.stdout.splitlines()[-1] == "done"
+
+
+ROUND_END_SCRIPT = """
+import sys
+import time
+from elasticd.agent.launch import write_control
+import elasticd.inprocess as ei
+
+path, how = sys.argv[1], sys.argv[2]
+base = {"ELASTICD_RESTART_MODE": "inprocess", "ELASTICD_CONTROL_FILE": path, "RANK": "0",
+        "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+write_control(path, round_=1, state="run", envs={"0": {**base, "ELASTICD_ROUND": "1"}})
+
+def train(ctx):
+    print("round", ctx.round, flush=True)
+    if ctx.round == 5:
+        return "done"
+    if how == "progress":  # a script that reports its steps but never calls ei.stepped
+        ctx.channel.progress(step=ctx.round * 10)
+    elif how == "resumed-only":  # it reports only the step its round resumed at
+        ctx.channel.recovered(source="peers", resume_step=ctx.round * 10, lost_steps=0)
+        ctx.channel.progress(step=ctx.round * 10)
+    else:
+        ei.stepped(ctx)
+    nxt = ctx.round + 1
+    if how in ("interrupt", "exit") and ctx.round == 2:
+        write_control(path, round_=2, state="abort")  # the round has ended under train
+        while not ctx.aborted():
+            time.sleep(0.01)
+        write_control(path, round_=3, state="run", envs={"0": {**base, "ELASTICD_ROUND": "3"}})
+        raise KeyboardInterrupt if how == "interrupt" else SystemExit(0)
+    write_control(path, round_=nxt, state="run", envs={"0": {**base, "ELASTICD_ROUND": str(nxt)}})
+    raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+
+print(ei.run(train, env={**base, "ELASTICD_ROUND": "1"}), flush=True)
+"""
+
+
+@pytest.mark.parametrize(
+    ("how", "rounds", "code"),
+    [("progress", [1, 2, 3, 4, 5], 0), ("resumed-only", [1, 2, 3], 1),
+     ("interrupt", [1, 2], -signal.SIGINT), ("exit", [1, 2], 0)],
+)  # fmt: skip
+def test_a_round_that_reported_a_step_trained_and_ctrl_c_or_exit_ends_the_process(
+    tmp_path, how, rounds, code
+):
+    """(Review.) A round whose channel reported a step past the one it resumed at trained,
+    even if the script never calls ``ei.stepped`` (before, every fault of such a script
+    counted as a failed recovery, and the third of a job's whole life ended the process).
+    Ctrl-C and ``sys.exit()`` in a round that has ended end the process, as they would
+    without elasticd (before, ``train`` was called again for the next round)."""
+    script = tmp_path / "round_end.py"
+    script.write_text(ROUND_END_SCRIPT)
+    r = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "control.json"), how],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == code, r.stderr[-2000:]
+    seen = [int(line.split()[1]) for line in r.stdout.splitlines() if line.startswith("round ")]
+    assert seen == rounds, (r.stdout, r.stderr[-2000:])
+    if how == "interrupt":
+        assert "KeyboardInterrupt" in r.stderr
+    if how == "resumed-only":
+        assert "2 recoveries in a row failed before a step; exiting" in r.stderr
 
 
 ABORTED_BEFORE_OPEN_SCRIPT = """
