@@ -260,13 +260,17 @@ class Context:
             wait_collective(work, group)
         if int(newest) < 0:
             return None
+        held = None
         if isinstance(tensors, StateTensors):
             tensors.complete(step, group)
+            held = tensors.held
         # Detached: a Parameter given as it is would refuse the in-place writes.
         boxes = {name: (t.detach(), ShardInfo.whole(name, tuple(t.shape)))
                  for name, t in tensors.items()}  # fmt: skip
+        # Offered: what was held before complete() made anything (made ones are zeros).
+        have = boxes if held is None else {k: v for k, v in boxes.items() if k in held}
         result = recover_from_peers(
-            have=boxes if step is not None else None, have_step=step,
+            have=have if step is not None else None, have_step=step,
             have_consumed=0 if step is not None else None, need=boxes, group=group,
         )  # fmt: skip
         if result is None:
@@ -290,48 +294,59 @@ class StateTensors(dict):
     def __init__(self) -> None:
         super().__init__()
         self._makers: dict[str, Callable[[str, tuple[int, ...], Any, bool], Any]] = {}
-        """Name prefix -> maker(rest of the name, shape, dtype, on the device) of a tensor
-        under it that this rank lacks: optimizer state, created lazily by the optimizer."""
+        """Name prefix (up to the last ``/``) -> maker(rest of the name, shape, dtype, on
+        the device) of a tensor under it that this rank lacks: optimizer state, which the
+        optimizer creates lazily."""
         self._put_back: list[Callable[[], None]] = []
+        self.held: frozenset[str] = frozenset()
+        """The names this rank held before :meth:`complete` made any: only those are
+        offered to the others (a made tensor is zeros until the transfer fills it)."""
 
     def carry_number(self, name: str, value: int | float, write: Callable[[Any], None]) -> None:
-        """Carry a Python number as a 0-d float64 tensor ``name``; ``write`` gets it back,
-        as the number's own type, after the sync."""
-        import torch
+        """Carry a Python number as ``name#n`` (:func:`_encode_number`); ``write`` gets it
+        back, as the holder's type (int or float), after the sync. An int outside int64 is
+        left as each rank has it."""
+        t = _encode_number(value)
+        if t is None:
+            return
+        self[f"{name}#n"] = t
+        self._put_back.append(lambda: write(_decode_number(t)))
 
-        kind = int if isinstance(value, int) else float
-        t = torch.tensor(float(value), dtype=torch.float64)
-        self[f"{name}#{kind.__name__}"] = t
-        self._put_back.append(lambda: write(kind(t.item())))
-
-    def _missing(self) -> dict[str, list[Any]]:
-        """This rank's tensors under a maker's prefix: name -> [shape, dtype, on CPU]."""
-        return {
-            name: [list(t.shape), str(t.dtype).removeprefix("torch."), t.device.type == "cpu"]
-            for name, t in self.items()
-            if any(name.startswith(prefix) for prefix in self._makers)
-        }
+    def _maker_of(self, name: str) -> str | None:
+        prefix = name.rpartition("/")[0] + "/"
+        return prefix if prefix in self._makers else None
 
     def complete(self, step: int | None, group: Any) -> None:
         """Collective: create what the ranks at the newest step hold under a maker's
         prefix and this rank lacks (a newcomer's optimizer state before its first step).
-        A name no maker covers is left to the transfer, which then refuses."""
+        Raises ``RuntimeError`` on every rank alike when a rank lacks a name the holders
+        have that no maker covers (state the sync could not give it: it would train on
+        without it)."""
         import torch
         import torch.distributed as dist
 
         from checkpoint.live import gather_descriptions
 
-        if not self._makers:  # the same on every rank: the same script built it
-            return
-        desc = {"step": step, "names": self._missing()}
+        self.held = frozenset(self)
+        names = {name: [list(t.shape), str(t.dtype).removeprefix("torch."), t.device.type == "cpu"]
+                 for name, t in self.items()}  # fmt: skip
+        desc = {"step": step, "names": names}
         descs = gather_descriptions(desc, group) if dist.is_initialized() else [desc]
         newest = max((d["step"] for d in descs if d["step"] is not None), default=None)
         wanted: dict[str, list[Any]] = {}
         for d in descs:
             if d["step"] is not None and d["step"] == newest:
                 wanted.update(d["names"])
+        lacking = sorted({n for d in descs for n in wanted.keys() - d["names"].keys()
+                          if self._maker_of(n) is None})  # fmt: skip
+        if lacking:  # the same on every rank: decided from the same descriptions
+            raise RuntimeError(
+                f"in-process recovery: {len(lacking)} tensor(s) the ranks at step {newest} hold "
+                f"are missing on another rank and cannot be made there (state created "
+                f"lazily outside the optimizer given to state_tensors?): {', '.join(lacking[:5])}"
+            )
         for name in sorted(wanted.keys() - self.keys()):
-            prefix = next((p for p in self._makers if name.startswith(p)), None)
+            prefix = self._maker_of(name)
             if prefix is None:
                 continue
             shape, dtype, on_cpu = wanted[name]
@@ -346,11 +361,37 @@ class StateTensors(dict):
             write()
 
 
-_NUMBER_TYPES = (int, float)
+_INT64 = (-(2**63), 2**63 - 1)
+
+
+def _encode_number(value: int | float) -> Any:
+    """A Python number as an int64 tensor [kind, bits]: kind 1 an int (bits: its value),
+    0 a float (bits: its IEEE 754 double's), so both travel exactly, and the name does not
+    depend on the type (a learning rate 1 is an int until a scheduler makes it 0.5). None
+    for an int outside int64."""
+    import struct
+
+    import torch
+
+    if isinstance(value, int):
+        if not _INT64[0] <= value <= _INT64[1]:
+            return None
+        return torch.tensor([1, value], dtype=torch.int64)
+    (bits,) = struct.unpack("<q", struct.pack("<d", float(value)))
+    return torch.tensor([0, bits], dtype=torch.int64)
+
+
+def _decode_number(t: Any) -> int | float:
+    import struct
+
+    kind, bits = (int(v) for v in t.tolist())
+    if kind == 1:
+        return bits
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
 
 
 def _is_number(v: Any) -> bool:
-    return isinstance(v, _NUMBER_TYPES) and not isinstance(v, bool)
+    return isinstance(v, int | float) and not isinstance(v, bool)
 
 
 def _carry_leaves(out: StateTensors, name: str, value: Any, write: Callable[[Any], None]) -> None:
@@ -375,7 +416,8 @@ def _carry_leaves(out: StateTensors, name: str, value: Any, write: Callable[[Any
         items = list(value)
         for i, v in enumerate(items):
             _carry_leaves(out, f"{name}/{i}", v, _setter(items, i))
-        out._put_back.append(lambda: write(type(value)(items)))  # after the items' writes
+        make = getattr(type(value), "_make", type(value))  # a namedtuple takes an iterable so
+        out._put_back.append(lambda: write(make(items)))  # after the items' writes
 
 
 def _setter(container: Any, key: Any) -> Callable[[Any], None]:
@@ -397,9 +439,11 @@ def state_tensors(model: Any, optimizer: Any = None, *others: Any) -> StateTenso
       its first step) is given it in the sync, as the ranks at the newest step hold it;
     - the numbers of the optimizer's ``param_groups`` (the learning rate a scheduler set,
       betas, weight decay);
-    - for each of ``others`` (an LR scheduler, a ``GradScaler``, anything with
-      ``state_dict()``/``load_state_dict()``), the tensors and numbers of its state dict,
-      loaded back after the sync.
+    - for each of ``others``: another optimizer, as the first (``other/<i>/...``); else
+      (an LR scheduler, a ``GradScaler``, anything with ``state_dict()`` and
+      ``load_state_dict()``) the tensors and numbers of its state dict, loaded back after
+      the sync. State such an object creates lazily must exist on every rank: a rank
+      lacking a tensor the holders have fails the sync on every rank, in one message.
 
     The model's gradients are dropped (set to None): at the start of a round they are
     those of the step the fault interrupted, partly reduced, or absent on a newcomer."""
@@ -411,50 +455,52 @@ def state_tensors(model: Any, optimizer: Any = None, *others: Any) -> StateTenso
     for name, t in model.state_dict(keep_vars=True).items():
         if torch.is_tensor(t):
             out[f"model/{name}"] = t.detach()
+    names = {id(p): n for n, p in model.named_parameters()}
     if optimizer is not None:
-        _optimizer_state(out, model, optimizer)
+        _optimizer_state(out, names, optimizer, "optim")
     for i, obj in enumerate(others):
+        if isinstance(obj, torch.optim.Optimizer):
+            _optimizer_state(out, names, obj, f"other/{i}")
+            continue
         sd = obj.state_dict()
         _carry_leaves(out, f"other/{i}", sd, lambda _v: None)
         out._put_back.append(lambda obj=obj, sd=sd: obj.load_state_dict(sd))  # after its leaves
     return out
 
 
-def _optimizer_state(out: StateTensors, model: Any, optimizer: Any) -> None:
+def _optimizer_state(out: StateTensors, names: dict[int, str], optimizer: Any, top: str) -> None:
     import torch
 
-    names = {id(p): n for n, p in model.named_parameters()}
     for gi, group in enumerate(optimizer.param_groups):
         for pi, p in enumerate(group["params"]):
             p.grad = None
             pname = names.get(id(p))
             if pname is None:  # trained, yet not the model's: carried itself too
                 pname = f"param_groups/{gi}/params/{pi}"
-                out[f"optim/{pname}"] = p.detach()
+                out[f"{top}/{pname}"] = p.detach()
             st = optimizer.state[p]
             for key, value in st.items():
                 if torch.is_tensor(value):
-                    out[f"optim/{pname}/{key}"] = value
+                    out[f"{top}/{pname}/{key}"] = value
                 elif _is_number(value):
-                    out.carry_number(f"optim/{pname}/{key}", value, _setter(st, key))
-            out._makers[f"optim/{pname}/"] = functools.partial(_make_state, out, st, p)
+                    out.carry_number(f"{top}/{pname}/{key}", value, _setter(st, key))
+            out._makers[f"{top}/{pname}/"] = functools.partial(_make_state, out, st, p)
         for key, value in group.items():
             if key != "params":
-                _carry_leaves(out, f"optim/param_groups/{gi}/{key}", value, _setter(group, key))
+                _carry_leaves(out, f"{top}/param_groups/{gi}/{key}", value, _setter(group, key))
 
 
 def _make_state(out: StateTensors, st: dict, p: Any, key: str, shape: tuple[int, ...],
                 dtype: Any, on_device: bool) -> Any:  # fmt: skip
     """A missing optimizer state entry ``key`` of parameter ``p`` (state ``st``), as the
     holders have it: a tensor on ``p``'s device (or the CPU, as Adam keeps its ``step``),
-    or a number (``key`` ends in ``#int`` or ``#float``) written back after the sync."""
+    or a number (``key`` ends in ``#n``) written back after the sync."""
     import torch
 
-    key, _, kind = key.partition("#")
-    if kind:
-        t = torch.zeros((), dtype=torch.float64)
-        cast = int if kind == "int" else float
-        out._put_back.append(lambda: st.__setitem__(key, cast(t.item())))
+    if key.endswith("#n"):
+        key = key[: -len("#n")]
+        t = torch.zeros(2, dtype=torch.int64)
+        out._put_back.append(lambda: st.__setitem__(key, _decode_number(t)))
         return t
     t = torch.zeros(shape, dtype=dtype, device=p.device if on_device else "cpu")
     st[key] = t
@@ -857,11 +903,11 @@ def is_comm_error(exc: BaseException) -> bool:
         seen.add(id(e))
         if _is_comm_error_itself(e):
             return True
-        todo += [e.__cause__, e.__context__]
+        todo += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]  # and a group's
     return False
 
 
-_COMM_TEXT = ("gloo", "NCCL", "TCPStore", "c10d", "ProcessGroup")
+_COMM_TEXT = ("gloo", "NCCL", "TCPStore", "c10d", "ProcessGroup", "monitoredBarrier")
 """Words in the text of a communication error raised as a plain RuntimeError: gloo's
 carry its source path (``.../gloo/transport/tcp/pair.cc:553] Connection closed by peer``)."""
 

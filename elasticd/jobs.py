@@ -604,6 +604,22 @@ class JobRegistry:
         :meth:`cause_of` reads it. Returns whether this note is the one kept."""
         return self._put_once(_key(name, f"failures/{round_}/cause"), round_, info, fence)[1]
 
+    def note_own_failure(
+        self, name: str, round_: int, node: str, info: dict[str, Any], *, fence: Fence | None = None
+    ) -> None:
+        """Record that ``node``'s own worker ended round ``round_`` (died, hung or failed on
+        its own), whoever claimed the round: every node's, not only the claim's or the one
+        note (:meth:`own_failures`)."""
+        # "own-<node>": a key's last part names a job record's part in get() ("state",
+        # "spec", ...); a node of any name must not pass for one.
+        self._put_once(_key(name, f"failures/{round_}/own-{node}"), round_, info, fence)
+
+    def own_failures(self, name: str, round_: int) -> set[str]:
+        """The nodes :meth:`note_own_failure` named for round ``round_``."""
+        prefix = _key(name, f"failures/{round_}/own-")
+        kvs, _ = self._client.get_prefix(prefix)
+        return {kv.key[len(prefix) :] for kv in kvs}
+
     def prune_failures(self, name: str, before: int, *, fence: Fence | None = None) -> int:
         """Delete the failure records (claims and causes) of rounds below ``before``:
         once a later world formed, its node rank 0 has decided them into the history, and

@@ -78,6 +78,8 @@ class WorkerChannel:
         self._preempt = threading.Event()
         self._phases: dict[str, float] = {}
         self._last: dict[str, Any] = {}
+        self._first_step: int | None = None
+        """The first step :meth:`progress` reported (``reported_step``)."""
         self._env: Mapping[str, str] = {}
         self._faults: Any = None
         self._metrics_path: str | None = None
@@ -260,12 +262,15 @@ class WorkerChannel:
 
     def reported_step(self) -> bool:
         """Whether this channel reported a completed step past the one its round resumed
-        at (:meth:`recovered`'s ``resume_step``, when it said one)."""
+        at: :meth:`recovered`'s ``resume_step`` when it said one, else the first step it
+        reported (a heartbeat of the step a script resumed at on its own is no step)."""
         step = self._last.get("step")
         if step is None:
             return False
         resumed = (self._last.get("recovery") or {}).get("resume_step")
-        return not isinstance(resumed, int) or step > resumed
+        if not isinstance(resumed, int):
+            resumed = self._first_step
+        return resumed is None or step > resumed
 
     def recovered(self, **info: Any) -> None:
         """In-process restart: how this round's state was recovered (``source``,
@@ -292,6 +297,8 @@ class WorkerChannel:
         given = {"loss": (loss, float), "tokens_per_s": (tokens_per_s, float),
                  "checkpoint_step": (checkpoint_step, int), "step_s": (step_s, float),
                  "checkpoint_save": (checkpoint_save, dict), "mfu": (mfu, float)}  # fmt: skip
+        if self._first_step is None:
+            self._first_step = int(step)
         same = self._last.get("step") == int(step)
         keep = {k: v for k, v in self._last.items()
                 if k == "recovery" or (same and k in given)}  # fmt: skip

@@ -14,6 +14,7 @@ as they are refused the in-place write.
 from __future__ import annotations
 
 import json
+from collections import namedtuple
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,44 @@ import torch.multiprocessing as mp
 import elasticd.inprocess as ei
 
 CASES = ["sgd-momentum", "adam-amsgrad", "adamw-scheduler-scaler", "rmsprop-extra-param",
-         "parameters-as-given"]  # fmt: skip
+         "int-lr-two-optimizers", "parameters-as-given", "lazy-state-refused"]  # fmt: skip
+Pos = namedtuple("Pos", "epoch batch")
+
+
+class Position:
+    """A script's own object in ``others``: its state dict holds a namedtuple and a number
+    past float64's exact integers (an RNG seed)."""
+
+    def __init__(self) -> None:
+        self.pos, self.seed = Pos(0, 0), 2**60 + 1
+
+    def step(self) -> None:
+        self.pos = Pos(self.pos.epoch + 1, self.pos.batch + 8)
+        self.seed += 2
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos, "seed": self.seed}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.pos, self.seed = sd["pos"], sd["seed"]
+
+
+class Lazy:
+    """State made on first use, that a newcomer lacks and no maker can make."""
+
+    def __init__(self) -> None:
+        self.buf: dict = {}
+
+    def step(self) -> None:
+        self.buf.setdefault("t", torch.zeros(3)).add_(1)
+
+    def state_dict(self) -> dict:
+        return {"buf": self.buf}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.buf = sd["buf"]
+
+
 HELD_STEP = 3
 
 
@@ -64,6 +102,14 @@ def _build(case: str, seed: int):
     elif case == "rmsprop-extra-param":
         opt = torch.optim.RMSprop([{"params": params}, {"params": [extra], "lr": 0.02}],
                                   lr=0.01, momentum=0.5, centered=True)  # fmt: skip
+    elif case == "int-lr-two-optimizers":
+        # An int learning rate (a scheduler makes it a float) and a second optimizer.
+        opt = torch.optim.SGD(list(model[0].parameters()), lr=1, momentum=0.5)
+        others = [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5),
+                  torch.optim.Adam(list(model[2].parameters()), lr=0.01), Position()]  # fmt: skip
+    elif case == "lazy-state-refused":
+        opt = torch.optim.SGD(params, lr=0.1)
+        others = [Lazy()]
     else:
         opt = torch.optim.SGD(params, lr=0.1)
     return model, extra, opt, others
@@ -84,7 +130,7 @@ def _step(step: int, model, extra, opt, others) -> None:
         loss.backward()
         opt.step()
     for o in others:
-        if isinstance(o, torch.optim.lr_scheduler.LRScheduler):
+        if not isinstance(o, torch.amp.GradScaler):  # optimizers, schedulers, ours
             o.step()
 
 
@@ -95,8 +141,20 @@ def _summary(model, extra, opt, others) -> dict:
         "lrs": [g["lr"] for g in opt.param_groups],
         "state_keys": state_keys,
         "others": [
-            {k: v for k, v in o.state_dict().items() if isinstance(v, (int, float, list))}
+            {k: v for k, v in o.state_dict().items() if isinstance(v, (int, float, list, tuple))}
             for o in others
+            if not isinstance(o, torch.optim.Optimizer)
+        ],
+        "other_opt": [
+            sorted({k for st in o.state.values() for k in st})
+            for o in others
+            if isinstance(o, torch.optim.Optimizer)
+        ],
+        "types": [
+            type(v).__name__
+            for o in others
+            if isinstance(o, Position)
+            for v in o.state_dict().values()
         ],
         "note": model[2].note,
     }
@@ -128,7 +186,8 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
             results[case] = {"step": step, **_summary(model, extra, opt, others)}
         except Exception as exc:  # every rank reports; the test names the case
             results[case] = {"error": f"{type(exc).__name__}: {exc}"}
-            break  # a failed sync leaves the ranks out of step: no later case is valid
+            if case != "lazy-state-refused":
+                break  # a failed sync leaves the ranks out of step: no later case is valid
     dist.destroy_process_group()
     Path(out, f"rank-{rank}.json").write_text(json.dumps(results))
 
@@ -140,7 +199,7 @@ def synced(tmp_path_factory) -> list[dict]:
     return [json.loads((tmp / f"rank-{r}.json").read_text()) for r in range(3)]
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [c for c in CASES if c != "lazy-state-refused"])
 def test_a_newcomer_synced_from_the_holders_trains_on_exactly_as_they_do(synced, case):
     holder, other, newcomer = (r.get(case, {"error": "not run: an earlier case failed"})
                                for r in synced)  # fmt: skip
@@ -160,8 +219,23 @@ def test_a_newcomer_synced_from_the_holders_trains_on_exactly_as_they_do(synced,
     if case == "adamw-scheduler-scaler":  # the scheduler halved it at each of 5 steps
         assert holder["lrs"] == [0.05 * 0.5**5]
         assert holder["others"][1]["scale"] != 8.0  # the scale moved: it was carried
+    if case == "int-lr-two-optimizers":  # 1 -> 0.5 -> ...: carried whatever its type
+        assert holder["lrs"] == [0.5**5]
+        assert holder["other_opt"] == newcomer["other_opt"] == [["exp_avg", "exp_avg_sq", "step"]]
+        # The namedtuple comes back as one, and the int past 2**53 exactly.
+        assert newcomer["types"] == ["Pos", "int"]
+        assert holder["others"][1]["seed"] == 2**60 + 1 + 2 * 5
     # A module's extra state that is not a tensor is left as each rank has it.
     assert newcomer["note"] == {"made": "here"}
+
+
+def test_state_a_newcomer_lacks_and_nothing_can_make_fails_the_sync_on_every_rank(synced):
+    """Made lazily by a script's own object (not an optimizer): the holders have a tensor
+    the newcomer cannot be given. Before, it was skipped and the newcomer trained on
+    without it; now every rank raises the same error, before any byte moves."""
+    errors = [r["lazy-state-refused"].get("error") for r in synced]
+    assert errors[0] and len(set(errors)) == 1, errors
+    assert "other/0/buf/t" in errors[0] and "cannot be made there" in errors[0]
 
 
 def test_state_tensors_names_every_rank_alike_and_drops_stale_gradients():
@@ -172,6 +246,6 @@ def test_state_tensors_names_every_rank_alike_and_drops_stale_gradients():
     assert all(p.grad is None for p in [*model.parameters(), extra])
     assert "optim/param_groups/1/params/0/square_avg" in names
     assert names["optim/param_groups/1/params/0"].data_ptr() == extra.data_ptr()
-    assert "optim/param_groups/0/lr#float" in names
+    assert "optim/param_groups/0/lr#n" in names
     assert "model/2._extra_state" not in names
     assert "optim/0.weight/momentum_buffer" in names

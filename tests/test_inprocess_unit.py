@@ -217,6 +217,7 @@ def test_communication_errors_are_told_from_bugs():
             raise ValueError("in the handler")  # noqa: B904
     except ValueError as exc:
         assert is_comm_error(exc)
+    assert is_comm_error(ExceptionGroup("workers", [ValueError("x"), gloo]))
 
 
 @pytest.mark.gpu
@@ -492,6 +493,9 @@ def train(ctx):
         return "done"
     if how == "progress":  # a script that reports its steps but never calls ei.stepped
         ctx.channel.progress(step=ctx.round * 10)
+        ctx.channel.progress(step=ctx.round * 10 + 1)
+    elif how == "heartbeat-only":  # it reports the step it resumed at on its own, no more
+        ctx.channel.progress(step=ctx.round * 10)
     elif how == "resumed-only":  # it reports only the step its round resumed at
         ctx.channel.recovered(source="peers", resume_step=ctx.round * 10, lost_steps=0)
         ctx.channel.progress(step=ctx.round * 10)
@@ -514,6 +518,7 @@ print(ei.run(train, env={**base, "ELASTICD_ROUND": "1"}), flush=True)
 @pytest.mark.parametrize(
     ("how", "rounds", "code"),
     [("progress", [1, 2, 3, 4, 5], 0), ("resumed-only", [1, 2, 3], 1),
+     ("heartbeat-only", [1, 2, 3], 1),
      ("interrupt", [1, 2], -signal.SIGINT), ("exit", [1, 2], 0)],
 )  # fmt: skip
 def test_a_round_that_reported_a_step_trained_and_ctrl_c_or_exit_ends_the_process(
@@ -535,7 +540,7 @@ def test_a_round_that_reported_a_step_trained_and_ctrl_c_or_exit_ends_the_proces
     assert seen == rounds, (r.stdout, r.stderr[-2000:])
     if how == "interrupt":
         assert "KeyboardInterrupt" in r.stderr
-    if how == "resumed-only":
+    if how in ("resumed-only", "heartbeat-only"):
         assert "2 recoveries in a row failed before a step; exiting" in r.stderr
 
 

@@ -95,6 +95,16 @@ def test_a_round_failure_is_claimed_once_and_the_rest_adopt_it(etcd_client):
     again, ours_again = reg.claim_failure(job.name, 3, {"reason": "peer_lost", "node": "b"})
     assert ours and not ours_again
     assert again["reason"] == "worker_failed" and again["node"] == "a"
+    # Every node whose own worker failed is named, whoever claimed; a node called like a
+    # record's part ("state") does not pass for it.
+    for node in ("b", "state"):
+        reg.note_own_failure(job.name, 3, node, {"reason": "worker_failed", "node": node})
+    assert (
+        reg.own_failures(job.name, 3) == {"b", "state"} and reg.own_failures(job.name, 4) == set()
+    )
+    assert reg.get(job.name).state.value == "pending"
+    assert reg.prune_failures(job.name, 4) == 3  # the claim and both notes
+    assert reg.own_failures(job.name, 3) == set()
 
 
 def run_cli(*args, etcd=None, cwd=None, timeout=30):

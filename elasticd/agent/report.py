@@ -240,8 +240,10 @@ class JobReporter:
     def _failed_on_their_own(self, round_: int) -> set[str]:
         """The nodes whose own workers ended round ``round_`` (a worker that died, hung or
         failed on its own, as its agent claimed or noted it; not one that failed on a
-        peer)."""
-        nodes = set()
+        peer). Such a node that really died right after (its worker crashed, then the
+        node went) is counted as a worker failure, not a lost node: one restart, which
+        the next step's progress gives back to the streak."""
+        nodes = self._registry.own_failures(self.name, round_)
         for rec in (self._registry.claim_of(self.name, round_),
                     self._registry.cause_of(self.name, round_)):  # fmt: skip
             if (isinstance(rec, dict) and rec.get("reason") in FAILURE_REASONS

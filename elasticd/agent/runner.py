@@ -1021,6 +1021,15 @@ class JobRunner:
                 "by_peer": failed_on_a_peer(outcome, detail)}  # fmt: skip
         fence = self._report.fence
         claim, ours = self._registry.claim_failure(self.name, rnd.number, info, fence=fence)
+        if not info["by_peer"]:
+            # Whoever claims: the next world must know that our node, missing from it while
+            # it starts a new worker (a crash loop backs off first), failed on its own and
+            # was not lost (``ReportWriter.reattribute``).
+            try:
+                self._registry.note_own_failure(self.name, rnd.number, self._node.node_id,
+                                                info, fence=fence)  # fmt: skip
+            except ElasticdError as exc:
+                log.warning("own failure not noted", **kv(job=self.name, error=str(exc)))
         if not ours and claim.get("by_peer") and not info["by_peer"]:
             try:
                 self._registry.note_cause(self.name, rnd.number, info, fence=fence)
