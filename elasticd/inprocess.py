@@ -337,7 +337,8 @@ class StateTensors(dict):
         for d in descs:
             if d["step"] is not None and d["step"] == newest:
                 wanted.update(d["names"])
-        lacking = sorted({n for d in descs for n in wanted.keys() - d["names"].keys()
+        distinct = {id(d): d for d in descs}.values()  # replicas' are one parsed object
+        lacking = sorted({n for d in distinct for n in wanted.keys() - d["names"].keys()
                           if self._maker_of(n) is None})  # fmt: skip
         if lacking:  # the same on every rank: decided from the same descriptions
             raise RuntimeError(
