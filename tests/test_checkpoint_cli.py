@@ -198,6 +198,12 @@ def test_ls_of_a_jobs_output_dir_points_to_its_ckpt_dir(tmp_path, capsys):
         f"{tmp_path}: no committed checkpoints (a job's output dir? its checkpoints: "
         f"elasticd ckpt ls {tmp_path / 'ckpt'})"
     )
+    # verify, inspect and export say it too, in their one line (a newcomer's walk).
+    for argv in (["verify", str(tmp_path)], ["inspect", str(tmp_path)],
+                 ["export", str(tmp_path), str(tmp_path / "out")]):  # fmt: skip
+        code, _, err = run(capsys, *argv)
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+        assert err.strip().endswith(f"(a job's output dir? its checkpoints: {tmp_path / 'ckpt'})")
 
 
 def test_inspect_shows_the_optimizer_one_line_per_parameter_group():

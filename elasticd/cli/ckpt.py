@@ -114,6 +114,8 @@ def _guard(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Name
 def _open(args: argparse.Namespace, *, tensors: bool = False):
     """The step the command names, opened: for reading its tensors (``tensors``: imports
     torch), else for checking it (``checkpoint.step.CheckpointFiles``, without torch)."""
+    from checkpoint import committed_steps
+    from checkpoint.errors import NoCheckpointError
     from checkpoint.step import CheckpointFiles, step_to_open
 
     path = args.dir
@@ -121,7 +123,13 @@ def _open(args: argparse.Namespace, *, tensors: bool = False):
         if args.step is not None:
             raise UsageError("--step cannot be used with a step directory")
     else:
-        path = step_to_open(args.dir, args.step)
+        try:
+            path = step_to_open(args.dir, args.step)
+        except NoCheckpointError as exc:
+            inner = os.path.join(args.dir, "ckpt")
+            if args.step is None and committed_steps(inner):  # a job's output_dir
+                raise UsageError(f"{exc} (a job's output dir? its checkpoints: {inner})") from exc
+            raise
     if tensors:
         from checkpoint.load import Checkpoint
 
