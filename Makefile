@@ -8,6 +8,9 @@ PYTEST_ARGS ?=
 # pytest-xdist workers: one per core, at most 8 (a cluster test runs an etcd, agents and
 # torch workers: many at once would take the memory, not the cores); each test has its own
 # ports, etcd and directories. PYTEST_WORKERS=0 runs the suite in one process.
+# --dist load, not worksteal: a clean-clone run hung for good at its end with worksteal
+# (pytest-xdist 3.8.0: both workers idle waiting for tests, the controller waiting for
+# them; pytest-xdist issue 884 describes such a race in its steal).
 PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); [ "$$n" -gt 8 ] && n=8; echo $$n)
 
 .PHONY: demo test lint format install clean
@@ -31,7 +34,7 @@ format: $(STAMP)
 
 # pytest exits 5 when it collects nothing; that is not a failure of the suite itself.
 test: lint
-	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS); rc=$$?; \
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(PYTEST_WORKERS) --dist load $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest: no tests collected"; exit 0; fi; exit $$rc
 
 # The main job on the embedded default: an embedded etcd, three agents as separate processes,
