@@ -13,6 +13,7 @@ at the newest step (a newcomer receives them), rank to rank, CRC-checked.
 
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import elasticd.inprocess as ei  # elasticd
 
 STEPS = int(os.environ.get("DDP_STEPS", "40"))
+STEP_SLEEP = float(os.environ.get("DDP_STEP_SLEEP", "0"))  # a slower step, to watch it
 BATCH = 12  # the global batch: 12 samples split over 1, 2, 3, 4 or 6 ranks
 
 
@@ -57,6 +59,7 @@ def train(ctx: ei.Context) -> None:  # elasticd: was main(); the process group e
         ei.check_results()  # elasticd: on NCCL an aborted all-reduce gives garbage, not an error
         opt.step()
         sched.step()
+        time.sleep(STEP_SLEEP)
         step += 1
         ctx.state["step"] = step  # elasticd
         ctx.channel.record(step=step, loss=mean)  # elasticd: heartbeat and metrics.jsonl

@@ -462,20 +462,31 @@ def test_the_ddp_example_survives_a_killed_node_in_process_and_matches_one_proce
         os.path.dirname(os.path.dirname(__file__)), "examples", "ddp_inprocess.py"
     )
     ref_log = tmp_path / "ref.jsonl"
+    steps = 100
+    # Steps of 20 ms: step-keyed faults fire when the agents see the step, and a step of
+    # this script takes a millisecond (once, loaded CI saw step 10's fault land at step
+    # 30, too late for a second fault at step 25 of 40).
+    knobs = {"DDP_STEPS": str(steps), "DDP_STEP_SLEEP": "0.02"}
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
-    r = subprocess.run([sys.executable, script], env={**env, "DDP_LOG": str(ref_log)},
+    r = subprocess.run([sys.executable, script], env={**env, **knobs, "DDP_LOG": str(ref_log)},
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     reference = {
         rec["step"]: rec["loss"] for rec in map(json.loads, ref_log.read_text().splitlines())
     }
-    assert sorted(reference) == list(range(1, 41))
-    job = make_job(tmp_path, "ddp", command=[sys.executable, script])
-    result = run(job, 3, ["kill-node=1@step=10", "kill-worker=1@step=25"])
+    assert sorted(reference) == list(range(1, steps + 1))
+    job = make_job(tmp_path, "ddp", steps=steps, command=[sys.executable, script])
+    os.environ.update(knobs)  # the agents' environment reaches the workers
+    try:
+        result = run(job, 3, ["kill-node=1@step=10", "kill-worker=1@step=60"])
+    finally:
+        for k in knobs:
+            del os.environ[k]
     assert result["state"] == "succeeded", result["reason"]
+    assert not [f for f in result["faults"] if f.get("skipped")], result["faults"]
     # The script's channel.record wrote them (where elasticd run reads steps and losses).
     records = [json.loads(line) for line in (tmp_path / "ddp" / "metrics.jsonl").open()]
-    assert [rec["step"] for rec in records] == list(range(1, 41))
+    assert [rec["step"] for rec in records] == list(range(1, steps + 1))
     for rec in records:
         assert rec["loss"] == pytest.approx(reference[rec["step"]], rel=1e-5, abs=1e-7)
     recs = [e for e in result["status"]["history"] if e["kind"] == "recovery"]
