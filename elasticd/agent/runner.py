@@ -1024,7 +1024,7 @@ class JobRunner:
         if not info["by_peer"]:
             # Whoever claims: the next world must know that our node, missing from it while
             # it starts a new worker (a crash loop backs off first), failed on its own and
-            # was not lost (``ReportWriter.reattribute``).
+            # was not lost (``JobReporter.reattribute``).
             try:
                 self._registry.note_own_failure(self.name, rnd.number, self._node.node_id,
                                                 info, fence=fence)  # fmt: skip
