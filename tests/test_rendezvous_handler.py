@@ -194,6 +194,9 @@ def test_a_graceful_leave_is_known_by_peers_well_before_a_ttl(etcd_config):
         a.leave()
         assert b.changed.wait(2.0)
         assert time.monotonic() - t0 < 1.0
+        # The callback comes just after the flag, outside the handler's lock (a CI run read
+        # the list between the two).
+        assert until(lambda: changes, 2.0)
         assert changes[0].kind == "lost" and changes[0].nodes == ("n0",)
         assert b.num_nodes_waiting() == 1
     finally:
