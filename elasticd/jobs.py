@@ -608,8 +608,8 @@ class JobRegistry:
         self, name: str, round_: int, node: str, info: dict[str, Any], *, fence: Fence | None = None
     ) -> None:
         """Record that ``node``'s own worker ended round ``round_`` (died, hung or failed on
-        its own), whoever claimed the round: every node's, not only the claim's or the one
-        note (:meth:`own_failures`)."""
+        its own), when neither the claim nor the one note of the cause names it: every
+        such node is known (:meth:`own_failures`), not only those two."""
         # "own-<node>": a key's last part names a job record's part in get() ("state",
         # "spec", ...); a node of any name must not pass for one.
         self._put_once(_key(name, f"failures/{round_}/own-{node}"), round_, info, fence)

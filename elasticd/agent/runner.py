@@ -1021,20 +1021,21 @@ class JobRunner:
                 "by_peer": failed_on_a_peer(outcome, detail)}  # fmt: skip
         fence = self._report.fence
         claim, ours = self._registry.claim_failure(self.name, rnd.number, info, fence=fence)
-        if not info["by_peer"]:
-            # Whoever claims: the next world must know that our node, missing from it while
-            # it starts a new worker (a crash loop backs off first), failed on its own and
-            # was not lost (``JobReporter.reattribute``).
-            try:
+        if ours or info["by_peer"]:
+            return claim, ours
+        # Our worker failed on its own and another agent claimed the round. The next world
+        # must know that our node, missing from it while it starts a new worker (a crash
+        # loop backs off first), failed on its own and was not lost
+        # (``JobReporter.reattribute``): from the cause's note, or else a note of our own.
+        noted = False
+        try:
+            if claim.get("by_peer"):
+                noted = self._registry.note_cause(self.name, rnd.number, info, fence=fence)
+            if not noted:
                 self._registry.note_own_failure(self.name, rnd.number, self._node.node_id,
                                                 info, fence=fence)  # fmt: skip
-            except ElasticdError as exc:
-                log.warning("own failure not noted", **kv(job=self.name, error=str(exc)))
-        if not ours and claim.get("by_peer") and not info["by_peer"]:
-            try:
-                self._registry.note_cause(self.name, rnd.number, info, fence=fence)
-            except ElasticdError as exc:  # the history keeps the claim's words
-                log.warning("cause not noted", **kv(job=self.name, error=str(exc)))
+        except ElasticdError as exc:  # the history keeps the claim's words
+            log.warning("cause not noted", **kv(job=self.name, error=str(exc)))
         return claim, ours
 
     def _claim_early(self, rnd: Round, outcome: Outcome, detail: str, detected: float) -> None:
