@@ -532,10 +532,12 @@ class LocalCluster:
         return list(self.etcd.members) if self.etcd_members > 1 else [self.etcd]
 
     def stop_etcd(self) -> None:
-        """Stop every etcd member (SIGTERM), keeping data dirs and ports."""
+        """Stop every etcd member (SIGTERM), keeping data dirs and ports: each port stays
+        held until :meth:`restart_etcd` (another test's etcd or TCPStore on a busy machine
+        took one during a 2 s outage once)."""
         with self._etcd_lock:
             for m in self._members():
-                m.stop()
+                m.stop(keep_ports=True)
 
     def restart_etcd(self, index: int | None = None, timeout: float = 30.0) -> None:
         """Start member ``index`` (or every member) again on its data dir and ports, if it

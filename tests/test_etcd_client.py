@@ -134,7 +134,7 @@ def test_a_kept_lease_outlives_an_etcd_outage_longer_than_its_ttl(tmp_path):
         lease = client.lease_grant(3)
         client.put("/outage/k", "v", lease=lease)
         client.keeper().add(lease, 1.0, lost.append)
-        server.stop()
+        server.stop(keep_ports=True)
         time.sleep(10)
         server.start()
         time.sleep(6)  # two TTLs: a lease not refreshed since etcd came back has expired

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 
 import pytest
 from conftest import fresh_prefix
@@ -35,6 +37,37 @@ def test_an_embedded_member_starts_healthy_and_stops_cleanly(tmp_path):
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
     assert os.path.isdir(tmp_path / "e" / "member")
+
+
+def _bind_plain(port: int) -> None:
+    """Bind as another program would (no SO_REUSEADDR), and let go."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", port))
+
+
+def test_a_member_stopped_for_an_outage_keeps_its_ports_until_it_is_back(tmp_path):
+    server = EmbeddedEtcd(data_dir=str(tmp_path / "e")).start()
+    ports = (server.client_port, server.peer_port)
+    try:
+        with EtcdClient(server.client_config()) as client:
+            client.put("/x", "1")
+        server.stop(keep_ports=True)
+        # The peer port, which a lone member never connects on: no TIME_WAIT socket holds
+        # it after the stop (the client port has some), so only our hold refuses the bind.
+        with pytest.raises(OSError) as taken:
+            _bind_plain(ports[1])
+        assert taken.value.errno == errno.EADDRINUSE
+        server.start()
+        assert (server.client_port, server.peer_port) == ports
+        with EtcdClient(server.client_config()) as client:
+            assert client.get("/x").value == b"1"
+        server.kill()  # a crash holds them too
+        with pytest.raises(OSError):
+            _bind_plain(ports[1])
+        server.start()
+    finally:
+        server.stop()
+    _bind_plain(ports[1])  # a plain stop lets them go
 
 
 def test_a_member_that_cannot_start_is_reported_with_its_log(tmp_path):

@@ -207,6 +207,27 @@ class EmbeddedEtcd:
                 self._held.append(sock)
                 setattr(self, name, sock.getsockname()[1])
 
+    def hold_ports(self) -> None:
+        """Hold this member's own ports while it is down (after :meth:`kill`, or
+        :meth:`stop` with ``keep_ports``), so that nothing else on the machine takes them
+        before :meth:`spawn` brings it back on them; :meth:`wait_healthy` or :meth:`stop`
+        lets them go. A port someone took already is left out, with a warning: the restart
+        then fails as it would have."""
+        self._release_ports()
+        for port in (self.client_port, self.peer_port):
+            if not port:
+                continue
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(("", port))
+            except OSError as exc:
+                sock.close()
+                log.warning("etcd port taken while the member is down",
+                            **kv(name=self.name, port=port, error=exc.strerror))  # fmt: skip
+                continue
+            self._held.append(sock)
+
     def _release_ports(self) -> None:
         release_ports(self._held)
 
@@ -262,13 +283,16 @@ class EmbeddedEtcd:
         return " | ".join((wanted or text)[-lines:])
 
     def kill(self) -> None:
-        """SIGKILL, as a crash would."""
+        """SIGKILL, as a crash would; the member's ports stay held (:meth:`hold_ports`) for
+        its :meth:`spawn`."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(timeout=10)
+            self.hold_ports()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """SIGTERM and wait; SIGKILL if it does not go."""
+    def stop(self, timeout: float = 10.0, keep_ports: bool = False) -> None:
+        """SIGTERM and wait; SIGKILL if it does not go. ``keep_ports`` holds the member's
+        ports for a later :meth:`spawn` on them (an outage, not the end)."""
         self._release_ports()
         if self.proc is None:
             return
@@ -277,8 +301,11 @@ class EmbeddedEtcd:
             try:
                 self.proc.wait(timeout=timeout)
             except subprocess.TimeoutExpired:
-                self.kill()
+                self.proc.kill()
+                self.proc.wait(timeout=10)
         self.proc = None
+        if keep_ports:
+            self.hold_ports()
 
     def __enter__(self) -> EmbeddedEtcd:
         return self.start()
