@@ -44,6 +44,7 @@ This file is both sides:
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import math
 import os
@@ -247,7 +248,9 @@ class ResumedReferences:
         s = r.first - 1
         logged = None
         with contextlib.suppress(OSError):
-            path = os.path.join(self.logs_dir, f"round-{r.round}", "rank-0.log")
+            # The soak's one run: logs/<run_id>/round-<r>/
+            path = next(iter(glob.glob(os.path.join(self.logs_dir, "*", f"round-{r.round}",
+                                                    "rank-0.log"))), "")  # fmt: skip
             with open(path, encoding="utf-8", errors="replace") as fh:
                 m = _RESUMED.search(fh.read(65536))
             logged = int(m.group(2)) if m else 0

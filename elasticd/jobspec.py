@@ -222,6 +222,10 @@ class JobSpec:
         """The checkpoint directory with its default applied."""
         return self.checkpoint.dir or os.path.join(self.out_dir, "ckpt")
 
+    def logs_dir(self, run_id: str) -> str:
+        """Where run ``run_id`` of this job writes its workers' logs (:func:`run_logs_dir`)."""
+        return run_logs_dir(self.out_dir, run_id)
+
     def to_dict(self) -> dict[str, Any]:
         """Plain data with YAML key names (what etcd stores, as JSON)."""
         return _to_plain(self)
@@ -589,3 +593,10 @@ def load_job(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> Job
     for assignment in overrides:
         set_override(raw, assignment)
     return parse_job(raw, where=os.path.basename(str(path)))
+
+
+def run_logs_dir(out_dir: str, run_id: str) -> str:
+    """``<out_dir>/logs/<run_id>``: each run (submission) of a job logs apart, so a re-run's
+    round 1 is not appended to an earlier run's, nor an earlier run's last round taken for
+    the latest. Under it: ``round-<r>/rank-<n>.log`` and ``warm/<node>/<name>.log``."""
+    return os.path.join(out_dir, "logs", run_id)

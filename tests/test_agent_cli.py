@@ -156,6 +156,15 @@ def test_submit_follow_status_logs_and_metrics_of_a_finished_job(cluster, tmp_pa
     wait_for(lambda: all('elasticd_job="follow"' not in b for b in scrape(cluster)),
              timeout=KEEP_FINISHED + 10)  # fmt: skip
     assert all("elasticd_agent_registrations_total 1.0" in b for b in scrape(cluster))
+    # Run again, it resumes at its last step and ends; its logs are its own, not appended
+    # to the first run's round 1, and `logs` shows them, not the first run's.
+    again = cli(cluster, "submit", "job.yaml", "--replace", "--follow", cwd=tmp_path)
+    assert again.returncode == 0 and "succeeded" in again.stdout, again.stdout + again.stderr
+    relogs = cli(cluster, "logs", "follow", "--rank", "1")
+    assert relogs.returncode == 0, relogs.stdout + relogs.stderr
+    first_path = logs.stdout.splitlines()[0]
+    assert relogs.stdout.splitlines()[0] != first_path and "round-1/rank-1.log <==" in relogs.stdout
+    assert "rank 1 step 5 loss" not in relogs.stdout
 
 
 def test_a_job_past_its_restart_limit_fails_and_says_why(cluster, tmp_path):

@@ -255,11 +255,16 @@ def test_rank_logs_come_in_round_order_and_leftovers_are_found_by_their_environm
     from elasticd.testing import ENV_TEST_BASE, leftover_processes, sweep
 
     for r in (2, 10, 1):
-        d = tmp_path / "out" / "logs" / f"round-{r}"
+        d = tmp_path / "out" / "logs" / "job-1234abcd" / f"round-{r}"
         d.mkdir(parents=True)
         (d / "rank-1.log").write_text(f"round {r}\n")
-    r = result_from({"state": "succeeded", "metrics": []}, run_dir=str(tmp_path / "out"), output="")
+    other = tmp_path / "out" / "logs" / "job-99999999" / "round-1"  # an earlier run's
+    other.mkdir(parents=True)
+    (other / "rank-1.log").write_text("an earlier run\n")
+    r = result_from({"state": "succeeded", "metrics": [], "run_id": "job-1234abcd"},
+                    run_dir=str(tmp_path / "out"), output="")  # fmt: skip
     assert r.rank_log(1) == "round 1\nround 2\nround 10\n"
+    assert sorted(r.logs()) == ["round-1/rank-1.log", "round-10/rank-1.log", "round-2/rank-1.log"]
     base = tmp_path / "elasticd"
     # A user's worker: nothing of the test's directory on its command line.
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],

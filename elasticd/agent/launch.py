@@ -225,7 +225,7 @@ def launch(
         keep,
         argv=worker_argv(job.command, job_path, node.python),
         envs=envs,
-        log_dir=os.path.join(job.out_dir, "logs", f"round-{world.round}"),
+        log_dir=os.path.join(job.logs_dir(run_id), f"round-{world.round}"),
         run_dir=run_dir,
         cwd=os.getcwd(),
         clock=clock,
@@ -333,7 +333,7 @@ def _spawn_warm(
         envs[i] = {**base, "LOCAL_RANK": local, **own, ENV_WARM_READY: ready}
     return WorkerGroup.spawn_warm(
         argv=worker_argv(job.command, job_path, node.python), envs=envs, names=names,
-        log_dir=os.path.join(job.out_dir, "logs", "warm", node.node_id), cwd=os.getcwd(),
+        log_dir=os.path.join(job.logs_dir(run_id), "warm", node.node_id), cwd=os.getcwd(),
         clock=clock, standby=standby,
     )  # fmt: skip
 

@@ -2,11 +2,11 @@
 
 Why not torch's ``start_processes``: its log files live under its own
 ``<log_dir>/<run_id>/attempt_<n>/<local_rank>/`` tree and it offers no hook to set a
-parent-death signal. We need ``<output_dir>/logs/round-<r>/rank-<n>.log`` and workers that
-die with their agent, so we spawn with ``subprocess`` and keep torch's conventions where
-they matter: the torchrun environment, and ``TORCHELASTIC_ERROR_FILE`` so a worker whose
-entry point uses torch's ``@record`` leaves its exception as JSON, which we read back as
-the failure message.
+parent-death signal. We need ``<output_dir>/logs/<run_id>/round-<r>/rank-<n>.log`` and
+workers that die with their agent, so we spawn with ``subprocess`` and keep torch's
+conventions where they matter: the torchrun environment, and ``TORCHELASTIC_ERROR_FILE``
+so a worker whose entry point uses torch's ``@record`` leaves its exception as JSON, which
+we read back as the failure message.
 
 Each worker gets ``PR_SET_PDEATHSIG = SIGKILL`` (through :mod:`elasticd.agent.pdeathsig`):
 if the agent is SIGKILLed, the kernel kills its workers at once, so they never train

@@ -25,7 +25,7 @@ from elasticd.jobs import (
     recovery_text,
     shown_restarts,
 )
-from elasticd.jobspec import load_job
+from elasticd.jobspec import load_job, run_logs_dir
 
 
 def add_etcd_options(p: argparse.ArgumentParser) -> None:
@@ -110,7 +110,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_etcd_options(p)
     p.set_defaults(func=run_delete)
 
-    p = sub.add_parser("logs", help="print worker logs of a job's latest round")
+    p = sub.add_parser("logs", help="print worker logs of the latest round of a job's latest run")
     p.add_argument("name", metavar="JOB")
     p.add_argument("--rank", type=int, default=None, help="only this global rank")
     p.add_argument("--follow", action="store_true", help="keep printing until the job ends")
@@ -481,7 +481,7 @@ def run_logs(args: argparse.Namespace) -> int:
         record = registry.get(args.name)
         if record is None:
             raise UsageError(f"job {args.name!r}: no such job")
-        logs_dir = os.path.join(record.spec["output_dir"], "logs")
+        logs_dir = run_logs_dir(record.spec["output_dir"], record.run_id)
         offsets: dict[str, int] = {}
         while True:
             round_dir = _latest_round_dir(logs_dir)

@@ -38,6 +38,7 @@ from typing import Any
 
 from elasticd.errors import UsageError
 from elasticd.faultplan import InjectedFault
+from elasticd.jobspec import run_logs_dir
 
 DEFAULT_TIMEOUT = 300.0
 """Seconds a run may take (the ``elasticd`` marker's ``timeout`` overrides it)."""
@@ -111,6 +112,8 @@ class RunResult:
     """What the run printed (as ``elasticd run`` would)."""
     status: dict[str, Any] = field(default_factory=dict)
     """The job's final status record, with its ``history``."""
+    run_id: str = ""
+    """The run's id: its worker logs are under ``logs/<run_id>/``."""
 
     @property
     def unfired(self) -> list[dict[str, Any]]:
@@ -126,9 +129,9 @@ class RunResult:
         return {int(r["step"]): float(r["loss"]) for r in self.records if "loss" in r}
 
     def logs(self) -> dict[str, str]:
-        """Every worker log of the run: path under ``logs/`` -> its text."""
+        """Every worker log of the run: path under ``logs/<run_id>/`` -> its text."""
         out = {}
-        root = os.path.join(self.run_dir, "logs")
+        root = run_logs_dir(self.run_dir, self.run_id)
         for dirpath, _, files in os.walk(root):
             for name in sorted(files):
                 path = os.path.join(dirpath, name)
@@ -304,6 +307,7 @@ def result_from(final: Mapping[str, Any], *, run_dir: str, output: str) -> RunRe
         outcome=outcome, reason=str(final.get("reason", "")),
         records=[last[s] for s in sorted(last)], worlds=worlds, recoveries=recoveries,
         faults=list(final.get("faults", [])), run_dir=run_dir, output=output, status=status,
+        run_id=str(final.get("run_id") or ""),
     )  # fmt: skip
 
 
