@@ -854,3 +854,14 @@ def _dumps_lines(body: dict[str, Any]) -> bytes:
 def _self_checksum(body: dict[str, Any]) -> str:
     canon = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(canon).hexdigest()
+
+
+def checksum_matches(raw: dict[str, Any]) -> bool:
+    """Whether a parsed manifest's ``checksum`` is that of the rest of it (what
+    :meth:`Manifest.from_bytes` checks first): the store trusts no field of one that is not,
+    its commit number included."""
+    body = {k: v for k, v in raw.items() if k != "checksum"}
+    try:
+        return raw.get("checksum") == _self_checksum(body)
+    except (RecursionError, ValueError):
+        return False

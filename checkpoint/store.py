@@ -26,6 +26,7 @@ from checkpoint.manifest import (
     LATEST,
     MANIFEST,
     MAX_MANIFEST_BYTES,
+    checksum_matches,
     parse_json,
     parse_step_dirname,
     step_dirname,
@@ -239,15 +240,16 @@ def _manifest_json(path: str) -> object:
 
 
 def commit_numbers(ckpt_dir: str) -> dict[int, int]:
-    """Each committed step's commit number (0 when its manifest has none or is unreadable:
-    such a step is ordered by its step number below every numbered commit). Only the one
-    field is read here; a load checks the whole manifest."""
+    """Each committed step's commit number (0 when its manifest has none, is unreadable,
+    fails its own checksum or names another step than its directory's: such a step is
+    ordered by its step number below every numbered commit, and cannot head the lineage
+    with a number nobody sealed). A load checks the whole manifest."""
     out = {}
     for step in committed_steps(ckpt_dir):
         out[step] = 0
         path = os.path.join(step_path(ckpt_dir, step), MANIFEST)
         with contextlib.suppress(CheckpointError):
-            out[step] = _commit_number(path)
+            out[step] = _commit_number(path, step)
     return out
 
 
@@ -258,14 +260,15 @@ costs about 1.5 ms per 300 KB on the commit's critical path; hashing it, 0.2 ms.
 the bytes themselves, so a manifest rewritten in place is parsed again."""
 
 
-def _commit_number(path: str) -> int:
+def _commit_number(path: str, step: int) -> int:
     data = read_regular(path, max_bytes=MAX_MANIFEST_BYTES)
     digest = hashlib.sha256(data).digest()
     hit = _COMMIT_CACHE.get(path)
     if hit is not None and hit[0] == digest:
         return hit[1]
     raw = parse_json(data, path, max_bytes=MAX_MANIFEST_BYTES, error=CheckpointError)
-    n = raw.get("commit", 0) if isinstance(raw, dict) else 0
+    ok = isinstance(raw, dict) and raw.get("step") == step and checksum_matches(raw)
+    n = raw.get("commit", 0) if ok else 0
     n = n if type(n) is int and 0 <= n < INT_LIMIT else 0  # as a load reads it
     if len(_COMMIT_CACHE) >= 64:
         _COMMIT_CACHE.clear()
@@ -288,15 +291,25 @@ def next_commit(ckpt_dir: str) -> int:
     return n
 
 
-def lineage(ckpt_dir: str, numbers: dict[int, int] | None = None) -> tuple[list[int], list[int]]:
+def lineage(
+    ckpt_dir: str,
+    numbers: dict[int, int] | None = None,
+    failed: frozenset[int] | set[int] = frozenset(),
+) -> tuple[list[int], list[int]]:
     """``(current, abandoned)``, each newest commit first. The current lineage is the newest
     commit and, going back in commit order, every step older than the one after it; a
     step not on it (step 100 of a timeline abandoned when training resumed from step 90 and
-    committed step 95) is abandoned."""
+    committed step 95) is abandoned.
+
+    A step in ``failed`` (:func:`read_unloadable`) is on neither list and shapes neither:
+    a step that does not load heads no lineage. (It did: a bad step 5 claiming the newest
+    commit made steps 10 to 30 "abandoned", and retention deleted every step that loads.)"""
     numbers = commit_numbers(ckpt_dir) if numbers is None else numbers
     current: list[int] = []
     abandoned: list[int] = []
     for step in sorted(numbers, key=lambda s: (numbers[s], s), reverse=True):
+        if step in failed:
+            continue
         if not current or step < current[-1]:
             current.append(step)
         else:
@@ -376,10 +389,13 @@ def load_order(ckpt_dir: str) -> list[int]:
     `latest` is not consulted: it is a hint for people and tools, and a writer killed
     after its rename but before switching it leaves it naming an older step."""
     numbers = commit_numbers(ckpt_dir)
-    current, abandoned = lineage(ckpt_dir, numbers)
     failed = _failed(ckpt_dir, numbers)
-    order = current + abandoned
-    return [s for s in order if s not in failed] + [s for s in order if s in failed]
+    current, abandoned = lineage(ckpt_dir, numbers, failed)
+    return current + abandoned + _newest_first(failed, numbers)
+
+
+def _newest_first(steps: set[int], numbers: dict[int, int]) -> list[int]:
+    return sorted(steps, key=lambda s: (numbers[s], s), reverse=True)
 
 
 def newest_job(ckpt_dir: str) -> str | None:
@@ -505,21 +521,19 @@ def prune(
     log: Callable[[str], None] | None = None,
     hook: Callable[[str], None] | None = None,
 ) -> list[int]:
-    """Keep the newest ``keep`` loadable steps of the current lineage; delete the rest:
-    abandoned steps first, then steps that failed to load, then the oldest. The newest
-    commit is never deleted, and a step that failed to load is never kept in place of one
-    that loads. Returns the steps deleted, in order."""
+    """Keep the newest ``keep`` steps of the current lineage (of the steps that load:
+    :func:`lineage`); delete the rest: abandoned steps first, then steps that failed to
+    load, then the oldest. The newest loadable commit is never deleted, a step that failed
+    to load is never kept in place of one that loads, and where no step loads nothing is
+    deleted. Returns the steps deleted, in order."""
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
     numbers = commit_numbers(ckpt_dir)
-    current, abandoned = lineage(ckpt_dir, numbers)
+    failed = _failed(ckpt_dir, numbers)
+    current, abandoned = lineage(ckpt_dir, numbers, failed)
     if not current:
         return []
-    failed = _failed(ckpt_dir, numbers)
-    kept = {current[0], *[s for s in current if s not in failed][:keep]}
-    doomed = [s for s in abandoned if s not in kept]
-    doomed += [s for s in current if s in failed and s not in kept]
-    doomed += [s for s in reversed(current) if s not in failed and s not in kept]
+    doomed = abandoned + _newest_first(failed, numbers) + list(reversed(current[keep:]))
     for step in doomed:
         path = step_path(ckpt_dir, step)
         # Rename first so a crash mid-delete leaves a `.tmp` leftover, never a half step.

@@ -9,6 +9,7 @@ was away, which is all the store can see of a SIGSTOP/SIGCONT.
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -211,6 +212,14 @@ def fake_step(path: str, who: str) -> None:
     Path(path, "manifest.json").write_text(who)
 
 
+def sealed(step: int, commit: int) -> str:
+    """A manifest the store reads a commit number from: its step, and sealed (a number in
+    one that is not counts for nothing)."""
+    raw = {"step": step, "commit": commit}
+    canon = json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
+    return json.dumps({**raw, "checksum": hashlib.sha256(canon).hexdigest()})
+
+
 def refuse_at(call: int):
     """A fence check that passes ``call - 1`` times, then refuses (the writer froze there
     and thawed in a newer world)."""
@@ -245,8 +254,8 @@ def test_a_stale_step_left_in_place_after_its_rename_never_outranks_the_current_
 ):
     ckpt = str(tmp_path)
     for n, step in enumerate((2, 4, 6), start=1):
-        fake_step(step_path(ckpt, step), json.dumps({"commit": n}))
-    fake_step(step_path(ckpt, 12) + ".t.tmp", json.dumps({"commit": 4}))
+        fake_step(step_path(ckpt, step), sealed(step, n))
+    fake_step(step_path(ckpt, 12) + ".t.tmp", sealed(12, 4))
     check, _ = refuse_at(2)
     with pytest.raises(FencedError):
         commit_step(ckpt, step=12, tmp=step_path(ckpt, 12) + ".t.tmp", token="t", keep=1,
@@ -279,16 +288,16 @@ def test_a_writer_fenced_only_before_its_deletes_keeps_an_ordinary_commit(tmp_pa
     retention deleted it first), `latest` names it, and nothing is pruned."""
     ckpt = str(tmp_path)
     for n, step in enumerate((2, 4, 6), start=1):
-        fake_step(step_path(ckpt, step), json.dumps({"commit": n}))
+        fake_step(step_path(ckpt, step), sealed(step, n))
     if replacing:
-        fake_step(step_path(ckpt, 12), json.dumps({"commit": 3}))
-    fake_step(step_path(ckpt, 12) + ".t.tmp", json.dumps({"commit": 5}))
+        fake_step(step_path(ckpt, 12), sealed(12, 3))
+    fake_step(step_path(ckpt, 12) + ".t.tmp", sealed(12, 5))
     check, calls = refuse_at(3)
     with pytest.raises(FencedError, match="was committed, nothing pruned"):
         commit_step(ckpt, step=12, tmp=step_path(ckpt, 12) + ".t.tmp", token="t", keep=1,
                     check=check, commit=5)  # fmt: skip
     assert len(calls) == 3
-    assert Path(step_path(ckpt, 12), "manifest.json").read_text() == json.dumps({"commit": 5})
+    assert Path(step_path(ckpt, 12), "manifest.json").read_text() == sealed(12, 5)
     assert committed_steps(ckpt) == [2, 4, 6, 12] and read_latest(ckpt) == 12
     assert load_order(ckpt)[0] == 12
     assert leftovers(ckpt) == []  # our own copy moved aside is gone, replaced by our commit

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -184,6 +185,49 @@ def test_a_step_that_failed_to_load_is_never_kept_in_place_of_one_that_loads(tmp
     save_steps(ckpt, [95], keep=2)
     assert committed_steps(ckpt) == [80, 95]
     assert load_latest(ckpt, model=model, optimizer=optim).step == 95
+
+
+def _reseal(ckpt: str, at: int, **changes) -> None:
+    """Rewrite step ``at``'s manifest with ``changes``, sealed as the format doc defines it."""
+    path = Path(step_path(ckpt, at), "manifest.json")
+    raw = {**json.loads(path.read_text()), **changes}
+    raw.pop("checksum")
+    canon = json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
+    path.write_text(json.dumps({**raw, "checksum": hashlib.sha256(canon).hexdigest()}))
+
+
+def test_a_step_that_fails_to_load_heads_no_lineage_whatever_commit_it_claims(tmp_path):
+    """Step 5 claims the newest commit (sealed: written by hand, or a stale writer's) and
+    does not load. It made 10 to 30 an "abandoned" timeline, and retention deleted every
+    step that loads, keeping 5 alone."""
+    from checkpoint.store import load_order, prune
+
+    ckpt = str(tmp_path)
+    save_steps(ckpt, [5, 10, 20, 30], keep=4)
+    _reseal(ckpt, 5, commit=1000)
+    flip_byte(data_file(ckpt, 5))
+    model, optim = blank()
+    assert load_latest(ckpt, model=model, optimizer=optim, warn=lambda _m: None).step == 30
+    assert load_order(ckpt) == [30, 20, 10, 5]
+    assert prune(ckpt, keep=3) == [5]
+    assert committed_steps(ckpt) == [10, 20, 30]
+    # The next run's saves go on from 30, and keep what loads.
+    save_steps(ckpt, [40], keep=3)
+    assert committed_steps(ckpt) == [20, 30, 40]
+    assert load_latest(ckpt, model=model, optimizer=optim).step == 40
+
+
+def test_a_commit_number_nobody_sealed_counts_for_nothing(tmp_path):
+    from checkpoint.store import commit_numbers, load_order
+
+    ckpt = str(tmp_path)
+    save_steps(ckpt, [5, 10, 20], keep=3)
+    path = Path(step_path(ckpt, 5), "manifest.json")
+    raw = json.loads(path.read_text())
+    path.write_text(json.dumps({**raw, "commit": 1000}))  # the old checksum: not sealed
+    _reseal(ckpt, 10, step=11)  # sealed, but for another step than its directory's
+    assert commit_numbers(ckpt) == {5: 0, 10: 0, 20: 3}
+    assert load_order(ckpt) == [20, 10, 5]
 
 
 def test_async_saves_reuse_one_staging_buffer_and_a_step_saved_again_replaces_the_old(tmp_path):

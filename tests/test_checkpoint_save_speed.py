@@ -4,6 +4,7 @@ and the save's two small collectives (a gather to rank 0, a fixed-size broadcast
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -84,6 +85,12 @@ def test_a_manifest_rewritten_in_place_is_read_again_for_its_commit_number(tmp_p
     text = path.read_text()
     assert '"commit": 2' in text
     path.write_text(text.replace('"commit": 2', '"commit": 9'))  # same size, same path
+    assert commit_numbers(ckpt) == {1: 1, 2: 0}  # read again; not sealed, so not trusted
+    raw = json.loads(text)
+    raw["commit"] = 9
+    del raw["checksum"]
+    canon = json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
+    path.write_text(json.dumps({**raw, "checksum": hashlib.sha256(canon).hexdigest()}))
     assert commit_numbers(ckpt) == {1: 1, 2: 9}
 
 
