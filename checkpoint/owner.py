@@ -6,13 +6,19 @@
   and resume from each other's steps. A directory without ``owner.json`` (written before
   owners existed) belongs to the job its newest manifest names.
 - ``<ckpt_dir>/lock`` is ``flock``-ed (exclusive, non-blocking) by the claimer for as
-  long as it trains, and holds ``{"job", "run_id", "host", "pid"}`` of the holder. A second
-  run of the same job while the first still holds it is refused, naming the holder, unless
-  both are the same run (a previous round's process of this run, still on its way out: the
-  commit fence orders those); such a claim takes the lock over once the holder lets go
-  (:meth:`Claim.retake`, before each save). A run id that does not tell runs apart (none,
-  or torchrun's default ``none``, which every plain torchrun run has) is never the same
-  run. On a file system without ``flock`` the claim goes on without the lock, and says so.
+  long as it trains, and holds ``{"job", "run_id", "host", "pid"}`` of the holder, and its
+  place in the run: ``round`` (``ELASTICD_ROUND``) or ``restart`` (torchrun's
+  ``TORCHELASTIC_RESTART_COUNT``). A second run of the same job while the first still
+  holds it is refused, naming the holder, unless the claimer is a later process of the
+  holder's run: of the holder's round or a later one (an earlier round's process still on
+  its way out, or an in-process survivor that kept the lock: the commit fence orders
+  those), or of a later torchrun restart; such a claim takes the lock over once the
+  holder lets go (:meth:`Claim.retake`, before each save). A run id alone does not make
+  the same run: two launches given one ``--rdzv-id`` both start at restart 0, and the
+  second is refused (it was let in, and its clean-up deleted the first's save in
+  progress). A run id that does not tell runs apart (none, or torchrun's default
+  ``none``) is never the same run. On a file system without ``flock`` the claim goes on
+  without the lock, and says so.
 
 Standard library only, like :mod:`checkpoint.fence`. Format: docs/checkpoint-format.md,
 "Ownership".
@@ -64,6 +70,9 @@ class Claim:
     pending: bool = False
     """The same run's earlier process held the lock at the claim: :meth:`retake` takes it
     over once that one lets go."""
+    place: dict | None = None
+    """This process's place in its run (:func:`claim`'s ``round_`` / ``restart``), as the
+    lock's record holds it."""
 
     def retake(self) -> bool:
         """Take the lock if the claim is waiting for it (``pending``) and it is free now;
@@ -74,7 +83,8 @@ class Claim:
             try:
                 fd = _try_lock(self.ckpt_dir)
                 if fd is not None:
-                    _write_record(fd, job=self.job, run_id=self.run_id)  # closes fd on failure
+                    _write_record(fd, job=self.job, run_id=self.run_id,  # closes fd on failure
+                                  place=self.place)  # fmt: skip
             except (OSError, OwnershipError):
                 return False  # asked again at the next save
             if fd is not None:
@@ -95,13 +105,25 @@ def claim(
     run_id: str,
     newest_job: Callable[[], str | None] = lambda: None,
     warn: Callable[[str], None] = lambda _msg: None,
+    round_: int | None = None,
+    restart: int | None = None,
 ) -> Claim:
     """Take ``ckpt_dir`` for ``job`` (run ``run_id``), or raise :class:`OwnershipError`.
+
+    ``round_``: this process's rendezvous round under an elasticd agent; else ``restart``:
+    its torchrun restart count. They tell a later process of the holder's run (let in,
+    pending) from a second launch that shares its run id (refused); with neither, a held
+    lock is always refused.
 
     ``newest_job()`` names the job of the newest committed manifest, asked only when there
     is no ``owner.json`` yet."""
     os.makedirs(ckpt_dir, exist_ok=True)
-    fd, pending = _lock(ckpt_dir, job=job, run_id=run_id, warn=warn)
+    place: dict = {}
+    if round_ is not None:
+        place["round"] = round_
+    elif restart is not None:
+        place["restart"] = restart
+    fd, pending = _lock(ckpt_dir, job=job, run_id=run_id, warn=warn, place=place)
     try:
         owner = read_owner(ckpt_dir)
         if owner is None:
@@ -122,7 +144,7 @@ def claim(
         if fd is not None:
             os.close(fd)
         raise
-    return Claim(ckpt_dir=ckpt_dir, job=job, run_id=run_id, fd=fd, pending=pending)
+    return Claim(ckpt_dir=ckpt_dir, job=job, run_id=run_id, fd=fd, pending=pending, place=place)
 
 
 def held_by(ckpt_dir: str) -> dict | None:
@@ -199,7 +221,7 @@ def read_owner(ckpt_dir: str) -> dict | None:
 
 
 def _lock(
-    ckpt_dir: str, *, job: str, run_id: str, warn: Callable[[str], None]
+    ckpt_dir: str, *, job: str, run_id: str, warn: Callable[[str], None], place: dict
 ) -> tuple[int | None, bool]:
     """``(descriptor holding the lock, pending)``; pending when the same run holds it."""
     path = os.path.join(ckpt_dir, LOCK_FILE)
@@ -215,12 +237,12 @@ def _lock(
                 return None, False
             raise
         if fd is not None:
-            _write_record(fd, job=job, run_id=run_id)
+            _write_record(fd, job=job, run_id=run_id, place=place)
             return fd, False
         # None: let go meanwhile, or held for a moment by a look (held_by, shared).
         holder = held_by(ckpt_dir) or {}
         same_run = run_id not in ANONYMOUS_RUNS and holder.get("run_id") == run_id
-        if same_run and holder.get("job") == job:
+        if same_run and holder.get("job") == job and _follows(place, holder):
             return None, True  # this run's own earlier process; the commit fence orders us
         tool = str(holder.get("run_id", "")).startswith(TOOL_PREFIX)
         if tool and time.monotonic() < start + TOOL_WAIT_S:
@@ -239,6 +261,17 @@ def _lock(
             f"{holder.get('host', '?')}); wait for it to end or give this job another "
             "checkpoint.dir"
         )
+
+
+def _follows(place: dict, holder: dict) -> bool:
+    """Whether a claimer at ``place`` is a later process of the holder's run: of the same
+    or a later round (an agent's rounds; the fence orders their commits), or of a later
+    torchrun restart (the earlier one is on its way out)."""
+    mine, theirs = place.get("round"), holder.get("round")
+    if mine is not None:
+        return type(theirs) is int and theirs <= mine
+    mine, theirs = place.get("restart"), holder.get("restart")
+    return mine is not None and type(theirs) is int and theirs < mine
 
 
 def _try_lock(ckpt_dir: str) -> int | None:
@@ -261,10 +294,11 @@ def _try_lock(ckpt_dir: str) -> int | None:
     return fd
 
 
-def _write_record(fd: int, *, job: str, run_id: str) -> None:
+def _write_record(fd: int, *, job: str, run_id: str, place: dict | None = None) -> None:
     """Write the holder's record into the lock file ``fd`` holds; on failure (a full disk)
     close ``fd``, so the lock is not left held by a descriptor nobody owns, and raise."""
-    record = {"job": job, "run_id": run_id, "host": socket.gethostname(), "pid": os.getpid()}
+    record = {"job": job, "run_id": run_id, "host": socket.gethostname(), "pid": os.getpid(),
+              **(place or {})}  # fmt: skip
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(record).encode(), 0)

@@ -49,17 +49,22 @@ def test_a_directory_from_before_owner_records_belongs_to_the_job_its_manifests_
 
 def test_the_lock_refuses_another_run_naming_the_holder_but_lets_the_same_run_in(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    held = claim(ckpt, job="tiny", run_id="tiny-1")
+    held = claim(ckpt, job="tiny", run_id="tiny-1", round_=3)
     try:
         with pytest.raises(
             OwnershipError, match=rf"in use by run tiny-1 of job tiny \(pid {os.getpid()} on "
         ):
-            claim(ckpt, job="tiny", run_id="tiny-2")
+            claim(ckpt, job="tiny", run_id="tiny-2", round_=4)
         with pytest.raises(OwnershipError, match="in use by run tiny-1"):
-            claim(ckpt, job="tiny", run_id="")
+            claim(ckpt, job="tiny", run_id="", round_=4)
         # A process of the same run (an earlier round's, still exiting) is let in.
-        same = claim(ckpt, job="tiny", run_id="tiny-1")
-        assert same.fd is None
+        same = claim(ckpt, job="tiny", run_id="tiny-1", round_=4)
+        assert same.fd is None and same.pending
+        # One of an earlier round is not (a frozen process thawed late), nor one of no
+        # known place in the run.
+        for late in ({"round_": 2}, {}):
+            with pytest.raises(OwnershipError, match="in use by run tiny-1"):
+                claim(ckpt, job="tiny", run_id="tiny-1", **late)
     finally:
         held.release()
     claim(ckpt, job="tiny", run_id="tiny-2").release()  # free again once released
@@ -176,10 +181,25 @@ def test_runs_whose_id_does_not_tell_them_apart_are_never_the_same_run(tmp_path)
             held.release()
 
 
+def test_a_second_torchrun_launch_sharing_the_run_id_is_refused_and_a_restart_let_in(tmp_path):
+    """Two plain torchrun launches given one ``--rdzv-id`` both start at restart 0: the
+    second was let in as "the same run", and its clean-up deleted the first's save in
+    progress. A restarted worker of the first launch (restart 1) is let in."""
+    ckpt = str(tmp_path / "ckpt")
+    first = claim(ckpt, job="tiny", run_id="myrun", restart=0)
+    try:
+        with pytest.raises(OwnershipError, match="in use by run myrun"):
+            claim(ckpt, job="tiny", run_id="myrun", restart=0)
+        again = claim(ckpt, job="tiny", run_id="myrun", restart=1)
+        assert again.fd is None and again.pending
+    finally:
+        first.release()
+
+
 def test_a_claim_made_while_its_earlier_round_held_the_lock_takes_it_over_later(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    old_round = claim(ckpt, job="tiny", run_id="tiny-1")
-    new_round = claim(ckpt, job="tiny", run_id="tiny-1")
+    old_round = claim(ckpt, job="tiny", run_id="tiny-1", round_=1)
+    new_round = claim(ckpt, job="tiny", run_id="tiny-1", round_=2)
     assert new_round.fd is None and new_round.pending
     assert not new_round.retake()  # the earlier round's process still holds it
     old_round.release()  # it has gone

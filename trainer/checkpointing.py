@@ -46,6 +46,13 @@ log = logging.getLogger("trainer.checkpointing")
 RESEED_STRIDE = 1_000_003
 
 
+def _env_int(env: Mapping[str, str], name: str) -> int | None:
+    """``env[name]`` as a number >= 0, or None when unset or not one (the claim then
+    treats this process as of no known place in its run: a held lock refuses it)."""
+    raw = env.get(name, "")
+    return int(raw) if raw.isascii() and raw.isdigit() else None
+
+
 def fence_from_env(env: Mapping[str, str]) -> Fence | None:
     """The fence of this worker's commits: its run and round, as the agent set them.
 
@@ -189,6 +196,8 @@ class Checkpointing:
                     run_id=env.get("TORCHELASTIC_RUN_ID", ""),
                     newest_job=lambda: store.newest_job(self.dir),
                     warn=log.warning,
+                    round_=_env_int(env, "ELASTICD_ROUND"),
+                    restart=_env_int(env, "TORCHELASTIC_RESTART_COUNT"),
                 )
             except (OwnershipError, OSError) as exc:
                 error = str(exc)
