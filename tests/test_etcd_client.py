@@ -175,3 +175,48 @@ def test_user_and_password_auth_is_enforced(tmp_path):
             anonymous.get("/secret")
     finally:
         server.stop()
+
+
+def test_a_frozen_member_loses_no_kept_lease_and_no_watch_event(tmp_path):
+    """A member frozen (SIGSTOP) or cut off keeps its connections open and answers nothing:
+    the lease keep-alive stream and the watch on it waited for good, the lease ran out on
+    the healthy members, and the agent left the cluster without a word."""
+    import os
+    import signal
+
+    from elasticd.etcd import EtcdCluster
+
+    cluster = EtcdCluster(base_dir=str(tmp_path / "etcd")).start()
+    frozen = cluster.members[0]
+    errors: list[tuple[str, str]] = []
+    client = connect(cluster.client_config(timeout=5.0, request_timeout=1.0))
+    client.on_error = lambda op, code: errors.append((op, code))
+    other = connect(EtcdConfig(endpoints=cluster.endpoints[1:], timeout=5.0))
+    lost: list[int] = []
+    seen = threading.Event()
+    p = fresh_prefix()
+    try:
+        assert client.member().endpoint == frozen.endpoint  # the frozen one is the client's
+        lease = client.lease_grant(3)
+        client.put(p + "node", "x", lease=lease)
+        client.keeper().add(lease, 1.0, lost.append)
+        _, rev = client.get_prefix(p)
+        watch = Watch(client, p, start_revision=rev + 1,
+                      on_events=lambda ev: any(e.kv.key == p + "after" for e in ev) and seen.set())  # fmt: skip
+        assert watch.ready.wait(5)
+        os.kill(frozen.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(6)  # two TTLs: a lease refreshed through the frozen member only is gone
+            assert lost == []
+            assert other.get(p + "node") is not None
+            other.put(p + "after", "y")
+            # The watch resumes on another member once the connection's pings go unanswered.
+            assert seen.wait(15)
+            assert ("lease_keepalive", "DEADLINE_EXCEEDED") in errors
+        finally:
+            os.kill(frozen.proc.pid, signal.SIGCONT)
+        watch.cancel()
+    finally:
+        client.close()
+        other.close()
+        cluster.stop()

@@ -119,6 +119,11 @@ a second of its member. The price is a connection attempt (one refused SYN on lo
 a TCP timeout elsewhere) every 0.5 s per member while a member is down."""
 
 
+KEEPALIVE_MS = (5000, 3000)
+"""gRPC keepalive of a member's channel: ping interval, and how long a ping may go
+unanswered before the connection is closed (ms)."""
+
+
 class _Member:
     """One endpoint's channel and stubs, made lazily."""
 
@@ -129,6 +134,16 @@ class _Member:
             ("grpc.max_receive_message_length", 64 << 20),
             ("grpc.initial_reconnect_backoff_ms", first),
             ("grpc.max_reconnect_backoff_ms", longest),
+            # HTTP/2 pings on a connection with streams open (watches): a member frozen or
+            # cut off answers none, so the connection is closed and the streams resume on
+            # another member (without them, a watch waited on it for good). Not more often
+            # than etcd's --grpc-keepalive-min-time (5 s), which would answer GOAWAY.
+            ("grpc.keepalive_time_ms", KEEPALIVE_MS[0]),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_MS[1]),
+            ("grpc.http2.max_pings_without_data", 0),
+            # Any ping, the flow-control (BDP) ones too: a keepalive ping that finds one of
+            # those in flight waits on it, for 60 s by default.
+            ("grpc.http2.ping_timeout_ms", KEEPALIVE_MS[1]),
         ]
         if credentials is None:
             self.channel = grpc.insecure_channel(endpoint, options=options)
@@ -230,7 +245,9 @@ class EtcdClient:
                 last = exc
                 code, detail = exc.code(), (exc.details() or "")
                 if self.on_error is not None:
-                    self.on_error(what, getattr(code, "name", str(code)))
+                    # The metric's op label: one word (``lease_keepalive``, as the
+                    # keep-alive stream counts its own breaks).
+                    self.on_error(what.replace(" ", "_"), getattr(code, "name", str(code)))
                 if (
                     code == grpc.StatusCode.INVALID_ARGUMENT
                     and "auth token" in detail

@@ -31,7 +31,11 @@ class _Kept:
 
 class LeaseKeeper:
     """Refreshes registered leases every ``interval``; calls ``on_lost(lease)`` once when
-    etcd answers that a lease no longer exists. Reconnects to another member on error."""
+    etcd answers that a lease no longer exists. Reconnects to another member on error, and
+    when a refresh goes unanswered for :meth:`_answer_limit`: a member that is frozen or cut
+    off keeps its stream open without a word (the kernel still holds the socket), and the
+    stream would wait on it for good while the lease ran out on the healthy members (the
+    agent left the cluster, silently)."""
 
     def __init__(self, client: object) -> None:
         self._client = client
@@ -41,6 +45,8 @@ class LeaseKeeper:
         self._stop = threading.Event()
         self._requests: queue.Queue | None = None
         self._answered = False
+        self._waiting_since: float | None = None
+        """When the oldest refresh not answered yet was sent (None: all answered)."""
         self._thread = threading.Thread(target=self._run, name="etcd-lease-keeper", daemon=True)
         self._thread.start()
 
@@ -72,6 +78,7 @@ class LeaseKeeper:
         try:
             for resp in stream:  # type: ignore[attr-defined]
                 self._answered = True
+                self._waiting_since = None
                 if resp.TTL <= 0:
                     with self._lock:
                         kept = self._leases.pop(resp.ID, None)
@@ -96,6 +103,10 @@ class LeaseKeeper:
             q: queue.Queue = queue.Queue()
             self._requests = q
             self._answered = False
+            self._waiting_since = None
+            with self._lock:  # a new stream: refresh at once, whatever the last one sent
+                for kept in self._leases.values():
+                    kept.due = min(kept.due, time.monotonic())
             try:
                 stream = member.lease.LeaseKeepAlive(
                     self._stream_requests(q),
@@ -106,16 +117,19 @@ class LeaseKeeper:
             if stream is not None:
                 reader = threading.Thread(target=self._read, args=(stream, q), daemon=True)
                 reader.start()
-                self._pump(q, reader)
+                why = self._pump(q, reader)
                 stream.cancel()
                 reader.join(timeout=2)
+            else:
+                why = "UNAVAILABLE"
             if self._stop.is_set():
                 return
+            if why == "DEADLINE_EXCEEDED":
+                log.warning("lease refresh unanswered; trying another member",
+                            **kv(member=member.endpoint, waited_s=round(self._answer_limit(), 2)))  # fmt: skip
             on_error = getattr(self._client, "on_error", None)
             if on_error is not None:  # counted like a failed request (agent metrics)
-                on_error(
-                    "lease_keepalive", "STREAM_BROKEN" if stream is not None else "UNAVAILABLE"
-                )
+                on_error("lease_keepalive", why)
             self._client.rotate(member)  # type: ignore[attr-defined]
             # A stream that was answered broke now: start the back-off afresh. Short
             # pauses, because a lease waits for nobody: once etcd is back (a new leader
@@ -124,16 +138,36 @@ class LeaseKeeper:
             attempt = 1 if self._answered else attempt + 1
             self._stop.wait(min(0.05 * 2 ** min(attempt, 5), 0.5))
 
-    def _pump(self, q: queue.Queue, reader: threading.Thread) -> None:
-        """Send refreshes as they fall due, until the stream breaks or we stop."""
+    def _answer_limit(self) -> float:
+        """How long a refresh may go unanswered before the member is given up: the client's
+        request timeout, and no longer than the shortest refresh interval (a lease's TTL
+        is about three intervals: one to notice, one to refresh through another member),
+        but at least 0.5 s (a loaded machine answers late, not never)."""
+        with self._lock:
+            shortest = min((k.interval for k in self._leases.values()), default=None)
+        config = getattr(self._client, "config", None)
+        limit = float(getattr(config, "request_timeout", 2.0))
+        if shortest is not None:
+            limit = min(limit, shortest)
+        return max(0.5, limit)
+
+    def _pump(self, q: queue.Queue, reader: threading.Thread) -> str:
+        """Send refreshes as they fall due, until the stream breaks (``STREAM_BROKEN``), a
+        refresh goes unanswered too long (``DEADLINE_EXCEEDED``) or we stop."""
         while not self._stop.is_set() and reader.is_alive():
             now = time.monotonic()
+            waiting = self._waiting_since
+            if waiting is not None and now - waiting > self._answer_limit():
+                return "DEADLINE_EXCEEDED"
             with self._lock:
                 due = [lid for lid, k in self._leases.items() if k.due <= now]
                 for lid in due:
                     self._leases[lid].due = now + self._leases[lid].interval
                 nxt = min((k.due for k in self._leases.values()), default=now + 1.0)
+            if due and self._waiting_since is None:
+                self._waiting_since = now
             for lid in due:
                 q.put(etcdrpc.LeaseKeepAliveRequest(ID=lid))
-            self._wake.wait(max(0.01, min(nxt - time.monotonic(), 0.5)))
+            self._wake.wait(max(0.01, min(nxt - time.monotonic(), 0.1 if due or waiting else 0.5)))
             self._wake.clear()
+        return "STREAM_BROKEN"
