@@ -215,11 +215,13 @@ class AgentMetrics:
 
     def init_job(self, job: str, mode: str) -> None:
         """This agent takes the job: export its counters at 0 now. Prometheus' increase()
-        and rate() need a sample before the first event; a series born at 1 loses it."""
+        and rate() need a sample before the first event; a series born at 1 loses it
+        (the recovery histogram too: its first recovery would never show in a quantile)."""
         for reason in RESTART_REASONS:
             self.restarts.labels(job, reason)
             for source in RECOVERY_SOURCES:
                 self.recoveries.labels(job, reason, mode, source)
+                self.recovery_seconds.labels(job, reason, mode, source)
         for kind in TROUBLE_KINDS:
             self.node_troubles.labels(job, kind)
         for metric in (self.lost_steps, self.ckpt_saved_bytes, self.ckpt_loaded_bytes,

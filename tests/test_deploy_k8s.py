@@ -1,8 +1,9 @@
 """deploy/kubernetes: the kustomize base and each overlay build, validate against a
 current Kubernetes schema, and say what the issue asks (TLS etcd with client-certificate
 auth, a quorum-keeping PDB, one member per node, requests; a NetworkPolicy; agents with
-requests, IPC_LOCK, host network, the shared volume and a long enough grace; a submit Job
-with its own certificate); make-certs.sh's certificates serve a real TLS etcd."""
+requests, no capabilities, host network, the shared volume and a long enough grace, in a
+namespace whose Pod Security admits them; a submit Job with its own certificate it can
+read); make-certs.sh's certificates serve a real TLS etcd."""
 
 from __future__ import annotations
 
@@ -98,14 +99,15 @@ def test_only_labelled_clients_and_the_gpu_nodes_reach_the_etcd_client_port():
         assert labels["elasticd.io/etcd-client"] == "true"
 
 
-def test_agents_have_requests_ipc_lock_host_network_shared_storage_and_a_long_grace():
+def test_agents_have_requests_no_capabilities_host_network_shared_storage_and_a_long_grace():
     docs = base_docs()
     pod = one(docs, "DaemonSet", "elasticd-agent")["spec"]["template"]["spec"]
     (agent,) = pod["containers"]
     assert agent["resources"]["requests"]["cpu"] and agent["resources"]["requests"]["memory"]
     # The GPUs come from the runtime, not the device plugin: an idle agent holds none.
     assert "nvidia.com/gpu" not in str(agent["resources"]) and pod["runtimeClassName"] == "nvidia"
-    assert agent["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    # An added capability never reaches a non-root user's effective set: none is asked for.
+    assert agent["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert pod["hostNetwork"] is True and pod["securityContext"]["runAsNonRoot"] is True
     claim = next(v for v in pod["volumes"] if v["name"] == "shared")["persistentVolumeClaim"]
     pvc = one(docs, "PersistentVolumeClaim", claim["claimName"])
@@ -120,6 +122,63 @@ def test_agents_have_requests_ipc_lock_host_network_shared_storage_and_a_long_gr
     assert args.etcd_cert and args.etcd_key and args.etcd_cacert
     mount = next(m for m in agent["volumeMounts"] if m["name"] == "etcd-client")["mountPath"]
     assert args.etcd_cert.startswith(mount)
+
+
+# What Pod Security's Baseline level forbids in a pod (of what these manifests could use).
+BASELINE_CAPABILITIES = {"AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL",
+                         "MKNOD", "NET_BIND_SERVICE", "SETFCAP", "SETGID", "SETPCAP",
+                         "SETUID", "SYS_CHROOT"}  # fmt: skip
+
+
+def beyond_baseline(pod: dict) -> list[str]:
+    found = [f for f in ("hostNetwork", "hostPID", "hostIPC") if pod.get(f)]
+    found += ["hostPath" for v in pod.get("volumes", []) if "hostPath" in v]
+    for c in pod["containers"]:
+        sc = c.get("securityContext", {})
+        if sc.get("privileged"):
+            found.append("privileged")
+        found += sorted(set(sc.get("capabilities", {}).get("add", [])) - BASELINE_CAPABILITIES)
+        # Under hostNetwork every containerPort is a host port (the API server sets it).
+        found += ["hostPort" for p in c.get("ports", [])
+                  if p.get("hostPort") or pod.get("hostNetwork")]  # fmt: skip
+    return found
+
+
+def test_the_namespace_admits_the_agents_and_still_checks_every_pod_against_baseline():
+    docs = base_docs()
+    labels = one(docs, "Namespace", "elasticd")["metadata"]["labels"]
+    pods = {d["metadata"]["name"]: d["spec"]["template"]["spec"] for d in docs
+            if d["kind"] in ("DaemonSet", "StatefulSet", "Job")}  # fmt: skip
+    # The agents need the host network (and so a host port): Baseline would admit no
+    # agent pod, so the namespace enforces Privileged, and warns and audits at Baseline,
+    # which every other pod meets.
+    assert beyond_baseline(pods.pop("elasticd-agent")) == ["hostNetwork", "hostPort"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "privileged"
+    assert labels["pod-security.kubernetes.io/warn"] == "baseline"
+    assert labels["pod-security.kubernetes.io/audit"] == "baseline"
+    assert set(pods) == {"etcd", "submit-gpt-small"}
+    assert all(beyond_baseline(pod) == [] for pod in pods.values())
+
+
+def test_agents_and_the_submit_job_name_every_etcd_member_and_can_read_their_certificates():
+    docs = base_docs()
+    sts = one(docs, "StatefulSet", "etcd")
+    service = sts["spec"]["serviceName"]
+    members = [f"etcd-{i}.{service}.elasticd.svc:2379" for i in range(sts["spec"]["replicas"])]
+    agent_pod = one(docs, "DaemonSet", "elasticd-agent")["spec"]["template"]["spec"]
+    submit_pod = one(docs, "Job")["spec"]["template"]["spec"]
+    for pod, argv in ((agent_pod, ["agent", *agent_pod["containers"][0]["args"]]),
+                      (submit_pod, submit_pod["containers"][0]["command"][1:])):  # fmt: skip
+        args = build_parser().parse_args([a.replace("$(", "").replace(")", "") for a in argv])
+        assert args.etcd.split(",") == members  # the client fails over between them itself
+        # The Secret's files are root:root with its defaultMode: readable by the pod's
+        # user only through the group, which fsGroup makes the pod's own.
+        secret = next(v for v in pod["volumes"] if v["name"] == "etcd-client")["secret"]
+        context = pod["securityContext"]
+        assert secret["defaultMode"] & 0o040 and not secret["defaultMode"] & 0o004
+        assert context["runAsUser"] == context["runAsGroup"] == context["fsGroup"] == 10001
+    sans = (K8S / "make-certs.sh").read_text()
+    assert "DNS:etcd-$i.etcd.$ns.svc" in sans  # the members' certificate names them
 
 
 @needs_kubectl
