@@ -282,6 +282,41 @@ def stop_agents(procs):
             p.wait()
 
 
+def test_an_agent_restarted_as_pid_1_in_a_container_takes_over_its_own_record(etcd, tmp_path):
+    """In a container every agent is PID 1: the record of the agent just killed names pid 1
+    on this host, and "pid 1 is alive" (the new agent itself) refused the restart as a
+    duplicate until the old lease ran out (a CrashLoopBackOff meanwhile)."""
+    import socket
+
+    if subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"],
+                      capture_output=True).returncode != 0:  # fmt: skip
+        pytest.skip("no unshare (a PID namespace) here")
+    with connect(etcd.client_config()) as client:
+        lease = client.lease_grant(60)  # the killed agent's, far from running out
+        old = {"hostname": socket.gethostname(), "pid": 1, "node_id": "ctr"}
+        client.put("/elasticd/nodes/ctr", json.dumps(old), lease=lease)
+        log = tmp_path / "ctr.log"
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(
+                ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m", "elasticd",
+                 "agent", "--etcd", etcd.endpoint, "--node-id", "ctr", "--addr", "127.0.0.1",
+                 "--state-dir", str(tmp_path / "ctr"), "--metrics-port", "0"],
+                stdout=out, stderr=subprocess.STDOUT, env=env_with(),
+            )  # fmt: skip
+        try:
+            wait_for(lambda: ((kv := client.get("/elasticd/nodes/ctr")) is not None
+                     and kv.lease != lease) or proc.poll() is not None, timeout=30)  # fmt: skip
+            assert proc.poll() is None, log.read_text()
+            assert json.loads(client.get("/elasticd/nodes/ctr").value)["pid"] == 1
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
 def test_a_job_with_its_own_command_is_refused_by_agents_that_run_only_the_trainer(etcd, tmp_path):
     procs = [start_agent(etcd, tmp_path, "plain")]
     try:

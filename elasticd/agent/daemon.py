@@ -242,7 +242,7 @@ class Agent:
                 other = json.loads(holder.value)
             except ValueError:
                 other = {}
-            if other.get("hostname") == socket.gethostname() and not _pid_alive(other.get("pid")):
+            if other.get("hostname") == socket.gethostname() and not _agent_alive(other.get("pid")):
                 log.warning("taking over the node record of a dead agent on this host",
                             **kv(node=c.node_id, old_pid=other.get("pid")))  # fmt: skip
                 with contextlib.suppress(ElasticdError):
@@ -594,6 +594,19 @@ class Agent:
             self._client.close()
         if self._embedded is not None:
             self._embedded.stop()
+
+
+def _agent_alive(pid: object) -> bool:
+    """Whether the agent of a node record of this host may still live: its pid exists and
+    is not ours. A record naming our own pid is of an earlier incarnation: in a container
+    every agent is PID 1, so a restarted one found "pid 1 alive" (itself) and was refused as
+    a duplicate of itself until the record's lease ran out (CrashLoopBackOff meanwhile)."""
+    try:
+        if int(pid) == os.getpid():  # type: ignore[arg-type]
+            return False
+    except (TypeError, ValueError):
+        return False
+    return _pid_alive(pid)
 
 
 def _pid_alive(pid: object) -> bool:
