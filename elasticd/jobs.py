@@ -385,10 +385,12 @@ class JobRegistry:
         if not result.succeeded:
             old = self.get(job.name)
             if not replace:
+                active = old is not None and not old.state.terminal
                 raise UsageError(
                     f"job {job.name!r} already exists ({old.state if old else 'unknown'}); "
-                    "use --replace to overwrite it"
-                )
+                    + ("--attach follows it, or cancel it first" if active
+                       else "use --replace to overwrite it")
+                )  # fmt: skip
             if old is not None and not old.state.terminal:
                 raise UsageError(f"job {job.name!r} is {old.state}; cancel it before replacing it")
             # Overwriting spec, state and status and dropping the failure records replaces

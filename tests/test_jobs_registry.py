@@ -141,6 +141,31 @@ def test_a_malformed_job_writes_nothing_to_etcd(etcd_client, etcd_server, tmp_pa
     assert etcd_client.get_prefix(f"/elasticd/jobs/{name}/")[0] == []
 
 
+def test_attach_takes_an_active_job_of_the_same_settings_as_submitted(
+    etcd_server, tmp_path, capsys
+):
+    """A requeued batch script submits its job again while it is still running (an etcd
+    outside the allocation: the agents left, the job waits for nodes): it attaches."""
+    name = unique("attach")
+    job = tmp_path / "job.yaml"
+    job.write_text(f"name: {name}\ntrain: {{steps: 5}}\n")
+    ep = ["--etcd", etcd_server.endpoint]
+    assert main(["submit", str(job), *ep]) == 0
+    capsys.readouterr()
+    assert main(["submit", str(job), *ep]) == 2  # as before: refused, naming --attach
+    assert "--attach follows it" in capsys.readouterr().err
+    assert main(["submit", str(job), "--attach", *ep]) == 0
+    assert f"job {name} is pending already; attached to it" in capsys.readouterr().out
+    assert main(["submit", str(job), "--attach", "--set", "train.steps=7", *ep]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "with other settings" in err
+    assert main(["cancel", name, *ep]) == 0
+    capsys.readouterr()
+    # A finished one is not attached to: --attach then submits (here refused as usual).
+    assert main(["submit", str(job), "--attach", *ep]) == 2
+    assert "use --replace to overwrite it" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", [["list"], ["status"], ["cancel", "x"], ["logs", "x"]])
 def test_an_unreachable_etcd_is_one_line_within_the_timeout(command, capsys):
     started = time.monotonic()

@@ -82,6 +82,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "checkpoint store wrote in its checkpoint dir) and overwrite a finished "
                    "job of that name (else the job resumes from its newest checkpoint)")  # fmt: skip
     p.add_argument("--follow", action="store_true", help="show progress until the job ends")
+    p.add_argument("--attach", action="store_true",
+                   help="if this job (same name and settings) is queued or running already, "
+                   "take it as submitted rather than refuse (a requeued batch script)")  # fmt: skip
     add_etcd_options(p)
     p.set_defaults(func=run_submit)
 
@@ -124,18 +127,41 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_submit(args: argparse.Namespace) -> int:
     # Validate everything before touching etcd: a bad job writes nothing.
     job = load_job(args.job, args.overrides).with_paths_resolved(os.getcwd())
+    if args.attach and args.fresh:
+        raise UsageError("--attach and --fresh: a job attached to is not started over")
     client, registry = open_registry(args)
     with client:
         if args.fresh:
             start_over(registry, job)
-        record = registry.submit(job, replace=args.replace or args.fresh)
-        print(f"job {record.name} submitted ({record.state}); output in {job.out_dir}")
-        if not args.fresh:
-            say_resume(job)
+        record = attached(registry, job) if args.attach else None
+        if record is not None:
+            print(f"job {record.name} is {record.state} already; attached to it")
+        else:
+            record = registry.submit(job, replace=args.replace or args.fresh)
+            print(f"job {record.name} submitted ({record.state}); output in {job.out_dir}")
+            if not args.fresh:
+                say_resume(job)
         if not args.follow:
             return 0
         final = follow(registry, record.name, out=sys.stdout)
     return 0 if final.state == JobState.SUCCEEDED else 1
+
+
+def attached(registry: JobRegistry, job) -> JobRecord | None:
+    """``submit --attach``: the job of this name when it is still active with the same
+    settings (a Slurm allocation requeued after a preemption runs its script again, while
+    the job, with an etcd outside the allocation, is still running: its agents left, the
+    job waits for nodes); None when there is none or it has finished (submit as usual).
+    Refused in one line when it is active with other settings."""
+    old = registry.get(job.name)
+    if old is None or old.state.terminal:
+        return None
+    if old.spec != json.loads(json.dumps(job.to_dict())):  # as stored: lists, not tuples
+        raise UsageError(
+            f"--attach: job {job.name!r} is {old.state} with other settings than {job.name}'s "
+            "in this file; cancel it, or give this job another name"
+        )
+    return old
 
 
 def start_over(registry: JobRegistry, job) -> None:
