@@ -430,6 +430,24 @@ def test_slots_map_to_the_agents_own_visible_devices():
     assert take_slots({1}, 2) is None
 
 
+@pytest.mark.parametrize(("visible", "slots", "ids"), [
+    ("0,1,2,3", 4, ["0", "1", "2", "3"]),  # Slurm --gpus-per-node=4 on an 8-GPU node
+    ("5", 1, ["5"]),
+    ("", 0, []),  # set and empty: CUDA sees no device
+    (None, 8, [str(i) for i in range(8)]),
+])  # fmt: skip
+def test_an_agent_counts_only_the_gpus_it_may_see(monkeypatch, tmp_path, visible, slots, ids):
+    """The driver lists every GPU of the node (/proc is not filtered); an agent given fewer
+    (CUDA_VISIBLE_DEVICES) handed out GPUs 4 to 7 that were not its own."""
+    from elasticd.agent import daemon
+
+    monkeypatch.setattr(daemon, "count_devices", lambda: 8)
+    config = daemon.AgentConfig(etcd=None, node_id="n", addr="127.0.0.1", nproc=None,
+                                state_dir=str(tmp_path), visible_devices=visible)  # fmt: skip
+    agent = daemon.Agent(config)
+    assert (agent.slots or 0) == slots and agent._ids == ids
+
+
 def test_commands_run_only_where_allowed():
     from elasticd.agent.policy import command_allowed
 

@@ -41,7 +41,13 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry
 
 from elasticd.agent.launch import NodeInfo
-from elasticd.agent.policy import command_allowed, device_ids, queue_reason, take_slots
+from elasticd.agent.policy import (
+    command_allowed,
+    device_ids,
+    queue_reason,
+    take_slots,
+    visible_ids,
+)
 from elasticd.agent.runner import JobRunner, Notes, note_trouble_later
 from elasticd.agent.view import NODES_PREFIX, ClusterView
 from elasticd.errors import ElasticdError, UsageError
@@ -154,7 +160,11 @@ class Agent:
         """Trouble notes and clears of this agent's runners and its own, written in order."""
         self._view: ClusterView | None = None
         self._registry: JobRegistry | None = None
-        devices = config.devices if config.devices is not None else count_devices()
+        devices = config.devices
+        if devices is None:  # counted: the driver's GPUs, of which this agent may see fewer
+            devices = count_devices()
+            if config.visible_devices is not None:
+                devices = min(devices, len(visible_ids(config.visible_devices)))
         self.slots: int | None = config.nproc if config.nproc is not None else (devices or None)
         self._devices = devices
         self._free: set[int] = set(range(self.slots or 0))

@@ -449,11 +449,17 @@ def scrub_env(env: Mapping[str, str]) -> dict[str, str]:
 # -- placement: slots, commands, the queue ------------------------------------------------------
 
 
+def visible_ids(visible: str) -> list[str]:
+    """The entries of a CUDA_VISIBLE_DEVICES value (empty: no device is visible)."""
+    return [d.strip() for d in visible.split(",") if d.strip()]
+
+
 def device_ids(slots: int, visible: str | None) -> list[str]:
     """The device id of each slot: the agent's own CUDA_VISIBLE_DEVICES entries when set
-    (a container or a cgroup gave it those), else 0..slots-1."""
+    (a container, a cgroup or Slurm's --gpus-per-node gave it those; the agent then
+    counts only those, not the driver's), else 0..slots-1."""
     if visible:
-        ids = [d.strip() for d in visible.split(",") if d.strip()]
+        ids = visible_ids(visible)
         if len(ids) >= slots:
             return ids[:slots]
     return [str(i) for i in range(slots)]
