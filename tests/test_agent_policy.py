@@ -448,6 +448,28 @@ def test_an_agent_counts_only_the_gpus_it_may_see(monkeypatch, tmp_path, visible
     assert (agent.slots or 0) == slots and agent._ids == ids
 
 
+def test_the_default_address_is_the_route_to_etcd_when_the_host_name_is_loopback(monkeypatch):
+    """Debian maps the host name to 127.0.1.1: advertised as the node's address, every
+    remote worker dialled its own loopback for the master."""
+    import socket
+
+    from elasticd.agent.daemon import default_addr
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # TEST-NET: only the route is looked up
+        except OSError:
+            pytest.skip("no route off this host")
+        mine = probe.getsockname()[0]
+    real = socket.gethostbyname
+    monkeypatch.setattr(socket, "gethostbyname",
+                        lambda h: "127.0.1.1" if h == socket.gethostname() else real(h))  # fmt: skip
+    # This host's own address stands in for a remote etcd: the route to it starts there.
+    assert default_addr(("127.0.0.1:2379", f"{mine}:2379")) == mine
+    assert default_addr(("127.0.0.1:2379",)) == "127.0.1.1"  # etcd local too: one machine
+    assert default_addr(()) == "127.0.1.1"
+
+
 def test_commands_run_only_where_allowed():
     from elasticd.agent.policy import command_allowed
 

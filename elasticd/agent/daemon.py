@@ -35,7 +35,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
@@ -102,12 +102,31 @@ class AgentConfig:
     """The agent's own CUDA_VISIBLE_DEVICES: slot i maps to its i-th entry."""
 
 
-def default_addr() -> str:
-    """This host's address as its name resolves, else loopback."""
+def default_addr(etcd_endpoints: Sequence[str] = ()) -> str:
+    """The address this node's peers reach it on: its host name's, unless that is a
+    loopback address (Debian's /etc/hosts maps the host name to 127.0.1.1, which every
+    remote worker would dial as its own), then the source address of this host's route to
+    the first etcd member that is not on loopback; loopback where etcd is local too (one
+    machine) or nothing better is found."""
     try:
-        return socket.gethostbyname(socket.gethostname())
+        addr = socket.gethostbyname(socket.gethostname())
     except OSError:
-        return "127.0.0.1"
+        addr = "127.0.0.1"
+    if not addr.startswith("127."):
+        return addr
+    for endpoint in etcd_endpoints:
+        host, _, port = endpoint.rpartition(":")
+        host = host.strip("[]")
+        try:
+            target = socket.gethostbyname(host)
+            if target.startswith("127."):
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((target, int(port or 2379)))  # no packet: picks the route
+                return probe.getsockname()[0]
+        except (OSError, ValueError):
+            continue
+    return addr
 
 
 def count_devices() -> int:

@@ -22,7 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="stable node id (default: $ELASTICD_NODE_ID, else the host name)")  # fmt: skip
     p.add_argument("--addr", default=None,
                    help="address peers reach this node at (default: $ELASTICD_ADDR, else the "
-                   "host name's address)")  # fmt: skip
+                   "host name's address, or where that is loopback the source address of "
+                   "the route to etcd)")  # fmt: skip
     p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
                    help="device slots this node offers; jobs take slots and queue when none "
                    "are free (default: one per GPU; without GPUs, no accounting)")  # fmt: skip
@@ -72,10 +73,13 @@ def run(args: argparse.Namespace) -> int:
     state_dir = args.state_dir or os.path.join(
         os.path.expanduser("~"), ".local", "state", "elasticd"
     )
+    etcd = etcd_config(args) if given else None
     config = AgentConfig(
-        etcd=etcd_config(args) if given else None,
+        etcd=etcd,
         node_id=args.node_id or os.environ.get("ELASTICD_NODE_ID") or socket.gethostname(),
-        addr=args.addr or os.environ.get("ELASTICD_ADDR") or default_addr(),
+        addr=args.addr
+        or os.environ.get("ELASTICD_ADDR")
+        or default_addr(etcd.endpoints if etcd is not None else ()),
         nproc=args.nproc_per_node,
         state_dir=os.path.abspath(state_dir),
         metrics_port=args.metrics_port,
