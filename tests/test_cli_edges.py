@@ -117,6 +117,8 @@ def test_follow_elsewhere_prints_a_plain_line_per_change():
     now[0] = 5.0
     progress.show(job_at(2))
     progress.show(job_at(2))  # no change, no line
+    now[0] = 9.0
+    progress.show(job_at(2))  # the ETA alone changed: no line either (a log's line a poll)
     progress.show(job_at(10, "succeeded"))
     lines = out.getvalue().splitlines()
     assert len(lines) == 3 and "\r" not in out.getvalue()

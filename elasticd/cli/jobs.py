@@ -274,11 +274,13 @@ class Progress:
     def show(self, record: JobRecord) -> None:
         eta = self.eta(record)
         if not self._tty:
-            line = progress_line(record, eta)
-            if line != self._last:
-                self._out.write(line + "\n")
+            # A line when something but the ETA changed: in a log (a Slurm output file)
+            # the ETA alone, recomputed every poll, printed a line a second.
+            key = progress_line(record, None)
+            if key != self._last:
+                self._out.write(progress_line(record, eta) + "\n")
                 self._out.flush()
-                self._last = line
+                self._last = key
             return
         from tqdm import tqdm
 
