@@ -9,7 +9,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,8 +132,9 @@ class RegionChunks(Sequence[SavedChunk]):
     A manifest of a large job lists a million chunks, and a rank resuming needs the chunks
     of a few regions of the tensors of its own pipeline stage: parsing the manifest makes
     no chunk (its regions are checked instead, which is the same check), a load cuts only
-    the regions its boxes meet (:meth:`within`), and walking all of them (``verify``,
-    ``check_files``, an export) cuts them once and keeps them."""
+    the regions its boxes meet (:meth:`within`), walking all of them as a sequence cuts
+    them once and keeps them, and :meth:`each` (``check_files``) cuts one region at a time
+    and keeps none."""
 
     __slots__ = ("_all", "_count", "_name", "_regions")
 
@@ -166,6 +167,13 @@ class RegionChunks(Sequence[SavedChunk]):
 
     def __repr__(self) -> str:
         return f"RegionChunks({self._name!r}, {len(self._regions)} regions, {self._count} chunks)"
+
+    def each(self) -> Iterator[SavedChunk]:
+        """Every chunk, cut one region at a time and not kept (a walk that stops at the
+        first bad chunk holds no more than a region's)."""
+        if self._all is not None:
+            return iter(self._all)
+        return (c for r in self._regions for c in region_chunks(self._name, r))
 
     def within(self, box: Box) -> list[SavedChunk]:
         """The chunks of the regions that meet ``box`` (the others hold none of it); none
@@ -238,6 +246,13 @@ class TensorEntry:
     def blocks(self, chunk: SavedChunk) -> int:
         """How many verify blocks ``chunk`` has (so how many checksums)."""
         return block_count(chunk.sizes, self.rows_per_block(chunk))
+
+    def each_chunk(self) -> Iterator[SavedChunk]:
+        """Every chunk, as :attr:`chunks` lists them, without keeping the chunks cut from
+        version 4 regions (:meth:`RegionChunks.each`)."""
+        if isinstance(self.chunks, RegionChunks):
+            return self.chunks.each()
+        return iter(self.chunks)
 
     def chunks_within(self, box: Box) -> Sequence[SavedChunk]:
         """The chunks that may hold part of ``box``: with its regions known, only the
@@ -414,7 +429,25 @@ def parse_json(data: bytes, where: str, *, max_bytes: int, error: type[Exception
     """``json.loads`` of checkpoint input, refused with one ``error`` line (never another
     exception) when it is larger than ``max_bytes``, has more lists and objects than one
     per :data:`CONTAINER_BYTES` bytes, nests deeper than :data:`MAX_DEPTH`, is not JSON in
-    UTF-8, or holds an integer Python refuses to parse (over 4300 digits)."""
+    UTF-8 (``NaN``, ``Infinity`` and ``-Infinity``, which Python's parser takes, are not
+    JSON), or holds an integer Python refuses to parse (over 4300 digits)."""
+    json_bounds(data, where, max_bytes=max_bytes, error=error)
+    try:
+        # UTF-8 only, as the format says: json.loads would also take UTF-16 and UTF-32
+        # bytes, which the depth count below does not read.
+        raw = json.loads(data.decode("utf-8"), parse_constant=not_json)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise error(f"{where}: not valid JSON ({text[:200]})") from None
+    depth = _depth(data)  # of valid JSON: what is not is refused above, at the parse's speed
+    if depth > MAX_DEPTH:
+        raise error(f"{where}: JSON nested {depth} deep, more than {MAX_DEPTH}")
+    return raw
+
+
+def json_bounds(data: bytes, where: str, *, max_bytes: int, error: type[Exception]) -> None:
+    """The bounds :func:`parse_json` checks before it parses: at most ``max_bytes``, and
+    at most one list or object per :data:`CONTAINER_BYTES` bytes. Raises ``error``."""
     if len(data) > max_bytes:
         raise error(f"{where}: {len(data)} bytes, more than {max_bytes}")
     containers = data.count(b"[") + data.count(b"{")  # an upper bound: strings count too
@@ -423,17 +456,13 @@ def parse_json(data: bytes, where: str, *, max_bytes: int, error: type[Exception
             f"{where}: {containers} JSON lists or objects in {len(data)} bytes, more than "
             f"one per {CONTAINER_BYTES} bytes"
         )
-    try:
-        # UTF-8 only, as the format says: json.loads would also take UTF-16 and UTF-32
-        # bytes, which the depth count below does not read.
-        raw = json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise error(f"{where}: not valid JSON ({text[:200]})") from None
-    depth = _depth(data)  # of valid JSON: what is not is refused above, at the parse's speed
-    if depth > MAX_DEPTH:
-        raise error(f"{where}: JSON nested {depth} deep, more than {MAX_DEPTH}")
-    return raw
+
+
+def not_json(constant: str) -> Any:
+    """``parse_constant`` of a strict parse: Python's ``json`` reads (and writes) ``NaN``
+    and ``Infinity``, which are not JSON: a NaN in a manifest's layout never equals the
+    run's own (a resume then thinks the layout changed)."""
+    raise ValueError(f"{constant} is not a JSON value")
 
 
 _JSON_STRING = re.compile(rb'"[^"]*"')
@@ -696,7 +725,7 @@ name and offsets, so a long name times many chunks is counted before any key is 
 real one: 1.07 Mi chunks of names under 60 characters, about 64 Mi)."""
 MAX_STRIPS = 64
 """Strips a version 4 region may be cut into (the writer cuts at most
-``SaveOptions.chunk_max_pieces``, 8 by default)."""
+``SaveOptions.chunk_max_pieces``, 8 by default); a region of no elements is one."""
 
 
 def _chunk_count(listed: Any, version: int) -> int:
@@ -778,7 +807,9 @@ def _parse_regions(t, name, shape, rank_files: dict[int, str]) -> dict[str, Any]
             )
         offsets = _ints(offsets, name, "offsets", len(shape))
         sizes = _ints(sizes, name, "sizes", len(shape))
-        most = min(MAX_STRIPS, max(1, sizes[1])) if len(sizes) >= 2 else 1
+        # An empty region is one strip (the writer cuts none): its strips would be chunks
+        # of no bytes that every walk of the chunks pays for.
+        most = 1 if len(sizes) < 2 or 0 in sizes else min(MAX_STRIPS, sizes[1])
         if type(n) is not int or not 1 <= n <= most:
             raise _Bad(
                 f"tensor {shown}: region at {list(offsets)}: {quoted(n)} strips, not an "

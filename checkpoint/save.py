@@ -15,10 +15,12 @@ job's current one raises :class:`FencedError` on every rank and commits nothing.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
+import operator
 import os
 import secrets
 import shutil
@@ -49,7 +51,15 @@ from checkpoint.errors import (
     SaveRefusedError,
 )
 from checkpoint.fence import Fence, check_fence
-from checkpoint.manifest import MANIFEST, MAX_MANIFEST_BYTES, FileEntry, Manifest, file_name
+from checkpoint.manifest import (
+    INT_LIMIT,
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    FileEntry,
+    Manifest,
+    file_name,
+    json_bounds,
+)
 from checkpoint.planner import relative
 from checkpoint.saveplan import FilePlan, LocalEntry, SavePlan, build_save_plan
 from checkpoint.shards import ShardInfo
@@ -162,7 +172,14 @@ class Saver:
         layout: Mapping[str, Any] | None = None,
     ) -> None:
         """Checkpoint ``step``. Model/optimizer tensors are (local tensor, ShardInfo) by
-        global name; ``rank_state`` tensors belong to this rank only (RNG states)."""
+        global name; ``rank_state`` tensors belong to this rank only (RNG states).
+
+        ``step`` is an integer in ``[0, 10^9)`` (its directory's name has 9 digits) and
+        ``consumed_samples`` one in ``[0, 2^63)``, as a load reads them: anything else raises
+        SaveRefusedError here, before anything is done (it would commit a step that no load
+        reads)."""
+        step = _position("step", step, STEP_LIMIT, "10^9")
+        consumed_samples = _position("consumed_samples", consumed_samples, INT_LIMIT, "2^63")
         self.wait()  # the previous save must finish first; its failure surfaces here
         t0 = time.perf_counter()
         self._snapshot_wait_s = 0.0
@@ -214,7 +231,7 @@ class Saver:
                 staged = self._staged
         head = {
             "step": step,
-            "consumed_samples": int(consumed_samples),
+            "consumed_samples": consumed_samples,
             "scalars": dict(scalars or {}),
             "extra": dict(extra or {}),
             "layout": dict(layout) if layout is not None else None,
@@ -367,7 +384,9 @@ class Saver:
         per_rank = [[LocalEntry.from_json(e) for e in g] for g in gathered]
         plan = build_save_plan(
             per_rank,
-            chunk_min_bytes=self.options.chunk_min_bytes,
+            # At least a byte: a region of no elements (none a column) stays one strip,
+            # as a load requires.
+            chunk_min_bytes=max(1, self.options.chunk_min_bytes),
             chunk_max_pieces=self.options.chunk_max_pieces,
             block_bytes=self.options.block_bytes,
             only=self.rank,
@@ -589,6 +608,7 @@ class Saver:
                 else None
             ),
         )
+        where = "the manifest this save would commit"
         body = manifest.to_json()
         if len(body) > MAX_MANIFEST_BYTES:
             # Every load would refuse it: never commit a step that cannot be loaded.
@@ -596,15 +616,21 @@ class Saver:
                 f"the manifest of {sum(len(t.chunks) for t in tensors.values())} chunks would "
                 f"take {len(body)} bytes, more than the {MAX_MANIFEST_BYTES} a load reads"
             )
-        if self._checked is not plan:
-            # Read back as every load reads it, once per plan (what it lists is the plan's;
-            # later saves change only scalars and sizes): a step no load would read, for
-            # any of the reader's bounds (chunks, corners, keys, strips), is never committed.
-            try:
-                Manifest.from_json(body, where="the manifest this save would commit")
-            except FormatError as exc:
-                raise SaveRefusedError(str(exc)) from None
-            self._checked = plan
+        json_bounds(body, where, max_bytes=MAX_MANIFEST_BYTES, error=SaveRefusedError)
+        try:
+            if self._checked is not plan:
+                # Read back as every load reads it, once per plan: a step no load would
+                # read, for any of the reader's bounds (chunks, corners, keys, strips), is
+                # never committed.
+                Manifest.from_json(body, where=where)
+                self._checked = plan
+            else:
+                # What it lists is the plan's, read back already; what else a save writes
+                # (scalars, extra, layout: nesting, NaN) is read back at every save, alone.
+                alone = dataclasses.replace(manifest, files={}, tensors={})
+                Manifest.from_json(alone.to_json(), where=where)
+        except FormatError as exc:
+            raise SaveRefusedError(str(exc)) from None
         tmp, token = head["tmp"], head["token"]
         path = os.path.join(tmp, MANIFEST)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -627,6 +653,26 @@ class Saver:
             commit=manifest.commit,
             defer=self._defer,
         )
+
+
+STEP_LIMIT = 10**9
+"""Steps a checkpoint can hold: ``step-NNNNNNNNN`` names 9 digits."""
+
+
+def _position(what: str, value: Any, limit: int, shown_limit: str) -> int:
+    """``value`` (``step`` or ``consumed_samples``) as an int in ``[0, limit)``, as a load
+    reads it; else SaveRefusedError (never a committed step that no load reads)."""
+    n = None
+    if not isinstance(value, bool):
+        with contextlib.suppress(TypeError):
+            n = operator.index(value)  # an integer of any kind, never a float cut short
+    if n is None or not 0 <= n < limit:
+        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+        raise SaveRefusedError(
+            f"checkpoint {what} {shown} is not an integer in [0, {shown_limit}): not saved "
+            "(no load would read it)"
+        )
+    return n
 
 
 class _Staged:

@@ -108,13 +108,18 @@ def parse_json(
     data: bytes, *, where: str, what: str = "JSON", error: type[CheckpointError] = CheckpointError
 ) -> object:
     """``json.loads(data)``; a file that is not JSON (not UTF-8, malformed, nested too deep
-    for the parser) raises ``error``: ``<where>: not <what> (<why>)``."""
+    for the parser, or holding ``NaN`` or ``Infinity``, which Python's parser takes) raises
+    ``error``: ``<where>: not <what> (<why>)``."""
     try:
-        return json.loads(data)
+        return json.loads(data, parse_constant=_not_json)
     except RecursionError as exc:
         raise error(f"{where}: not {what} (nested too deep)") from exc
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError both
         raise error(f"{where}: not {what} ({exc})") from exc
+
+
+def _not_json(constant: str) -> object:
+    raise ValueError(f"{constant} is not a JSON value")
 
 
 def create_temp(path: str) -> tuple[int, str]:

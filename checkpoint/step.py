@@ -94,10 +94,12 @@ class CheckpointFiles:
 
     @classmethod
     def open(cls, path: str) -> Self:
-        """Open a committed step directory; an uncommitted one is refused."""
+        """Open a committed step directory; an uncommitted one is refused, and so is one
+        whose manifest names another step than its directory's name."""
         path = os.path.abspath(path)
         base = os.path.basename(path)
-        if parse_step_dirname(base) is None:
+        step = parse_step_dirname(base)
+        if step is None:
             raise NoCheckpointError(
                 f"{path}: not a committed checkpoint directory (step-NNNNNNNNN)"
             )
@@ -126,6 +128,12 @@ class CheckpointFiles:
                 raise CheckpointError(f"{where}: cannot open: {exc.strerror}") from None
             raw = read_regular(where, max_bytes=MAX_MANIFEST_BYTES, dir_fd=dir_fd)
             manifest = Manifest.from_json(raw, where=where)
+            if manifest.step != step:
+                # A step copied or renamed in under another step's name: no reader takes
+                # it for that step (a load falls back to an older one).
+                raise CorruptCheckpointError(
+                    f"{path}: manifest step {manifest.step} is not the step of its directory {base}"
+                )
         except BaseException:
             os.close(dir_fd)
             raise
@@ -173,7 +181,8 @@ class CheckpointFiles:
         entry (and, in format version 4, its block checksums) to the manifest, reading no
         tensor data. Raises CorruptCheckpointError."""
         for entry in self.manifest.tensors.values():
-            for chunk in entry.chunks:
+            # Cut a region at a time, not kept: it stops at the first chunk no file holds.
+            for chunk in entry.each_chunk():
                 self._crcs(entry, chunk, self._chunk_span(chunk, entry)[0])
 
     def _entry(self, name: str):

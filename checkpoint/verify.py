@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import crc32c
 
 from checkpoint.errors import CheckpointError, CorruptCheckpointError
-from checkpoint.manifest import quoted
-from checkpoint.planner import row_bytes
+from checkpoint.manifest import TensorEntry, file_name, quoted, region_chunks
+from checkpoint.planner import SavedChunk, row_bytes
 from checkpoint.step import CheckpointFiles, read_header_checked
 from checkpoint.stfile import block_crc32c, fd_sha256, header_crcs, pread_into
 
@@ -21,106 +22,149 @@ if TYPE_CHECKING:
     from checkpoint.load import Checkpoint
 
 
-def verify(ckpt: CheckpointFiles) -> list[str]:
+KEPT = 100
+"""Problems :func:`verify` keeps the text of; it counts them all (a hostile manifest may
+list millions of chunks)."""
+
+
+class Problems(list):
+    """What :func:`verify` found: the first :data:`KEPT` problems (a list of lines), and
+    how many there were in all (:attr:`total`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def add(self, text: str) -> None:
+        self.total += 1
+        if len(self) < KEPT:
+            self.append(text)
+
+
+def verify(ckpt: CheckpointFiles) -> Problems:
     """Every problem found, checking every byte of every file (torch is not imported).
 
     Versions 2 and 3: each file is a regular file of its recorded size; its header matches
     its sha256, and its entries are exactly the manifest's chunks of that file and tile its
     data section; every chunk matches its CRC-32C (version 3: every block of it). So every
     byte is checked by one checksum or the other. Version 1: the whole-file sha256 of each file, and its header.
-    Then, for both, every chunk's header entry against the manifest."""
-    problems: list[str] = []
-    headers: dict[str, dict] = {}
-    by_file: dict[str, dict[str, tuple[int, str | int, int]]] = {}
-    in_manifest = ckpt.manifest.version < 4
-    for entry in ckpt.manifest.tensors.values():
-        for c in entry.chunks:
-            # Bytes per verify block (the whole chunk before version 3), and the checksums:
-            # from the manifest, or (version 4) how many the file's header holds.
-            block = entry.rows_per_block(c) * row_bytes(c.sizes, entry.itemsize)
-            crc = entry.crc32[(c.file, c.key)] if in_manifest else entry.blocks(c)
-            nbytes = math.prod(c.sizes) * entry.itemsize
-            by_file.setdefault(c.file, {})[c.key] = (block, crc, nbytes)
-    for name, meta in sorted(ckpt.manifest.files.items()):
+    Then, for both, every chunk's header entry against the manifest.
+
+    One file at a time, its chunks cut only once its header holds at least as many
+    tensors as the manifest lists chunks in it: the cost is the files', whatever number
+    of chunks a manifest claims (one problem, not one per chunk, when they are not there)."""
+    problems = Problems()
+    m = ckpt.manifest
+    # Each file's share of the manifest: version 4 regions (cut into chunks later), or
+    # chunks; and how many chunks that is.
+    shares: dict[str, list[tuple[str, TensorEntry, Any]]] = {}
+    counts: dict[str, int] = {}
+    for tname, entry in sorted(m.tensors.items()):
+        for item in entry.regions if m.version >= 4 else entry.chunks:
+            file = file_name(item[0]) if m.version >= 4 else item.file
+            shares.setdefault(file, []).append((tname, entry, item))
+            counts[file] = counts.get(file, 0) + (item[3] if m.version >= 4 else 1)
+    for name, meta in sorted(m.files.items()):
         path = os.path.join(ckpt.path, name)
         try:
             # Refused unless a regular file of the manifest's size, before anything is read.
             fd, size = ckpt.open_file(name)
             try:
-                if ckpt.manifest.version == 1:
-                    _, headers[name] = read_header_checked(fd, size, path)
-                    if fd_sha256(fd, size, path) != meta.sha256:
-                        problems.append(f"{path}: sha256 mismatch (corrupted)")
-                else:
-                    headers[name] = _verify_v2_file(
-                        fd, size, path, meta, by_file.get(name, {}), problems
-                    )
+                _verify_file(
+                    ckpt, fd, size, path, meta, shares.get(name, []), counts.get(name, 0), problems
+                )
             finally:
                 os.close(fd)
         except CheckpointError as exc:
-            problems.append(str(exc))
-    for tname, entry in sorted(ckpt.manifest.tensors.items()):
-        for c in entry.chunks:
-            head = headers.get(c.file)
-            if head is None:
-                continue
-            info = head.get(c.key)
-            want = {"dtype": entry.st_code, "shape": list(c.sizes)}
-            if info is None or {k: info.get(k) for k in want} != want:
-                problems.append(
-                    f"{quoted(tname)}: {c.file} key {quoted(c.key)} is missing or has the wrong "
-                    "dtype/shape"
-                )
+            problems.add(str(exc))
     return problems
+
+
+def _verify_file(ckpt, fd, size, path, meta, share, count, problems: Problems) -> None:
+    """Check one file against its ``share`` of the manifest (``count`` chunks)."""
+    version = ckpt.manifest.version
+    header, parsed = read_header_checked(fd, size, path)
+    sound = True  # version 2 on: its header matches the manifest, so its data is checked
+    if version == 1:
+        if fd_sha256(fd, size, path) != meta.sha256:
+            problems.add(f"{path}: sha256 mismatch (corrupted)")
+    elif hashlib.sha256(header).hexdigest() != meta.header_sha256:
+        problems.add(f"{path}: header checksum mismatch")
+        sound = False
+    held = len(parsed) - ("__metadata__" in parsed)
+    if count > held:
+        problems.add(
+            f"{path}: the manifest lists {count} chunks in it, its header holds {held} tensors"
+        )
+        return
+    chunks: dict[str, tuple[str, TensorEntry, SavedChunk]] = {}
+    for tname, entry, item in share:
+        for c in region_chunks(tname, item) if version >= 4 else (item,):
+            chunks[c.key] = (tname, entry, c)
+    if version >= 2 and sound:
+        _verify_v2_data(fd, size, path, header, parsed, chunks, problems, in_manifest=version < 4)
+    for key, (tname, entry, c) in sorted(chunks.items()):
+        info = parsed.get(key)
+        want = {"dtype": entry.st_code, "shape": list(c.sizes)}
+        if not isinstance(info, dict) or {k: info.get(k) for k in want} != want:
+            problems.add(
+                f"{quoted(tname)}: {c.file} key {quoted(c.key)} is missing or has the wrong "
+                "dtype/shape"
+            )
 
 
 READ_BYTES = 8 << 20
 """Most bytes ``verify`` reads at a time (whole verify blocks of one chunk)."""
 
 
-def _verify_v2_file(
+def _verify_v2_data(
     fd: int,
     size: int,
     path: str,
-    meta,
-    chunks: dict[str, tuple[int, str | int, int]],
-    problems: list[str],
-) -> dict:
-    """Check one file of format version 2 or later; ``chunks`` maps each key to its block
-    bytes, its checksums (or, version 4, how many its header holds) and its bytes."""
-    header, parsed = read_header_checked(fd, size, path)
-    if hashlib.sha256(header).hexdigest() != meta.header_sha256:
-        problems.append(f"{path}: header checksum mismatch")
-        return parsed
+    header: bytes,
+    parsed: dict,
+    chunks: dict[str, tuple[str, TensorEntry, SavedChunk]],
+    problems: Problems,
+    *,
+    in_manifest: bool,
+) -> None:
+    """Check the data of one file of format version 2 or later, whose header matches the
+    manifest's checksum: its entries are ``chunks`` (by key), tile its data section, and
+    match their checksums (from the manifest, ``in_manifest``, or in version 4 from its
+    header)."""
     entries = {k: v for k, v in parsed.items() if k != "__metadata__"}
     if set(entries) != set(chunks):
-        problems.append(f"{path}: its tensors are not the manifest's chunks of this file")
-        return parsed
+        problems.add(f"{path}: its tensors are not the manifest's chunks of this file")
+        return
     at = 0
     for begin, end in sorted(v["data_offsets"] for v in entries.values()):
         if begin != at:
-            problems.append(f"{path}: bytes {at}..{begin} of its data belong to no tensor")
-            return parsed
+            problems.add(f"{path}: bytes {at}..{begin} of its data belong to no tensor")
+            return
         at = end
     if at != size - len(header):
-        problems.append(f"{path}: bytes after {at} of its data belong to no tensor")
-        return parsed
+        problems.add(f"{path}: bytes after {at} of its data belong to no tensor")
+        return
     # Read (pread, never a memory map: a file truncated meanwhile is a problem reported,
     # not a SIGBUS), at most READ_BYTES at a time.
     buf = memoryview(bytearray(min(READ_BYTES, size)))
-    for key, (block, crc, nbytes) in sorted(chunks.items()):
+    for key, (_, entry, c) in sorted(chunks.items()):
         begin, end = entries[key]["data_offsets"]
-        if end - begin != nbytes:
-            continue  # its header entry is not the manifest's chunk: named by verify()
-        if isinstance(crc, int):
+        if end - begin != math.prod(c.sizes) * entry.itemsize:
+            continue  # its header entry is not the manifest's chunk: named by the caller
+        # Bytes per verify block (the whole chunk before version 3), and the checksums:
+        # from the manifest, or (version 4) from the file's header.
+        block = entry.rows_per_block(c) * row_bytes(c.sizes, entry.itemsize)
+        if in_manifest:
+            crc = entry.crc32[(c.file, c.key)]
+        else:
             try:
-                crc = header_crcs(parsed, key, crc, path)
+                crc = header_crcs(parsed, key, entry.blocks(c), path)
             except CorruptCheckpointError as exc:
-                problems.append(str(exc))
+                problems.add(str(exc))
                 continue
         if _chunk_sums(fd, len(header) + begin, end - begin, block, buf, path) != crc:
-            problems.append(f"{path}: {quoted(key)}: checksum mismatch (corrupted data)")
-    return parsed
+            problems.add(f"{path}: {quoted(key)}: checksum mismatch (corrupted data)")
 
 
 def _chunk_sums(fd: int, at: int, nbytes: int, block: int, buf: memoryview, path: str) -> str:
@@ -160,8 +204,6 @@ def export(
     ``model-0000i-of-0000n.safetensors`` files plus ``model.safetensors.index.json``.
     Returns the files written.
     """
-    from safetensors.torch import save_file
-
     names = sorted(n for n, e in ckpt.manifest.tensors.items() if e.kind == "model")
     if not names:
         raise CorruptCheckpointError(f"{ckpt.path}: holds no model tensors to export")
@@ -175,25 +217,60 @@ def export(
             size = 0
         groups[-1].append(n)
         size += nbytes
-    os.makedirs(out, exist_ok=True)
     meta = {"format": "pt", "step": str(ckpt.step)}
     if len(groups) == 1:
         files = ["model.safetensors"]
     else:
         files = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     weight_map = {}
-    for fname, group in zip(files, groups, strict=True):
-        tensors = {n: ckpt.read(n) for n in group}
-        save_file(tensors, os.path.join(out, fname), metadata=meta)
-        weight_map.update(dict.fromkeys(group, fname))
-        if log:
-            log(f"wrote {fname} ({len(group)} tensors)")
-    if len(files) > 1:
-        index = {
-            "metadata": {"total_size": sum(ckpt.manifest.tensors[n].nbytes for n in names)},
-            "weight_map": weight_map,
-        }
-        with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
-            json.dump(index, f, indent=2, sort_keys=True)
-        files.append("model.safetensors.index.json")
+    with export_dir(out) as written:
+        for fname, group in zip(files, groups, strict=True):
+            tensors = {n: ckpt.read(n) for n in group}
+            written.append(os.path.join(out, fname))
+            write_safetensors(tensors, written[-1], metadata=meta)
+            weight_map.update(dict.fromkeys(group, fname))
+            if log:
+                log(f"wrote {fname} ({len(group)} tensors)")
+        if len(files) > 1:
+            index = {
+                "metadata": {"total_size": sum(ckpt.manifest.tensors[n].nbytes for n in names)},
+                "weight_map": weight_map,
+            }
+            written.append(os.path.join(out, "model.safetensors.index.json"))
+            with open(written[-1], "w") as f:
+                json.dump(index, f, indent=2, sort_keys=True)
+            files.append("model.safetensors.index.json")
     return files
+
+
+@contextlib.contextmanager
+def export_dir(out: str) -> Iterator[list[str]]:
+    """The output directory of an export, made if missing, and a list the export appends
+    each path to before it writes it: if the export fails (a full disk), those are removed,
+    and the directory too when it was made here, so no partial model is left behind."""
+    made = not os.path.isdir(out)
+    os.makedirs(out, exist_ok=True)
+    written: list[str] = []
+    try:
+        yield written
+    except BaseException:
+        for path in written:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        if made:
+            with contextlib.suppress(OSError):
+                os.rmdir(out)  # only if empty: nothing but what this export wrote
+        raise
+
+
+def write_safetensors(tensors: dict, path: str, *, metadata: dict[str, str]) -> None:
+    """``safetensors.torch.save_file``, whose write errors (a full disk) raise its own
+    ``SafetensorError``, not OSError: one CheckpointError line instead."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, path, metadata=metadata)
+    except SafetensorError as exc:
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise CheckpointError(f"{path}: cannot write: {text}") from None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -219,3 +220,60 @@ def test_inspect_shows_the_optimizer_one_line_per_parameter_group():
         "  group 0: lr 0.001  betas [0.9, 0.95]  eps 1e-08  weight_decay 0.1  (40 params)",
         "  group 1: lr 0.001  weight_decay 0.0  (2 params)",
     ]
+
+
+def test_a_stray_manifest_json_in_a_checkpoint_directory_does_not_make_it_a_step(tmp_path, capsys):
+    """Only a directory named as a step (step-NNNNNNNNN) is taken for one: a manifest.json
+    copied into the checkpoint directory made `verify DIR` say "not a committed checkpoint
+    directory" and `--step 2` say it cannot be used with a step directory."""
+    ckpt = tmp_path / "ckpt"
+    save_steps(str(ckpt), [2, 4])
+    (ckpt / "manifest.json").write_bytes(
+        Path(step_path(str(ckpt), 4), "manifest.json").read_bytes()
+    )
+    code, out, err = run(capsys, "verify", str(ckpt))
+    assert code == 0 and out.startswith(f"{step_path(str(ckpt), 4)}: ok"), err
+    code, out, err = run(capsys, "verify", str(ckpt), "--step", "2")
+    assert code == 0 and out.startswith(f"{step_path(str(ckpt), 2)}: ok"), err
+    # A step directory itself still is one, by its name.
+    code, out, _ = run(capsys, "inspect", step_path(str(ckpt), 2) + "/")
+    assert code == 0 and out.startswith("step 2 "), out
+    code, _, err = run(capsys, "verify", step_path(str(ckpt), 2), "--step", "2")
+    assert code == 2 and err.strip().endswith("--step cannot be used with a step directory")
+
+
+def test_output_is_one_line_on_a_stdout_that_is_not_utf_8(tmp_path):
+    """Names from a checkpoint (and the directory's own) printed to an ASCII stdout
+    (PYTHONIOENCODING=ascii): `ls` died with UnicodeEncodeError on the message of a step
+    whose manifest names a tensor in non-ASCII characters."""
+    ckpt = tmp_path / "prüfung"
+    save_steps(str(ckpt), [2, 4])
+    path = Path(step_path(str(ckpt), 2), "manifest.json")
+    raw = json.loads(path.read_text())
+    raw["tensors"]["décodeur€"] = {**raw["tensors"].pop("b"), "dtype": "float128"}
+    raw.pop("checksum")
+    canon = json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
+    path.write_text(json.dumps({**raw, "checksum": hashlib.sha256(canon).hexdigest()}))
+    env = dict(os.environ, PYTHONIOENCODING="ascii", OMP_NUM_THREADS="1")
+    outs = []
+    for argv in (["ls", str(ckpt)], ["verify", str(ckpt), "--step", "4"],
+                 ["export", str(ckpt), str(tmp_path / "ausgabe-ü")]):  # fmt: skip
+        p = subprocess.run([sys.executable, "-m", "elasticd", "ckpt", *argv], env=env,
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert p.returncode == 0 and p.stderr == "", (argv, p.stderr[-2000:])
+        assert "\\xfc" in p.stdout, p.stdout  # the directory's name, escaped
+        outs.append(p.stdout)
+    (row,) = [line for line in outs[0].splitlines() if line.split()[0] == "2"]
+    assert "unreadable: " in row and "d\\xe9codeur\\u20ac" in row, row
+
+
+def test_max_file_size_must_be_a_finite_size_above_zero(tmp_path, capsys):
+    """`inf` (or 1e400GB) was a traceback (OverflowError, which argparse does not catch);
+    `-1GB` and `0` exported one tensor per file."""
+    save_steps(str(tmp_path / "ckpt"), [3])
+    for size in ("inf", "1e400GB", "-1GB", "0", "0.5B", "nan"):
+        code, _, err = run(capsys, "export", str(tmp_path / "ckpt"), str(tmp_path / "out"),
+                           f"--max-file-size={size}")  # fmt: skip
+        assert code == 2 and len(err.strip().splitlines()) == 1, (size, err)
+        assert f"argument --max-file-size: not a size: '{size}'" in err, err
+        assert not (tmp_path / "out").exists()

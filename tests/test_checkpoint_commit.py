@@ -9,7 +9,9 @@ step it loaded.
 
 from __future__ import annotations
 
+import functools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -192,3 +194,64 @@ def test_many_five_dimensional_weights_cut_in_strips_commit_and_load(tmp_path):
     blank = {n: (torch.zeros(2, 8, 1, 1, 1), info) for n, (_, info) in model.items()}
     assert load_latest(ckpt, model=blank).step == 1
     assert all(torch.all(blank[f"conv{i}"][0] == i) for i in range(600))
+
+
+@pytest.mark.parametrize(
+    "step, samples, says",
+    [
+        (-1, 1, "step -1 is not an integer in [0, 10^9)"),
+        (10**9, 1, "step 1000000000 is not an integer in [0, 10^9)"),  # step-NNNNNNNNN: 9 digits
+        (True, 1, "step True is not an integer"),
+        (2.0, 1, "step 2.0 is not an integer"),
+        (2, -5, "consumed_samples -5 is not an integer in [0, 2^63)"),
+        (2, 1 << 63, "consumed_samples 9223372036854775808 is not an integer in [0, 2^63)"),
+        (2, 7.5, "consumed_samples 7.5 is not an integer"),
+    ],
+)
+def test_a_save_of_a_step_or_position_no_load_reads_is_refused_at_once(
+    tmp_path, step, samples, says
+):
+    """Each was committed (``committed=True``) as a step that no load reads: a negative or
+    2^63 position fails the manifest's check; step 10^9 makes ``step-1000000000``, which no
+    listing takes for a step (and `latest` then named it)."""
+    from checkpoint import SaveRefusedError
+
+    ckpt = str(tmp_path)
+    s = saver(ckpt)
+    model, optim = tensors(0)
+    s.save(step=1, consumed_samples=1, model=model, optimizer=optim)
+    model, optim = tensors(1)
+    with pytest.raises(SaveRefusedError, match=re.escape(says)):
+        s.save(step=step, consumed_samples=samples, model=model, optimizer=optim)
+    s.save(step=999_999_999, consumed_samples=(1 << 63) - 1, model=model, optimizer=optim)
+    s.close()
+    assert committed_steps(ckpt) == [1, 999_999_999] and leftovers(ckpt) == []
+    assert read_latest(ckpt) == 999_999_999 and loaded(ckpt) == (999_999_999, 1)
+
+
+@pytest.mark.parametrize(
+    "field, value, says",
+    [
+        ("extra", {"deep": functools.reduce(lambda x, _: [x], range(40), 0)}, "deep, more than 32"),
+        ("scalars", {"lr": float("nan")}, "NaN is not a JSON value"),
+        ("extra", {"x": float("inf")}, "Infinity is not a JSON value"),
+        ("layout", {"tp": [[]] * 100_000}, "JSON lists or objects in"),
+    ],
+)
+def test_what_a_later_save_of_the_same_plan_writes_is_read_back_too(tmp_path, field, value, says):
+    """The manifest was read back as a load reads it once per plan: a later save of the
+    same tensors with `extra` nested 40 deep (or a NaN, or a list of 100,000 empty lists)
+    committed a step every load refuses."""
+    from checkpoint import SaveRefusedError
+
+    ckpt = str(tmp_path)
+    s = saver(ckpt)
+    model, optim = tensors(0)
+    s.save(step=1, consumed_samples=1, model=model, optimizer=optim, extra={"a": 1})
+    model, optim = tensors(1)
+    with pytest.raises(SaveRefusedError, match=re.escape(says)):
+        s.save(step=2, consumed_samples=2, model=model, optimizer=optim, **{field: value})
+    s.save(step=3, consumed_samples=3, model=model, optimizer=optim, extra={"a": 1})
+    s.close()
+    assert committed_steps(ckpt) == [1, 3] and leftovers(ckpt) == []
+    assert loaded(ckpt) == (3, 1)

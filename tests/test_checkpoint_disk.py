@@ -110,3 +110,32 @@ def test_when_rank_0_cannot_write_every_rank_says_why_rather_than_wait(tmp_path)
     assert said[0] == said[1], said  # the same words on every rank, from rank 0
     assert said[0]["save"].startswith("checkpoint step 2 was not saved: "), said
     assert said[0]["probe"].startswith("cannot write a probe file into "), said
+
+
+def test_an_export_the_disk_refuses_is_one_line_and_leaves_no_partial_model(tmp_path):
+    """safetensors raises its own SafetensorError for a write that fails ("No space left
+    on device"; here "File too large"), not OSError: `ckpt export` ended in a traceback and
+    left a partial model.safetensors behind. A directory of the user's keeps its files."""
+    first = trainer(tmp_path, steps=2)
+    assert first.returncode == 0, first.stderr[-2000:]
+    ckpt = tmp_path / "out" / "ckpt"
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes").write_text("the user's")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for fmt in ("raw", "hf"):
+        for out in (tmp_path / f"new-{fmt}", mine):
+            # The tiny model's weights are about 0.5 MB: a 256 KiB limit refuses them.
+            p = subprocess.run(
+                [sys.executable, "-m", "elasticd", "ckpt", "export", str(ckpt), str(out),
+                 "--format", fmt],
+                env=env, capture_output=True, text=True, timeout=180, cwd=REPO,
+                preexec_fn=_limited(256 * 1024),
+            )  # fmt: skip
+            err = p.stderr.strip().splitlines()
+            assert p.returncode == 2 and len(err) == 1, (fmt, p.stderr[-2000:])
+            assert "Traceback" not in p.stderr
+            assert f"{out / 'model.safetensors'}: cannot write: " in err[0], err
+            assert "File too large" in err[0], err
+    assert not (tmp_path / "new-raw").exists() and not (tmp_path / "new-hf").exists()
+    assert os.listdir(mine) == ["notes"]

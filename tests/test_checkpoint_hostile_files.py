@@ -178,6 +178,16 @@ def test_a_hostile_fence_fails_closed_and_the_agent_replaces_it_without_hanging(
     assert not fence.is_symlink() and json.loads(fence.read_text())["round"] == 1
 
 
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_a_small_file_holding_nan_or_infinity_is_not_json(constant):
+    """Python's parser takes them; JSON has no such value (a fence's, an owner record's)."""
+    from checkpoint.smallfile import parse_json
+
+    data = f'{{"run_id": "tiny-0a1b2c3d", "round": 1, "x": {constant}}}'.encode()
+    with pytest.raises(CheckpointError, match=f"fence.json: not a fence .{constant} is not"):
+        parse_json(data, where="fence.json", what="a fence")
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_hostile_latest_pointer_is_ignored_by_ls_and_a_load_without_hanging(tmp_path, kind):
     ckpt = save(str(tmp_path / "ckpt"))

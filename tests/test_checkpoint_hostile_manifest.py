@@ -345,24 +345,29 @@ GPT = {"layers": 1, "hidden": 8, "heads": 2, "ffn_hidden": 16, "vocab": 16, "seq
        "experts": 0, "tie_embeddings": True, "dropout": 0.0}  # fmt: skip
 
 
-def gpt_ckpt(path: str) -> None:
-    h, f, v = GPT["hidden"], GPT["ffn_hidden"], GPT["vocab"]
+def gpt_ckpt(path: str, **settings) -> None:
+    """A checkpoint of the GPT ``GPT`` (with ``settings``) describes, as the trainer saves it."""
+    cfg = {**GPT, **settings}
+    h, f, v = cfg["hidden"], cfg["ffn_hidden"], cfg["vocab"]
     shapes = {
         "embedding.word_embeddings.weight": (v, h),
-        "embedding.position_embeddings.weight": (GPT["seq_len"], h),
+        "embedding.position_embeddings.weight": (cfg["seq_len"], h),
         "decoder.final_norm.weight": (h,),
         "decoder.final_norm.bias": (h,),
     }
-    p = "decoder.layers.0"
-    shapes.update({
-        f"{p}.ln1.weight": (h,), f"{p}.ln1.bias": (h,), f"{p}.ln2.weight": (h,),
-        f"{p}.ln2.bias": (h,), f"{p}.attn.qkv.weight": (3, h, h), f"{p}.attn.qkv.bias": (3, h),
-        f"{p}.attn.proj.weight": (h, h), f"{p}.attn.proj.bias": (h,),
-        f"{p}.mlp.fc1.weight": (f, h), f"{p}.mlp.fc1.bias": (f,),
-        f"{p}.mlp.fc2.weight": (h, f), f"{p}.mlp.fc2.bias": (h,),
-    })  # fmt: skip
+    for i in range(cfg["layers"]):
+        p = f"decoder.layers.{i}"
+        shapes.update({
+            f"{p}.ln1.weight": (h,), f"{p}.ln1.bias": (h,), f"{p}.ln2.weight": (h,),
+            f"{p}.ln2.bias": (h,), f"{p}.attn.qkv.weight": (3, h, h), f"{p}.attn.qkv.bias": (3, h),
+            f"{p}.attn.proj.weight": (h, h), f"{p}.attn.proj.bias": (h,),
+            f"{p}.mlp.fc1.weight": (f, h), f"{p}.mlp.fc1.bias": (f,),
+            f"{p}.mlp.fc2.weight": (h, f), f"{p}.mlp.fc2.bias": (h,),
+        })  # fmt: skip
+    if not cfg["tie_embeddings"]:
+        shapes["output_layer.weight"] = (v, h)
     model = {n: (torch.randn(s), ShardInfo.whole(n, s)) for n, s in shapes.items()}
-    save(path, model=model, extra={"model": dict(GPT)})
+    save(path, model=model, extra={"model": cfg})
 
 
 @pytest.mark.parametrize(
@@ -390,6 +395,29 @@ def test_export_hf_checks_the_recorded_model_before_converting(tmp_path, edit, s
     assert cli("export", ck, str(tmp_path / "ok"), "--format", "hf")[0] == 0
     raw = manifest(ck)
     edit(raw)
+    reseal(ck, raw)
+    refused(cli("export", ck, str(tmp_path / "hf"), "--format", "hf"), says)
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize(
+    "saved, recorded, says",
+    [
+        ({"layers": 2}, {"layers": 1}, "leaves out model tensors decoder.layers.1.attn.proj.bias"),
+        ({"tie_embeddings": False}, {"tie_embeddings": True},
+         "leaves out model tensor output_layer.weight, which"),
+    ],
+)  # fmt: skip
+def test_export_hf_refuses_a_model_tensor_the_recorded_model_leaves_out(
+    tmp_path, saved, recorded, says
+):
+    """`extra.model` of 1 layer over tensors of 2 exported a 1-layer model; a head recorded
+    as tied dropped the trained `output_layer.weight`. Both without a word."""
+    ck = str(tmp_path / "gpt")
+    gpt_ckpt(ck, **saved)
+    assert cli("export", ck, str(tmp_path / "ok"), "--format", "hf")[0] == 0
+    raw = manifest(ck)
+    raw["extra"]["model"].update(recorded)
     reseal(ck, raw)
     refused(cli("export", ck, str(tmp_path / "hf"), "--format", "hf"), says)
     assert not (tmp_path / "hf").exists()
@@ -597,3 +625,68 @@ def test_json_that_is_not_utf_8_is_refused(encoding):
         parse_json(text.encode(encoding), "m", max_bytes=1 << 20, error=FormatError)
     with pytest.raises(FormatError, match="nested 33 deep, more than 32"):
         parse_json(text.encode(), "m", max_bytes=1 << 20, error=FormatError)
+
+
+def test_a_step_whose_manifest_names_another_step_is_refused_by_every_reader(tmp_path):
+    """A copy of step 3 named step-000000009: `verify`, `inspect` and `export` (also
+    `--format hf`) took it for step 9 (only a resume refused it)."""
+    import shutil
+
+    ck = str(tmp_path / "gpt")
+    gpt_ckpt(ck)
+    shutil.copytree(step_path(ck, STEP), step_path(ck, 9))
+    for result in four(step_path(ck, 9), tmp_path):
+        refused(result, "step-000000009: manifest step 3 is not the step of its directory")
+    refused(cli("verify", ck, "--step", "9"), "manifest step 3 is not the step of its directory")
+    assert not (tmp_path / "raw").exists() and not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("constant", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("field", ["layout", "extra"])
+def test_nan_or_infinity_in_a_manifest_is_refused(ckpt, tmp_path, constant, field):
+    """Not JSON, though Python's parser takes it: a NaN in `layout` never equals the
+    run's own, so a resume took the layout for changed (and reseeded its generators)."""
+    raw = manifest(ckpt)
+    raw[field] = {"tp": constant}
+    reseal(ckpt, raw)  # json.dumps writes NaN, Infinity, -Infinity
+    word = json.dumps(constant)
+    for result in four(ckpt, tmp_path):
+        refused(result, f"not valid JSON ({word} is not a JSON value)")
+
+
+def test_an_empty_region_is_one_strip_and_verify_counts_chunks_no_file_holds(tmp_path):
+    """An empty [0, n] tensor listed as n/64 empty regions of 64 strips each (a 0.9 MB
+    manifest for 2 Mi chunks) took `ckpt verify` 1.2 GB and a minute: now an empty region
+    of more than one strip is refused, and the chunks that no file holds cost verify a
+    count, one problem for the file, not one each."""
+    ck = str(tmp_path / "ckpt")
+    save(ck)
+    raw = manifest(ck)
+    n = 64 * 20000
+    rows = [[0, 0, c, 0, 64, 64] for c in range(0, n, 64)]
+    raw["tensors"]["z"] = {"kind": "model", "dtype": "float32", "shape": [0, n],
+                           "block_bytes": 16384, "regions": rows}  # fmt: skip
+    reseal(ck, raw)
+    for result in four(ck, tmp_path, hf=False):
+        refused(result, "tensor z: region at [0, 0]: 64 strips, not an integer from 1 to 1")
+    for row in rows:
+        row[-1] = 1
+    reseal(ck, raw)
+    # w is cut into 4 strips: its file holds 4 tensors, the manifest lists 20004 in it.
+    refused(cli("verify", ck), "1 problem found: ")
+    refused(cli("verify", ck), "the manifest lists 20004 chunks in it, its header holds 4 tensors")
+    refused(cli("inspect", ck), "z@0_0: missing or not as the manifest says")
+
+
+def test_the_writer_cuts_an_empty_region_into_one_strip(tmp_path):
+    """With no bytes a column, an empty region would be cut into as many strips as
+    ``chunk_max_pieces`` allows when ``chunk_min_bytes`` is 0: a manifest a load refuses."""
+    from checkpoint import open_step, verify
+
+    ck = str(tmp_path / "ckpt")
+    saver = Saver(ck, group=None, options=SaveOptions(async_=False, chunk_min_bytes=0))
+    e = torch.zeros(0, 64)
+    saver.save(step=STEP, consumed_samples=1, model={"e": (e, ShardInfo.whole("e", (0, 64)))})
+    saver.close()
+    assert manifest(ck)["tensors"]["e"]["regions"] == [[0, 0, 0, 0, 64, 1]]
+    assert verify(open_step(ck)) == []

@@ -96,6 +96,10 @@ def _step_huge(raw):
     raw["layout"] = None  # a changed layout: the step would seed the generator
 
 
+def _samples_huge(raw):
+    raw["consumed_samples"] = (1 << 62) + 5  # below the manifest's own 2^63 bound
+
+
 def _step_not_its_directory(raw):
     raw["step"] = 1
 
@@ -107,7 +111,9 @@ def _train_lr(raw):
 RESUME_ATTACKS = {
     "rng-missing": (_rng_missing, "has no rng/cpu"),
     "rng-empty": (_rng_empty, "torch's generator needs uint8 [5056]"),
-    "step-2^62": (_step_huge, "is not an integer in [0, 2^62)"),
+    # No step directory names a step past 10^9: refused when the step is opened.
+    "step-2^62": (_step_huge, "is not the step of its directory"),
+    "samples-2^62": (_samples_huge, "consumed_samples 4611686018427387909 is not an integer"),
     "step-not-its-directory": (_step_not_its_directory, "is not the step of its directory"),
     "betas-strings": (groups(betas=["a", "b"]), "betas ['a', 'b'] is not two numbers"),
     "betas-one": (groups(betas=[0.9]), "betas [0.9] is not two numbers"),

@@ -187,6 +187,33 @@ def test_a_step_that_failed_to_load_is_never_kept_in_place_of_one_that_loads(tmp
     assert load_latest(ckpt, model=model, optimizer=optim).step == 95
 
 
+def test_a_step_whose_manifest_names_another_step_is_not_loaded_and_the_load_falls_back(
+    tmp_path,
+):
+    """Step 2 copied in as step-000000004. With no commit numbers (an older writer's
+    manifests: the steps go by number) it is tried first; it loaded as "step 2" from
+    step-000000004. Now opening it is refused, as any damaged step, and the load falls
+    back to the real step 2 with a warning."""
+    import shutil
+
+    ckpt = str(tmp_path)
+    save_steps(ckpt, [2])
+    path = Path(step_path(ckpt, 2), "manifest.json")
+    raw = json.loads(path.read_text())
+    del raw["checksum"], raw["commit"]
+    canon = json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
+    path.write_text(json.dumps({**raw, "checksum": hashlib.sha256(canon).hexdigest()}))
+    shutil.copytree(step_path(ckpt, 2), step_path(ckpt, 4))
+    says = "manifest step 2 is not the step of its directory step-000000004"
+    with pytest.raises(CorruptCheckpointError, match=says):
+        open_step(ckpt, 4)
+    model, optim = blank()
+    warnings: list[str] = []
+    loaded = load_latest(ckpt, model=model, optimizer=optim, warn=warnings.append)
+    assert loaded.path == step_path(ckpt, 2) and torch.all(model["a"][0] == 2)
+    assert len(warnings) == 1 and "step 4" in warnings[0] and says in warnings[0], warnings
+
+
 def _reseal(ckpt: str, at: int, **changes) -> None:
     """Rewrite step ``at``'s manifest with ``changes``, sealed as the format doc defines it."""
     path = Path(step_path(ckpt, at), "manifest.json")

@@ -26,11 +26,11 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from checkpoint.errors import CheckpointError
-from checkpoint.manifest import parse_json
+from checkpoint.manifest import parse_json, quoted
 from checkpoint.stfile import pread_into, read_header_fd
+from checkpoint.verify import export_dir, write_safetensors
 from trainer.errors import TrainerConfigError
 from trainer.errors import brief as _brief
 
@@ -173,14 +173,31 @@ def export_hf(ckpt, out: str, *, log: Callable[[str], None] | None = None) -> li
                 f"{where}: tensor {ours} is {entry.dtype} {list(entry.shape)}, the model in "
                 f"extra.model needs a floating-point {list(want)}"
             )
+    # A model tensor the recorded model leaves out (fewer layers, or a head called tied)
+    # would be dropped without a word: the GPT-2 written would not be the model trained.
+    converted = {ours for ours, _hf, _how in _pairs(cfg)}
+    left = sorted(
+        n for n, e in ckpt.manifest.tensors.items() if e.kind == "model" and n not in converted
+    )
+    if left:
+        more = f" and {len(left) - 3} more" if len(left) > 3 else ""
+        raise HFError(
+            f"{where}: extra.model ({cfg['layers']} layers, tie_embeddings "
+            f"{cfg['tie_embeddings']}) leaves out model tensor{'s' if len(left) > 1 else ''} "
+            f"{', '.join(quoted(n) for n in left[:3])}{more}, which an export would drop: it "
+            "does not describe the model saved"
+        )
     tensors = {}
     for ours, hf, how in _pairs(cfg):
         tensors[hf] = _to_hf(ckpt.read(ours), how)
-    os.makedirs(out, exist_ok=True)
-    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(gpt2_config(cfg), f, indent=2, sort_keys=True)
-        f.write("\n")
+    # A failed write (a full disk) is one line, and leaves no partial directory behind.
+    with export_dir(out) as written:
+        written.append(os.path.join(out, "model.safetensors"))
+        write_safetensors(tensors, written[-1], metadata={"format": "pt"})
+        written.append(os.path.join(out, "config.json"))
+        with open(written[-1], "w", encoding="utf-8") as f:
+            json.dump(gpt2_config(cfg), f, indent=2, sort_keys=True)
+            f.write("\n")
     if log:
         log(f"wrote model.safetensors ({len(tensors)} tensors) and config.json")
     return ["config.json", "model.safetensors"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -88,9 +89,15 @@ def _size(text: str) -> int:
     t = text.strip().upper()
     num = t.rstrip("KMGIB")
     try:
-        return int(float(num) * units[t[len(num) :]])
+        size = float(num) * units[t[len(num) :]]
     except (ValueError, KeyError) as exc:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 500MB, 5GB)") from exc
+    # inf (or 1e400) made int() raise OverflowError, which argparse does not catch.
+    if not math.isfinite(size) or size < 1:
+        raise argparse.ArgumentTypeError(
+            f"not a size: {text!r} (a finite size of at least 1 byte, e.g. 500MB, 5GB)"
+        )
+    return int(size)
 
 
 def _guard(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -116,10 +123,13 @@ def _open(args: argparse.Namespace, *, tensors: bool = False):
     torch), else for checking it (``checkpoint.step.CheckpointFiles``, without torch)."""
     from checkpoint import committed_steps
     from checkpoint.errors import NoCheckpointError
+    from checkpoint.manifest import parse_step_dirname
     from checkpoint.step import CheckpointFiles, step_to_open
 
     path = args.dir
-    if os.path.isfile(os.path.join(args.dir, "manifest.json")):  # a step directory itself
+    # A step directory itself, by its name (a stray manifest.json in a checkpoint
+    # directory does not make one).
+    if parse_step_dirname(os.path.basename(os.path.abspath(args.dir))) is not None:
         if args.step is not None:
             raise UsageError("--step cannot be used with a step directory")
     else:
@@ -186,12 +196,12 @@ def run_ls(args: argparse.Namespace) -> int:
         hint = ""
         if committed_steps(inner):  # a job's output_dir: its checkpoints are in ckpt/
             hint = f" (a job's output dir? its checkpoints: elasticd ckpt ls {inner})"
-        print(f"{args.dir}: no committed checkpoints{hint}")
+        print(_shown(f"{args.dir}: no committed checkpoints{hint}"))
         return 0
     print(f"{'STEP':>10}  {'SIZE':>12}  {'FILES':>5}  {'WORLD':>5}  {'SAMPLES':>10}")
     for r in rows:
         if "error" in r:
-            print(f"{r['step']:>10}  unreadable: {r['error']}")
+            print(f"{r['step']:>10}  unreadable: {_shown(r['error'])}")
             continue
         mark = "  latest" if r["latest"] else ""
         print(
@@ -305,14 +315,16 @@ def run_verify(args: argparse.Namespace) -> int:
     problems = verify(ckpt)
     if problems:  # one line, as every other refusal: the count and the first few
         shown = "; ".join(problems[:VERIFY_SHOWN])
-        more = len(problems) - VERIFY_SHOWN
+        total = problems.total  # it keeps the first few only
+        more = total - VERIFY_SHOWN
         raise CheckpointCheckFailed(
-            f"{ckpt.path}: {len(problems)} problem{'s' if len(problems) > 1 else ''} found: "
+            f"{ckpt.path}: {total} problem{'s' if total > 1 else ''} found: "
             + shown
             + (f" (and {more} more)" if more > 0 else "")
         )
     m = ckpt.manifest
-    print(f"{ckpt.path}: ok ({len(m.files)} files, {len(m.tensors)} tensors, {_mb(m.total_bytes)})")
+    held = f"{len(m.files)} files, {len(m.tensors)} tensors, {_mb(m.total_bytes)}"
+    print(_shown(f"{ckpt.path}: ok ({held})"))
     return 0
 
 
@@ -332,7 +344,7 @@ def run_export(args: argparse.Namespace) -> int:
             raise UsageError(f"ckpt export: {exc}") from exc
     else:
         files = export(ckpt, args.out, max_file_bytes=args.max_file_size)
-    print(f"exported step {ckpt.step} to {args.out}: {', '.join(files)}")
+    print(_shown(f"exported step {ckpt.step} to {args.out}: {', '.join(files)}"))
     return 0
 
 
