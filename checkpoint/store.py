@@ -245,10 +245,18 @@ def commit_numbers(ckpt_dir: str) -> dict[int, int]:
     ordered by its step number below every numbered commit, and cannot head the lineage
     with a number nobody sealed). A load checks the whole manifest."""
     out = {}
+    seen: set[tuple[int, int]] = set()
     for step in committed_steps(ckpt_dir):
         out[step] = 0
         path = os.path.join(step_path(ckpt_dir, step), MANIFEST)
-        with contextlib.suppress(CheckpointError):
+        with contextlib.suppress(CheckpointError, OSError):
+            st = os.stat(path, follow_symlinks=False)
+            if (st.st_dev, st.st_ino) in seen:
+                # A hard link to a manifest read already: no save writes one, and each
+                # link of a large one cost a whole parse (40 links of a 63 MB manifest
+                # made every listing of the directory take a minute).
+                continue
+            seen.add((st.st_dev, st.st_ino))
             out[step] = _commit_number(path, step)
     return out
 
@@ -258,6 +266,11 @@ _COMMIT_CACHE: dict[str, tuple[bytes, int]] = {}
 reads the commit numbers of all kept steps, and parsing a manifest under a load's bounds
 costs about 1.5 ms per 300 KB on the commit's critical path; hashing it, 0.2 ms. Keyed by
 the bytes themselves, so a manifest rewritten in place is parsed again."""
+
+
+_COMMIT_CACHE_SIZE = 4096
+"""Entries of :data:`_COMMIT_CACHE` (about 100 bytes each): more than any directory keeps
+steps (it was 64: a directory of more steps was parsed whole at every commit)."""
 
 
 def _commit_number(path: str, step: int) -> int:
@@ -270,7 +283,7 @@ def _commit_number(path: str, step: int) -> int:
     ok = isinstance(raw, dict) and raw.get("step") == step and checksum_matches(raw)
     n = raw.get("commit", 0) if ok else 0
     n = n if type(n) is int and 0 <= n < INT_LIMIT else 0  # as a load reads it
-    if len(_COMMIT_CACHE) >= 64:
+    if len(_COMMIT_CACHE) >= _COMMIT_CACHE_SIZE:
         _COMMIT_CACHE.clear()
     _COMMIT_CACHE[path] = (digest, n)
     return n

@@ -257,6 +257,26 @@ def test_a_commit_number_nobody_sealed_counts_for_nothing(tmp_path):
     assert load_order(ckpt) == [20, 10, 5]
 
 
+def test_a_manifest_hard_linked_into_other_steps_is_read_once(tmp_path, monkeypatch):
+    """No save links manifests; a directory of links to one large manifest cost a whole
+    parse per link at every listing, commit and resume."""
+    from checkpoint import store
+
+    ckpt = str(tmp_path)
+    save_steps(ckpt, [1, 2, 3], keep=3)
+    first = Path(step_path(ckpt, 1), "manifest.json")
+    for step in (2, 3):
+        linked = Path(step_path(ckpt, step), "manifest.json")
+        linked.unlink()
+        os.link(first, linked)
+    store._COMMIT_CACHE.clear()
+    parsed: list[str] = []
+    real = store.parse_json
+    monkeypatch.setattr(store, "parse_json", lambda data, where, **kw: (parsed.append(where), real(data, where, **kw))[1])  # fmt: skip
+    assert store.commit_numbers(ckpt) == {1: 1, 2: 0, 3: 0}
+    assert parsed == [str(first)]
+
+
 def test_async_saves_reuse_one_staging_buffer_and_a_step_saved_again_replaces_the_old(tmp_path):
     ckpt = str(tmp_path)
     saver = save_steps(ckpt, [1, 2, 3, 2])
