@@ -229,18 +229,36 @@ def test_a_save_of_a_step_or_position_no_load_reads_is_refused_at_once(
     assert read_latest(ckpt) == 999_999_999 and loaded(ckpt) == (999_999_999, 1)
 
 
+@pytest.mark.parametrize("ranks", [32, 1024])
+def test_a_large_worlds_layout_is_saved_at_every_save_not_only_the_first(tmp_path, ranks):
+    """A large world's layout ([[0],[1],...]: 11 lists per rank) is denser than a manifest
+    was allowed to be: with a small model a 32-rank world's save was refused, and with a
+    larger one every save after the first (its read-back of what is not the plan's held
+    the layout alone to that density; the trainer exits 2 at such a save)."""
+    from elasticd.layout import ParallelConfig, plan_world
+
+    ckpt = str(tmp_path)
+    s = saver(ckpt)
+    layout = plan_world(ranks, ParallelConfig()).to_dict()
+    for step in (1, 2, 3):
+        model, optim = tensors(step)
+        s.save(step=step, consumed_samples=step, model=model, optimizer=optim, layout=layout)
+    s.close()
+    assert committed_steps(ckpt) == [2, 3] and loaded(ckpt) == (3, 3)
+
+
 @pytest.mark.parametrize(
     "field, value, says",
     [
         ("extra", {"deep": functools.reduce(lambda x, _: [x], range(40), 0)}, "deep, more than 32"),
         ("scalars", {"lr": float("nan")}, "NaN is not a JSON value"),
         ("extra", {"x": float("inf")}, "Infinity is not a JSON value"),
-        ("layout", {"tp": [[]] * 100_000}, "JSON lists or objects in"),
+        ("layout", {"tp": [[]] * 400_000}, "JSON lists or objects in"),
     ],
 )
 def test_what_a_later_save_of_the_same_plan_writes_is_read_back_too(tmp_path, field, value, says):
     """The manifest was read back as a load reads it once per plan: a later save of the
-    same tensors with `extra` nested 40 deep (or a NaN, or a list of 100,000 empty lists)
+    same tensors with `extra` nested 40 deep (or a NaN, or a list of 400,000 empty lists)
     committed a step every load refuses."""
     from checkpoint import SaveRefusedError
 

@@ -223,7 +223,7 @@ def test_many_dimensional_chunks_cannot_make_the_coverage_check_take_memory(ckpt
 def test_a_manifest_of_empty_lists_is_refused_before_it_is_parsed(ckpt):
     raw = manifest(ckpt)
     raw["extra"]["x"] = "AMP"
-    reseal(ckpt, raw, ("AMP", "[" + ",".join(["[]"] * 100_000) + "]"))
+    reseal(ckpt, raw, ("AMP", "[" + ",".join(["[]"] * 400_000) + "]"))
     refused(cli("inspect", ckpt), "JSON lists or objects")
 
 
