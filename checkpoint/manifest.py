@@ -823,8 +823,15 @@ def _parse_regions(t, name, shape, rank_files: dict[int, str]) -> dict[str, Any]
         offsets = _ints(offsets, name, "offsets", len(shape))
         sizes = _ints(sizes, name, "sizes", len(shape))
         # An empty region is one strip (the writer cuts none): its strips would be chunks
-        # of no bytes that every walk of the chunks pays for.
-        most = 1 if len(sizes) < 2 or 0 in sizes else min(MAX_STRIPS, sizes[1])
+        # of no bytes that every walk of the chunks pays for. Up to 8 are read: what a
+        # writer given chunk_min_bytes=0 cut before (its default chunk_max_pieces), so such
+        # a step still loads rather than being pruned as unloadable.
+        if len(sizes) < 2:
+            most = 1
+        elif 0 in sizes:
+            most = min(EMPTY_REGION_STRIPS, max(1, sizes[1]))
+        else:
+            most = min(MAX_STRIPS, sizes[1])
         if type(n) is not int or not 1 <= n <= most:
             raise _Bad(
                 f"tensor {shown}: region at {list(offsets)}: {quoted(n)} strips, not an "
@@ -834,6 +841,10 @@ def _parse_regions(t, name, shape, rank_files: dict[int, str]) -> dict[str, Any]
     regions = tuple(regions)
     return {"chunks": RegionChunks(name, regions), "regions": regions, "block_bytes": per_block}
 
+
+EMPTY_REGION_STRIPS = 8
+"""Strips a region of no elements may list: the writer cuts one; older writers, given
+``chunk_min_bytes=0``, up to ``chunk_max_pieces`` (8 by default)."""
 
 _RANK_FILE = re.compile(r"rank-([0-9]+)\.safetensors")
 

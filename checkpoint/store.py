@@ -251,7 +251,9 @@ def commit_numbers(ckpt_dir: str) -> dict[int, int]:
         path = os.path.join(step_path(ckpt_dir, step), MANIFEST)
         with contextlib.suppress(CheckpointError, OSError):
             st = os.stat(path, follow_symlinks=False)
-            if (st.st_dev, st.st_ino) in seen:
+            # Only a file with several links: some file systems (FUSE, SMB noserverino)
+            # give distinct files one inode number.
+            if st.st_nlink > 1 and (st.st_dev, st.st_ino) in seen:
                 # A hard link to a manifest read already: no save writes one, and each
                 # link of a large one cost a whole parse (40 links of a 63 MB manifest
                 # made every listing of the directory take a minute).

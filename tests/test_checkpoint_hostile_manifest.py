@@ -657,8 +657,8 @@ def test_nan_or_infinity_in_a_manifest_is_refused(ckpt, tmp_path, constant, fiel
 def test_an_empty_region_is_one_strip_and_verify_counts_chunks_no_file_holds(tmp_path):
     """An empty [0, n] tensor listed as n/64 empty regions of 64 strips each (a 0.9 MB
     manifest for 2 Mi chunks) took `ckpt verify` 1.2 GB and a minute: now an empty region
-    of more than one strip is refused, and the chunks that no file holds cost verify a
-    count, one problem for the file, not one each."""
+    of more than 8 strips (what older writers cut) is refused, and the chunks that no file
+    holds cost verify a count, one problem for the file, not one each."""
     ck = str(tmp_path / "ckpt")
     save(ck)
     raw = manifest(ck)
@@ -668,7 +668,7 @@ def test_an_empty_region_is_one_strip_and_verify_counts_chunks_no_file_holds(tmp
                            "block_bytes": 16384, "regions": rows}  # fmt: skip
     reseal(ck, raw)
     for result in four(ck, tmp_path, hf=False):
-        refused(result, "tensor z: region at [0, 0]: 64 strips, not an integer from 1 to 1")
+        refused(result, "tensor z: region at [0, 0]: 64 strips, not an integer from 1 to 8")
     for row in rows:
         row[-1] = 1
     reseal(ck, raw)
@@ -690,3 +690,28 @@ def test_the_writer_cuts_an_empty_region_into_one_strip(tmp_path):
     saver.close()
     assert manifest(ck)["tensors"]["e"]["regions"] == [[0, 0, 0, 0, 64, 1]]
     assert verify(open_step(ck)) == []
+
+
+def test_an_empty_region_an_older_writer_cut_into_8_strips_still_loads(tmp_path, monkeypatch):
+    """Writers before the one-strip rule, given ``chunk_min_bytes=0``, cut an empty region
+    into ``chunk_max_pieces`` (8) strips: such a step must still verify and load, not be
+    marked unloadable and pruned."""
+    import checkpoint.save as save_mod
+    from checkpoint import load_latest, open_step, verify
+
+    real = save_mod.build_save_plan
+    monkeypatch.setattr(save_mod, "build_save_plan",
+                        lambda *a, **kw: real(*a, **{**kw, "chunk_min_bytes": 0}))  # fmt: skip
+    ck = str(tmp_path / "ckpt")
+    saver = Saver(ck, group=None, options=SaveOptions(async_=False))
+    w = torch.arange(8.0).reshape(2, 4)
+    model = {"e": (torch.zeros(0, 64), ShardInfo.whole("e", (0, 64))),
+             "w": (w, ShardInfo.whole("w", (2, 4)))}  # fmt: skip
+    saver.save(step=STEP, consumed_samples=1, model=model)
+    saver.close()
+    assert manifest(ck)["tensors"]["e"]["regions"] == [[0, 0, 0, 0, 64, 8]]
+    assert verify(open_step(ck)) == []
+    into = {"e": (torch.ones(0, 64), ShardInfo.whole("e", (0, 64))),
+            "w": (torch.zeros(2, 4), ShardInfo.whole("w", (2, 4)))}  # fmt: skip
+    assert load_latest(ck, model=into).step == STEP
+    assert torch.equal(into["w"][0], w)
