@@ -102,30 +102,42 @@ class AgentConfig:
     """The agent's own CUDA_VISIBLE_DEVICES: slot i maps to its i-th entry."""
 
 
+ACTIVE_STATES = tuple(str(s) for s in JobState if not s.terminal)
+"""The states ``elasticd_job_state`` exports, for each job not yet finished."""
+
+
 def default_addr(etcd_endpoints: Sequence[str] = ()) -> str:
     """The address this node's peers reach it on: its host name's, unless that is a
     loopback address (Debian's /etc/hosts maps the host name to 127.0.1.1, which every
     remote worker would dial as its own), then the source address of this host's route to
-    the first etcd member that is not on loopback; loopback where etcd is local too (one
-    machine) or nothing better is found."""
+    the first etcd member that is not on loopback, else (etcd on this very host: the first
+    node of a Slurm allocation, whose own name is loopback there) of its route off the
+    host. Loopback with no etcd given (an embedded one: one machine) or no route out."""
     try:
         addr = socket.gethostbyname(socket.gethostname())
     except OSError:
         addr = "127.0.0.1"
-    if not addr.startswith("127."):
+    if not addr.startswith("127.") or not etcd_endpoints:
         return addr
+    targets = []
     for endpoint in etcd_endpoints:
         host, _, port = endpoint.rpartition(":")
-        host = host.strip("[]")
         try:
-            target = socket.gethostbyname(host)
-            if target.startswith("127."):
-                continue
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-                probe.connect((target, int(port or 2379)))  # no packet: picks the route
-                return probe.getsockname()[0]
-        except (OSError, ValueError):
+            target = socket.gethostbyname(host.strip("[]"))
+        except OSError:
             continue
+        if not target.startswith("127."):
+            targets.append((target, int(port) if port.isdigit() else 2379))
+    targets.append(("192.0.2.1", 9))  # TEST-NET-1: only the route is looked up
+    for target in targets:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect(target)  # no packet: picks the route and its source
+                source = probe.getsockname()[0]
+        except OSError:
+            continue
+        if not source.startswith("127."):
+            return source
     return addr
 
 
@@ -436,6 +448,7 @@ class Agent:
         m = self.metrics
         m.nodes_alive.set(len(nodes) if coordinator else 0)
         wanted: dict[str, tuple[int, int]] = {}
+        states: dict[str, str] = {}
         if coordinator:
             for record in self._view.jobs():  # type: ignore[union-attr]
                 if record.state.terminal:
@@ -447,13 +460,18 @@ class Agent:
                         continue
                     self._job_settings[record.run_id] = (job.nodes.min, job.checkpoint.every)
                 wanted[record.name] = self._job_settings[record.run_id]
-        for gauge in (m.nodes_min, m.checkpoint_every):
+                states[record.name] = str(record.state)
+        for gauge in (m.nodes_min, m.checkpoint_every, m.job_state):
             for labels in list(gauge._metrics):
                 if labels[0] not in wanted:
                     gauge.remove(*labels)
         for name, (nodes_min, every) in wanted.items():
             m.nodes_min.labels(name).set(nodes_min)
             m.checkpoint_every.labels(name).set(every)
+            # Every active state, 1 for the current one: an alert or a panel selects by
+            # state without a series appearing and vanishing as the job moves.
+            for state in ACTIVE_STATES:
+                m.job_state.labels(name, state).set(1 if states[name] == state else 0)
 
     def _retire_series(self, now: float) -> list[float]:
         """Remove the series of jobs this agent finished, once they were kept long enough

@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--addr", default=None,
                    help="address peers reach this node at (default: $ELASTICD_ADDR, else the "
                    "host name's address, or where that is loopback the source address of "
-                   "the route to etcd)")  # fmt: skip
+                   "the route to etcd, or off the host)")  # fmt: skip
     p.add_argument("--nproc-per-node", type=int, default=None, metavar="N",
                    help="device slots this node offers; jobs take slots and queue when none "
                    "are free (default: one per GPU; without GPUs, no accounting)")  # fmt: skip
