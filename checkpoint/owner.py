@@ -266,7 +266,13 @@ def _lock(
 def _follows(place: dict, holder: dict) -> bool:
     """Whether a claimer at ``place`` is a later process of the holder's run: of the same
     or a later round (an agent's rounds; the fence orders their commits), or of a later
-    torchrun restart (the earlier one is on its way out)."""
+    torchrun restart (after a failure; the earlier one is on its way out. After a
+    membership change torchrun stops every worker before it starts the new ones, which
+    keep the restart count: the old ones hold no lock by then). A holder's record with no
+    place (written by a build before places, e.g. during an upgrade mid-run) is taken as
+    before: the same run id follows."""
+    if "round" not in holder and "restart" not in holder:
+        return True
     mine, theirs = place.get("round"), holder.get("round")
     if mine is not None:
         return type(theirs) is int and theirs <= mine

@@ -67,6 +67,13 @@ def test_the_lock_refuses_another_run_naming_the_holder_but_lets_the_same_run_in
                 claim(ckpt, job="tiny", run_id="tiny-1", **late)
     finally:
         held.release()
+    # A holder of no known place (a build before places held it: an upgrade mid-run)
+    # lets the same run id in, as then.
+    held = claim(ckpt, job="tiny", run_id="tiny-1")
+    try:
+        assert claim(ckpt, job="tiny", run_id="tiny-1", round_=4).pending
+    finally:
+        held.release()
     claim(ckpt, job="tiny", run_id="tiny-2").release()  # free again once released
 
 
