@@ -51,17 +51,22 @@ def test_each_round_is_referenced_from_its_checkpoint_in_segments_of_its_own_che
     refs.observe(rec)
     refs.poll()  # round 1 is still training: only segments it trained past
     assert [(s.start, s.stop) for s in refs.rounds[1].segments] == [(0, 100), (100, 200)]
-    (logs / "round-2").mkdir(parents=True)
-    (logs / "round-2" / "rank-0.log").write_text("resumed from x/step-000000240 at step 240\n")
+    # The soak's one run: logs/<run_id>/round-<r>/. The log names step 220 (loaded: a
+    # fallback from 240), which its first record (241) would not tell.
+    (logs / "soak-1234abcd" / "round-2").mkdir(parents=True)
+    (logs / "soak-1234abcd" / "round-2" / "rank-0.log").write_text(
+        "resumed from x/step-000000220 at step 220\n"
+    )
     refs.observe([{"step": s, "round": 2, "loss": 1.0} for s in range(241, 261)])
     refs.poll()  # a newer round began: round 1 is over, its last segment ends at its last step
     r1, r2 = refs.rounds[1], refs.rounds[2]
     assert [(s.start, s.stop) for s in r1.segments][2:] == [(200, 250)]
-    assert (r1.source, r2.source, r2.resumed_from, r2.note) == ("scratch", "checkpoint", 240, "")
+    assert (r1.source, r2.source, r2.resumed_from) == ("scratch", "checkpoint", 220)
+    assert r2.note == "its log says it resumed at step 220, its first record is 241"
     refs.observe([{"step": 251, "round": 1, "loss": 1.0}])  # a late write of round 1
     refs.poll(final=True)
     assert [(s.start, s.stop) for s in r1.segments][3:] == [(200, 251)]
-    assert [(s.start, s.stop) for s in r2.segments] == [(240, 260)]
+    assert [(s.start, s.stop) for s in r2.segments] == [(220, 260)]  # from what it loaded
 
 
 def test_a_round_that_resumed_from_no_checkpoint_on_disk_is_chained_and_says_so(tmp_path):
