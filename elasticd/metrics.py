@@ -114,6 +114,11 @@ class AgentMetrics:
             "checkpoint.every of each job not yet finished (0: only the final save).", [j],
             registry=r,
         )  # fmt: skip
+        self.job_state = Gauge(
+            "elasticd_job_state",
+            "1 for the state each job not yet finished is in, 0 for its other states "
+            "(pending, queued, running, recovering).", [j, "state"], registry=r,
+        )  # fmt: skip
 
         # -- job gauges: node rank 0 of the job's current world only -----------------------
         self.world_size = Gauge(

@@ -174,6 +174,12 @@ def test_a_job_past_its_restart_limit_fails_and_says_why(cluster, tmp_path):
         reg = JobRegistry(client)
         reg.submit(job)
         wait_for(lambda: (reg.get("limit").status.get("step") or 0) >= 2, timeout=60)
+        # Its state, from the coordinator alone: 1 for running, 0 for the other states.
+        running = 'elasticd_job_state{elasticd_job="limit",state="running"}'
+        wait_for(lambda: sum(running in b for b in scrape(cluster)) == 1, timeout=30)
+        (lead,) = [b for b in scrape(cluster) if running in b]
+        assert sample(lead, running) == 1.0
+        assert sample(lead, running.replace("running", "queued")) == 0.0
         pid = next(p for i in range(2) for r, p in cluster.worker_pids(i).items() if r == 0)
         os.kill(pid, 9)
         final = wait_for(lambda: (rec := reg.get("limit")).state.terminal and rec, timeout=60)
