@@ -282,39 +282,50 @@ def stop_agents(procs):
             p.wait()
 
 
+def _pid_1_agent(etcd, tmp_path, node):
+    """An agent as a container runs it: PID 1 in its own PID namespace."""
+    log = open(tmp_path / f"{node}.log", "ab")  # noqa: SIM115
+    with log:
+        return subprocess.Popen(
+            ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m", "elasticd",
+             "agent", "--etcd", etcd.endpoint, "--node-id", node, "--addr", "127.0.0.1",
+             "--state-dir", str(tmp_path / node), "--metrics-port", "0"],
+            stdout=log, stderr=subprocess.STDOUT, env=env_with(),
+        )  # fmt: skip
+
+
 def test_an_agent_restarted_as_pid_1_in_a_container_takes_over_its_own_record(etcd, tmp_path):
     """In a container every agent is PID 1: the record of the agent just killed names pid 1
     on this host, and "pid 1 is alive" (the new agent itself) refused the restart as a
-    duplicate until the old lease ran out (a CrashLoopBackOff meanwhile)."""
+    duplicate until the old lease ran out (a CrashLoopBackOff meanwhile). Now it waits for
+    that lease; and a live agent of the same id, PID 1 in another container with the same
+    host name, keeps its lease and the second is refused (not a war of revokes)."""
     import socket
 
     if subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"],
                       capture_output=True).returncode != 0:  # fmt: skip
         pytest.skip("no unshare (a PID namespace) here")
     with connect(etcd.client_config()) as client:
-        lease = client.lease_grant(60)  # the killed agent's, far from running out
-        old = {"hostname": socket.gethostname(), "pid": 1, "node_id": "ctr"}
-        client.put("/elasticd/nodes/ctr", json.dumps(old), lease=lease)
-        log = tmp_path / "ctr.log"
-        with open(log, "ab") as out:
-            proc = subprocess.Popen(
-                ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m", "elasticd",
-                 "agent", "--etcd", etcd.endpoint, "--node-id", "ctr", "--addr", "127.0.0.1",
-                 "--state-dir", str(tmp_path / "ctr"), "--metrics-port", "0"],
-                stdout=out, stderr=subprocess.STDOUT, env=env_with(),
-            )  # fmt: skip
+        old = json.dumps({"hostname": socket.gethostname(), "pid": 1})
+        # The killed agent's record: nobody refreshes its lease.
+        dead = client.lease_grant(3)
+        client.put("/elasticd/nodes/ctr", old, lease=dead)
+        # A live one's: refreshed for as long as the test runs.
+        live = client.lease_grant(3)
+        client.keeper().add(live, 1.0, lambda _lease: None)
+        client.put("/elasticd/nodes/dup", old, lease=live)
+        procs = [_pid_1_agent(etcd, tmp_path, "ctr"), _pid_1_agent(etcd, tmp_path, "dup")]
         try:
             wait_for(lambda: ((kv := client.get("/elasticd/nodes/ctr")) is not None
-                     and kv.lease != lease) or proc.poll() is not None, timeout=30)  # fmt: skip
-            assert proc.poll() is None, log.read_text()
-            assert json.loads(client.get("/elasticd/nodes/ctr").value)["pid"] == 1
+                              and kv.lease != dead) or procs[0].poll() is not None,
+                     timeout=30)  # fmt: skip
+            assert procs[0].poll() is None, (tmp_path / "ctr.log").read_text()
+            assert procs[1].wait(timeout=30) == 2
+            text = (tmp_path / "dup.log").read_text()
+            assert "node id 'dup' is already registered by a live agent (pid 1 on " in text
+            assert client.get("/elasticd/nodes/dup").lease == live  # untouched
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_agents(procs)
 
 
 def test_a_job_with_its_own_command_is_refused_by_agents_that_run_only_the_trainer(etcd, tmp_path):

@@ -283,7 +283,18 @@ class Agent:
                 other = json.loads(holder.value)
             except ValueError:
                 other = {}
-            if other.get("hostname") == socket.gethostname() and not _agent_alive(other.get("pid")):
+            same_host = other.get("hostname") == socket.gethostname()
+            if same_host and _is_own_pid(other.get("pid")):
+                # Our own pid: an earlier incarnation (in a container every agent is PID 1),
+                # or another container's PID 1 under the same host name and node id (host
+                # networking). Neither can be told from here: wait for the record's lease
+                # to run out, as a dead agent's does; a live one keeps it, and is refused.
+                if self._outlived(key, holder.lease):
+                    with contextlib.suppress(ElasticdError):  # ran out meanwhile too
+                        self._client.lease_revoke(lease)
+                    lease = self._client.lease_grant(c.node_ttl)
+                    continue
+            elif same_host and not _pid_alive(other.get("pid")):
                 log.warning("taking over the node record of a dead agent on this host",
                             **kv(node=c.node_id, old_pid=other.get("pid")))  # fmt: skip
                 with contextlib.suppress(ElasticdError):
@@ -297,6 +308,19 @@ class Agent:
                 "agent another --node-id"
             )
         raise UsageError(f"node id {c.node_id!r}: could not register (the record keeps changing)")
+
+    def _outlived(self, key: str, lease: int) -> bool:
+        """Wait up to a node TTL (and 2 s) for the record at ``key`` on ``lease`` to go;
+        whether it went (its agent is dead: nobody refreshes the lease)."""
+        log.info("node record names our own pid; waiting for its lease to run out",
+                 **kv(node=self.config.node_id, ttl_s=self.config.node_ttl))  # fmt: skip
+        deadline = time.monotonic() + self.config.node_ttl + 2.0
+        while time.monotonic() < deadline and not self.preempt.is_set():
+            held = self._client.get(key)
+            if held is None or held.lease != lease:
+                return True
+            time.sleep(0.2)
+        return False
 
     def _registered(self, lease: int, usage: dict[str, object]) -> None:
         self._published = usage
@@ -643,17 +667,13 @@ class Agent:
             self._embedded.stop()
 
 
-def _agent_alive(pid: object) -> bool:
-    """Whether the agent of a node record of this host may still live: its pid exists and
-    is not ours. A record naming our own pid is of an earlier incarnation: in a container
-    every agent is PID 1, so a restarted one found "pid 1 alive" (itself) and was refused as
-    a duplicate of itself until the record's lease ran out (CrashLoopBackOff meanwhile)."""
+def _is_own_pid(pid: object) -> bool:
+    """Whether a node record names this process's pid (a record of ours is found by its
+    lease, before this is asked)."""
     try:
-        if int(pid) == os.getpid():  # type: ignore[arg-type]
-            return False
+        return int(pid) == os.getpid()  # type: ignore[arg-type]
     except (TypeError, ValueError):
         return False
-    return _pid_alive(pid)
 
 
 def _pid_alive(pid: object) -> bool:
