@@ -7,6 +7,8 @@ in a few processes) and when the machine is busy: a late refresh is a lost lease
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
 import queue
 import threading
@@ -45,8 +47,6 @@ class LeaseKeeper:
         self._stop = threading.Event()
         self._requests: queue.Queue | None = None
         self._answered = False
-        self._waiting_since: float | None = None
-        """When the oldest refresh not answered yet was sent (None: all answered)."""
         self._thread = threading.Thread(target=self._run, name="etcd-lease-keeper", daemon=True)
         self._thread.start()
 
@@ -74,11 +74,12 @@ class LeaseKeeper:
                 return
             yield item
 
-    def _read(self, stream: object, q: queue.Queue) -> None:
+    def _read(self, stream: object, q: queue.Queue, sent: collections.deque) -> None:
         try:
             for resp in stream:  # type: ignore[attr-defined]
                 self._answered = True
-                self._waiting_since = None
+                with contextlib.suppress(IndexError):  # answers come in the order asked
+                    sent.popleft()
                 if resp.TTL <= 0:
                     with self._lock:
                         kept = self._leases.pop(resp.ID, None)
@@ -103,7 +104,9 @@ class LeaseKeeper:
             q: queue.Queue = queue.Queue()
             self._requests = q
             self._answered = False
-            self._waiting_since = None
+            # This stream's refreshes not answered yet (send times, oldest first): its own,
+            # so a late answer read on a stream given up clears nothing of the next.
+            sent: collections.deque = collections.deque()
             with self._lock:  # a new stream: refresh at once, whatever the last one sent
                 for kept in self._leases.values():
                     kept.due = min(kept.due, time.monotonic())
@@ -115,9 +118,10 @@ class LeaseKeeper:
             except grpc.RpcError:
                 stream = None
             if stream is not None:
-                reader = threading.Thread(target=self._read, args=(stream, q), daemon=True)
+                reader = threading.Thread(target=self._read, args=(stream, q, sent),
+                                          daemon=True)  # fmt: skip
                 reader.start()
-                why = self._pump(q, reader)
+                why = self._pump(q, reader, sent)
                 stream.cancel()
                 reader.join(timeout=2)
             else:
@@ -151,23 +155,22 @@ class LeaseKeeper:
             limit = min(limit, shortest)
         return max(0.5, limit)
 
-    def _pump(self, q: queue.Queue, reader: threading.Thread) -> str:
+    def _pump(self, q: queue.Queue, reader: threading.Thread, sent: collections.deque) -> str:
         """Send refreshes as they fall due, until the stream breaks (``STREAM_BROKEN``), a
         refresh goes unanswered too long (``DEADLINE_EXCEEDED``) or we stop."""
         while not self._stop.is_set() and reader.is_alive():
             now = time.monotonic()
-            waiting = self._waiting_since
-            if waiting is not None and now - waiting > self._answer_limit():
-                return "DEADLINE_EXCEEDED"
+            with contextlib.suppress(IndexError):
+                if now - sent[0] > self._answer_limit():
+                    return "DEADLINE_EXCEEDED"
             with self._lock:
                 due = [lid for lid, k in self._leases.items() if k.due <= now]
                 for lid in due:
                     self._leases[lid].due = now + self._leases[lid].interval
                 nxt = min((k.due for k in self._leases.values()), default=now + 1.0)
-            if due and self._waiting_since is None:
-                self._waiting_since = now
             for lid in due:
+                sent.append(now)
                 q.put(etcdrpc.LeaseKeepAliveRequest(ID=lid))
-            self._wake.wait(max(0.01, min(nxt - time.monotonic(), 0.1 if due or waiting else 0.5)))
+            self._wake.wait(max(0.01, min(nxt - time.monotonic(), 0.1 if sent else 0.5)))
             self._wake.clear()
         return "STREAM_BROKEN"
