@@ -28,7 +28,7 @@ import crc32c
 
 from checkpoint import smallfile
 from checkpoint.errors import CorruptCheckpointError, SaveRefusedError
-from checkpoint.manifest import lower_hex, quoted, st_code
+from checkpoint.manifest import lower_hex, not_json, quoted, st_code
 
 if TYPE_CHECKING:  # imported where a tensor is written: reading needs no torch
     import torch
@@ -394,7 +394,7 @@ def read_header_fd(
             f"one per {HEADER_CONTAINER_BYTES} bytes"
         )
     try:
-        parsed = json.loads(text)
+        parsed = json.loads(text, parse_constant=not_json)  # NaN, Infinity: not JSON
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, 5000 digits
         raise CorruptCheckpointError(f"{path}: header is not valid JSON") from exc
     if not isinstance(parsed, dict):

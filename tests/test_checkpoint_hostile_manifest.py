@@ -248,6 +248,20 @@ def test_an_integer_of_5000_digits_in_a_header_is_one_line(ckpt, tmp_path):
         refused(result, "header is not valid JSON")
 
 
+def test_nan_in_a_header_is_refused_by_every_reader(ckpt, tmp_path):
+    """A safetensors header is JSON too: NaN (which Python's parser takes) is not."""
+    raw = manifest(ckpt)
+
+    def edit(header):
+        header["__metadata__"]["x"] = "NAN"
+        return json.dumps(header).encode().replace(b'"NAN"', b"NaN")
+
+    rewrite_header(ckpt, raw, edit)
+    reseal(ckpt, raw)
+    for result in four(ckpt, tmp_path, hf=False):
+        refused(result, "header is not valid JSON")
+
+
 def test_a_dimension_beyond_int64_is_refused_even_in_an_empty_tensor(ckpt, tmp_path):
     raw = manifest(ckpt)
     raw["tensors"]["z"] = {"kind": "model", "dtype": "float32", "shape": [1 << 70, 0],
