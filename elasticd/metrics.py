@@ -233,6 +233,9 @@ class AgentMetrics:
                        self.step_seconds, self.ckpt_save_seconds, self.ckpt_load_seconds,
                        self.rendezvous_rounds, self.rendezvous_seconds):  # fmt: skip
             metric.labels(job)
+        # Not in a world yet (a spare, a node rejoining after its own trouble): 0, as the
+        # docs say, not absent until its first world.
+        self.in_world.labels(job).set(0)
 
     def drop_lead(self, job: str) -> None:
         """This agent is no longer node rank 0 of the job's world: stop exporting the job

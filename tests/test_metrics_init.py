@@ -45,3 +45,12 @@ def test_the_recovery_histogram_starts_at_0_for_every_recovery_counter_series():
     # A finished job leaves with every one of them.
     m.drop_job("j")
     assert _value(reg, "elasticd_recovery_seconds_count", **done) is None
+
+
+def test_a_node_that_took_a_job_and_is_in_no_world_yet_exports_0_in_world():
+    """A spare, or a node rejoining after its own trouble, waits for a world: its
+    elasticd_job_node_in_world is 0, not absent (a sum by job then counts it as waiting)."""
+    reg = CollectorRegistry()
+    m = AgentMetrics(reg)
+    m.init_job("j", "process")
+    assert _value(reg, "elasticd_job_node_in_world") == 0
