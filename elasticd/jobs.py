@@ -102,6 +102,9 @@ class JobState(enum.StrEnum):
 
 
 _S = JobState
+_REASON_FOLLOWS = frozenset({JobState.QUEUED, JobState.RUNNING})
+"""States whose reason is rewritten while the job stays in them."""
+
 TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     _S.PENDING: frozenset({_S.QUEUED, _S.RUNNING, _S.FAILED, _S.CANCELLED}),
     _S.QUEUED: frozenset({_S.PENDING, _S.RUNNING, _S.FAILED, _S.CANCELLED}),
@@ -490,8 +493,11 @@ class JobRegistry:
 
         def change(old: dict[str, Any]) -> dict[str, Any] | None:
             cur = JobState(old.get("state", "pending"))
-            if cur == new and old.get("reason") != reason and new == JobState.QUEUED:
-                return {**old, "reason": reason}  # a queued job's reason follows the cluster
+            if cur == new and old.get("reason") != reason and new in _REASON_FOLLOWS:
+                # A queued job's reason follows the cluster; a running one's names its
+                # round (a world re-formed with no recovering state between: `status`
+                # said "running (round 4)" over "round 5").
+                return {**old, "reason": reason}
             if cur == new or not can_move(cur, new):
                 return None
             return {**old, "state": str(new), "since": now, "reason": reason}

@@ -228,6 +228,11 @@ def test_queued_jobs_move_back_to_pending_and_only_then_run(etcd_client):
     assert reg.set_state(name, JobState.QUEUED, "queued: needs 3 nodes")  # the reason follows
     assert reg.get(name).reason == "queued: needs 3 nodes"
     assert reg.set_state(name, JobState.RUNNING, "round 1")
+    since = reg.get(name).since
+    # A world re-formed with no recovering state between: the reason names the round
+    # (`status` said "running (round 1)" over the status's round 2), since stays.
+    assert reg.set_state(name, JobState.RUNNING, "round 2")
+    assert (reg.get(name).reason, reg.get(name).since) == ("round 2", since)
 
 
 def test_failure_records_of_decided_rounds_are_pruned_and_a_stale_round_cannot_prune(
