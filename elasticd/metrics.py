@@ -266,7 +266,7 @@ class AgentMetrics:
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
                 raise UsageError(
-                    f"--metrics-port: port {port} is in use (another agent on this host?); "
+                    f"--metrics-port: port {port} is in use (another agent or exporter on this host?); "
                     "give each agent its own --metrics-port, or 0 to turn metrics off"
                 ) from None
             raise UsageError(f"--metrics-port: cannot serve on {addr}:{port}: {exc}") from None

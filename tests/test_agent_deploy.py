@@ -20,6 +20,7 @@ import yaml
 from polling import wait_for
 from prometheus_client import CollectorRegistry
 
+from elasticd.agent import METRICS_PORT
 from elasticd.cli import build_parser
 from elasticd.jobspec import RestartConfig
 from elasticd.metrics import JOB_LABEL, AgentMetrics
@@ -157,7 +158,7 @@ def test_the_slurm_script_parses_and_asks_slurm_for_what_an_elastic_run_needs():
         words = re.sub(r"\\\n", " ", command).replace('"', "").split()
         # The command ends where the shell's syntax starts: a redirection, pipe, &, ), ;.
         end = next((i for i, w in enumerate(words) if re.match(r"\d*[<>]|[|&;)]", w)), None)
-        words = [w.replace("$job_file", "job.yaml").replace("$metrics_port", "9400")
+        words = [w.replace("$job_file", "job.yaml").replace("$metrics_port", str(METRICS_PORT))
                  for w in words[:end]]  # fmt: skip
         build_parser().parse_args(words)
     # Nothing assumes an activated virtual environment: Python is elasticd's own.
@@ -168,6 +169,23 @@ def test_the_slurm_script_parses_and_asks_slurm_for_what_an_elastic_run_needs():
     # The agents stop before the etcd they report their preemption to.
     cleanup = re.search(r"^cleanup\(\) \{\n(.*?)^\}", text, re.M | re.S).group(1)
     assert cleanup.index('wait "$pid"') < cleanup.index('kill -TERM "$etcd"')
+
+
+def test_every_deploy_file_serves_and_scrapes_the_agents_default_port_not_dcgm_exporters():
+    # 9400 is dcgm-exporter's, on the host network of most GPU nodes: an agent there
+    # refused to start.
+    assert METRICS_PORT != 9400
+    assert build_parser().parse_args(["agent"]).metrics_port == METRICS_PORT
+    files = {
+        "prometheus/prometheus.yml": 3,  # the static targets
+        "slurm/elasticd.sbatch": 1,
+        "systemd/elasticd-agent.env": 1,
+        "kubernetes/base/agent.yaml": 4,  # annotation, argument, container port, probe
+    }
+    for name, count in files.items():
+        text = (DEPLOY / name).read_text()
+        assert "9400" not in text, name
+        assert len(re.findall(rf"\b{METRICS_PORT}\b", text)) == count, name
 
 
 def test_docs_metrics_md_lists_every_series_the_agent_exports_with_its_type_and_labels():

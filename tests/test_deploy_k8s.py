@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from elasticd.agent import METRICS_PORT
 from elasticd.cli import build_parser
 from elasticd.jobspec import parse_job
 
@@ -118,7 +119,7 @@ def test_agents_have_requests_no_capabilities_host_network_shared_storage_and_a_
     assert pod["terminationGracePeriodSeconds"] >= job.restart.grace_period + 30
     args = build_parser().parse_args(["agent", *[a.replace("$(", "").replace(")", "")
                                                  for a in agent["args"]]])  # fmt: skip
-    assert args.metrics_port == 9400 and args.nproc_per_node == 8
+    assert args.metrics_port == METRICS_PORT and args.nproc_per_node == 8
     assert args.etcd_cert and args.etcd_key and args.etcd_cacert
     mount = next(m for m in agent["volumeMounts"] if m["name"] == "etcd-client")["mountPath"]
     assert args.etcd_cert.startswith(mount)

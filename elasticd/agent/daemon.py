@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
+from elasticd.agent import METRICS_PORT
 from elasticd.agent.launch import NodeInfo
 from elasticd.agent.policy import (
     command_allowed,
@@ -80,7 +81,7 @@ class AgentConfig:
     accounting (each job runs its nproc_per_node workers)."""
     state_dir: str
     """Scratch space: layouts, heartbeats, the embedded etcd's data."""
-    metrics_port: int = 9400
+    metrics_port: int = METRICS_PORT
     """Prometheus port; 0 turns the endpoint off."""
     node_ttl: float = 5.0
     """Lease TTL of the node record."""

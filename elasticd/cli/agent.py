@@ -6,6 +6,7 @@ import argparse
 import os
 import socket
 
+from elasticd.agent import METRICS_PORT
 from elasticd.cli.jobs import add_etcd_options, etcd_config
 from elasticd.errors import UsageError
 
@@ -29,8 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "are free (default: one per GPU; without GPUs, no accounting)")  # fmt: skip
     p.add_argument("--state-dir", default=None, metavar="DIR",
                    help="scratch space and embedded etcd data (default ~/.local/state/elasticd)")  # fmt: skip
-    p.add_argument("--metrics-port", type=int, default=9400, metavar="P",
-                   help="Prometheus port (default 9400; 0 turns it off)")  # fmt: skip
+    p.add_argument("--metrics-port", type=int, default=METRICS_PORT, metavar="P",
+                   help=f"Prometheus port (default {METRICS_PORT}; 0 turns it off)")  # fmt: skip
     g = p.add_mutually_exclusive_group()
     g.add_argument("--allow-commands", action="store_true",
                    help="run jobs with a `command:` of their own (default: only the built-in "
