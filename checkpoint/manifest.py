@@ -469,7 +469,7 @@ def json_bounds(
     if containers > len(data) // CONTAINER_BYTES + CONTAINER_ALLOWANCE:
         raise error(
             f"{where}: {containers} JSON lists or objects in {len(data)} bytes, more than "
-            f"one per {CONTAINER_BYTES} bytes"
+            f"one per {CONTAINER_BYTES} bytes plus {CONTAINER_ALLOWANCE}"
         )
 
 

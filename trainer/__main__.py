@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     from elasticd.errors import ElasticdError
     from elasticd.jobspec import load_job
     from elasticd.layout import Layout, plan
-    from trainer.errors import TrainerConfigError
+    from trainer.errors import DivergedError, TrainerConfigError
     from trainer.train import check_supported
 
     args = parse_args(argv)
@@ -117,6 +117,10 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         # The disk, not the job: the steps committed before stay; said in one line.
         print(f"trainer: error: {exc}", file=sys.stderr)
         return EXIT_SAVE_FAILED
+    except DivergedError as exc:
+        # The model's own doing (lr, data): a restart from the same state diverges again.
+        print(f"trainer: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
     except (CorruptCheckpointError, FormatError, LayoutMismatchError, TrainerConfigError) as exc:
         # Nothing in the checkpoint directory loads into this model (every rank agreed):
         # a changed model, or every step corrupted. One line names each step and why.

@@ -21,6 +21,12 @@ class DataError(TrainerConfigError):
     """A token file that is missing, malformed or does not fit the model."""
 
 
+class DivergedError(TrainerError):
+    """The gradient norm was not finite for :data:`trainer.train.NONFINITE_LIMIT` steps in a
+    row: every update was skipped, and skipping more would only burn the allocation (the
+    same data and state give the same overflow after a restart). One line, exit code 2."""
+
+
 def brief(value: Any) -> str:
     """A value from a file the user gave (a checkpoint, a Hugging Face config), for an
     error message: its ``repr``, on one line and at most 60 characters."""

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -48,7 +50,7 @@ from checkpoint.shards import ShardInfo
 from elasticd.inprocess import check_results
 from elasticd.layout import Layout
 from trainer.data import BatchPlan, micro_batches, open_source
-from trainer.errors import TrainerConfigError
+from trainer.errors import DivergedError, TrainerConfigError
 from trainer.init import Adoption, adopting, deferred, draw_into
 from trainer.model import build_chunks
 from trainer.optim import MainParams, build_optimizer, grad_replicas, lr_at, set_lr
@@ -64,6 +66,14 @@ from trainer.perf import apply_tf32, flops_per_token, mfu, peak_flops, peak_memo
 TIED_EMBEDDING = "embedding.word_embeddings.weight"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+NONFINITE_LIMIT = 5
+"""Steps in a row whose global gradient norm is not finite (an overflow, a NaN from a bad
+batch or a flipped bit) that the trainer skips before it stops with :class:`DivergedError`.
+Such a step's update is not applied (AdamW would write NaN into every main parameter,
+which the next checkpoint and the in-memory replicas would then keep); the step is still
+counted and its batch consumed, as Megatron counts a skipped iteration."""
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -97,6 +107,8 @@ class StepResult:
     peak is not known (CPU, unlisted GPUs)."""
     mem_gb: float
     """The largest peak memory of any active rank so far, in GiB (trainer/perf.py)."""
+    skipped: bool = False
+    """The update was not applied: the gradient norm was not finite (:data:`NONFINITE_LIMIT`)."""
 
 
 def check_supported(job, layout: Layout) -> None:
@@ -226,6 +238,8 @@ class Trainer:
         """Bytes of state taken from a previous trainer rather than allocated."""
         self.state = TrainState()
         self.pending_norm: float | None = None
+        self.nonfinite_steps = 0
+        """Steps in a row whose gradient norm was not finite (their updates skipped)."""
         """Set from the global norm of step ``state.step + 1`` until its update: the
         gradients are reduced and this is their norm. A fault in the collectives after the
         norm (the peak memory, the loss), which a peer may have completed and so applied the
@@ -416,14 +430,22 @@ class Trainer:
         # Every collective before the update is done (the ZeRO-1 all-gather comes after).
         self._phase("update")
         self._update(norm)
-        done = {"loss": loss_value, "norm": norm, "lr": lr, "started": started, "mem_gb": mem_gb}
+        done = {"loss": loss_value, "norm": norm, "lr": lr, "started": started, "mem_gb": mem_gb,
+                "skipped": not math.isfinite(norm)}  # fmt: skip
         if self.on_updated is not None:
             self.on_updated(self._result(**done))
         self.main.to_model()  # the step is counted first: recovery reads the main params
         return self._result(**done)
 
     def _result(
-        self, *, loss: float, norm: float, lr: float, started: float, mem_gb: float
+        self,
+        *,
+        loss: float,
+        norm: float,
+        lr: float,
+        started: float,
+        mem_gb: float,
+        skipped: bool = False,
     ) -> StepResult:
         step_s = time.perf_counter() - started
         tokens = self.job.train.global_batch * self.job.model.seq_len
@@ -431,14 +453,33 @@ class Trainer:
                    peak=self._peak_flops)  # fmt: skip
         return StepResult(step=self.state.step, loss=loss, grad_norm=norm, lr=lr,
                           step_s=step_s, tokens_per_s=tokens / step_s, mfu=used,
-                          mem_gb=mem_gb)  # fmt: skip
+                          mem_gb=mem_gb, skipped=skipped)  # fmt: skip
 
     def _update(self, norm: float) -> None:
-        """Clip, step AdamW and count the step (no collective)."""
+        """Clip, step AdamW and count the step (no collective). A norm that is not finite
+        (the same on every rank: it is all-reduced) skips the update on every rank alike;
+        :data:`NONFINITE_LIMIT` such steps in a row raise :class:`DivergedError`."""
         if self.checkpointing is not None:  # the last save's snapshot may still be copying
             self.checkpointing.wait_snapshot()
-        self.main.clip(norm=norm, max_norm=self.job.train.grad_clip)
-        self.optimizer.step()
+        step = self.state.step + 1
+        if math.isfinite(norm):
+            self.main.clip(norm=norm, max_norm=self.job.train.grad_clip)
+            self.optimizer.step()
+            self.nonfinite_steps = 0
+        else:
+            self.nonfinite_steps += 1
+            if self.nonfinite_steps >= NONFINITE_LIMIT:
+                first = step - self.nonfinite_steps + 1
+                raise DivergedError(
+                    f"training diverged: the gradient norm was {norm} at {self.nonfinite_steps} "
+                    f"steps in a row (steps {first} to {step}); their updates were skipped and "
+                    "the parameters are those of the last finite step (lower train.lr, or "
+                    "resume from an earlier checkpoint)"
+                )
+            log.warning(
+                "step %d: the gradient norm is %s; its update is skipped (%d of %d in a row "
+                "allowed)", step, norm, self.nonfinite_steps, NONFINITE_LIMIT - 1,
+            )  # fmt: skip
         self.state.step += 1
         self.state.consumed_samples += self.job.train.global_batch
         self.pending_norm = None
@@ -622,7 +663,10 @@ class MetricsWriter:
                 f"step {step}/{self.total}  loss {rec['loss']:.4f}  "
                 f"grad_norm {rec['grad_norm']:.4f}  lr {rec['lr']:.2e}  "
                 f"{rec['step_s'] * 1000:.0f} ms  {rec['tokens_per_s']:,.0f} tokens/s  "
-                f"{rec['mem_gb']:.2f} GiB" + ("" if mfu_ is None else f"  MFU {mfu_:.1%}") + note
+                f"{rec['mem_gb']:.2f} GiB"
+                + ("" if mfu_ is None else f"  MFU {mfu_:.1%}")
+                + ("  (update skipped: gradient norm not finite)" if rec.get("skipped") else "")
+                + note
             )
 
 
