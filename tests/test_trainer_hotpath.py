@@ -176,3 +176,48 @@ def test_a_sent_activation_keeps_only_its_graph_and_the_gradients_stay_right(tmp
     assert len(report["freed"]) == M
     assert all(size == 0 for sizes in report["freed"] for size in sizes)
     assert report["max_diff"] < 1e-6
+
+
+def test_a_moe_layer_reads_its_counts_back_once_per_micro_batch_and_never_bincounts(tmp_path):
+    """On CUDA every read of a device tensor on the host waits for the device:
+    ``torch.bincount`` reads its input's min and max back (twice per call), and the counts
+    went back to the host as two ``tolist``s under expert parallelism. What remains is the
+    one read the split sizes need. Counted on CPU with a torch function mode."""
+    import collections
+
+    from torch.overrides import TorchFunctionMode
+
+    from elasticd.jobspec import parse_job
+    from elasticd.layout import plan
+    from trainer.parallel.context import ParallelContext
+    from trainer.train import Trainer
+
+    class Reads(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.calls = collections.Counter()
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", "")
+            if name in ("bincount", "tolist", "item", "nonzero", "unique"):
+                import traceback
+
+                here = [f for f in traceback.extract_stack()[:-1] if "trainer" + "/" in f.filename]
+                if here and here[-1].filename.endswith("expert.py"):
+                    self.calls[name] += 1
+            return func(*args, **(kwargs or {}))
+
+    layers, micro = 2, 4
+    job = parse_job({
+        "name": "moe-reads", "nproc_per_node": 1, "output_dir": str(tmp_path),
+        "model": {"layers": layers, "hidden": 32, "heads": 4, "ffn_hidden": 64, "vocab": 50,
+                  "seq_len": 16, "experts": 4, "top_k": 2},
+        "train": {"steps": 3, "global_batch": 2 * micro, "micro_batch": 2, "seed": 7,
+                  "dtype": "bfloat16", "aux_loss_coeff": 0.01},
+        "data": {"source": "synthetic"}, "checkpoint": {"every": 0},
+    })  # fmt: skip
+    t = Trainer(job=job, layout=plan(1, job), ctx=ParallelContext.single(), dp_rank=0)
+    t.train_step()
+    with Reads() as reads:
+        t.train_step()
+    assert reads.calls == {"tolist": layers * micro}

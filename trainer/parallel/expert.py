@@ -129,6 +129,16 @@ def _gather_rows(x: torch.Tensor, group, n: int, size: int) -> torch.Tensor:
     return out[:n]
 
 
+def expert_counts(flat: torch.Tensor, experts: int) -> torch.Tensor:
+    """How many entries of ``flat`` (expert indices, int64) name each of ``experts``, on
+    ``flat``'s device. ``torch.bincount`` gives the same integers, but on CUDA it reads the
+    input's min and max back to the host first: two device synchronisations per call, two
+    calls per MoE layer and micro-batch."""
+    return torch.zeros(experts, dtype=torch.long, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat)
+    )
+
+
 def regroup_by_expert(
     recv_counts: torch.Tensor, *, local: int, ep: int, total: int | None = None
 ) -> torch.Tensor:
@@ -277,14 +287,14 @@ class MoE(nn.Module):
         order = torch.argsort(flat, stable=True)
         token_of = order // k
         rows = xf[token_of]
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        counts = expert_counts(flat, self.num_experts)
         if ep.active:
             recv_counts = torch.empty_like(counts)
             comm.all_to_all_single(recv_counts, counts, None, None, ep.group)
-            # The counts on the host, read once each (a device synchronisation apiece).
-            # An all-to-all aborted when its in-process round ended returns whatever its
+            # The counts on the host, both in one read (one device synchronisation). An
+            # all-to-all aborted when its in-process round ended returns whatever its
             # buffer held: not sizes to allocate or index with (check_results raises).
-            sent_h, got_h = counts.tolist(), recv_counts.tolist()
+            sent_h, got_h = torch.stack((counts, recv_counts)).tolist()
             check_results(ep.group)
             per_rank = range(ep.size)
             send = [sum(sent_h[r * self.local : (r + 1) * self.local]) for r in per_rank]
@@ -343,7 +353,7 @@ class MoE(nn.Module):
     def _aux_loss(self, logits: torch.Tensor, top_idx: torch.Tensor) -> torch.Tensor:
         """Switch-style load balance: E · Σ_e (share of assignments to e) · (mean prob of e)."""
         probs = F.softmax(logits, dim=-1, dtype=torch.float32)
-        share = torch.bincount(top_idx.reshape(-1), minlength=self.num_experts).float()
+        share = expert_counts(top_idx.reshape(-1), self.num_experts).float()
         if not self.sp:
             share = share / top_idx.numel()
             return self.num_experts * (share * probs.mean(0)).sum()
