@@ -338,10 +338,19 @@ class Trainer:
         if self.rng is not None:
             self.rng.begin_step(self.state.step)
         self._batch = [
-            (x.to(self.device), y.to(self.device))
+            (self._to_device(x), self._to_device(y))
             for x, y in micro_batches(self.source, self.batches, self.state.consumed_samples)
         ]
         return lr
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's tokens on the device. On CUDA through pinned memory and without
+        waiting: a copy from pageable memory synchronises the stream, so the host would
+        wait for the previous step's optimizer kernels before it could queue this step's
+        forward (torch's pinned allocator keeps the block until the copy is done)."""
+        if self.device.type != "cuda":
+            return t.to(self.device)
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     def chunk_forward(
         self, chunk: int, microbatch: int, inputs: torch.Tensor | None
