@@ -159,7 +159,9 @@ def test_min_nodes_not_reached_times_out_with_a_timeout_error(etcd_config, etcd_
         t0 = time.monotonic()
         with pytest.raises(RendezvousTimeout, match="within 1 s"):
             alone.next_world()
-        assert time.monotonic() - t0 < 3.0
+        # Its own 1 s, not the default 300 s, and not early. Not a timing test: the upper
+        # bound is wide (a 3 s bound failed once at 4.4 s on a loaded 2-core CI box).
+        assert 1.0 <= time.monotonic() - t0 < 60
         assert etcd_client.get(alone.settings.join_key(1, "n0")) is None  # it withdrew
     finally:
         alone.close()
