@@ -283,11 +283,13 @@ def stop_agents(procs):
 
 
 def _pid_1_agent(etcd, tmp_path, node):
-    """An agent as a container runs it: PID 1 in its own PID namespace."""
+    """An agent as a container runs it: PID 1 in its own PID namespace. ``--kill-child``:
+    the agent dies with the ``unshare`` the test stops (a signal to ``unshare`` alone left
+    the agent running after the test, as an orphan)."""
     log = open(tmp_path / f"{node}.log", "ab")  # noqa: SIM115
     with log:
         return subprocess.Popen(
-            ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m", "elasticd",
+            ["unshare", "--pid", "--kill-child=SIGKILL", "--mount-proc", sys.executable, "-m", "elasticd",
              "agent", "--etcd", etcd.endpoint, "--node-id", node, "--addr", "127.0.0.1",
              "--state-dir", str(tmp_path / node), "--metrics-port", "0"],
             stdout=log, stderr=subprocess.STDOUT, env=env_with(),
@@ -302,7 +304,7 @@ def test_an_agent_restarted_as_pid_1_in_a_container_takes_over_its_own_record(et
     host name, keeps its lease and the second is refused (not a war of revokes)."""
     import socket
 
-    if subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"],
+    if subprocess.run(["unshare", "--pid", "--kill-child=SIGKILL", "--mount-proc", "true"],
                       capture_output=True).returncode != 0:  # fmt: skip
         pytest.skip("no unshare (a PID namespace) here")
     with connect(etcd.client_config()) as client:
