@@ -266,3 +266,36 @@ def test_the_agent_keeps_only_the_changes_judged_against_its_round():
     runner._on_change(Change("waiting", ("n9",), round=2))
     assert runner._take_changes(2) == [Change("waiting", ("n9",), round=2)]
     assert runner._take_changes(2) == []  # taken once
+
+
+def test_evidence_from_a_world_a_node_was_left_out_of_closes_no_world_of_its_own(etcd_config):
+    """Every rank of an in-process world failed at once (a script raising in its
+    hand-over): each node joins again with evidence, but a crash loop backs off, and the
+    first back re-forms alone once the grace is up. A node back later carried evidence
+    of that earlier world, so it too closed a world alone after the grace, without waiting
+    for the first, which trained on: two worlds of one job at once (three, in the report).
+    Evidence now counts only from members of the world being re-formed."""
+    grace = 1.0
+    handlers = _handlers(etcd_config, fresh_run_id(), 3, ttl=30, reform_grace=grace,
+                         min_nodes=1, max_nodes=3, settle=0.5)  # fmt: skip
+    first_back, late, _later = handlers
+    try:
+        assert {w.size for w in _form_all(handlers).values()} == {3}
+        # The first back re-forms alone after the grace (the others, alive, are waited
+        # for that long): as designed, a member that does not re-join is left out.
+        alone = first_back.next_world(evidence=True)
+        assert alone.nodes == ("n0",)
+        # The late one's evidence is of world 1, which is not the world being re-formed.
+        out = {}
+        joining = threading.Thread(target=lambda: out.update(w=late.next_world(evidence=True)),
+                                   daemon=True)  # fmt: skip
+        joining.start()
+        joining.join(4 * grace)
+        assert joining.is_alive(), f"closed a world of its own: {out}"
+        # It waits for the live member of world 2, who takes it in.
+        assert first_back.next_world().nodes == ("n0", "n1")
+        joining.join(30)
+        assert out["w"].nodes == ("n0", "n1")
+    finally:
+        for h in handlers:
+            h.close()

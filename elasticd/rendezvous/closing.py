@@ -139,9 +139,10 @@ class RoundCloser:
         live_old = m.joined_nodes(previous.round) if previous else ()
         gone = self._gone.get(previous.round, set()) if previous else set()
         pend = pending_previous(previous, live_old, gone)
+        since_evidence = m.since_evidence(round_, previous.nodes if previous else ())
         probing = False
         if pend and previous is not None and s.reform_grace is not None:
-            if m.since_evidence(round_) is not None:
+            if since_evidence is not None:
                 probing = self._probe(previous, [n for n in previous.nodes if n in live_old])
         joins = m.joins(round_)
         if s.reform_grace is not None:
@@ -156,7 +157,7 @@ class RoundCloser:
             settle=s.settle,
             reform=previous is not None,
             reform_grace=s.reform_grace,
-            since_evidence=m.since_evidence(round_),
+            since_evidence=since_evidence,
         )
         if delay is None or delay > 0:
             left = deadline - self._clock()

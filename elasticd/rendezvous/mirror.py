@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, KeysView
+from collections.abc import Callable, Collection, KeysView
 
 from elasticd.etcd.client import KeyValue
 from elasticd.etcd.watch import Event
@@ -53,8 +53,8 @@ class Mirror:
         self.world_mod = 0
         self.world_error: RendezvousState | None = None
         self.join_seen: dict[int, float] = {}
-        self.evidence_seen: dict[int, float] = {}
-        """``round -> when we saw its first evidence join`` (local clock)."""
+        self.evidence_seen: dict[int, dict[str, float]] = {}
+        """``round -> node -> when we saw its first evidence join`` (local clock)."""
         self.join_mod: dict[int, int] = {}
         self.rounds: dict[int, dict[str, tuple[int, bytes]]] = {}
         self.gone: dict[int, set[str]] = {}
@@ -148,7 +148,9 @@ class Mirror:
             # different nodes never need to agree.
             self.join_seen[parsed[0]] = self._clock()
             if EVIDENCE_MARK in item.value:
-                self.evidence_seen.setdefault(parsed[0], self.join_seen[parsed[0]])
+                self.evidence_seen.setdefault(parsed[0], {}).setdefault(
+                    parsed[1], self.join_seen[parsed[0]]
+                )
         elif (closer_round := parse_closer_key(s, item.key)) is not None:
             self.closers[closer_round] = (parse_closer(item.value), item.lease)
         elif item.key == s.world_key():
@@ -202,10 +204,16 @@ class Mirror:
         """The highest mod_revision of any join of ``round_`` seen (the close fence)."""
         return self.join_mod.get(round_, 0)
 
-    def since_evidence(self, round_: int) -> float | None:
-        """Seconds since the first evidence join of ``round_`` was seen (None: none yet)."""
-        seen = self.evidence_seen.get(round_)
-        return None if seen is None else self._clock() - seen
+    def since_evidence(self, round_: int, of: Collection[str]) -> float | None:
+        """Seconds since the first evidence join of ``round_`` by one of the nodes ``of``
+        was seen (None: none yet). The closer passes the previous world's members: only
+        they can have seen that world fail. A node's evidence is of the round it failed
+        in; one left out of the world since (its back-off outlasted the grace, and the
+        others re-formed without it) still carries it, and counted, it let that node close
+        a world of its own while the one that left it out trained on."""
+        seen = self.evidence_seen.get(round_, {})
+        times = [t for node, t in seen.items() if node in of]
+        return self._clock() - min(times) if times else None
 
     def since_last_join(self, round_: int) -> float:
         seen = self.join_seen.get(round_)
