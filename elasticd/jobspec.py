@@ -159,13 +159,24 @@ class RestartConfig:
     """Seconds without a step heartbeat before a worker counts as hung."""
     grace_period: float = 30.0
     """Seconds workers get to save an emergency checkpoint when the node is preempted."""
-    scale_up: Literal["immediate", "checkpoint"] = "checkpoint"
-    """When a waiting node joins: re-form at once, or after the next committed checkpoint."""
+    scale_up: Literal["immediate", "checkpoint"] | None = None
+    """When a waiting node joins: re-form at once, or after the next committed checkpoint.
+    Unset: ``immediate`` under ``mode: inprocess`` (a newcomer takes the state from the
+    survivors' memory, a re-form of about half a second, so waiting for a checkpoint saves
+    nothing, and with ``checkpoint.every: 0`` a node that missed a re-form, a thawed one or
+    a replacement waited for the end of the job), ``checkpoint`` under ``mode: process``
+    (the whole world restarts from a checkpoint; at the next commit nothing is
+    recomputed). Never None once parsed."""
     standby: int = 1
     """restart.mode inprocess, built-in trainer: warm worker processes each node keeps
     ready (torch imported, no rank, no device memory) while a round trains; a worker that
     dies is replaced by one at the next round instead of by a cold start. 0 turns them
     off; at most ``nproc_per_node``. Ignored otherwise."""
+
+    def __post_init__(self) -> None:
+        if self.scale_up is None:
+            policy = "immediate" if self.mode == "inprocess" else "checkpoint"
+            object.__setattr__(self, "scale_up", policy)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -181,8 +192,8 @@ class RendezvousConfig:
     this many seconds for previous members that do not re-join (not a lease TTL). The
     survivors of a fault join within 17-69 ms of each other on a 2-core machine at a load
     average of 17-21 (docs/inprocess.md); one that misses the window re-joins as a
-    newcomer (never a wrong world: rounds are fenced), under ``scale_up: checkpoint`` only
-    after the next committed checkpoint."""
+    newcomer (never a wrong world: rounds are fenced), at once under ``scale_up:
+    immediate`` (the in-process default), else after the next committed checkpoint."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -118,3 +118,20 @@ def test_job_spec_is_frozen():
     assert isinstance(job, JobSpec)
     with pytest.raises(AttributeError):
         job.name = "other"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("restart", "policy"),
+    [
+        ({}, "checkpoint"),
+        ({"mode": "inprocess"}, "immediate"),
+        ({"mode": "inprocess", "scale_up": "checkpoint"}, "checkpoint"),
+        ({"mode": "process", "scale_up": "immediate"}, "immediate"),
+    ],
+)
+def test_scale_up_defaults_to_immediate_in_process_and_checkpoint_otherwise(restart, policy):
+    # In-process a newcomer takes its state from the survivors' memory: waiting for a
+    # checkpoint saved nothing, and with checkpoint.every 0 a thawed node never came back.
+    job = parse_job({"name": "t", "restart": restart})
+    assert job.restart.scale_up == policy
+    assert parse_job(job.to_dict()).restart.scale_up == policy  # what workers and etcd get
