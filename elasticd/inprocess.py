@@ -141,6 +141,10 @@ STILL_IN_ROUND = 5.0
 """Seconds after its round ended that a worker still in it logs every socket it holds
 (once): where a worker does not leave an aborted round, that says which connection it
 still waits on and whether it was shut."""
+BLOCKED_LOOK = 0.25
+"""Seconds between the watcher's looks at whether the main thread sits in a collective of
+its own making (a script's DDP backward, a plain ``dist.all_reduce``): see
+``_Control._mark_blocked``."""
 STUCK_LOOK = 0.5
 """Seconds between the watcher's looks at whether a worker in an ended round is stuck."""
 EXIT_RECOVERY_FAILED = 1
@@ -682,6 +686,14 @@ class _Control:
         self._idle_since: tuple[int, float, float] | None = None
         """(round, when, CPU seconds of the other threads) at the start of an idle stretch."""
         self._last_look = 0.0
+        self._blocked: tuple[int, float, float] | None = None
+        """(round, when, CPU seconds of the other threads) at the start of a stretch in which
+        the main thread sat idle in a collective (``_mark_blocked``)."""
+        self._blocked_marked = False
+        self._blocked_look = 0.0
+        self.waits = 0
+        """Waits of :func:`wait_collective` and :func:`wait_transfer` under way: they mark
+        their own waiting, and the watcher leaves the mark to them."""
         self._begun = False
         self.aborted_at: float | None = None
         self._sig: tuple[int, int, int] | None = None
@@ -737,9 +749,49 @@ class _Control:
                 # a pair opened just after the abort was read (the round was still starting)
                 # would otherwise wait for peers that left, for the whole group timeout.
                 self._abort_late_sockets()
+                self._mark_blocked()
             except Exception:  # the watcher must outlive any one bad look (a closed stderr)
                 log.debug("control watcher: a look failed", exc_info=True)
             time.sleep(POLL)
+
+    def _mark_blocked(self) -> None:
+        """Say ``waiting`` for a main thread that has sat idle for :data:`WAITING_MARK`
+        seconds in a collective it called itself, as :func:`wait_collective` says it for
+        the built-in trainer's: a script's DDP backward or plain ``dist.all_reduce`` waiting
+        on a hung peer. Without it every rank of a script's world looked hung together
+        (no progress on any), every agent killed its worker at ``restart.hang_timeout``,
+        and the state was lost to a process restart; now the hung one, which is not in a
+        collective, is killed first and its peers recover in-process. Idle: the other
+        threads used under :data:`IDLE_CPU` seconds meanwhile (a rank busy computing its
+        backward is in the autograd engine too). Cleared when the main thread leaves the
+        collective, without moving the heartbeat's mtime (progress is the script's to
+        report); left to go stale when the round ends (the wait failed, as a failed
+        ``wait_collective`` leaves its mark). gloo: on NCCL a host waits in a device
+        synchronisation, not in a collective's call."""
+        now = time.monotonic()
+        if self.channel is None or now - self._blocked_look < BLOCKED_LOOK:
+            return
+        self._blocked_look = now
+        with self.cond:
+            running = self._begun and self.round not in self.ended
+            round_ = self.round
+        if not running or self.waits:
+            self._blocked, self._blocked_marked = None, False
+            return
+        times = os.times()
+        busy = times.user + times.system - time.thread_time()  # all threads but this one
+        if not _main_in_collective():
+            if self._blocked_marked:
+                self.channel.waiting(False, progress=False)
+            self._blocked, self._blocked_marked = None, False
+            return
+        mark = self._blocked
+        if mark is None or mark[0] != round_ or busy - mark[2] > IDLE_CPU:
+            self._blocked = (round_, now, busy)  # a new stretch: busy, or just entered
+            return
+        if now - mark[1] >= WAITING_MARK:
+            self.channel.waiting(True)
+            self._blocked, self._blocked_marked = (round_, now, busy), True
 
     def _abort_late_sockets(self) -> None:
         """The current round has ended but the worker is still in it: shut the sockets
@@ -983,11 +1035,14 @@ class _Waiting:
     (``WorkerChannel.waiting``): a waiting rank is not the one that hangs."""
 
     def __init__(self, control: _Control) -> None:
+        self.control = control
         self.channel = getattr(control, "channel", None)
         self.last = time.monotonic()  # the wait's start, then the last mark
         self.marked = False
 
     def __enter__(self) -> _Waiting:
+        if isinstance(self.control, _Control):
+            self.control.waits += 1
         return self
 
     def tick(self) -> None:
@@ -999,6 +1054,8 @@ class _Waiting:
         # A wait that failed keeps its mark until it goes stale: the rank leaves its round
         # (shutting its sockets can take a while) before it writes its fault, and must not
         # look hung meanwhile.
+        if isinstance(self.control, _Control):
+            self.control.waits -= 1
         if self.marked and exc_type is None:
             self.channel.waiting(False)
 

@@ -76,6 +76,7 @@ class WorkerChannel:
         self._rank = rank
         self._clock = clock
         self._preempt = threading.Event()
+        self._write_lock = threading.Lock()
         self._phases: dict[str, float] = {}
         self._last: dict[str, Any] = {}
         self._first_step: int | None = None
@@ -235,7 +236,7 @@ class WorkerChannel:
         self._write()
         ring(self._doorbell)
 
-    def waiting(self, on: bool) -> None:
+    def waiting(self, on: bool, *, progress: bool = True) -> None:
         """In-process restart: this rank has been blocked for a while in a collective or a
         transfer of its round, waiting on its peers (``on``; called again about every
         second while the wait lasts, to keep the mark fresh), or its wait ended with the
@@ -247,12 +248,15 @@ class WorkerChannel:
         keep the heartbeat's mtime, the agent's clock of progress; the end of a wait that
         completed moves it (the rank went on). A wait that failed leaves its mark to go
         stale: the rank is leaving its round, and the fault it reports comes next. A world
-        where every rank waits (a deadlock) still ends, later."""
+        where every rank waits (a deadlock) still ends, later. ``progress=False``: the end
+        of a wait that is not the rank's progress (the control watcher's mark for a script's
+        own collective: the script reports its steps itself) keeps the mtime too. Thread
+        safe: the watcher thread and the main thread both write."""
         if on:
             self._last["waiting"] = {"t": self._clock()}
             self._write(keep_mtime=True)
         elif self._last.pop("waiting", None) is not None:
-            self._write()
+            self._write(keep_mtime=not progress)
 
     @property
     def last_step(self) -> int | None:
@@ -312,12 +316,16 @@ class WorkerChannel:
         mtime of the file it replaces (a write that is not progress)."""
         if self._path is None:
             return
+        with self._write_lock:  # one temporary file per process
+            self._write_locked(keep_mtime)
+
+    def _write_locked(self, keep_mtime: bool) -> None:
         record = {
             "pid": os.getpid(),
             "rank": self._rank,
             "t": self._clock(),
-            "phases": self._phases,
-            **self._last,
+            "phases": dict(self._phases),
+            **dict(self._last),
         }
         tmp = f"{self._path}.{os.getpid()}.tmp"
         try:

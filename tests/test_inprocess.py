@@ -455,6 +455,54 @@ def test_a_frozen_node_is_left_behind_in_process_and_comes_back_as_a_newcomer(tm
     assert second < first and len(second) == 2
 
 
+def _ddp_reference(tmp_path, script: str, knobs: dict[str, str]) -> dict[int, float]:
+    """The DDP example's losses in one process, without elasticd."""
+    ref_log = tmp_path / "ref.jsonl"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    r = subprocess.run([sys.executable, script], env={**env, **knobs, "DDP_LOG": str(ref_log)},
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    return {rec["step"]: rec["loss"] for rec in map(json.loads, ref_log.read_text().splitlines())}
+
+
+def test_a_hung_rank_of_a_ddp_script_is_killed_alone_and_its_peers_go_on_in_process(tmp_path):
+    """A plain DDP script's ranks wait for a hung peer inside DDP's backward, which no
+    ``wait_collective`` of ours marks: every rank looked hung at once, every agent killed
+    its worker at restart.hang_timeout, and the job restarted from nothing (the adoption
+    review: "[process, from none, lost steps 8]"). The control watcher now marks a main
+    thread idle in a collective as waiting, so only the hung rank is killed, and the
+    survivor recovers in-process and hands its replacement the state."""
+    script = os.path.join(
+        os.path.dirname(os.path.dirname(__file__)), "examples", "ddp_inprocess.py"
+    )
+    steps = 40
+    knobs = {"DDP_STEPS": str(steps), "DDP_STEP_SLEEP": "0.02"}
+    reference = _ddp_reference(tmp_path, script, knobs)
+    job = make_job(tmp_path, "ddph", steps=steps, command=[sys.executable, script],
+                   restart={"mode": "inprocess", "hang_timeout": 4})  # fmt: skip
+    os.environ.update(knobs)  # the agents' environment reaches the workers
+    try:
+        result = run(job, 2, ["hang-worker=1@step=10"])
+    finally:
+        for k in knobs:
+            del os.environ[k]
+    assert result["state"] == "succeeded", f"{result['reason']}\n{story(job)}"
+    failures = [e for e in result["status"]["history"] if e["kind"] == "failure"]
+    assert any("rank 1: no progress" in e.get("detail", "") for e in failures), failures
+    assert not any("rank 0: no progress" in e.get("detail", "") for e in failures), failures
+    recs = [e for e in result["status"]["history"] if e["kind"] == "recovery"]
+    assert [(e["mode"], e["source"], e["lost_steps"]) for e in recs] == [
+        ("inprocess", "peers", 0)
+    ], recs
+    records = [json.loads(line) for line in (tmp_path / "ddph" / "metrics.jsonl").open()]
+    assert [rec["step"] for rec in records] == list(range(1, steps + 1))
+    for rec in records:
+        assert rec["loss"] == pytest.approx(reference[rec["step"]], rel=1e-5, abs=1e-7)
+    pids = round_pids(job)
+    first, second = (pids[r] for r in sorted(pids))
+    assert len(first & second) == 1, story(job)  # rank 0's process went on
+
+
 def test_the_ddp_example_survives_a_killed_node_in_process_and_matches_one_process(tmp_path):
     """examples/ddp_inprocess.py: a plain DDP script with the elasticd lines, dp3 -> dp2,
     then a killed worker whose replacement (a new process: a script of its own has no
