@@ -488,8 +488,8 @@ def plan_recovery(descs: Sequence[Mapping[str, Any]]) -> tuple[RecoveryPlan | No
     meta: dict[str, tuple[str, Any, int, str]] = {}
     dtypes: set[str] = set()
     for r, d in enumerate(descs):
-        sides = [("have", d["have"]), ("need", d["need"])]
-        sides += [("have", m["have"]) for m in d.get("more") or ()]
+        sides = [("holds", d["have"]), ("needs", d["need"])]
+        sides += [("holds", m["have"]) for m in d.get("more") or ()]
         for side, entries in sides:
             for key, (dtype, shape, _offs, _sizes) in entries.items():
                 if dtype not in dtypes:
@@ -501,8 +501,8 @@ def plan_recovery(descs: Sequence[Mapping[str, Any]]) -> tuple[RecoveryPlan | No
                 seen = meta.setdefault(key, (dtype, shape, r, side))
                 if seen[0] != dtype or (seen[1] != shape and tuple(seen[1]) != tuple(shape)):
                     return None, (
-                        f"{key}: rank {seen[2]} {seen[3]}s {seen[0]} {list(seen[1])}, "
-                        f"rank {r} {side}s {dtype} {list(shape)}"
+                        f"{key}: rank {seen[2]} {seen[3]} {seen[0]} {list(seen[1])}, "
+                        f"rank {r} {side} {dtype} {list(shape)}"
                     )
     steps = sorted({h["step"] for d in descs for _, h in _sets(d)}, reverse=True)
     if not steps:
@@ -726,6 +726,7 @@ def recover_from_peers(
     group: dist.ProcessGroup | None,
     extra: Sequence[Held] = (),
     before_write: Callable[[int], None] | None = None,
+    refused: Callable[[str], None] | None = None,
 ) -> LiveRecovery | None:
     """Fill ``need`` in place from what the ranks of ``group`` still hold; collective.
 
@@ -738,8 +739,9 @@ def recover_from_peers(
     when nothing will be). ``group``: a gloo group over the new world (every rank calls
     this); None or torch.distributed not initialised means one process. Returns None on
     every rank when the live state cannot fill every needed region at one step, or a chunk
-    failed its CRC on any rank (``need`` may then be partly written). Raises when a peer
-    dies mid-transfer.
+    failed its CRC on any rank (``need`` may then be partly written); ``refused(why)`` is
+    then called on every rank with the reason (the same on every rank: it comes from the
+    gathered descriptions or the agreement). Raises when a peer dies mid-transfer.
     """
     started = time.perf_counter()
     marks: dict[str, float] = {}
@@ -763,6 +765,8 @@ def recover_from_peers(
     if plan is None:
         if me == 0:
             log.warning("state from peers is not possible: %s", why)
+        if refused is not None:
+            refused(why)
         return None
     if before_write is not None:
         before_write(plan.step)
@@ -802,6 +806,8 @@ def recover_from_peers(
     if not ok:
         if me == 0:
             log.warning("state from peers failed its checksums; falling back")
+        if refused is not None:
+            refused("a transfer failed its CRC-32C check")
         return None
     return LiveRecovery(
         step=plan.step,

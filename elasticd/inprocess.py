@@ -254,6 +254,13 @@ class Context:
         from checkpoint.live import recover_from_peers
         from checkpoint.shards import ShardInfo
 
+        for name, t in tensors.items():  # before any collective: every rank alike
+            if not torch.is_tensor(t):
+                raise TypeError(
+                    f"sync_state: {name!r} is {type(t).__name__}, not a tensor: hand over "
+                    "tensors; a number through StateTensors.carry_number, an object with "
+                    "state_dict() as one of state_tensors' others"
+                )
         newest = torch.tensor([-1 if step is None else int(step)], dtype=torch.int64)
         group = transfer_group()
         # The transfer's own description gather carries every step too, but its waits are
@@ -273,12 +280,17 @@ class Context:
                  for name, t in tensors.items()}  # fmt: skip
         # Offered: what was held before complete() made anything (made ones are zeros).
         have = boxes if held is None else {k: v for k, v in boxes.items() if k in held}
+        why: list[str] = []
         result = recover_from_peers(
             have=have if step is not None else None, have_step=step,
             have_consumed=0 if step is not None else None, need=boxes, group=group,
+            refused=why.append,
         )  # fmt: skip
         if result is None:
-            raise RuntimeError("in-process recovery: the survivors' state could not be agreed")
+            raise RuntimeError(
+                "in-process recovery: the survivors' state could not be agreed: "
+                + ("; ".join(why) or "no reason given")
+            )
         if isinstance(tensors, StateTensors):
             tensors.put_back()
         # What the agent records of this recovery (source, lost steps): the step every
@@ -444,11 +456,13 @@ def state_tensors(model: Any, optimizer: Any = None, *others: Any) -> StateTenso
       its first step) is given it in the sync, as the ranks at the newest step hold it;
     - the numbers of the optimizer's ``param_groups`` (the learning rate a scheduler set,
       betas, weight decay);
-    - for each of ``others``: another optimizer, as the first (``other/<i>/...``); else
-      (an LR scheduler, a ``GradScaler``, anything with ``state_dict()`` and
+    - for each of ``others``: another optimizer, as the first (``other/<i>/...``); a
+      ``torch.Generator`` (a sampler's, a dropout's), its state, set back after the sync;
+      else (an LR scheduler, a ``GradScaler``, anything with ``state_dict()`` and
       ``load_state_dict()``) the tensors and numbers of its state dict, loaded back after
       the sync. State such an object creates lazily must exist on every rank: a rank
       lacking a tensor the holders have fails the sync on every rank, in one message.
+      Anything else is refused with a ``TypeError`` naming it.
 
     The model's gradients are dropped (set to None): at the start of a round they are
     those of the step the fault interrupted, partly reduced, or absent on a newcomer."""
@@ -467,6 +481,16 @@ def state_tensors(model: Any, optimizer: Any = None, *others: Any) -> StateTenso
         if isinstance(obj, torch.optim.Optimizer):
             _optimizer_state(out, names, obj, f"other/{i}")
             continue
+        if isinstance(obj, torch.Generator):
+            rng = out[f"other/{i}/rng_state"] = obj.get_state()  # a copy, filled in place
+            out._put_back.append(lambda obj=obj, rng=rng: obj.set_state(rng))
+            continue
+        if not (callable(getattr(obj, "state_dict", None))
+                and callable(getattr(obj, "load_state_dict", None))):  # fmt: skip
+            raise TypeError(
+                f"state_tensors: other {i} is {type(obj).__name__}: neither an optimizer, a "
+                "torch.Generator, nor an object with state_dict() and load_state_dict()"
+            )
         sd = obj.state_dict()
         _carry_leaves(out, f"other/{i}", sd, lambda _v: None)
         out._put_back.append(lambda obj=obj, sd=sd: obj.load_state_dict(sd))  # after its leaves

@@ -25,7 +25,10 @@ import torch.multiprocessing as mp
 import elasticd.inprocess as ei
 
 CASES = ["sgd-momentum", "adam-amsgrad", "adamw-scheduler-scaler", "rmsprop-extra-param",
-         "int-lr-two-optimizers", "parameters-as-given", "lazy-state-refused"]  # fmt: skip
+         "int-lr-two-optimizers", "parameters-as-given", "generator", "lazy-state-refused",
+         "not-a-tensor-refused", "shape-per-rank-refused"]  # fmt: skip
+REFUSED = ("lazy-state-refused", "not-a-tensor-refused", "shape-per-rank-refused")
+"""Cases that fail the sync on every rank alike (the ranks stay in step for the next)."""
 Pos = namedtuple("Pos", "epoch batch")
 
 
@@ -110,6 +113,9 @@ def _build(case: str, seed: int):
     elif case == "lazy-state-refused":
         opt = torch.optim.SGD(params, lr=0.1)
         others = [Lazy()]
+    elif case == "generator":  # a sampler's generator, advanced by every step
+        opt = torch.optim.SGD(params, lr=0.1)
+        others = [torch.Generator().manual_seed(seed)]
     else:
         opt = torch.optim.SGD(params, lr=0.1)
     return model, extra, opt, others
@@ -130,7 +136,9 @@ def _step(step: int, model, extra, opt, others) -> None:
         loss.backward()
         opt.step()
     for o in others:
-        if not isinstance(o, torch.amp.GradScaler):  # optimizers, schedulers, ours
+        if isinstance(o, torch.Generator):
+            torch.randperm(16, generator=o)  # a sampler's shuffle
+        elif not isinstance(o, torch.amp.GradScaler):  # optimizers, schedulers, ours
             o.step()
 
 
@@ -143,8 +151,9 @@ def _summary(model, extra, opt, others) -> dict:
         "others": [
             {k: v for k, v in o.state_dict().items() if isinstance(v, (int, float, list, tuple))}
             for o in others
-            if not isinstance(o, torch.optim.Optimizer)
+            if not isinstance(o, torch.optim.Optimizer | torch.Generator)
         ],
+        "rng": [o.get_state().tolist() for o in others if isinstance(o, torch.Generator)],
         "other_opt": [
             sorted({k for st in o.state.values() for k in st})
             for o in others
@@ -178,6 +187,10 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
                 tensors = ei.state_tensors(model, opt, *others)
                 if case == "rmsprop-extra-param":
                     assert not any(str(id(extra)) in name for name in tensors)
+                if case == "not-a-tensor-refused":  # a count kept as a Python int
+                    tensors["extra/count"] = 3
+                if case == "shape-per-rank-refused":
+                    tensors["extra/buf"] = torch.zeros(3 if rank == 0 else 4)
             step = ctx.sync_state(tensors, step=HELD_STEP if holder else None)
             if case == "parameters-as-given":  # its optimizer holds no state: SGD, no momentum
                 assert not opt.state
@@ -186,7 +199,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
             results[case] = {"step": step, **_summary(model, extra, opt, others)}
         except Exception as exc:  # every rank reports; the test names the case
             results[case] = {"error": f"{type(exc).__name__}: {exc}"}
-            if case != "lazy-state-refused":
+            if case not in REFUSED:
                 break  # a failed sync leaves the ranks out of step: no later case is valid
     dist.destroy_process_group()
     Path(out, f"rank-{rank}.json").write_text(json.dumps(results))
@@ -199,7 +212,7 @@ def synced(tmp_path_factory) -> list[dict]:
     return [json.loads((tmp / f"rank-{r}.json").read_text()) for r in range(3)]
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c != "lazy-state-refused"])
+@pytest.mark.parametrize("case", [c for c in CASES if c not in REFUSED])
 def test_a_newcomer_synced_from_the_holders_trains_on_exactly_as_they_do(synced, case):
     holder, other, newcomer = (r.get(case, {"error": "not run: an earlier case failed"})
                                for r in synced)  # fmt: skip
@@ -225,6 +238,8 @@ def test_a_newcomer_synced_from_the_holders_trains_on_exactly_as_they_do(synced,
         # The namedtuple comes back as one, and the int past 2**53 exactly.
         assert newcomer["types"] == ["Pos", "int"]
         assert holder["others"][1]["seed"] == 2**60 + 1 + 2 * 5
+    if case == "generator":  # the newcomer's generator (another seed) now draws as theirs
+        assert newcomer["rng"] == holder["rng"] and len(holder["rng"]) == 1
     # A module's extra state that is not a tensor is left as each rank has it.
     assert newcomer["note"] == {"made": "here"}
 
@@ -249,3 +264,26 @@ def test_state_tensors_names_every_rank_alike_and_drops_stale_gradients():
     assert "optim/param_groups/0/lr#n" in names
     assert "model/2._extra_state" not in names
     assert "optim/0.weight/momentum_buffer" in names
+
+
+def test_a_value_that_is_not_a_tensor_is_refused_on_every_rank_naming_it(synced):
+    """Was an AttributeError from deep inside the sync ("'int' object has no attribute
+    'shape'"); now a TypeError before any collective, the same on every rank."""
+    errors = [r["not-a-tensor-refused"].get("error") for r in synced]
+    assert len(set(errors)) == 1, errors
+    assert errors[0].startswith("TypeError: sync_state: 'extra/count' is int, not a tensor")
+
+
+def test_a_tensor_shaped_differently_per_rank_is_refused_on_every_rank_saying_how(synced):
+    """The reason was in rank 0's log only; every rank's error said "could not be agreed"."""
+    errors = [r["shape-per-rank-refused"].get("error") for r in synced]
+    assert len(set(errors)) == 1, errors
+    assert (
+        "could not be agreed: extra/buf: rank 0 holds float32 [3], rank 1 holds float32 [4]"
+        in (errors[0])
+    )
+
+
+def test_an_object_without_a_state_dict_is_refused_in_state_tensors():
+    with pytest.raises(TypeError, match="other 0 is object: neither an optimizer"):
+        ei.state_tensors(torch.nn.Linear(2, 2), None, object())
