@@ -938,6 +938,8 @@ def run_cluster(
     # A fault that never fired is said, never dropped: a fault test whose fault missed
     # (no step S, no rank reaching the phase) must not pass as if it had survived it.
     for fault, why in getattr(source, "unfired", lambda: [])():
+        if timed_out:  # the job did not end: the run gave up on it
+            why = why.replace("the job ended", f"the run timed out after {timeout:g} s", 1)
         out.write(f"fault never fired: {fault}: {why}\n")
         with cluster.lock:
             cluster.fault_log.append({"fault": str(fault), "kind": fault.kind, "t": None,

@@ -124,9 +124,14 @@ def test_a_run_that_passes_its_own_timeout_is_timed_out_and_cancelled(pytester):
         @pytest.mark.elasticd(timeout=12)
         def test_run_times_out(elasticd_cluster):
             job = elasticd_cluster.script_job({os.path.abspath(SCRIPT)!r}, steps=100000)
-            result = elasticd_cluster.run(job, nodes=1)
+            result = elasticd_cluster.run(job, nodes=1, faults="kill-worker=0@step=99999",
+                                          allow_unfired=True)
             assert result.outcome == "timed_out", result.describe()
             assert result.steps, "it trained before it was stopped"
+            # The job did not end: the run gave up on it (it said "the job ended").
+            (fault,) = result.unfired
+            assert "never fired: the run timed out after " in fault["detail"], fault
+            assert fault["detail"].endswith(" s before step 99999 completed"), fault
         """
     )
     res = pytester.runpytest_subprocess("-p", "no:cacheprovider")

@@ -300,3 +300,17 @@ def test_a_hang_worker_fault_at_a_phase_stops_the_worker_itself(tmp_path):
         proc.kill()
         proc.wait(timeout=10)
     assert proc.stdout.read() == ""  # it never went past the phase
+
+
+def test_a_failed_run_names_its_last_worker_errors_and_a_script_that_recorded_nothing():
+    """A script raising at import said only "outcome failed ...; worlds [2, 1, 2, ...]":
+    the cause (in the status history) was nowhere in the failure message."""
+    failures = [{"kind": "failure", "round": r, "node": "node-1", "reason": "worker_failed",
+                 "detail": f"rank 1: exit code 1: ImportError: no module named 'nope' ({r})"}
+                for r in range(1, 6)]  # fmt: skip
+    text = _result([], history=failures, state="failed").describe()
+    assert "no step was recorded (a script reports each step with channel.record" in text
+    assert "(2 earlier failures)" in text
+    assert "failure round 5 on node-1: worker_failed: rank 1: exit code 1: ImportError" in text
+    assert "(3)" in text and "(2)" not in text  # the last three
+    assert "no step was recorded" not in _result([{"step": 1, "loss": 1.0}]).describe()

@@ -73,6 +73,10 @@ class ElasticdAssertionError(AssertionError):
 # -- the result ---------------------------------------------------------------------------------
 
 
+FAILURES_SHOWN = 3
+"""The last failures :meth:`RunResult.describe` names (each a worker's own error line)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Recovery:
     """One recovery of the job: from the fault's detection to rank 0's next step."""
@@ -153,13 +157,23 @@ class RunResult:
         return "".join(logs[p] for p in sorted(mine, key=round_of))
 
     def describe(self) -> str:
-        """A few lines for a failure message: outcome, worlds, faults, recoveries."""
+        """A few lines for a failure message: outcome, worlds, faults, recoveries, and the
+        last failures the agents recorded (a worker's own error: what a script raising at
+        import, or a misspelt command, shows)."""
         lines = [f"outcome {self.outcome} ({self.reason}); worlds {self.worlds}; "
                  f"steps {self.steps[:1]}..{self.steps[-1:]} ({len(self.steps)} records); "
                  f"run dir {self.run_dir}"]  # fmt: skip
+        if not self.records:
+            lines.append("  no step was recorded (a script reports each step with "
+                         "channel.record; the built-in trainer does)")  # fmt: skip
         lines += [f"  fault {f.get('fault')}: {f.get('detail')}" for f in self.faults]
         lines += [f"  recovery round {r.round}: {r.reason}, {r.mode} from {r.source}, "
                   f"{r.seconds:.2f} s, lost {r.lost_steps}" for r in self.recoveries]  # fmt: skip
+        failures = [e for e in self.status.get("history", []) if e.get("kind") == "failure"]
+        if len(failures) > FAILURES_SHOWN:
+            lines.append(f"  ({len(failures) - FAILURES_SHOWN} earlier failures)")
+        lines += [f"  failure round {e.get('round')} on {e.get('node')}: {e.get('reason')}: "
+                  f"{e.get('detail', '')}" for e in failures[-FAILURES_SHOWN:]]  # fmt: skip
         return "\n".join(lines)
 
     # -- assertions (each also a module-level function) --------------------------------------
