@@ -185,21 +185,23 @@ def _run(args: list[str], tmp_path, timeout: float = 180) -> subprocess.Complete
                           env=env, capture_output=True, text=True, timeout=timeout)  # fmt: skip
 
 
-def test_a_command_that_cannot_run_is_named_in_each_failure_as_it_happens(tmp_path):
+def test_a_command_that_cannot_run_fails_the_job_at_once_naming_it(tmp_path):
     job = tmp_path / "job.yaml"
     job.write_text(
         "name: badcmd\n"
         f"output_dir: {tmp_path / 'out'}\n"
         "nodes: {min: 1, max: 1}\n"
         "command: [/nonexistent/bin/python, train.py]\n"
-        "restart: {max_restarts: 1}\n"
+        "restart: {max_restarts: 5}\n"
     )
     done = _run([str(job), "--nodes", "1", "--timeout", "120"], tmp_path)
     out = done.stdout + done.stderr
     assert done.returncode != 0, out
-    line = "worker_failed: rank 0: exit code 127: elasticd: cannot run /nonexistent/bin/python"
-    assert out.count(line) >= 2, out  # each failure, live, as a shell would say it
-    assert "job badcmd: failed" in out, out
+    # A user's error: no restart is spent on it (it was exit 127, retried as a crash).
+    line = ("job badcmd: failed (user error (exit code 2): rank 0: exit code 2: elasticd: "
+            "cannot run /nonexistent/bin/python: No such file or directory")  # fmt: skip
+    assert line in out, out
+    assert "restarts (worker failures): 0" in out, out
     assert "Traceback" not in out, out
 
 

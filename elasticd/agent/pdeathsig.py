@@ -16,6 +16,8 @@ import signal
 import sys
 
 _PR_SET_PDEATHSIG = 1
+USER_ERROR_EXIT_CODE = 2
+"""elasticd.agent.policy's (not imported: this program starts before every exec)."""
 
 
 def main(argv: list[str]) -> int:
@@ -34,7 +36,11 @@ def main(argv: list[str]) -> int:
         os.execvp(cmd[0], cmd)
     except OSError as exc:  # one line the agent's failure record carries, as a shell would
         print(f"elasticd: cannot run {cmd[0]}: {exc.strerror or exc}", file=sys.stderr)
-        return 127 if isinstance(exc, FileNotFoundError) else 126
+        # The user's error (a misspelt or missing executable, a script without its x bit),
+        # and no restart mends it: exit code 2 fails the job at once with this line. It
+        # was a shell's 127/126, which the agent took for a crash and retried
+        # restart.max_restarts times (11 failures over a minute by default).
+        return USER_ERROR_EXIT_CODE
     return 1  # not reached
 
 
