@@ -713,7 +713,6 @@ class _Control:
         self._blocked: tuple[int, float, float] | None = None
         """(round, when, CPU seconds of the other threads) at the start of a stretch in which
         the main thread sat idle in a collective (``_mark_blocked``)."""
-        self._blocked_marked = False
         self._blocked_look = 0.0
         self.waits = 0
         """Waits of :func:`wait_collective` and :func:`wait_transfer` under way: they mark
@@ -787,11 +786,16 @@ class _Control:
         and the state was lost to a process restart; now the hung one, which is not in a
         collective, is killed first and its peers recover in-process. Idle: the other
         threads used under :data:`IDLE_CPU` seconds meanwhile (a rank busy computing its
-        backward is in the autograd engine too). Cleared when the main thread leaves the
-        collective, without moving the heartbeat's mtime (progress is the script's to
-        report); left to go stale when the round ends (the wait failed, as a failed
-        ``wait_collective`` leaves its mark). gloo: on NCCL a host waits in a device
-        synchronisation, not in a collective's call."""
+        backward is in the autograd engine too), and no thread in uninterruptible I/O (a
+        rank stuck on its own filesystem in a distributed checkpoint's write is not
+        waiting on its peers). Never cleared, only no longer refreshed: it goes stale
+        (``WAITING_FRESH``), and the script's next step report drops it. Clearing it when
+        the main thread left the collective could not tell a collective that completed
+        from one that failed because the hung peer was just killed, and the cleared
+        survivor, its heartbeat as old as the hung one's, could then be killed as hung
+        before it reported its fault. gloo: on NCCL a host waits in a device
+        synchronisation, not in a collective's call. A world whose every rank waits (a
+        script's deadlock) is killed at twice ``restart.hang_timeout``."""
         now = time.monotonic()
         if self.channel is None or now - self._blocked_look < BLOCKED_LOOK:
             return
@@ -800,22 +804,20 @@ class _Control:
             running = self._begun and self.round not in self.ended
             round_ = self.round
         if not running or self.waits:
-            self._blocked, self._blocked_marked = None, False
+            self._blocked = None
             return
         times = os.times()
         busy = times.user + times.system - time.thread_time()  # all threads but this one
         if not _main_in_collective():
-            if self._blocked_marked:
-                self.channel.waiting(False, progress=False)
-            self._blocked, self._blocked_marked = None, False
+            self._blocked = None
             return
         mark = self._blocked
         if mark is None or mark[0] != round_ or busy - mark[2] > IDLE_CPU:
             self._blocked = (round_, now, busy)  # a new stretch: busy, or just entered
             return
-        if now - mark[1] >= WAITING_MARK:
+        if now - mark[1] >= WAITING_MARK and not _waiting_on_io():
             self.channel.waiting(True)
-            self._blocked, self._blocked_marked = (round_, now, busy), True
+            self._blocked = (round_, now, busy)
 
     def _abort_late_sockets(self) -> None:
         """The current round has ended but the worker is still in it: shut the sockets

@@ -62,6 +62,28 @@ PREEMPTED_EXIT_CODE = 75
 The agent treats it as "re-form the world", not as a failure."""
 
 
+_SHARED: dict[str, tuple[threading.Lock, dict[str, float], dict[str, Any]]] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def _shared(path: str | None) -> tuple[threading.Lock, dict[str, float], dict[str, Any]]:
+    """The write lock, phases and last record of ``path``'s heartbeat, one per path in this
+    process: every channel of one heartbeat file writes the same record. A script under
+    ``elasticd.inprocess.run`` that makes its own channel (``WorkerChannel.from_env()``)
+    beside the round's (``ctx.channel``, which the control watcher marks ``waiting``) had
+    each write the file whole from its own record: the watcher's, without the script's
+    step, hid the rank's progress from the agent, and two writers shared one temporary
+    file. (A path is a round's: the next round's channel starts afresh.)"""
+    if path is None:
+        return threading.Lock(), {}, {}
+    with _SHARED_LOCK:
+        if path not in _SHARED:
+            if len(_SHARED) >= 64:  # rounds of a long-lived process: keep the latest
+                _SHARED.pop(next(iter(_SHARED)))
+            _SHARED[path] = (threading.Lock(), {}, {})
+        return _SHARED[path]
+
+
 class WorkerChannel:
     """One worker's line to its agent. Cheap to call every step."""
 
@@ -76,9 +98,7 @@ class WorkerChannel:
         self._rank = rank
         self._clock = clock
         self._preempt = threading.Event()
-        self._write_lock = threading.Lock()
-        self._phases: dict[str, float] = {}
-        self._last: dict[str, Any] = {}
+        self._write_lock, self._phases, self._last = _shared(path)
         self._first_step: int | None = None
         """The first step :meth:`progress` reported (``reported_step``)."""
         self._env: Mapping[str, str] = {}
@@ -236,7 +256,7 @@ class WorkerChannel:
         self._write()
         ring(self._doorbell)
 
-    def waiting(self, on: bool, *, progress: bool = True) -> None:
+    def waiting(self, on: bool) -> None:
         """In-process restart: this rank has been blocked for a while in a collective or a
         transfer of its round, waiting on its peers (``on``; called again about every
         second while the wait lasts, to keep the mark fresh), or its wait ended with the
@@ -248,15 +268,14 @@ class WorkerChannel:
         keep the heartbeat's mtime, the agent's clock of progress; the end of a wait that
         completed moves it (the rank went on). A wait that failed leaves its mark to go
         stale: the rank is leaving its round, and the fault it reports comes next. A world
-        where every rank waits (a deadlock) still ends, later. ``progress=False``: the end
-        of a wait that is not the rank's progress (the control watcher's mark for a script's
-        own collective: the script reports its steps itself) keeps the mtime too. Thread
-        safe: the watcher thread and the main thread both write."""
+        where every rank waits (a deadlock) still ends, later. Thread safe: the control
+        watcher marks a script's own collectives (elasticd.inprocess), beside the main
+        thread's writes."""
         if on:
             self._last["waiting"] = {"t": self._clock()}
             self._write(keep_mtime=True)
         elif self._last.pop("waiting", None) is not None:
-            self._write(keep_mtime=not progress)
+            self._write()
 
     @property
     def last_step(self) -> int | None:
@@ -303,11 +322,13 @@ class WorkerChannel:
                  "checkpoint_save": (checkpoint_save, dict), "mfu": (mfu, float)}  # fmt: skip
         if self._first_step is None:
             self._first_step = int(step)
-        same = self._last.get("step") == int(step)
-        keep = {k: v for k, v in self._last.items()
-                if k == "recovery" or (same and k in given)}  # fmt: skip
-        self._last = {**keep, "step": int(step)}
-        self._last.update({k: kind(v) for k, (v, kind) in given.items() if v is not None})
+        with self._write_lock:  # in place: the record is shared (_shared)
+            same = self._last.get("step") == int(step)
+            keep = {k: v for k, v in self._last.items()
+                    if k == "recovery" or (same and k in given)}  # fmt: skip
+            self._last.clear()
+            self._last.update({**keep, "step": int(step)})
+            self._last.update({k: kind(v) for k, (v, kind) in given.items() if v is not None})
         self._write()
         self._at(None, step)  # a raising fault with no phase: "after step S"
 

@@ -169,6 +169,40 @@ def test_the_channel_says_when_a_rank_waits_on_its_peers_and_when_it_no_longer_d
     assert os.stat(path).st_mtime > 1000.0
 
 
+def test_two_channels_of_one_heartbeat_file_write_one_record(tmp_path):
+    """A script under elasticd.inprocess.run with a channel of its own beside the round's
+    (which the control watcher marks waiting, from its own thread): each wrote the file
+    whole from its own record, so the watcher's mark, without the script's step, hid the
+    rank's progress from the agent. Now the channels of one file share its record."""
+    import threading
+
+    path = str(tmp_path / "hb.json")
+    env = {"ELASTICD_HEARTBEAT_FILE": path, "RANK": "1"}
+    script, round_ = WorkerChannel.from_env(env), WorkerChannel.from_env(env)
+    script.progress(step=7, loss=2.5)
+    round_.waiting(True)
+    hb = read_heartbeat(path)
+    assert hb["step"] == 7 and hb["loss"] == 2.5 and hb["waiting"]
+    script.progress(step=8)  # a step drops the mark, as it always did
+    assert "waiting" not in read_heartbeat(path) and read_heartbeat(path)["step"] == 8
+    # Two threads writing at once: every file a whole record, never a torn one.
+    stop = threading.Event()
+    marker = threading.Thread(
+        target=lambda: [round_.waiting(True) for _ in iter(stop.is_set, True)]
+    )
+    marker.start()
+    try:
+        for step in range(9, 200):
+            script.progress(step=step)
+            assert read_heartbeat(path)["step"] >= step - 1
+    finally:
+        stop.set()
+        marker.join()
+    other = WorkerChannel.from_env({"ELASTICD_HEARTBEAT_FILE": str(tmp_path / "next.json")})
+    other.waiting(True)  # the next round's file starts afresh
+    assert "step" not in read_heartbeat(str(tmp_path / "next.json"))
+
+
 def test_a_waiting_mark_counts_only_while_it_is_refreshed():
     """A process stopped while it waited keeps its mark: once stale, it is ignored."""
     assert waiting_now({"waiting": {"t": 100.0}}, 100.0 + WAITING_FRESH)

@@ -238,13 +238,13 @@ class Trainer:
         """Bytes of state taken from a previous trainer rather than allocated."""
         self.state = TrainState()
         self.pending_norm: float | None = None
-        self.nonfinite_steps = 0
-        """Steps in a row whose gradient norm was not finite (their updates skipped)."""
         """Set from the global norm of step ``state.step + 1`` until its update: the
         gradients are reduced and this is their norm. A fault in the collectives after the
         norm (the peak memory, the loss), which a peer may have completed and so applied the
         step, leaves it set; in-process recovery then completes the step with
         :meth:`complete_pending` (trainer/recovery.py)."""
+        self.nonfinite_steps = 0
+        """Steps in a row whose gradient norm was not finite (their updates skipped)."""
         self._batch: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._losses: list[torch.Tensor] = []
 
