@@ -299,3 +299,23 @@ def test_evidence_from_a_world_a_node_was_left_out_of_closes_no_world_of_its_own
     finally:
         for h in handlers:
             h.close()
+
+
+def test_a_left_out_nodes_evidence_still_probes_a_dead_member_at_once(etcd_config):
+    """The other side of the rule above: the left-out node's evidence does not start the
+    grace, but it does start the probes. The world it waits for is one node that then died
+    (its rendezvous refuses connections, its lease not yet expired): the refusal excuses
+    it at once, as for a member's evidence. Without the probes it waited for the lease."""
+    handlers = _handlers(etcd_config, fresh_run_id(), 2, ttl=30, reform_grace=1.0,
+                         min_nodes=1, max_nodes=2, settle=0.5)  # fmt: skip
+    n0, n1 = handlers
+    try:
+        assert {w.size for w in _form_all(handlers).values()} == {2}
+        assert n0.next_world(evidence=True).nodes == ("n0",)  # n1 left out
+        n0._probe.close()  # n0's process died; its lease lives on (30 s)
+        t0 = time.monotonic()
+        assert n1.next_world(evidence=True).nodes == ("n1",)
+        assert time.monotonic() - t0 < 15  # the refusal, not the 30 s lease
+    finally:
+        for h in handlers:
+            h.close()

@@ -139,10 +139,13 @@ class RoundCloser:
         live_old = m.joined_nodes(previous.round) if previous else ()
         gone = self._gone.get(previous.round, set()) if previous else set()
         pend = pending_previous(previous, live_old, gone)
+        # The grace runs from evidence of the previous world's members only (a node left
+        # out of it carries evidence of an older world); any evidence starts the probes,
+        # whose refusal proves a member dead whoever brought it.
         since_evidence = m.since_evidence(round_, previous.nodes if previous else ())
         probing = False
         if pend and previous is not None and s.reform_grace is not None:
-            if since_evidence is not None:
+            if m.since_evidence(round_, None) is not None:
                 probing = self._probe(previous, [n for n in previous.nodes if n in live_old])
         joins = m.joins(round_)
         if s.reform_grace is not None:

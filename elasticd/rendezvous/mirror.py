@@ -204,15 +204,16 @@ class Mirror:
         """The highest mod_revision of any join of ``round_`` seen (the close fence)."""
         return self.join_mod.get(round_, 0)
 
-    def since_evidence(self, round_: int, of: Collection[str]) -> float | None:
+    def since_evidence(self, round_: int, of: Collection[str] | None) -> float | None:
         """Seconds since the first evidence join of ``round_`` by one of the nodes ``of``
-        was seen (None: none yet). The closer passes the previous world's members: only
+        was seen (None: none yet; ``of`` None: by any node). The closer passes the previous
+        world's members for the grace: only
         they can have seen that world fail. A node's evidence is of the round it failed
         in; one left out of the world since (its back-off outlasted the grace, and the
         others re-formed without it) still carries it, and counted, it let that node close
         a world of its own while the one that left it out trained on."""
         seen = self.evidence_seen.get(round_, {})
-        times = [t for node, t in seen.items() if node in of]
+        times = [t for node, t in seen.items() if of is None or node in of]
         return self._clock() - min(times) if times else None
 
     def since_last_join(self, round_: int) -> float:
