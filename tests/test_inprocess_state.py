@@ -14,6 +14,7 @@ as they are refused the in-place write.
 from __future__ import annotations
 
 import json
+import os
 from collections import namedtuple
 from pathlib import Path
 
@@ -203,6 +204,11 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
                 break  # a failed sync leaves the ranks out of step: no later case is valid
     dist.destroy_process_group()
     Path(out, f"rank-{rank}.json").write_text(json.dumps(results))
+    # Done and written. The interpreter's teardown after these gloo syncs aborted now and
+    # then ("terminate called without an active exception": a C++ thread destroyed
+    # unjoined, in 2 of 6 runs here and once on CI; not found): it is not what this
+    # test checks, and without it no run of 10 failed.
+    os._exit(0)
 
 
 @pytest.fixture(scope="module")
