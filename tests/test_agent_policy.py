@@ -211,6 +211,15 @@ def test_a_waiting_mark_counts_only_while_it_is_refreshed():
     assert not waiting_now({"waiting": True}, 100.0)
 
 
+@pytest.mark.parametrize("code", [126, 127])
+def test_a_command_that_cannot_run_is_a_user_error_only_in_the_jobs_first_world(code):
+    # At the job's start a misspelt executable: fail now. Later, a replacement node's
+    # bad image or unmounted filesystem: that node's crash; the world goes on without it.
+    assert decide(Observation(exit_codes=(code,), first_world=True)) == Outcome.USER_ERROR
+    assert decide(Observation(exit_codes=(code,))) == Outcome.WORKER_FAILED
+    assert decide(Observation(exit_codes=(1,), first_world=True)) == Outcome.WORKER_FAILED
+
+
 def test_scale_up_is_immediate_or_waits_for_the_next_committed_checkpoint():
     base = {"exit_codes": (None,), "waiting": ("node-9",)}
     assert decide(Observation(**base, scale_up_policy="immediate")) == Outcome.SCALE_UP

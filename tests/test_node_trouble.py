@@ -197,8 +197,9 @@ def test_a_command_that_cannot_run_fails_the_job_at_once_naming_it(tmp_path):
     done = _run([str(job), "--nodes", "1", "--timeout", "120"], tmp_path)
     out = done.stdout + done.stderr
     assert done.returncode != 0, out
-    # A user's error: no restart is spent on it (it was exit 127, retried as a crash).
-    line = ("job badcmd: failed (user error (exit code 2): rank 0: exit code 2: elasticd: "
+    # In the job's first world a user's error: no restart is spent on it (it was retried
+    # as a crash, max_restarts times).
+    line = ("job badcmd: failed (user error (exit code 127): rank 0: exit code 127: elasticd: "
             "cannot run /nonexistent/bin/python: No such file or directory")  # fmt: skip
     assert line in out, out
     assert "restarts (worker failures): 0" in out, out

@@ -11,13 +11,12 @@ command, which keeps the setting (it is only cleared for set-uid programs).
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import signal
 import sys
 
 _PR_SET_PDEATHSIG = 1
-USER_ERROR_EXIT_CODE = 2
-"""elasticd.agent.policy's (not imported: this program starts before every exec)."""
 
 
 def main(argv: list[str]) -> int:
@@ -36,11 +35,15 @@ def main(argv: list[str]) -> int:
         os.execvp(cmd[0], cmd)
     except OSError as exc:  # one line the agent's failure record carries, as a shell would
         print(f"elasticd: cannot run {cmd[0]}: {exc.strerror or exc}", file=sys.stderr)
-        # The user's error (a misspelt or missing executable, a script without its x bit),
-        # and no restart mends it: exit code 2 fails the job at once with this line. It
-        # was a shell's 127/126, which the agent took for a crash and retried
-        # restart.max_restarts times (11 failures over a minute by default).
-        return USER_ERROR_EXIT_CODE
+        # A shell's codes for what no retry mends (not found, not executable): in the
+        # job's first world the agent fails the job on them at once, later it counts
+        # them as this node's crash (elasticd.agent.policy.CANNOT_RUN_EXIT_CODES). What
+        # may pass (a busy text file mid-deploy, memory, I/O) is a plain crash.
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            return 127
+        if exc.errno in (errno.EACCES, errno.ENOEXEC, errno.ELOOP, errno.ENAMETOOLONG, errno.EPERM):
+            return 126
+        return 1
     return 1  # not reached
 
 

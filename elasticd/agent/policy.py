@@ -102,6 +102,8 @@ class Observation:
     """The exit code of a worker that stopped for a preemption."""
     user_error_code: int = 2
     """The exit code of a worker that met a user error (bad config, unloadable checkpoint)."""
+    first_world: bool = False
+    """The round is the job's first world: nothing trained yet anywhere."""
     fenced: bool = False
     """A write on behalf of our round was refused: a newer world exists."""
     stalest_heartbeat: float | None = None
@@ -144,6 +146,8 @@ def decide(obs: Observation) -> Outcome | None:
     if obs.lost:
         return Outcome.PEER_LOST
     if any(c == obs.user_error_code for c in codes):
+        return Outcome.USER_ERROR
+    if obs.first_world and any(c in CANNOT_RUN_EXIT_CODES for c in codes):
         return Outcome.USER_ERROR
     failed = [c for c in codes if c is not None and c not in (0, obs.preempted_code)]
     if failed:
@@ -209,6 +213,13 @@ def hang_bound(hang_timeout: float, *, waiting: bool) -> float:
     return hang_timeout * (WAITING_PATIENCE if waiting else 1.0)
 
 
+CANNOT_RUN_EXIT_CODES = (126, 127)
+"""A worker's command could not be executed (``elasticd.agent.pdeathsig``: 127 not found,
+126 not executable, as a shell says). In the job's first world it is the user's error (a
+misspelt or missing executable: no retry mends it, and it was retried
+``restart.max_restarts`` times over a minute); later it is that node's trouble, a counted
+crash (a replacement built from a bad image, a shared filesystem not yet mounted there),
+and the world goes on without it."""
 USER_ERROR_EXIT_CODE = 2
 """A worker's exit code for a user error (bad config, unloadable checkpoint): the job fails
 at once with that worker's last error line, without spending restarts."""

@@ -752,6 +752,7 @@ class JobRunner:
                 checkpoint_at_waiting=ckpt_at_waiting,
                 checkpoint_now=ckpt_now,
                 user_error_code=USER_ERROR_EXIT_CODE,
+                first_world=rnd.number == 1,
                 fenced=self._report.fenced,
                 faulted=self._faulted(beats),
                 peer_preempted=self._peer_preempted(rnd, beats),
@@ -1065,7 +1066,9 @@ class JobRunner:
     ) -> None:
         if outcome == Outcome.USER_ERROR:
             # A config error fails the same way on every retry: fail now, spend nothing.
-            self._report.fail(f"user error (exit code {USER_ERROR_EXIT_CODE}): {detail}")
+            codes = [w.returncode for w in rnd.workers.failed()]
+            code = next((c for c in codes if c == USER_ERROR_EXIT_CODE), codes[0] if codes else 2)
+            self._report.fail(f"user error (exit code {code}): {detail}")
             return
         # elasticd_restarts_total is counted by the next world's node rank 0, once, with
         # the cause corrected (JobReporter.reattribute).
