@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
 from elasticd.agent.policy import (
+    ALONE_CRASH_LOOP_CAP,
+    CRASH_LOOP_CAP,
     WAITING_FRESH,
     WAITING_PATIENCE,
     Observation,
@@ -21,6 +23,7 @@ from elasticd.agent.policy import (
     WorkerEnvInputs,
     backoff,
     count_failure,
+    crash_loop_pause,
     decide,
     latest_checkpoint_step,
     note_furthest_step,
@@ -235,6 +238,19 @@ def test_a_job_that_succeeded_elsewhere_lets_our_workers_finish():
     assert decide(Observation(job_state=JobState.SUCCEEDED, exit_codes=(None,))) == (
         Outcome.FINISHED
     )
+
+
+def test_a_node_that_alone_keeps_failing_while_the_job_trains_waits_longer():
+    """A node whose worker dies at every start (a bad GPU) while the others train on:
+    under scale_up immediate each re-join stalls the world for a re-form, so it backs
+    off to five minutes, not the crash loop's ten seconds. A loop of the whole job (a
+    script that crashes everywhere: nothing trained between) keeps the short cap."""
+    alone = [crash_loop_pause(n, trained_elsewhere=True) for n in range(1, 13)]
+    together = [crash_loop_pause(n, trained_elsewhere=False) for n in range(1, 13)]
+    assert alone[0] == together[0] == 0.0  # the first failure re-forms at once
+    assert together[-1] == CRASH_LOOP_CAP == 10.0
+    assert alone[-1] == ALONE_CRASH_LOOP_CAP == 300.0
+    assert alone == sorted(alone) and alone[:5] == together[:5]  # the same start
 
 
 @given(st.integers(min_value=0, max_value=60))

@@ -263,6 +263,25 @@ def stop_plan(outcome: Outcome, grace_period: float) -> StopPlan:
     return StopPlan(grace=PEER_LOST_GRACE)
 
 
+CRASH_LOOP_CAP = 10.0
+"""The longest pause of a node's crash loop (failures with no step of its workers between)."""
+ALONE_CRASH_LOOP_CAP = 300.0
+"""The same, when the job trained on elsewhere between the node's last two failures: the
+node alone is broken (a bad GPU, a bad image) while the others carry the job. Each of its
+re-joins stalls the world for a re-form (at once under ``restart.scale_up: immediate``,
+the in-process default), and at the crash loop's 10 s that was a stall about every ten
+seconds for as long as the node stayed broken; now one every five minutes once the pause
+has doubled that far, and a node that mends is back within them."""
+
+
+def crash_loop_pause(failures: int, *, trained_elsewhere: bool) -> float:
+    """Seconds a node waits before re-joining after its ``failures``-th failure in a row
+    (0 for the first: a failure after training resumed re-forms at once); longer when
+    the job trained on without the node meanwhile (:data:`ALONE_CRASH_LOOP_CAP`)."""
+    cap = ALONE_CRASH_LOOP_CAP if trained_elsewhere else CRASH_LOOP_CAP
+    return backoff(failures - 1, cap=cap)
+
+
 def backoff(failures: int, *, base: float = 0.5, cap: float = 10.0) -> float:
     """Seconds to wait before re-joining after the ``failures``-th failure: doubling from
     ``base``, at most ``cap``. Zero before any failure."""

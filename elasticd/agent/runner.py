@@ -48,7 +48,7 @@ from elasticd.agent.policy import (
     USER_ERROR_EXIT_CODE,
     Observation,
     Outcome,
-    backoff,
+    crash_loop_pause,
     decide,
     failed_on_a_peer,
     hang_bound,
@@ -197,6 +197,8 @@ class JobRunner:
         """(round, claim, whether ours, whether counted): this round's cause, claimed before
         the workers were stopped (a hang: :meth:`_claim_early`)."""
         self._failures_here = 0
+        self._furthest_at_failure: int | None = None
+        """The job's furthest step (its status) at this node's last failure in a row."""
         self._troubles = 0
         self._noted = True
         """Whether a trouble note of ours may be queued or written and not cleared since.
@@ -855,6 +857,7 @@ class JobRunner:
         if not rnd.first_step_seen:
             rnd.first_step_seen = True
             self._failures_here = 0  # training again: the next failure backs off afresh
+            self._furthest_at_failure = None
             if rnd.recovery is not None:
                 self._recovered(rnd, lead, now)
             if rnd.node_rank == 0:
@@ -1002,8 +1005,12 @@ class JobRunner:
         if outcome.counts_as_failure:
             self._failures_here += 1
             # The first failure after training resumed re-forms at once; a crash loop
-            # (failures with no step between them) backs off, doubling.
-            pause = backoff(self._failures_here - 1)
+            # (failures with no step between them) backs off, doubling, and longer when
+            # the job trained on without this node meanwhile (it alone is broken).
+            furthest, before = self._job_furthest_step(), self._furthest_at_failure
+            self._furthest_at_failure = furthest
+            elsewhere = furthest is not None and before is not None and furthest > before
+            pause = crash_loop_pause(self._failures_here, trained_elsewhere=elsewhere)
             if pause:
                 time.sleep(pause)
 
@@ -1060,6 +1067,17 @@ class JobRunner:
                 log.warning("failure not counted yet", **kv(job=self.name, error=str(exc)))
                 return
             self._early_claim = (rnd.number, claim, ours, True)
+
+    def _job_furthest_step(self) -> int | None:
+        """The job's furthest step as its status says (None: unknown, etcd away)."""
+        try:
+            record = self._registry.get(self.name)
+        except ElasticdError:
+            return None
+        if record is None or record.run_id != self.record.run_id:
+            return None
+        step = record.status.get("furthest_step")
+        return step if isinstance(step, int) and not isinstance(step, bool) else None
 
     def _record_failure(
         self, rnd: Round, outcome: Outcome, detail: str, detected: float, stopped: float
