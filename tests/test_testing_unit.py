@@ -182,10 +182,12 @@ def test_a_job_is_a_dict_a_path_or_the_built_in_one_with_overrides(tmp_path):
     with pytest.raises(JobSpecError, match=r"nodes\.min: a world of 1 ranks is smaller than tp"):
         cluster.run(job)  # the job spec's own checks, before anything starts
     plain = cluster.builtin_job()
-    with pytest.raises(UsageError, match="phase=lunch"):
+    with pytest.raises(
+        UsageError, match=r"^faults: 'kill-worker=0@step=2:phase=lunch': phase=lunch"
+    ):
         cluster.run(plain, faults=["kill-worker=0@step=2:phase=lunch"])
-    with pytest.raises(UsageError, match="there is no rank 5"):
-        cluster.run(plain, nodes=2, faults=["raise-error=5@step=2"])
+    with pytest.raises(UsageError, match=r"^faults: raise-error=5@step=2: there is no rank 5"):
+        cluster.run(plain, nodes=2, faults=["raise-error=5@step=2"])  # not the CLI's --fault
     assert cluster.runs == [] and not (tmp_path / "run-0" / "out" / "cluster").exists()
 
 

@@ -442,9 +442,12 @@ class Cluster:
         spec = parse_job(raw, where=f"job {raw['name']}").with_paths_resolved(os.getcwd())
         if isinstance(faults, str):
             faults = [faults]
-        parsed = [parse_fault(f) for f in faults]
-        check_plan(nodes_min=spec.nodes.min, nproc=spec.nproc_per_node, nodes=nodes,
-                   faults=parsed, etcd_members=1, where=f"job {raw['name']}")  # fmt: skip
+        try:  # the CLI's words for the CLI's flag; here the argument is faults=
+            parsed = [parse_fault(f) for f in faults]
+            check_plan(nodes_min=spec.nodes.min, nproc=spec.nproc_per_node, nodes=nodes,
+                       faults=parsed, etcd_members=1, where=f"job {raw['name']}")  # fmt: skip
+        except UsageError as exc:
+            raise UsageError(str(exc).replace("--fault ", "faults: ", 1)) from None
         os.makedirs(spec.out_dir, exist_ok=True)
         out = io.StringIO()
         agents_env = {**os.environ, **self.env, **(env or {}), ENV_TEST_BASE: self.base}
