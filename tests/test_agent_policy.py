@@ -814,3 +814,16 @@ def test_a_lost_node_still_beats_a_noted_cause(etcd_client):
     assert lost == ["node-c"] and a._report.noted_reason is None
     (failure,) = [e for e in reg.get(job.name).status["history"] if e["kind"] == "failure"]
     assert failure["reason"] == "peer_lost" and failure["detail"].startswith("lost node-c (")
+
+
+def test_a_failure_line_drops_torchs_rank_prefixes(tmp_path):
+    """torch prefixes an uncaught exception's stderr lines with ``[rankN]:`` once per
+    process group the process made: after an in-process round the failure read
+    ``rank 0: exit code 1: [rank0]: [rank0]: RuntimeError: ...``."""
+    from elasticd.agent.workers import last_line
+
+    log = tmp_path / "rank-0.log"
+    log.write_text("Traceback ...\n[rank0]: [rank0]: RuntimeError: the state [rank1]: x\n")
+    assert last_line(str(log)) == "RuntimeError: the state [rank1]: x"
+    log.write_text("plain line\n")
+    assert last_line(str(log)) == "plain line"

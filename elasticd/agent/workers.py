@@ -21,6 +21,7 @@ import enum
 import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -126,7 +127,13 @@ def last_line(path: str, tail: int = 4096) -> str:
             lines = fh.read().decode(errors="replace").strip().splitlines()
     except OSError:
         return ""
-    return lines[-1].strip() if lines else ""
+    return _RANK_PREFIX.sub("", lines[-1].strip()) if lines else ""
+
+
+_RANK_PREFIX = re.compile(r"^(?:\[rank\d+\]:\s*)+")
+"""The ``[rankN]:`` prefixes torch puts before an uncaught exception's lines on stderr, once
+per process group the process made (so twice after an in-process round: ``[rank0]:
+[rank0]: RuntimeError: ...``): a failure message names its rank already."""
 
 
 def _start(
