@@ -272,9 +272,13 @@ class WorkerChannel:
         watcher marks a script's own collectives (elasticd.inprocess), beside the main
         thread's writes."""
         if on:
-            self._last["waiting"] = {"t": self._clock()}
+            with self._write_lock:  # the watcher's thread: never between a step's updates
+                self._last["waiting"] = {"t": self._clock()}
             self._write(keep_mtime=True)
-        elif self._last.pop("waiting", None) is not None:
+            return
+        with self._write_lock:
+            had = self._last.pop("waiting", None) is not None
+        if had:
             self._write()
 
     @property
