@@ -341,13 +341,13 @@ class StateTensors(dict):
         import torch
         import torch.distributed as dist
 
-        from checkpoint.live import gather_descriptions
+        from checkpoint.live import gather_compressed
 
         self.held = frozenset(self)
         names = {name: [list(t.shape), str(t.dtype).removeprefix("torch."), t.device.type == "cpu"]
                  for name, t in self.items()}  # fmt: skip
         desc = {"step": step, "names": names}
-        descs = gather_descriptions(desc, group) if dist.is_initialized() else [desc]
+        descs = gather_compressed(desc, group) if dist.is_initialized() else [desc]
         newest = max((d["step"] for d in descs if d["step"] is not None), default=None)
         wanted: dict[str, list[Any]] = {}
         for d in descs:

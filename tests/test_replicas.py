@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from checkpoint.live import plan_recovery, recover_from_peers
+from checkpoint.live import DESCRIPTION_VERSION, plan_recovery, recover_from_peers
 from checkpoint.shards import ShardInfo
 from trainer.replicas import Replicator, targets
 
@@ -60,14 +60,14 @@ def test_the_planner_takes_a_dead_ranks_shard_from_a_replica_at_the_replicated_s
     g = (4, 2)
     tp0, tp1 = ((0, 0), (2, 2)), ((2, 0), (2, 2))
     survivor = {
-        "v": 1, "step": 6, "consumed": 60, "have": {"w": _entry(g, *tp0)},
+        "v": DESCRIPTION_VERSION, "step": 6, "consumed": 60, "have": {"w": _entry(g, *tp0)},
         "more": [
             {"step": 5, "consumed": 50, "have": {"w": _entry(g, *tp0)}},
             {"step": 5, "consumed": 50, "have": {"w": _entry(g, *tp1)}},
         ],
         "need": {"w": _entry(g, *tp0)}, "error": None,
     }  # fmt: skip
-    newcomer = {"v": 1, "step": None, "consumed": None, "have": {}, "more": [],
+    newcomer = {"v": DESCRIPTION_VERSION, "step": None, "consumed": None, "have": {}, "more": [],
                 "need": {"w": _entry(g, *tp1)}, "error": None}  # fmt: skip
     plan, why = plan_recovery([survivor, newcomer])
     assert plan is not None, why
