@@ -88,3 +88,35 @@ def test_a_three_member_cluster_keeps_serving_after_its_leader_is_killed(etcd_cl
         assert client.get(p + "before").value == b"1"
         new_leader = etcd_cluster.leader()
         assert new_leader is not leader
+
+
+def test_the_history_an_embedded_etcd_keeps_fits_far_below_its_quota():
+    """The retention is counted in revisions, and the largest value rewritten often is a
+    job's status (its history bounded by HISTORY_BYTES): kept revisions of it fit in a
+    fifth of etcd's default 2 GiB quota. (100,000 of them did not: a long job's etcd
+    filled up and refused every write.)"""
+    from elasticd.etcd.server import HISTORY_REVISIONS
+    from elasticd.jobs import HISTORY_BYTES
+
+    args = EmbeddedEtcd(data_dir="/nonexistent").command()
+    assert "--auto-compaction-mode=revision" in args
+    assert f"--auto-compaction-retention={HISTORY_REVISIONS}" in args
+    status_bytes = HISTORY_BYTES + 8192  # the history, and the status's other fields
+    assert HISTORY_REVISIONS * status_bytes < (2 << 30) / 5
+
+
+def test_an_etcd_out_of_space_is_one_error_that_says_what_to_do(tmp_path):
+    """etcd's NOSPACE alarm (a quota reached) fails every write; the error names it and
+    the way out, not only gRPC's RESOURCE_EXHAUSTED."""
+    server = EmbeddedEtcd(data_dir=str(tmp_path / "e"),
+                          extra_args=("--quota-backend-bytes=1048576",)).start()  # fmt: skip
+    try:
+        with EtcdClient(server.client_config()) as client:
+            with pytest.raises(EtcdError) as full:
+                for i in range(2000):
+                    client.put(f"/fill/{i % 8}", "x" * 64_000)
+            text = str(full.value)
+            assert "its database is full" in text and "database space exceeded" in text
+            assert "NOSPACE" in text and "docs/agent.md" in text and "\n" not in text
+    finally:
+        server.stop()

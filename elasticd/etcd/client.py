@@ -261,6 +261,13 @@ class EtcdClient:
                     raise EtcdAuthError(f"etcd refused {what}: {detail}") from exc
                 elif code == grpc.StatusCode.NOT_FOUND and "lease not found" in detail:
                     raise EtcdLeaseNotFound(f"etcd {what}: {detail}") from exc
+                elif "database space exceeded" in detail:
+                    # etcd's NOSPACE alarm: every write fails until a person acts.
+                    raise EtcdError(
+                        f"etcd {what} failed: its database is full ({detail}): compact its "
+                        "history, defragment it and disarm the NOSPACE alarm (docs/agent.md, "
+                        "\"etcd out of space\")"
+                    ) from exc
                 elif code in _RETRYABLE or any(t in detail.lower() for t in _RETRYABLE_TEXT):
                     self.rotate(member)
                 else:

