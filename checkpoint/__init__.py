@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from checkpoint.errors import (
     CheckpointError,
+    CheckpointReadError,
     CorruptCheckpointError,
     FencedError,
     FormatError,
@@ -34,6 +35,7 @@ from checkpoint.errors import (
     OwnershipError,
     SaveFailedError,
     SaveRefusedError,
+    UnsupportedVersionError,
 )
 from checkpoint.fence import Fence, check_fence, read_fence, write_fence
 from checkpoint.manifest import FORMAT_VERSION, Manifest
@@ -83,6 +85,7 @@ __all__ = [
     "FORMAT_VERSION",
     "Checkpoint",
     "CheckpointError",
+    "CheckpointReadError",
     "CorruptCheckpointError",
     "Fence",
     "FencedError",
@@ -98,6 +101,7 @@ __all__ = [
     "SaveResult",
     "Saver",
     "ShardInfo",
+    "UnsupportedVersionError",
     "check_fence",
     "committed_steps",
     "export",

@@ -17,6 +17,19 @@ class FormatError(CheckpointError):
     """A manifest of an unknown format or version, or one that is malformed."""
 
 
+class UnsupportedVersionError(FormatError):
+    """A manifest of a format version this build does not read: written by a newer build
+    (a rollback, an old image in a rolling upgrade). Not damage: a load stops at it rather
+    than fall back past it (the step would then be abandoned, and pruned by the next
+    save)."""
+
+
+class CheckpointReadError(CheckpointError):
+    """A step could not be read for a reason outside its content (permissions, an I/O
+    error, the machine's memory): a load stops rather than fall back past a step that may
+    well be good, and record it as unloadable (retention deletes those first)."""
+
+
 class CorruptCheckpointError(CheckpointError):
     """A file is missing, truncated, or does not match its recorded checksum."""
 

@@ -42,9 +42,12 @@ from checkpoint.comm import (
 )
 from checkpoint.errors import (
     CheckpointError,
+    CheckpointReadError,
     CorruptCheckpointError,
+    FormatError,
     LayoutMismatchError,
     NoCheckpointError,
+    UnsupportedVersionError,
 )
 from checkpoint.manifest import MAX_MANIFEST_BYTES as MAX_MANIFEST_BYTES
 from checkpoint.manifest import (
@@ -345,6 +348,25 @@ def _read_parts(parts: tuple[_Part, ...], view: memoryview) -> None:
         i = j
 
 
+DAMAGED, MISMATCH, NEWER, UNREADABLE = "damaged", "mismatch", "newer", "unreadable"
+"""How a step failed to load, as :func:`load_latest` acts on it: ``damaged`` (its content:
+fall back, and record it as unloadable), ``mismatch`` (the model does not fit it: fall
+back, record nothing), ``newer`` (a format version of a newer build) and ``unreadable``
+(permissions, I/O, memory, anything unforeseen): stop, record nothing."""
+
+
+def _failure(exc: BaseException) -> str:
+    if isinstance(exc, LayoutMismatchError):
+        return MISMATCH
+    if isinstance(exc, UnsupportedVersionError):
+        return NEWER
+    if isinstance(exc, (CorruptCheckpointError, FormatError, NoCheckpointError)):
+        return DAMAGED
+    if isinstance(exc, (FileNotFoundError, NotADirectoryError)):
+        return DAMAGED  # a file of the step is missing
+    return UNREADABLE
+
+
 def load_latest(
     ckpt_dir: str,
     *,
@@ -398,7 +420,7 @@ def load_latest(
     failures = []
     for i, step in enumerate(order):
         path = store.step_path(ckpt_dir, step)
-        ckpt, error, damaged = None, "", False
+        ckpt, error, kind = None, "", ""
         try:
             ckpt = Checkpoint.open(path)
             ckpt.load_into(read_model, read_optimizer, verify=verify)
@@ -407,14 +429,22 @@ def load_latest(
                     ckpt.rank_tensors[name] = ckpt.read(name)
         except Exception as exc:
             error = str(exc) if isinstance(exc, (CheckpointError, OSError)) else repr(exc)
-            # A model that does not fit the step (changed shapes or names) is not the
-            # step's fault: it is not recorded as unloadable.
-            damaged = not isinstance(exc, LayoutMismatchError)
+            kind = _failure(exc)
         # One collective when every rank's message is short (it is, unless a load failed).
-        gathered = (
-            all_gather_json_small([error, damaged], group)() if distributed else [[error, damaged]]
-        )
+        gathered = all_gather_json_small([error, kind], group)() if distributed else [[error, kind]]
         errors = [e for e, _ in gathered if e]
+        stops = [(e, k) for e, k in gathered if k in (NEWER, UNREADABLE)]
+        if stops:
+            # Not the step's content: no fall back past it (the step would be abandoned
+            # by the next commit and pruned), nothing recorded; every rank stops alike.
+            if isinstance(ckpt, Checkpoint):
+                ckpt.close()
+            e, k = next((x for x in stops if x[1] == NEWER), stops[0])
+            raise (UnsupportedVersionError if k == NEWER else CheckpointReadError)(
+                e
+                if k == NEWER
+                else f"checkpoint step {step} could not be read ({e}); not falling back past it"
+            )
         if not errors:
             if leader:
                 store.clear_unloadable(ckpt_dir, step)
@@ -426,10 +456,10 @@ def load_latest(
         if isinstance(ckpt, Checkpoint):
             ckpt.close()
         failures.append(f"step {step}: {errors[0]}")
-        if leader and any(d for _, d in gathered):
+        if leader and any(k == DAMAGED for _, k in gathered):
             # Retention must never keep it in place of a step that loads.
             try:
-                store.mark_unloadable(ckpt_dir, step, next(e for e, d in gathered if d))
+                store.mark_unloadable(ckpt_dir, step, next(e for e, k in gathered if k == DAMAGED))
             except OSError as exc:
                 warn(f"cannot record that step {step} failed to load: {exc}")
         if i + 1 < len(order):  # else the error below says it, once

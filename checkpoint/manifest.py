@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from checkpoint.errors import FormatError
+from checkpoint.errors import FormatError, UnsupportedVersionError
 from checkpoint.planner import (
     CORNERS_FREE,
     CORNERS_PER_CHUNK,
@@ -387,10 +387,15 @@ class Manifest:
         if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
             raise FormatError(f"{where}: not an {FORMAT_NAME} manifest")
         if raw.get("version") not in READ_VERSIONS or type(raw.get("version")) is not int:
-            raise FormatError(
-                f"{where}: format version {raw.get('version')!r} is not supported "
-                f"(this build reads versions {', '.join(map(str, READ_VERSIONS))})"
-            )
+            said = (f"{where}: format version {raw.get('version')!r} is not supported "
+                    f"(this build reads versions {', '.join(map(str, READ_VERSIONS))})")  # fmt: skip
+            if type(raw.get("version")) is int and raw["version"] > max(READ_VERSIONS):
+                # Checked before the checksum, which a newer version may compute otherwise.
+                raise UnsupportedVersionError(
+                    f"{said}: written by a newer build; resume with it, or move the step "
+                    "out of the directory to resume from an older one"
+                )
+            raise FormatError(said)
         expected = raw.pop("checksum", None)
         try:
             actual = _self_checksum(raw)

@@ -255,9 +255,10 @@ def _lock(
         if time.monotonic() < deadline:
             time.sleep(0.02)
             continue
+        run = f"run {holder['run_id']} of " if holder.get("run_id") else ""  # not a plain run's
         raise OwnershipError(
-            f"checkpoint directory {ckpt_dir} is in use by run {holder.get('run_id') or '?'} "
-            f"of job {holder.get('job') or '?'} (pid {holder.get('pid', '?')} on "
+            f"checkpoint directory {ckpt_dir} is in use by {run}"
+            f"job {holder.get('job') or '?'} (pid {holder.get('pid', '?')} on "
             f"{holder.get('host', '?')}); wait for it to end or give this job another "
             "checkpoint.dir"
         )

@@ -28,7 +28,7 @@ import secrets
 import stat
 from collections.abc import Callable
 
-from checkpoint.errors import CheckpointError
+from checkpoint.errors import CheckpointError, CheckpointReadError
 
 MAX_SMALL_FILE_BYTES = 1 << 20
 """The largest control file read (owner, fence, `latest`, unloadable record)."""
@@ -61,7 +61,9 @@ def open_regular(
         with contextlib.suppress(OSError):
             if stat.S_ISLNK(os.lstat(name, dir_fd=dir_fd).st_mode):
                 raise error(f"{path}: a symlink, not a regular file") from exc
-        raise error(f"{path}: cannot open: {exc.strerror}") from exc
+        # Permissions, I/O: not the file's content (a load stops rather than fall back
+        # past a step that may be good, and never records it as unloadable).
+        raise CheckpointReadError(f"{path}: cannot open: {exc.strerror}") from exc
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

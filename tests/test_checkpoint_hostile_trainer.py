@@ -533,3 +533,38 @@ def test_a_save_refused_for_good_stops_the_trainer_with_exit_2_not_74(
     err = one_error_line(capsys)
     assert "was not committed" in err and "chunks, more than 3" in err, err
     assert committed_steps(str(out / "ckpt")) == []
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        # Fewer layers: only the tensors the model asks for were read, and the next
+        # saves left layer 1 out of every checkpoint.
+        ("model.layers=1", "layers 2 -> 1"),
+        # The same shapes, another computation.
+        ("model.heads=2", "heads 4 -> 2"),
+    ],
+)
+def test_a_resume_into_another_model_is_refused_in_one_line_and_nothing_is_lost(
+    base, tmp_path, capsys, change, says
+):
+    out = tmp_path / "out"
+    shutil.copytree(base, out)
+    before = sorted(os.listdir(out / "ckpt"))
+    capsys.readouterr()
+    assert run(out, 4, change) == 2
+    err = one_error_line(capsys)
+    assert "the checkpoint's model is not the job's (" + says + ")" in err, err
+    assert sorted(os.listdir(out / "ckpt")) == before
+    # Settings that may change resume: dropout, and top_k of a dense model.
+    assert run(out, 3, "model.dropout=0.1", "model.top_k=1") == 0, capsys.readouterr().err[-2000:]
+
+
+def test_tied_embeddings_resumed_over_a_trained_output_layer_are_refused(tmp_path, capsys):
+    """The checkpoint's output layer (untied) was dropped without a word: the loss jumped
+    from 3.91 to 5.11 at the first step after the resume."""
+    out = tmp_path / "out"
+    assert run(out, 2, "model.tie_embeddings=false") == 0
+    capsys.readouterr()
+    assert run(out, 3, "model.tie_embeddings=true") == 2
+    assert "tie_embeddings False -> True" in one_error_line(capsys)

@@ -120,6 +120,65 @@ def test_a_manifest_of_an_unknown_format_version_is_refused_clearly(tmp_path):
         open_step(ckpt, 5)
 
 
+def test_a_step_of_a_newer_format_stops_the_load_and_is_neither_fallen_back_past_nor_pruned(
+    tmp_path,
+):
+    """Steps 40 and 50 as a newer build writes them (a rollback, an old image in a rolling
+    upgrade). The load fell back to 30 and marked both unloadable, and the next commit
+    deleted them. Now it stops at 50 in one line, and nothing is recorded or deleted."""
+    from checkpoint import UnsupportedVersionError
+    from checkpoint.store import prune, read_unloadable
+
+    ckpt = str(tmp_path)
+    save_steps(ckpt, [30, 40, 50], keep=3)
+    for step in (40, 50):
+        _reseal(ckpt, step, version=5)
+    model, optim = blank()
+    says = r"step-000000050/manifest.json: format version 5 is not supported .*newer build"
+    with pytest.raises(UnsupportedVersionError, match=says):
+        load_latest(ckpt, model=model, optimizer=optim, warn=pytest.fail)
+    assert read_unloadable(ckpt) == {}
+    assert prune(ckpt, keep=3) == [] and committed_steps(ckpt) == [30, 40, 50]
+    # An older version number than any this build reads is damage, as before.
+    _reseal(ckpt, 50, version=0)
+    warnings: list[str] = []
+    with pytest.raises(UnsupportedVersionError, match="step-000000040"):
+        load_latest(ckpt, model=model, optimizer=optim, warn=warnings.append)
+    assert "step 50" in warnings[0] and list(read_unloadable(ckpt)) == [50]
+
+
+def test_a_step_that_cannot_be_read_stops_the_load_and_is_not_marked(tmp_path, monkeypatch):
+    """An I/O error (here EIO from every read of step 20's data) is the disk's, not the
+    step's: falling back would abandon the step and the next commit would prune it."""
+    import errno
+
+    from checkpoint import CheckpointReadError
+    from checkpoint.store import read_unloadable
+
+    ckpt = str(tmp_path)
+    save_steps(ckpt, [10, 20])
+    bad = os.path.realpath(data_file(ckpt, 20))
+    real = os.open
+
+    def failing_open(path, flags, *args, dir_fd=None, **kwargs):
+        where = (
+            str(path)
+            if dir_fd is None
+            else os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), path)
+        )
+        if where == bad:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(path, flags, *args, dir_fd=dir_fd, **kwargs)
+
+    monkeypatch.setattr(os, "open", failing_open)
+    model, optim = blank()
+    with pytest.raises(CheckpointReadError, match=r"step 20 could not be read \(.*Input/output"):
+        load_latest(ckpt, model=model, optimizer=optim, warn=pytest.fail)
+    monkeypatch.undo()
+    assert read_unloadable(ckpt) == {}
+    assert load_latest(ckpt, model=model, optimizer=optim).step == 20
+
+
 def test_an_edited_manifest_fails_its_own_checksum(tmp_path):
     ckpt = str(tmp_path)
     save_steps(ckpt, [5])

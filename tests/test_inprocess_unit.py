@@ -1260,3 +1260,22 @@ def test_each_round_and_each_torchrun_attempt_has_its_own_store_prefix():
     again = store_prefix({**run, "TORCHELASTIC_RESTART_COUNT": "1"})
     assert first != again and first == store_prefix(run)
     assert store_prefix({"TORCHELASTIC_RUN_ID": "r2", "TORCHELASTIC_RESTART_COUNT": "1"}) != again
+
+
+def test_a_node_keeps_the_newest_round_directories_of_a_run_only(tmp_path):
+    """A long job re-formed thousands of times left a directory per round in every node's
+    state dir; a round's start now deletes those older than the newest eight, and nothing
+    else (another run's, a file of the user's)."""
+    from elasticd.agent.launch import ROUND_DIRS_KEPT, prune_rounds
+
+    for r in (1, 2, 3, 9, 10, 11, 12, 13, 14, 15, 16, 17):
+        (tmp_path / f"round-{r}").mkdir()
+        (tmp_path / f"round-{r}" / "workers.json").write_text("{}")
+    (tmp_path / "round-x").mkdir()
+    (tmp_path / "notes.txt").write_text("mine")
+    prune_rounds(str(tmp_path), 17)
+    assert ROUND_DIRS_KEPT == 8
+    assert sorted(os.listdir(tmp_path)) == sorted(
+        ["notes.txt", "round-x", *(f"round-{r}" for r in range(10, 18))]
+    )
+    prune_rounds(str(tmp_path / "missing"), 5)  # nothing there: nothing to do

@@ -28,7 +28,8 @@ EXIT_FENCED = 76
 """A stale worker: its checkpoint commit was fenced (sysexits' EX_PROTOCOL, next to the
 agent's 75 for a preempted worker)."""
 EXIT_SAVE_FAILED = 74
-"""A checkpoint save that failed (a full disk, an I/O error): one line, sysexits' EX_IOERR.
+"""A checkpoint save that failed (a full disk, an I/O error), or a step a resume could not
+read for a reason outside its content (permissions, I/O): one line, sysexits' EX_IOERR.
 Nothing committed is lost; the agent counts it as any failure."""
 DONE_KEY = "elasticd/trainer/done"
 
@@ -94,6 +95,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         print(f"trainer: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
     from checkpoint.errors import (
+        CheckpointReadError,
         CorruptCheckpointError,
         FencedError,
         FormatError,
@@ -113,8 +115,9 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         # header past a bound of every load), so a restart cannot help.
         print(f"trainer: error: {exc}", file=sys.stderr)
         return EXIT_USER_ERROR
-    except SaveFailedError as exc:
-        # The disk, not the job: the steps committed before stay; said in one line.
+    except (SaveFailedError, CheckpointReadError) as exc:
+        # The disk, not the job: the steps committed before stay (a step that could not
+        # be read is not fallen back past, nor marked); said in one line.
         print(f"trainer: error: {exc}", file=sys.stderr)
         return EXIT_SAVE_FAILED
     except DivergedError as exc:

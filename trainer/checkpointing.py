@@ -278,6 +278,7 @@ class Checkpointing:
         error = ""
         try:
             check_position(ckpt)
+            check_same_model(ckpt, self.job.model)
             rng = self._saved_rng(ckpt) if same_layout else {}
             restore = plan_param_groups(
                 self.trainer.optimizer,
@@ -502,6 +503,37 @@ _MUST_MATCH = ("amsgrad", "maximize", "decoupled_weight_decay")
 _RESTORED = ("betas", "eps")
 MAX_STEP = 1 << 62
 """Steps and consumed samples at or above this are refused (no real run gets near it)."""
+
+
+MODEL_KEPT = ("layers", "hidden", "heads", "ffn_hidden", "vocab", "seq_len", "experts",
+              "top_k", "tie_embeddings")  # fmt: skip
+"""Model settings a resume must keep: the parameters, or what they compute, depend on
+them. (``dropout`` may change between runs; ``init_from`` matters only without a
+checkpoint.)"""
+
+
+def check_same_model(ckpt, model_cfg) -> None:
+    """Refuse a resume into another model than the checkpoint's (``extra["model"]``, where
+    it is recorded): one line naming each setting that differs. Fewer layers, or tied
+    embeddings where the checkpoint has an output layer, loaded without a word before
+    (only the tensors the model asks for are read), and the next saves left the rest out
+    for good; other heads trained on the same tensors, computing something else. Raises
+    CorruptCheckpointError (exit 2, as any resume that cannot go on)."""
+    saved = ckpt.manifest.extra.get("model") if isinstance(ckpt.manifest.extra, dict) else None
+    if not isinstance(saved, dict):
+        return  # an older trainer's checkpoint: the tensors' own checks stand
+    changed = [
+        f"{k} {_brief(saved[k])} -> {_brief(getattr(model_cfg, k))}"
+        for k in MODEL_KEPT
+        if k in saved and saved[k] != getattr(model_cfg, k)
+        and not (k in ("experts", "top_k") and not saved.get("experts") and not model_cfg.experts)
+    ]  # fmt: skip
+    if changed:
+        raise CorruptCheckpointError(
+            f"{ckpt.path}: the checkpoint's model is not the job's ({', '.join(changed)}); "
+            "resume with the model it was trained with, or start over (--fresh, or "
+            "another output_dir)"
+        )
 
 
 def check_position(ckpt) -> None:

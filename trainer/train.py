@@ -556,10 +556,17 @@ class Trainer:
 
         ckpt = Checkpointing.create(self, group=checkpoint_group)
         self.checkpointing = ckpt
-        if restore is not None:
-            restore(ckpt)
-        else:
-            ckpt.resume()
+        try:
+            if restore is not None:
+                restore(ckpt)
+            else:
+                ckpt.resume()
+        except BaseException:
+            # A refused resume frees the directory too (a process running another job
+            # or round after it, a test, an in-process round, found it still claimed by
+            # itself).
+            ckpt.abandon()
+            raise
         if on_resumed is not None:
             on_resumed()
         flag_group = control_group

@@ -14,6 +14,7 @@ import itertools
 import json
 import os
 import secrets
+import shutil
 import stat
 import sys
 import time
@@ -168,6 +169,25 @@ def write_fence(ckpt_dir: str, *, run_id: str, round_: int, node_id: str = "") -
     _replace_file(path, data, tag=node_id or "agent", fsync=True)
 
 
+ROUND_DIRS_KEPT = 8
+"""A run's round directories (layout, job, workers, heartbeats) a node keeps in its state
+dir: the newest; older ones go as a round starts. (A job re-formed every few minutes for
+weeks left thousands: 5 files and about 20 KB each, 200 rounds 4 MB a node.)"""
+
+
+def prune_rounds(run_root: str, current: int) -> None:
+    """Delete ``run_root``'s ``round-N`` directories older than the newest
+    :data:`ROUND_DIRS_KEPT` (``current`` is the newest)."""
+    try:
+        names = os.listdir(run_root)
+    except OSError:
+        return
+    for name in names:
+        head, _, number = name.partition("-")
+        if head == "round" and number.isdigit() and int(number) <= current - ROUND_DIRS_KEPT:
+            shutil.rmtree(os.path.join(run_root, name), ignore_errors=True)
+
+
 def launch(
     *,
     job: JobSpec,
@@ -193,6 +213,7 @@ def launch(
     layout = plan(world.size * nproc, job)
     run_dir = os.path.join(node.state_dir, "jobs", run_id, f"round-{world.round}")
     os.makedirs(run_dir, exist_ok=True)
+    prune_rounds(os.path.dirname(run_dir), world.round)
     layout_path = os.path.join(run_dir, "layout.json")
     job_path = os.path.join(run_dir, "job.json")
     write_json(layout_path, layout.to_dict())

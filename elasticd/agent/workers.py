@@ -201,7 +201,6 @@ class WorkerGroup:
         process is started for every other local rank. ``before_spawn()`` runs between
         the two (the agent hands the survivors their new round there, so they set up while
         the newcomers start)."""
-        os.makedirs(log_dir, exist_ok=True)
         os.makedirs(run_dir, exist_ok=True)
         alive = {w.local_rank: w for w in (kept.workers if kept else []) if w.proc.poll() is None}
         group = cls()
@@ -221,6 +220,8 @@ class WorkerGroup:
             )  # fmt: skip
         if before_spawn is not None:
             before_spawn()
+        if fresh:  # a round of carried workers only has no log of its own (they log on)
+            os.makedirs(log_dir, exist_ok=True)
         try:
             for local_rank, base_env in fresh:
                 rank = int(base_env["RANK"])

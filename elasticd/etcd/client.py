@@ -266,7 +266,7 @@ class EtcdClient:
                     raise EtcdError(
                         f"etcd {what} failed: its database is full ({detail}): compact its "
                         "history, defragment it and disarm the NOSPACE alarm (docs/agent.md, "
-                        "\"etcd out of space\")"
+                        '"etcd out of space")'
                     ) from exc
                 elif code in _RETRYABLE or any(t in detail.lower() for t in _RETRYABLE_TEXT):
                     self.rotate(member)
