@@ -20,6 +20,7 @@ regular file of the manifest's size, its header checked against that size.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -156,7 +157,14 @@ class Checkpoint(CheckpointFiles):
         entry = self._entry(name)
         for chunk in entry.chunks:
             self._chunk_span(chunk, entry)
-        out = torch.empty(entry.shape, dtype=entry.dtype)
+        check_memory(entry.nbytes, f"{self.path}: {name}")
+        try:
+            out = torch.empty(entry.shape, dtype=entry.dtype)
+        except RuntimeError as exc:  # torch's "can't allocate memory", one line
+            raise CheckpointReadError(
+                f"{self.path}: {name}: {entry.nbytes / 1e9:.1f} GB could not be allocated "
+                f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+            ) from None
         box = ((0,) * len(entry.shape), entry.shape)
         self._fill(name, out, box, entry.shape, verify)
         return out
@@ -346,6 +354,32 @@ def _read_parts(parts: tuple[_Part, ...], view: memoryview) -> None:
         pread_into(p.f.fd, view[at : at + n], p.offset, p.f.path)
         at += n
         i = j
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel says may still be allocated without swapping (``MemAvailable``),
+    or None where it does not say."""
+    with (
+        contextlib.suppress(OSError, ValueError, IndexError),
+        open("/proc/meminfo", encoding="ascii") as fh,
+    ):
+        for line in fh:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def check_memory(nbytes: int, what: str) -> None:
+    """Refuse, in one line, to allocate more than the machine has available for one
+    tensor: a manifest's shapes are bounded by its files' sizes, and a sparse file is
+    large and costs nothing (a hostile 64 GiB tensor on 4 KiB of disk reached
+    ``torch.empty``). Raises :class:`CheckpointReadError` (a load stops; nothing marked)."""
+    free = available_memory()
+    if free is not None and nbytes > free:
+        raise CheckpointReadError(
+            f"{what}: needs {nbytes / 1e9:.1f} GB of memory, the machine has "
+            f"{free / 1e9:.1f} GB available"
+        )
 
 
 DAMAGED, MISMATCH, NEWER, UNREADABLE = "damaged", "mismatch", "newer", "unreadable"

@@ -7,7 +7,8 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Callable, Iterator
+import re
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import crc32c
@@ -223,11 +224,12 @@ def export(
     else:
         files = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
     weight_map = {}
-    with export_dir(out) as written:
+    names_out = [*files, *(["model.safetensors.index.json"] if len(files) > 1 else [])]
+    with export_dir(out, names_out) as written:
         for fname, group in zip(files, groups, strict=True):
             tensors = {n: ckpt.read(n) for n in group}
-            written.append(os.path.join(out, fname))
-            write_safetensors(tensors, written[-1], metadata=meta)
+            tmp = written.path(fname)
+            write_safetensors(tensors, tmp, metadata=meta, shown=written.final(tmp))
             weight_map.update(dict.fromkeys(group, fname))
             if log:
                 log(f"wrote {fname} ({len(group)} tensors)")
@@ -236,36 +238,97 @@ def export(
                 "metadata": {"total_size": sum(ckpt.manifest.tensors[n].nbytes for n in names)},
                 "weight_map": weight_map,
             }
-            written.append(os.path.join(out, "model.safetensors.index.json"))
-            with open(written[-1], "w") as f:
+            with open(written.path("model.safetensors.index.json"), "w") as f:
                 json.dump(index, f, indent=2, sort_keys=True)
             files.append("model.safetensors.index.json")
     return files
 
 
+WEIGHT_FILES = re.compile(
+    r"(model|pytorch_model|tf_model|flax_model)([-.].*)?\.(safetensors|bin|h5|msgpack)(\.index\.json)?"
+)
+"""Names of a model's weight files (Hugging Face's and ours): an export refuses a directory
+holding one that it would not replace (two models' weights side by side, one read by
+transformers and the other by an index, are no model)."""
+
+
+class ExportFiles:
+    """The files of one export (:func:`export_dir`): :meth:`path` gives where to write
+    each (a temporary name in the output directory); they take their names only once all
+    are written."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self.pending: list[tuple[str, str]] = []  # (temporary, final)
+
+    def path(self, name: str) -> str:
+        final = os.path.join(self.out, name)
+        tmp = os.path.join(self.out, f".{name}.partial-{os.getpid()}")
+        self.pending.append((tmp, final))
+        return tmp
+
+    def final(self, tmp: str) -> str:
+        """The name a file written at ``tmp`` will have (what an error names)."""
+        return next(f for t, f in self.pending if t == tmp)
+
+
 @contextlib.contextmanager
-def export_dir(out: str) -> Iterator[list[str]]:
-    """The output directory of an export, made if missing, and a list the export appends
-    each path to before it writes it: if the export fails (a full disk), those are removed,
-    and the directory too when it was made here, so no partial model is left behind."""
+def export_dir(out: str, names: Iterable[str]) -> Iterator[ExportFiles]:
+    """The output directory of an export of the files ``names``, made if missing. Each
+    file is written under a temporary name (:meth:`ExportFiles.path`) and renamed into
+    place once every one is written, readable as the umask allows: a failed export (a
+    full disk) removes only its temporary files (and the directory, when it was made
+    here), so an earlier export there stays whole. A directory holding weight files the
+    export would not replace is refused first (one line), nothing written."""
+    names = set(names)
+    if os.path.isdir(out):
+        stale = sorted(n for n in os.listdir(out) if WEIGHT_FILES.fullmatch(n) and n not in names)
+        if stale:
+            raise CheckpointError(
+                f"{out}: holds other weight files ({', '.join(stale[:3])}"
+                f"{', ...' if len(stale) > 3 else ''}) that this export would not replace, "
+                "and that a reader could take for its model: export into an empty directory, "
+                "or remove them"
+            )
     made = not os.path.isdir(out)
     os.makedirs(out, exist_ok=True)
-    written: list[str] = []
+    files = ExportFiles(out)
     try:
-        yield written
+        yield files
+        mode = 0o666 & ~_umask()
+        for tmp, _final in files.pending:
+            os.chmod(tmp, mode)  # safetensors creates its files 0600
+        for tmp, final in files.pending:
+            os.replace(tmp, final)
     except BaseException:
-        for path in written:
+        for tmp, _final in files.pending:
             with contextlib.suppress(OSError):
-                os.unlink(path)
+                os.unlink(tmp)
         if made:
             with contextlib.suppress(OSError):
                 os.rmdir(out)  # only if empty: nothing but what this export wrote
         raise
 
 
-def write_safetensors(tensors: dict, path: str, *, metadata: dict[str, str]) -> None:
+def _umask() -> int:
+    """The process's umask, read without changing it (os.umask would, for a moment, for
+    every thread) where Linux says it; else through os.umask."""
+    with (
+        contextlib.suppress(OSError, ValueError, StopIteration),
+        open("/proc/self/status", encoding="ascii") as fh,
+    ):
+        return int(next(ln for ln in fh if ln.startswith("Umask:")).split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def write_safetensors(
+    tensors: dict, path: str, *, metadata: dict[str, str], shown: str | None = None
+) -> None:
     """``safetensors.torch.save_file``, whose write errors (a full disk) raise its own
-    ``SafetensorError``, not OSError: one CheckpointError line instead."""
+    ``SafetensorError``, not OSError: one CheckpointError line instead, naming ``shown``
+    (the file's final name) or ``path``."""
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
@@ -273,4 +336,4 @@ def write_safetensors(tensors: dict, path: str, *, metadata: dict[str, str]) -> 
         save_file(tensors, path, metadata=metadata)
     except SafetensorError as exc:
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise CheckpointError(f"{path}: cannot write: {text}") from None
+        raise CheckpointError(f"{shown or path}: cannot write: {text}") from None

@@ -139,3 +139,33 @@ def test_an_export_the_disk_refuses_is_one_line_and_leaves_no_partial_model(tmp_
             assert "File too large" in err[0], err
     assert not (tmp_path / "new-raw").exists() and not (tmp_path / "new-hf").exists()
     assert os.listdir(mine) == ["notes"]
+
+
+def test_a_failed_export_over_an_earlier_one_leaves_the_earlier_one_whole(tmp_path):
+    """The clean-up of a failed export deleted what it was about to overwrite: an earlier
+    export's model.safetensors (which safetensors' own failed write had left intact) was
+    gone, and the directory held a config.json and no weights. Files are now written
+    under temporary names and renamed into place once all are written, readable by
+    others as the umask allows (safetensors makes them 0600)."""
+    first = trainer(tmp_path, steps=2)
+    assert first.returncode == 0, first.stderr[-2000:]
+    ckpt = tmp_path / "out" / "ckpt"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for fmt in ("raw", "hf"):
+        out = tmp_path / f"export-{fmt}"
+
+        def export(limit=None, out=out, fmt=fmt):
+            return subprocess.run(
+                [sys.executable, "-m", "elasticd", "ckpt", "export", str(ckpt), str(out),
+                 "--format", fmt],
+                env=env, capture_output=True, text=True, timeout=180, cwd=REPO,
+                preexec_fn=_limited(limit) if limit else lambda: os.umask(0o022),
+            )  # fmt: skip
+
+        assert export().returncode == 0
+        before = {n: (out / n).read_bytes() for n in os.listdir(out)}
+        assert "model.safetensors" in before
+        assert oct((out / "model.safetensors").stat().st_mode & 0o777) == oct(0o644)
+        failed = export(256 * 1024)
+        assert failed.returncode == 2 and "cannot write" in failed.stderr, failed.stderr[-2000:]
+        assert {n: (out / n).read_bytes() for n in os.listdir(out)} == before

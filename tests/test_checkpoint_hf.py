@@ -157,3 +157,61 @@ def test_a_tp2_job_starts_from_a_hf_directory_and_exports_it_back_unchanged(tmp_
         if name == "transformer.wpe.weight":
             src = src[: MODEL["seq_len"]]
         assert torch.equal(t, src), name
+
+
+def test_an_export_into_a_directory_holding_another_models_weights_is_refused(tmp_path, capsys):
+    """An export into a directory holding a sharded model added model.safetensors beside
+    the old index and shards: transformers loaded the new weights, model.init_from the
+    old ones (it read the index first), and trained on from them. Now the export refuses
+    such a directory, nothing written, and init_from takes model.safetensors first, as
+    transformers does."""
+    from trainer.hf import read_hf
+
+    j = job()
+    ckpt = str(tmp_path / "ckpt")
+    save(j, our_model(j), ckpt)
+    out = tmp_path / "hf"
+    hf = make_hf_dir(out)
+    hf.save_pretrained(str(out), max_shard_size="20KB")  # an index and its shards
+    listed = sorted(p.name for p in out.iterdir())
+    assert "model.safetensors.index.json" in listed
+    capsys.readouterr()  # transformers' progress bars
+    assert main(["ckpt", "export", ckpt, str(out), "--format", "hf"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds other weight files (model-00001-of-" in err[0], err
+    assert sorted(p.name for p in out.iterdir()) == listed
+    # Both kinds side by side (made by hand): the single file is the model, as for
+    # transformers.
+    clean = tmp_path / "clean"
+    assert main(["ckpt", "export", ckpt, str(clean), "--format", "hf"]) == 0
+    for p in out.iterdir():
+        if p.name.startswith("model-") or p.name.endswith(".index.json"):
+            (clean / p.name).write_bytes(p.read_bytes())
+    ours = read_hf(str(clean), j.model)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(clean))
+    wte = theirs.transformer.wte.weight.detach()
+    torch.testing.assert_close(ours["embedding.word_embeddings.weight"][: MODEL["vocab"]], wte)
+
+
+def test_init_from_refuses_weights_its_config_does_not_describe(tmp_path):
+    """Four layers' weights under a config saying two trained on from layers 0 and 1
+    without a word."""
+    from safetensors.torch import load_file, save_file
+
+    from trainer.hf import HFError, read_hf
+
+    make_hf_dir(tmp_path / "gpt2")
+    four = tmp_path / "four"
+    big = transformers.GPT2Config.from_pretrained(str(tmp_path / "gpt2"))
+    big.n_layer = 4
+    transformers.GPT2LMHeadModel(big).save_pretrained(str(four))
+    (four / "config.json").write_text((tmp_path / "gpt2" / "config.json").read_text())
+    with pytest.raises(HFError, match=r"holds \d+ tensors the job.s model has no place for "
+                       r"\((transformer\.)?h\.2\.attn"):  # fmt: skip
+        read_hf(str(four), job().model)
+    # Old files' causal-mask buffers are no weights: taken as they come.
+    path = tmp_path / "gpt2" / "model.safetensors"
+    tensors = load_file(str(path))
+    tensors["h.0.attn.bias"] = torch.ones(1, 1, 32, 32)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    read_hf(str(tmp_path / "gpt2"), job().model)

@@ -729,3 +729,41 @@ def test_an_empty_region_an_older_writer_cut_into_8_strips_still_loads(tmp_path,
             "w": (torch.zeros(2, 4), ShardInfo.whole("w", (2, 4)))}  # fmt: skip
     assert load_latest(ck, model=into).step == STEP
     assert torch.equal(into["w"][0], w)
+
+
+def test_a_huge_tensor_in_a_sparse_file_is_refused_in_one_line_not_allocated(tmp_path):
+    """A re-sealed manifest adds a 64 GiB float32 model tensor whose file is sparse: its
+    size, header, header sha256 and block checksums all hold, on 4 KiB of disk. `ckpt
+    export` handed its shape to torch.empty and died in a traceback; now a tensor larger
+    than the machine's available memory, or one torch cannot allocate, is one line."""
+    import crc32c
+
+    ckpt = str(tmp_path / "ckpt")
+    save(ckpt)
+    raw = manifest(ckpt)
+    step = Path(step_path(ckpt, STEP))
+    rows, cols = 1 << 16, 1 << 18
+    nbytes, block = rows * cols * 4, 1 << 30
+    c = 0
+    zeros = bytes(1 << 24)
+    for _ in range(block // len(zeros)):
+        c = crc32c.crc32c(zeros, c)
+    key = "evil.weight@0_0"
+    header = {key: {"dtype": "F32", "shape": [rows, cols], "data_offsets": [0, nbytes]},
+              "__metadata__": {"format": "pt", "writer": "elasticd",
+                               f"crc32c:{key}": f"{c:08x}" * (nbytes // block)}}  # fmt: skip
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    head = struct.pack("<Q", len(text)) + text
+    evil = step / "rank-00001.safetensors"
+    with open(evil, "wb") as f:
+        f.write(head)
+        f.truncate(len(head) + nbytes)  # sparse: no disk used
+    raw["files"][evil.name] = {"bytes": len(head) + nbytes, "rank": 1,
+                               "header_sha256": hashlib.sha256(head).hexdigest()}  # fmt: skip
+    raw["tensors"]["evil.weight"] = {"kind": "model", "dtype": "float32", "shape": [rows, cols],
+                                     "block_bytes": block, "regions": [[1, 0, 0, rows, cols, 1]]}  # fmt: skip
+    raw["world"] = max(raw["world"], 2)
+    reseal(ckpt, raw)
+    assert os.stat(evil).st_blocks * 512 < 1 << 20
+    refused(cli("export", ckpt, str(tmp_path / "out")), "evil.weight: ")

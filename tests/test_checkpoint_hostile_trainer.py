@@ -304,6 +304,7 @@ def _header_entry(**entry):
 
 
 def _index_of_empty_lists(hf: Path):
+    (hf / "model.safetensors").unlink()  # else it is read, as by transformers, not the index
     (hf / "model.safetensors.index.json").write_text("[" + "[]," * 400_000 + "[]]")
 
 
@@ -319,6 +320,8 @@ def _index(kind: str):
             weight_map = dict.fromkeys(keys, "../elsewhere.safetensors")
         else:
             weight_map = dict.fromkeys(keys, 5)
+        # Without model.safetensors: where there is one it is read, as by transformers.
+        (hf / "model.safetensors").unlink(missing_ok=True)
         (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
 
     return edit
@@ -399,6 +402,7 @@ def test_init_from_ignores_a_tensor_of_another_dtype_it_does_not_need(hf_base, t
     t["extra.scale"] = torch.ones(4, 4).to(torch.float8_e4m3fn)
     save_file(t, hf / "model.safetensors", metadata={"format": "pt"})
     assert run(tmp_path / "out", 1, f"model.init_from=hf:{hf}") == 0, capsys.readouterr().err
+    assert "1 tensor not of GPT-2 left unread (extra.scale)" in capsys.readouterr().out
     t["transformer.ln_f.bias"] = t["transformer.ln_f.bias"].to(torch.float8_e4m3fn)
     save_file(t, hf / "model.safetensors", metadata={"format": "pt"})
     capsys.readouterr()
@@ -568,3 +572,20 @@ def test_tied_embeddings_resumed_over_a_trained_output_layer_are_refused(tmp_pat
     capsys.readouterr()
     assert run(out, 3, "model.tie_embeddings=true") == 2
     assert "tie_embeddings False -> True" in one_error_line(capsys)
+
+
+def test_a_schedule_that_gives_the_step_saved_another_lr_is_said_on_resume(tmp_path, capsys):
+    """A cosine schedule ended at step 8 (lr 0 there); the same job resumed with 16 steps
+    trains step 9 at a far higher lr, and nothing said so (train.lr is unchanged, and the
+    schedule's settings are not recorded). The lr the step saved ran at is compared with
+    the one this job's schedule gives that step."""
+    out = tmp_path / "out"
+    assert run(out, 8, "train.lr_schedule=cosine", "checkpoint.every=4") == 0
+    capsys.readouterr()
+    assert run(out, 16, "train.lr_schedule=cosine") == 0, capsys.readouterr().err[-2000:]
+    said = capsys.readouterr().out
+    assert "lr of the step saved 0 (checkpoint) vs " in said, said
+    assert "by this job's schedule (train.lr_schedule, warmup, min_lr or steps changed)" in said
+    # Unchanged, nothing is said.
+    assert run(out, 16, "train.lr_schedule=cosine") == 0
+    assert "lr of the step saved" not in capsys.readouterr().out

@@ -247,7 +247,8 @@ class Checkpointing:
             if init is not None:
                 from trainer.hf import init_from_hf
 
-                init_from_hf(self.trainer, init.removeprefix("hf:"))
+                said = (lambda m: print(f"warning: {m}", flush=True)) if self.rank == 0 else None
+                init_from_hf(self.trainer, init.removeprefix("hf:"), warn=said)
                 self.trainer.main.from_model()
                 if self.rank == 0:
                     print(f"initialised from Hugging Face GPT-2 at {init[3:]}", flush=True)
@@ -267,6 +268,18 @@ class Checkpointing:
         finally:
             ckpt.close()
         return True
+
+    def _schedule_lr(self, step: Any) -> float | None:
+        """The lr this job's schedule gives the step that made checkpoint ``step`` (its
+        0-based ``step - 1``), or None for a step that is not a positive integer (checked
+        as such just after)."""
+        from trainer.optim import lr_at
+
+        if not _is_int(step) or not 0 < step < MAX_STEP:
+            return None
+        t = self.job.train
+        return lr_at(step - 1, lr=t.lr, warmup=t.warmup, schedule=t.lr_schedule,
+                     min_lr=t.min_lr, steps=t.steps)  # fmt: skip
 
     def _resume_from(self, ckpt) -> None:
         """Restore what a loaded checkpoint holds besides the tensors (checked first)."""
@@ -289,6 +302,7 @@ class Checkpointing:
                 saved_lr=ckpt.manifest.extra.get("train_lr", None)
                 if isinstance(ckpt.manifest.extra, dict)
                 else None,
+                schedule_lr=self._schedule_lr(ckpt.manifest.step),
                 where=ckpt.path,
             )
         except CorruptCheckpointError as exc:
@@ -626,6 +640,7 @@ def plan_param_groups(
     *,
     job_lr: float,
     saved_lr: Any = None,
+    schedule_lr: float | None = None,
     where: str = "checkpoint",
 ) -> Callable[[], str]:
     """Check the saved optimizer hyperparameters (``param_groups`` without ``params``)
@@ -663,6 +678,16 @@ def plan_param_groups(
     notes = []
     if saved_lr is not None and float(saved_lr) != float(job_lr):
         notes.append(f"train.lr {saved_lr:g} -> {job_lr:g} (the job's is used)")
+    elif schedule_lr is not None and saved and _is_real(saved[0].get("lr")):
+        # The step saved ran at the saved lr; the job's schedule (lr_schedule, warmup,
+        # min_lr, steps: none recorded) gives that same step another one.
+        was = float(saved[0]["lr"])
+        if abs(was - schedule_lr) > 1e-9 * max(abs(was), abs(schedule_lr), 1e-12):
+            notes.append(
+                f"lr of the step saved {was:g} (checkpoint) vs {schedule_lr:g} by this job's "
+                "schedule (train.lr_schedule, warmup, min_lr or steps changed): the job's "
+                "schedule is used"
+            )
     if len(saved) != len(groups):
         notes.append(
             f"{len(saved)} parameter groups saved, {len(groups)} now (hyperparameters not restored)"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -191,11 +192,10 @@ def export_hf(ckpt, out: str, *, log: Callable[[str], None] | None = None) -> li
     for ours, hf, how in _pairs(cfg):
         tensors[hf] = _to_hf(ckpt.read(ours), how)
     # A failed write (a full disk) is one line, and leaves no partial directory behind.
-    with export_dir(out) as written:
-        written.append(os.path.join(out, "model.safetensors"))
-        write_safetensors(tensors, written[-1], metadata={"format": "pt"})
-        written.append(os.path.join(out, "config.json"))
-        with open(written[-1], "w", encoding="utf-8") as f:
+    with export_dir(out, ("model.safetensors", "config.json")) as written:
+        tmp = written.path("model.safetensors")
+        write_safetensors(tensors, tmp, metadata={"format": "pt"}, shown=written.final(tmp))
+        with open(written.path("config.json"), "w", encoding="utf-8") as f:
             json.dump(gpt2_config(cfg), f, indent=2, sort_keys=True)
             f.write("\n")
     if log:
@@ -203,10 +203,13 @@ def export_hf(ckpt, out: str, *, log: Callable[[str], None] | None = None) -> li
     return ["config.json", "model.safetensors"]
 
 
-def read_hf(path: str, model_cfg) -> dict[str, torch.Tensor]:
+def read_hf(
+    path: str, model_cfg, *, warn: Callable[[str], None] | None = None
+) -> dict[str, torch.Tensor]:
     """Our global tensors from a Hugging Face GPT-2 directory (``config.json`` plus
     ``model.safetensors``, or sharded files and ``model.safetensors.index.json``), after
-    checking its config against the job's ``model`` settings."""
+    checking its config against the job's ``model`` settings. GPT-2 weights the model has
+    no place for are refused; other tensors are left unread, said through ``warn``."""
     where = f"model.init_from: hf:{path}"
     cfg = model_record(model_cfg)
     _dense(cfg, "model.experts")
@@ -250,9 +253,40 @@ def read_hf(path: str, model_cfg) -> dict[str, torch.Tensor]:
             if ours == "embedding.position_embeddings.weight":
                 t = t[: cfg["seq_len"]]
             out[ours] = _from_hf(t, how, _our_shape(ours, cfg)).clone()
+        unused = sorted(k for k in files.files if k not in files.used and not _not_weights(k, cfg))
+        left = [k for k in unused if _GPT2_NAME.fullmatch(k.removeprefix("transformer."))]
+        others = [k for k in unused if k not in left]
+        if others and warn is not None:  # not GPT-2's (a quantizer's scales): as transformers
+            warn(
+                f"{where}: {len(others)} tensor{'s' if len(others) > 1 else ''} not of "
+                f"GPT-2 left unread ({', '.join(quoted(k) for k in others[:3])}"
+                f"{', ...' if len(others) > 3 else ''})"
+            )
+        if left:
+            # GPT-2 weights its config does not describe (more layers than n_layer):
+            # taking part of them would train on from another model than it holds.
+            raise HFError(
+                f"{where}: holds {len(left)} tensor{'s' if len(left) > 1 else ''} the job's "
+                f"model has no place for ({', '.join(quoted(k) for k in left[:3])}"
+                f"{', ...' if len(left) > 3 else ''}): its config.json does not describe its "
+                "weights"
+            )
         return out
     finally:
         files.close()
+
+
+_GPT2_NAME = re.compile(r"(h\.\d+|wte|wpe|ln_f)\..+|lm_head\.weight")
+"""A GPT-2 weight's name (without ``transformer.``)."""
+
+
+def _not_weights(key: str, cfg: Mapping[str, Any]) -> bool:
+    """Tensors a GPT-2 file may hold that are not weights of the model: older files'
+    causal-mask buffers, and a tied output layer saved beside the embedding it repeats."""
+    base = key.removeprefix("transformer.")
+    if base.endswith((".attn.bias", ".attn.masked_bias")):
+        return True
+    return key == "lm_head.weight" and bool(cfg["tie_embeddings"])
 
 
 _SAME_MATH = {
@@ -372,6 +406,7 @@ class _WeightFiles:
         self._open: dict[str, tuple[int, int, dict]] = {}  # name -> (fd, data start, header)
         self._inodes: dict[tuple[int, int], str] = {}  # (device, inode) -> the name opened
         self.files: dict[str, str] = {}  # tensor -> file name
+        self.used: set[str] = set()  # the tensors read (:meth:`get`)
         try:
             self._list()
         except BaseException:
@@ -379,6 +414,13 @@ class _WeightFiles:
             raise
 
     def _list(self) -> None:
+        # transformers' order: model.safetensors where there is one, else the index (a
+        # directory with both, an export over a sharded model, loads the single file).
+        single = "model.safetensors"
+        if os.path.lexists(os.path.join(self.path, single)):
+            header = self._file(single, self.where)[2]
+            self.files = dict.fromkeys((k for k in header if k != "__metadata__"), single)
+            return
         index = "model.safetensors.index.json"
         if os.path.lexists(os.path.join(self.path, index)):
             raw = _read_json(self.path, index, INDEX_MAX_BYTES, self.where)
@@ -393,13 +435,7 @@ class _WeightFiles:
                 self._file(name, f"{self.where}: {index}")
             self.files = dict(weight_map)
             return
-        single = "model.safetensors"
-        if not os.path.lexists(os.path.join(self.path, single)):
-            raise HFError(
-                f"{self.where}: has no model.safetensors (only safetensors weights are read)"
-            )
-        header = self._file(single, self.where)[2]
-        self.files = dict.fromkeys((k for k in header if k != "__metadata__"), single)
+        raise HFError(f"{self.where}: has no model.safetensors (only safetensors weights are read)")
 
     def _file(self, name: str, where: str) -> tuple[int, int, dict]:
         got = self._open.get(name)
@@ -429,6 +465,7 @@ class _WeightFiles:
             if key not in self.files:
                 continue
             name = self.files[key]
+            self.used.add(key)
             fd, start, header = self._file(name, self.where)
             info = header.get(key)
             if info is None:
@@ -461,10 +498,10 @@ def _one_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-def init_from_hf(trainer, path: str) -> None:
+def init_from_hf(trainer, path: str, *, warn: Callable[[str], None] | None = None) -> None:
     """Set every parameter this rank holds to its region of the Hugging Face weights (any
     layout: each rank slices its own shard by its ``ShardInfo``; padding rows stay)."""
-    full = read_hf(path, trainer.job.model)
+    full = read_hf(path, trainer.job.model, warn=warn)
     with torch.no_grad():
         for name, p in trainer.named_parameters():
             info = p.shard_info
