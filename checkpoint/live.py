@@ -422,10 +422,12 @@ def gather_descriptions(desc: Mapping[str, Any], group: dist.ProcessGroup | None
     (:func:`_encode`). A description of another version comes back as it was sent (the
     planner refuses it by its version)."""
     decoded: dict[int, Any] = {}
-    return [
-        decoded.setdefault(id(w), _decode(w) if w.get("v") == DESCRIPTION_VERSION else w)
-        for w in gather_compressed(_encode(desc), group)
-    ]
+    out = []
+    for w in gather_compressed(_encode(desc), group):  # replicas' are one object
+        if id(w) not in decoded:
+            decoded[id(w)] = _decode(w) if w.get("v") == DESCRIPTION_VERSION else w
+        out.append(decoded[id(w)])
+    return out
 
 
 def _sets(d: Mapping[str, Any]) -> list[tuple[int, Mapping[str, Any]]]:

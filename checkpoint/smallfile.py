@@ -22,13 +22,14 @@ Standard library only (and :mod:`checkpoint.errors`), like :mod:`checkpoint.owne
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import secrets
 import stat
 from collections.abc import Callable
 
-from checkpoint.errors import CheckpointError, CheckpointReadError
+from checkpoint.errors import CheckpointError
 
 MAX_SMALL_FILE_BYTES = 1 << 20
 """The largest control file read (owner, fence, `latest`, unloadable record)."""
@@ -43,13 +44,19 @@ def open_regular(
     error: type[CheckpointError],
     missing_ok: bool = False,
     dir_fd: int | None = None,
+    unreadable: type[CheckpointError] | None = None,
 ) -> tuple[int, os.stat_result] | None:
     """``(fd, fstat)`` of ``path`` opened for reading, only if it is a regular file: a
     symlink (``O_NOFOLLOW``), a FIFO (``O_NONBLOCK`` keeps its open from blocking), a device
     or a directory raises ``error``, one line naming the file; the type comes from ``fstat``
     of the very file opened. A missing file is None with ``missing_ok``, else ``error``.
     With ``dir_fd`` (an open directory), the last part of ``path`` is opened in that very
-    directory, whatever its name points to by now. The caller closes ``fd``."""
+    directory, whatever its name points to by now. The caller closes ``fd``.
+
+    ``unreadable`` (default ``error``): raised instead for an open refused for a reason
+    outside the file's content (permissions, I/O): a step's tensor files pass
+    :class:`CheckpointReadError`, which a load stops on rather than fall back past. What
+    is there instead of a file (a symlink, a socket, a directory) stays ``error``."""
     name = path if dir_fd is None else os.path.basename(path)
     try:
         fd = os.open(name, _READ_FLAGS, dir_fd=dir_fd)
@@ -61,9 +68,10 @@ def open_regular(
         with contextlib.suppress(OSError):
             if stat.S_ISLNK(os.lstat(name, dir_fd=dir_fd).st_mode):
                 raise error(f"{path}: a symlink, not a regular file") from exc
-        # Permissions, I/O: not the file's content (a load stops rather than fall back
-        # past a step that may be good, and never records it as unloadable).
-        raise CheckpointReadError(f"{path}: cannot open: {exc.strerror}") from exc
+        # What is there instead of a file, or a refusal outside the content (EACCES, EIO).
+        there = exc.errno in (errno.ENXIO, errno.ELOOP, errno.ENOTDIR, errno.EISDIR)
+        kind = error if there else (unreadable or error)
+        raise kind(f"{path}: cannot open: {exc.strerror}") from exc
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import crc32c
 
 from checkpoint import smallfile
-from checkpoint.errors import CorruptCheckpointError, SaveRefusedError
+from checkpoint.errors import CheckpointReadError, CorruptCheckpointError, SaveRefusedError
 from checkpoint.manifest import lower_hex, not_json, quoted, st_code
 
 if TYPE_CHECKING:  # imported where a tensor is written: reading needs no torch
@@ -214,8 +214,8 @@ def pread_into(fd: int, view: memoryview, offset: int, path: str) -> None:
     while got < len(view):
         try:
             n = os.preadv(fd, [view[got:]], offset + got)
-        except OSError as exc:
-            raise CorruptCheckpointError(f"{path}: cannot read: {exc.strerror}") from exc
+        except OSError as exc:  # EIO: the disk's, not the step's (a load stops on it)
+            raise CheckpointReadError(f"{path}: cannot read: {exc.strerror}") from exc
         if not n:
             raise CorruptCheckpointError(f"{path}: truncated (shorter than it was)")
         got += n
@@ -320,7 +320,8 @@ def open_regular(
     from ``fstat`` of the very file opened, so nothing is read before they are checked.
     With ``dir_fd``, the file is opened in that open directory (the step directory a
     :class:`checkpoint.load.Checkpoint` holds), not through the path's directories."""
-    fd, st = smallfile.open_regular(path, error=CorruptCheckpointError, dir_fd=dir_fd)
+    fd, st = smallfile.open_regular(path, error=CorruptCheckpointError, dir_fd=dir_fd,
+                                    unreadable=CheckpointReadError)  # fmt: skip
     try:
         if expect_bytes is not None and st.st_size != expect_bytes:
             raise CorruptCheckpointError(
@@ -346,7 +347,10 @@ def read_regular(path: str, *, max_bytes: int, dir_fd: int | None = None) -> byt
 def read_exact(fd: int, offset: int, n: int, path: str) -> bytes:
     out = bytearray()
     while len(out) < n:
-        got = os.pread(fd, n - len(out), offset + len(out))
+        try:
+            got = os.pread(fd, n - len(out), offset + len(out))
+        except OSError as exc:  # as pread_into
+            raise CheckpointReadError(f"{path}: cannot read: {exc.strerror}") from exc
         if not got:
             raise CorruptCheckpointError(f"{path}: truncated (shorter than it was)")
         out += got

@@ -292,6 +292,7 @@ def export_dir(out: str, names: Iterable[str]) -> Iterator[ExportFiles]:
             )
     made = not os.path.isdir(out)
     os.makedirs(out, exist_ok=True)
+    _remove_dead_partials(out, names)
     files = ExportFiles(out)
     try:
         yield files
@@ -308,6 +309,24 @@ def export_dir(out: str, names: Iterable[str]) -> Iterator[ExportFiles]:
             with contextlib.suppress(OSError):
                 os.rmdir(out)  # only if empty: nothing but what this export wrote
         raise
+
+
+def _remove_dead_partials(out: str, names: set[str]) -> None:
+    """Delete the temporary files of ``names`` that an export killed before its renames
+    left in ``out`` (their process is gone)."""
+    for entry in os.listdir(out):
+        base, sep, pid = entry.rpartition(".partial-")
+        if not sep or not pid.isdigit() or base[1:] not in names or not base.startswith("."):
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # its export is still running
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(out, entry))
 
 
 def _umask() -> int:

@@ -169,3 +169,29 @@ def test_a_failed_export_over_an_earlier_one_leaves_the_earlier_one_whole(tmp_pa
         failed = export(256 * 1024)
         assert failed.returncode == 2 and "cannot write" in failed.stderr, failed.stderr[-2000:]
         assert {n: (out / n).read_bytes() for n in os.listdir(out)} == before
+
+
+def test_an_export_killed_before_its_renames_leaves_nothing_the_next_one_keeps(tmp_path):
+    """Its temporary files are hidden (.NAME.partial-PID); the next export into the
+    directory removes those of a process that is gone, and no others."""
+    from checkpoint.verify import export_dir
+
+    out = tmp_path / "out"
+    out.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    live = subprocess.Popen(["sleep", "60"])  # an export still running elsewhere
+    try:
+        (out / f".model.safetensors.partial-{dead}").write_bytes(b"half")
+        (out / f".model.safetensors.partial-{live.pid}").write_bytes(b"writing")
+        (out / f".notes.partial-{dead}").write_text("not an export's")
+        with export_dir(str(out), ["model.safetensors"]) as files:
+            Path(files.path("model.safetensors")).write_bytes(b"whole")
+        assert sorted(os.listdir(out)) == sorted([
+            f".model.safetensors.partial-{live.pid}", f".notes.partial-{dead}",
+            "model.safetensors",
+        ])  # fmt: skip
+        assert (out / "model.safetensors").read_bytes() == b"whole"
+    finally:
+        live.kill()
+        live.wait()

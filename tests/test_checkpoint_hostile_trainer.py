@@ -589,3 +589,12 @@ def test_a_schedule_that_gives_the_step_saved_another_lr_is_said_on_resume(tmp_p
     # Unchanged, nothing is said.
     assert run(out, 16, "train.lr_schedule=cosine") == 0
     assert "lr of the step saved" not in capsys.readouterr().out
+
+
+def test_another_routing_of_a_mixture_of_experts_is_refused_on_resume(tmp_path, capsys):
+    """top_k was not recorded, so the check that names it compared nothing."""
+    out = tmp_path / "out"
+    assert run(out, 2, "model.experts=2", "model.top_k=2") == 0
+    capsys.readouterr()
+    assert run(out, 3, "model.experts=2", "model.top_k=1") == 2
+    assert "top_k 2 -> 1" in one_error_line(capsys)

@@ -147,8 +147,34 @@ def test_a_step_of_a_newer_format_stops_the_load_and_is_neither_fallen_back_past
     assert "step 50" in warnings[0] and list(read_unloadable(ckpt)) == [50]
 
 
+def test_a_step_whose_file_fails_a_read_stops_the_load_and_is_not_marked(tmp_path, monkeypatch):
+    """A bad sector fails the read, not the open: EIO from preadv of step 20's data."""
+    import errno
+
+    from checkpoint import CheckpointReadError
+    from checkpoint.store import read_unloadable
+
+    ckpt = str(tmp_path)
+    save_steps(ckpt, [10, 20])
+    bad = os.path.realpath(data_file(ckpt, 20))
+    real = os.preadv
+
+    def failing_preadv(fd, buffers, offset, *args):
+        if os.readlink(f"/proc/self/fd/{fd}") == bad:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(os, "preadv", failing_preadv)
+    model, optim = blank()
+    with pytest.raises(CheckpointReadError, match=r"step 20 could not be read \(.*cannot read"):
+        load_latest(ckpt, model=model, optimizer=optim, warn=pytest.fail)
+    monkeypatch.undo()
+    assert read_unloadable(ckpt) == {}
+    assert load_latest(ckpt, model=model, optimizer=optim).step == 20
+
+
 def test_a_step_that_cannot_be_read_stops_the_load_and_is_not_marked(tmp_path, monkeypatch):
-    """An I/O error (here EIO from every read of step 20's data) is the disk's, not the
+    """An I/O error (here EIO from every open of step 20's data) is the disk's, not the
     step's: falling back would abandon the step and the next commit would prune it."""
     import errno
 

@@ -45,8 +45,10 @@ class HFError(TrainerConfigError):
 
 
 def model_record(model_cfg) -> dict[str, Any]:
-    """What a checkpoint records of the model (``extra["model"]``)."""
-    return {k: getattr(model_cfg, k) for k in MODEL_FIELDS}
+    """What a checkpoint records of the model (``extra["model"]``): MODEL_FIELDS, which
+    an export needs, and ``top_k`` (the routing, which a resume must keep; absent from
+    checkpoints of earlier trainers)."""
+    return {**{k: getattr(model_cfg, k) for k in MODEL_FIELDS}, "top_k": model_cfg.top_k}
 
 
 MAX_DIM = 1 << 24
