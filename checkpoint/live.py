@@ -329,11 +329,14 @@ def describe(
     have_consumed: int | None,
     need: Holding,
     extra: Sequence[Held] = (),
+    digests: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """This rank's description for the all-gather. Local problems (a tensor smaller
     than its region, state without a step) go in ``error`` so every rank refuses together.
     ``extra`` holdings go in ``more``, in order (set k of the plan is ``more[k - 1]``).
-    Each side maps a key to ``[dtype, global shape, offsets, sizes]``."""
+    Each side maps a key to ``[dtype, global shape, offsets, sizes]``. ``digests``: a
+    checksum of each held tensor's content (``digests``, key -> int), for state that is
+    claimed replicated (:func:`plan_recovery` refuses to send a key whose holders differ)."""
     entries = _Entries()
     if have is not None and (have_step is None or have_consumed is None):
         entries.errors.append("state held without a step and consumed_samples")
@@ -343,7 +346,7 @@ def describe(
         {"step": h.step, "consumed": h.consumed, "have": entries.side(h.tensors)} for h in extra
     ]
     needed = entries.side(need)
-    return {
+    out = {
         "v": DESCRIPTION_VERSION,
         "step": have_step if have is not None else None,
         "consumed": have_consumed if have is not None else None,
@@ -352,6 +355,9 @@ def describe(
         "need": needed,
         "error": "; ".join(entries.errors) or None,
     }
+    if digests is not None and have is not None:
+        out["digests"] = {k: int(digests[k]) for k in held if k in digests}
+    return out
 
 
 def _encode(desc: Mapping[str, Any]) -> dict[str, Any]:
@@ -382,8 +388,11 @@ def _encode(desc: Mapping[str, Any]) -> dict[str, Any]:
         held, keys = side(m["have"], keys)
         more.append({"step": m["step"], "consumed": m["consumed"], "have": held})
     need, _ = side(desc["need"], keys)
-    return {**{k: desc[k] for k in ("v", "step", "consumed", "error")},
-            "entries": table, "have": have, "more": more, "need": need}  # fmt: skip
+    out = {**{k: desc[k] for k in ("v", "step", "consumed", "error")},
+           "entries": table, "have": have, "more": more, "need": need}  # fmt: skip
+    if desc.get("digests") is not None:  # in the live keys' order, null where none
+        out["digests"] = [desc["digests"].get(k) for k in desc["have"]]
+    return out
 
 
 def _decode(wire: Mapping[str, Any]) -> dict[str, Any]:
@@ -397,10 +406,15 @@ def _decode(wire: Mapping[str, Any]) -> dict[str, Any]:
         return dict(zip(keys, map(table.__getitem__, s["entries"]), strict=True))
 
     have = side(wire["have"])
+    held_keys = keys
     more = [{"step": m["step"], "consumed": m["consumed"], "have": side(m["have"])}
             for m in wire["more"]]  # fmt: skip
-    return {**{k: wire[k] for k in ("v", "step", "consumed", "error")},
-            "have": have, "more": more, "need": side(wire["need"])}  # fmt: skip
+    out = {**{k: wire[k] for k in ("v", "step", "consumed", "error")},
+           "have": have, "more": more, "need": side(wire["need"])}  # fmt: skip
+    if wire.get("digests") is not None:
+        out["digests"] = {k: v for k, v in zip(held_keys, wire["digests"], strict=True)
+                          if v is not None}  # fmt: skip
+    return out
 
 
 def gather_compressed(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
@@ -678,6 +692,9 @@ def plan_recovery(descs: Sequence[Mapping[str, Any]]) -> tuple[RecoveryPlan | No
             reasons.append(f"step {step}: holders disagree on consumed_samples {sorted(consumed)}")
             skipped.append(step)
             continue
+        differs = _not_replicated(descs, step, pieces)
+        if differs:
+            return None, differs
         return RecoveryPlan(
             step=step,
             consumed_samples=consumed.pop(),
@@ -686,6 +703,31 @@ def plan_recovery(descs: Sequence[Mapping[str, Any]]) -> tuple[RecoveryPlan | No
             skipped_steps=tuple(skipped),
         ), ""
     return None, "; ".join(reasons)
+
+
+def _not_replicated(descs: Sequence[Mapping[str, Any]], step: int, pieces: list[Piece]) -> str:
+    """Why a key the plan sends is not one tensor: its holders at ``step`` with the same
+    box gave different digests (``describe(digests=...)``), or "". Sharded or rank-local
+    state handed over as whole tensors: a newcomer was given whichever rank's shard the
+    plan chose, and trained on as if it were its own (a review's FSDP script)."""
+    sent = {p.key for p in pieces if p.src != p.dst}
+    if not sent:
+        return ""
+    for key in sorted(sent):
+        seen: dict[tuple, tuple[int, int]] = {}
+        for r, d in enumerate(descs):
+            digests = d.get("digests")
+            if d["step"] != step or not digests or key not in digests or key not in d["have"]:
+                continue
+            _dtype, _shape, offs, sizes = d["have"][key]
+            box = (tuple(offs), tuple(sizes))
+            first = seen.setdefault(box, (digests[key], r))
+            if first[0] != digests[key]:
+                return (f"{key} differs between rank {first[1]} and rank {r} at step {step}: "
+                        "state handed over whole must be the same on every rank that holds "
+                        "it (sharded or per-rank state cannot be synced; docs/inprocess.md, "
+                        "\"Sharded state\")")  # fmt: skip
+    return ""
 
 
 # -- transfer --------------------------------------------------------------------------------
@@ -905,6 +947,7 @@ def recover_from_peers(
     extra: Sequence[Held] = (),
     before_write: Callable[[int], None] | None = None,
     refused: Callable[[str], None] | None = None,
+    digests: Mapping[str, int] | None = None,
 ) -> LiveRecovery | None:
     """Fill ``need`` in place from what the ranks of ``group`` still hold; collective.
 
@@ -920,6 +963,8 @@ def recover_from_peers(
     failed its CRC on any rank (``need`` may then be partly written); ``refused(why)`` is
     then called on every rank with the reason (the same on every rank: it comes from the
     gathered descriptions or the agreement). Raises when a peer dies mid-transfer.
+    ``digests`` (key -> a checksum of the held tensor's bytes): for state claimed
+    replicated, a key is sent only if every holder at the step gave the same digest.
     """
     # The cyclic garbage collector is off for the call: it allocates a tuple or two per
     # tensor, and in a trainer's process (a model, its optimizer, torch's own modules)
@@ -932,6 +977,7 @@ def recover_from_peers(
         return _recover_from_peers(
             have=have, have_step=have_step, have_consumed=have_consumed, need=need,
             group=group, extra=extra, before_write=before_write, refused=refused,
+            digests=digests,
         )  # fmt: skip
     finally:
         if enabled:
@@ -948,6 +994,7 @@ def _recover_from_peers(
     extra: Sequence[Held],
     before_write: Callable[[int], None] | None,
     refused: Callable[[str], None] | None,
+    digests: Mapping[str, int] | None,
 ) -> LiveRecovery | None:
     started = time.perf_counter()
     marks: dict[str, float] = {}
@@ -961,7 +1008,12 @@ def _recover_from_peers(
     me, world = group_rank(group), group_size(group)
     descs = gather_descriptions(
         describe(
-            have=have, have_step=have_step, have_consumed=have_consumed, need=need, extra=extra
+            have=have,
+            have_step=have_step,
+            have_consumed=have_consumed,
+            need=need,
+            extra=extra,
+            digests=digests,
         ),
         group,
     )

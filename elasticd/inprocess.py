@@ -261,6 +261,7 @@ class Context:
                     "tensors; a number through StateTensors.carry_number, an object with "
                     "state_dict() as one of state_tensors' others"
                 )
+            refuse_sharded("sync_state", name, t)
         newest = torch.tensor([-1 if step is None else int(step)], dtype=torch.int64)
         group = transfer_group()
         # The transfer's own description gather carries every step too, but its waits are
@@ -285,6 +286,8 @@ class Context:
             have=have if step is not None else None, have_step=step,
             have_consumed=0 if step is not None else None, need=boxes, group=group,
             refused=why.append,
+            # Claimed whole and replicated: a key is sent only where its holders agree.
+            digests={k: _digest(t) for k, (t, _info) in have.items()} if step is not None else None,
         )  # fmt: skip
         if result is None:
             raise RuntimeError(
@@ -444,6 +447,34 @@ def _setter(container: Any, key: Any) -> Callable[[Any], None]:
     return write
 
 
+def refuse_sharded(where: str, name: str, t: Any) -> None:
+    """A ``DTensor`` (FSDP2's parameters and their optimizer state, a tensor-parallel
+    module's) is one shard of a tensor on a mesh of the round that made it: synced as a
+    whole tensor, the survivors would keep shards of a mesh that is gone and a newcomer
+    would get another rank's. Refused in one line, naming what works instead."""
+    if type(t).__name__ != "DTensor":
+        return
+    mesh = getattr(t, "device_mesh", None)
+    raise TypeError(
+        f"{where}: {name!r} is a DTensor ({getattr(t, 'placements', '?')} on a mesh of "
+        f"{getattr(mesh, 'size', lambda: '?')()} ranks), a shard: only whole, replicated "
+        "tensors are synced from peers. Hand over full tensors (torch.distributed.checkpoint"
+        ".state_dict.get_state_dict(..., options=StateDictOptions(full_state_dict=True))) "
+        'or resume from a checkpoint (docs/inprocess.md, "Sharded state")'
+    )
+
+
+def _digest(t: Any) -> int:
+    """CRC-32C of a tensor's bytes (a CUDA tensor's through host memory)."""
+    import crc32c
+    import torch
+
+    flat = t.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return crc32c.crc32c(flat.contiguous().view(torch.uint8).numpy())
+
+
 def state_tensors(model: Any, optimizer: Any = None, *others: Any) -> StateTensors:
     """What a data-parallel script's ranks must hold alike, by name, for
     :meth:`Context.sync_state`:
@@ -473,6 +504,7 @@ def state_tensors(model: Any, optimizer: Any = None, *others: Any) -> StateTenso
         p.grad = None
     for name, t in model.state_dict(keep_vars=True).items():
         if torch.is_tensor(t):
+            refuse_sharded("state_tensors", f"model/{name}", t)
             out[f"model/{name}"] = t.detach()
     names = {id(p): n for n, p in model.named_parameters()}
     if optimizer is not None:
@@ -506,10 +538,12 @@ def _optimizer_state(out: StateTensors, names: dict[int, str], optimizer: Any, t
             pname = names.get(id(p))
             if pname is None:  # trained, yet not the model's: carried itself too
                 pname = f"param_groups/{gi}/params/{pi}"
+                refuse_sharded("state_tensors", f"{top}/{pname}", p)
                 out[f"{top}/{pname}"] = p.detach()
             st = optimizer.state[p]
             for key, value in st.items():
                 if torch.is_tensor(value):
+                    refuse_sharded("state_tensors", f"{top}/{pname}/{key}", value)
                     out[f"{top}/{pname}/{key}"] = value
                 elif _is_number(value):
                     out.carry_number(f"{top}/{pname}/{key}", value, _setter(st, key))

@@ -27,8 +27,10 @@ import elasticd.inprocess as ei
 
 CASES = ["sgd-momentum", "adam-amsgrad", "adamw-scheduler-scaler", "rmsprop-extra-param",
          "int-lr-two-optimizers", "parameters-as-given", "generator", "lazy-state-refused",
-         "not-a-tensor-refused", "shape-per-rank-refused"]  # fmt: skip
-REFUSED = ("lazy-state-refused", "not-a-tensor-refused", "shape-per-rank-refused")
+         "not-a-tensor-refused", "shape-per-rank-refused", "contents-per-rank-refused",
+         "dtensor-refused", "sgd-after-the-refusals"]  # fmt: skip
+REFUSED = ("lazy-state-refused", "not-a-tensor-refused", "shape-per-rank-refused",
+           "contents-per-rank-refused", "dtensor-refused")  # fmt: skip
 """Cases that fail the sync on every rank alike (the ranks stay in step for the next)."""
 Pos = namedtuple("Pos", "epoch batch")
 
@@ -192,6 +194,14 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
                     tensors["extra/count"] = 3
                 if case == "shape-per-rank-refused":
                     tensors["extra/buf"] = torch.zeros(3 if rank == 0 else 4)
+                if case == "contents-per-rank-refused":  # a rank's own shard, handed as whole
+                    tensors["extra/shard"] = torch.full((4,), float(rank))
+                if case == "dtensor-refused":  # FSDP2's parameters are DTensors
+                    from torch.distributed.device_mesh import init_device_mesh
+                    from torch.distributed.tensor import Shard, distribute_tensor
+
+                    mesh = init_device_mesh("cpu", (world,))
+                    tensors["model/sharded"] = distribute_tensor(torch.ones(6, 2), mesh, [Shard(0)])
             step = ctx.sync_state(tensors, step=HELD_STEP if holder else None)
             if case == "parameters-as-given":  # its optimizer holds no state: SGD, no momentum
                 assert not opt.state
@@ -288,6 +298,46 @@ def test_a_tensor_shaped_differently_per_rank_is_refused_on_every_rank_saying_ho
         "could not be agreed: extra/buf: rank 0 holds float32 [3], rank 1 holds float32 [4]"
         in (errors[0])
     )
+
+
+def test_state_each_rank_holds_its_own_of_is_not_given_to_a_newcomer(synced):
+    """Each holder's own shard, handed over as a whole tensor (an FSDP script's local
+    shards): the newcomer was given rank 0's and trained on with it, the job "succeeded"
+    with a lost shard. The holders' digests differ: refused on every rank, saying why."""
+    errors = [r["contents-per-rank-refused"].get("error") for r in synced]
+    assert len(set(errors)) == 1, errors
+    assert "extra/shard differs between rank 0 and rank 1 at step 3" in errors[0], errors[0]
+    assert "sharded or per-rank state cannot be synced" in errors[0]
+
+
+def test_a_dtensor_is_refused_before_any_collective_naming_what_works(synced):
+    """A DTensor was taken for a whole tensor: a newcomer's failed deep in the transfer
+    ("got mixed torch.Tensor and DTensor"), survivors kept shards of a dead mesh."""
+    errors = [r["dtensor-refused"].get("error") for r in synced]
+    assert len(set(errors)) == 1, errors
+    assert errors[0].startswith("TypeError: sync_state: 'model/sharded' is a DTensor ("), errors
+    assert "on a mesh of 3 ranks), a shard" in errors[0] and "full_state_dict=True" in errors[0]
+    # The refusals left the ranks in step: the next sync works (a case after them).
+    assert all("error" not in r["sgd-after-the-refusals"] for r in synced), synced
+
+
+def test_state_tensors_refuses_a_model_of_dtensors(tmp_path):
+    """FSDP2's parameters are DTensors: refused where the state is named."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 's'}", rank=0, world_size=1)
+    try:
+        model = torch.nn.Linear(2, 2)
+        mesh = init_device_mesh("cpu", (1,))
+        model.weight = torch.nn.Parameter(
+            distribute_tensor(model.weight.detach(), mesh, [Shard(0)])
+        )
+        with pytest.raises(TypeError, match=r"state_tensors: 'model/weight' is a DTensor \("):
+            ei.state_tensors(model, None)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_an_object_without_a_state_dict_is_refused_in_state_tensors():
