@@ -549,6 +549,47 @@ def test_the_ddp_example_survives_a_killed_node_in_process_and_matches_one_proce
     assert len(later[-1]) == 2 and len(later[-1] & second) == 1, pids
 
 
+def test_the_fsdp2_example_survives_a_killed_node_and_worker_in_process_and_matches_one_process(
+    tmp_path,
+):
+    """examples/fsdp2_inprocess.py: fully_shard's DTensors cannot be synced (refused), so
+    the script hands over a whole copy of its state and shards a fresh model each round:
+    dp3 -> dp2 (the survivors' copies), then a killed worker whose new process receives
+    the copy; every step once, each loss equal to the script alone within fp32 round-off."""
+    script = os.path.join(
+        os.path.dirname(os.path.dirname(__file__)), "examples", "fsdp2_inprocess.py"
+    )
+    ref_log = tmp_path / "ref.jsonl"
+    steps = 30
+    knobs = {"FSDP_STEPS": str(steps), "FSDP_STEP_SLEEP": "0.05"}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    r = subprocess.run([sys.executable, script], env={**env, **knobs, "FSDP_LOG": str(ref_log)},
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    reference = {
+        rec["step"]: rec["loss"] for rec in map(json.loads, ref_log.read_text().splitlines())
+    }
+    assert sorted(reference) == list(range(1, steps + 1))
+    job = make_job(tmp_path, "fsdp", steps=steps, command=[sys.executable, script])
+    os.environ.update(knobs)  # the agents' environment reaches the workers
+    try:
+        result = run(job, 3, ["kill-node=1@step=8", "kill-worker=1@step=18"])
+    finally:
+        for k in knobs:
+            del os.environ[k]
+    assert result["state"] == "succeeded", f"{result['reason']}\n{story(job)}"
+    assert not [f for f in result["faults"] if f.get("skipped")], result["faults"]
+    records = [json.loads(line) for line in (tmp_path / "fsdp" / "metrics.jsonl").open()]
+    assert [rec["step"] for rec in records] == list(range(1, steps + 1))
+    for rec in records:
+        assert rec["loss"] == pytest.approx(reference[rec["step"]], rel=1e-5, abs=1e-7)
+    recs = [e for e in result["status"]["history"] if e["kind"] == "recovery"]
+    assert [(e["mode"], e["source"], e["lost_steps"]) for e in recs] == [
+        ("inprocess", "peers", 0),
+        ("inprocess", "peers", 0),
+    ], f"{recs}\n{story(job)}"
+
+
 def test_a_script_that_crashes_every_time_fails_the_job_in_process_too(tmp_path):
     """A worker that exits 1 at once, on every node, every round (an import error). Its
     agent backs off before its node re-joins (a crash loop), so the others re-form without
