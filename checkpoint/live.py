@@ -705,6 +705,13 @@ def plan_recovery(descs: Sequence[Mapping[str, Any]]) -> tuple[RecoveryPlan | No
     return None, "; ".join(reasons)
 
 
+def digest_on_device(digest: int) -> bool:
+    """Which kind a digest is (``elasticd.inprocess._digest``): a device's (at or above
+    2^62) or a CRC-32C of host bytes; only digests of one kind are compared (a tensor one
+    rank holds on the CPU and another on a GPU is not)."""
+    return digest >= 1 << 62
+
+
 def _not_replicated(descs: Sequence[Mapping[str, Any]], step: int, pieces: list[Piece]) -> str:
     """Why a key the plan sends is not one tensor: its holders at ``step`` with the same
     box gave different digests (``describe(digests=...)``), or "". Sharded or rank-local
@@ -720,7 +727,7 @@ def _not_replicated(descs: Sequence[Mapping[str, Any]], step: int, pieces: list[
             if d["step"] != step or not digests or key not in digests or key not in d["have"]:
                 continue
             _dtype, _shape, offs, sizes = d["have"][key]
-            box = (tuple(offs), tuple(sizes))
+            box = (tuple(offs), tuple(sizes), digest_on_device(digests[key]))
             first = seen.setdefault(box, (digests[key], r))
             if first[0] != digests[key]:
                 return (f"{key} differs between rank {first[1]} and rank {r} at step {step}: "

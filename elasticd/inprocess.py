@@ -464,15 +464,36 @@ def refuse_sharded(where: str, name: str, t: Any) -> None:
     )
 
 
+_MIX = 0x5851F42D4C957F2D
+"""An odd 63-bit multiplier (PCG's): the digest's words are mixed by their place."""
+
+
 def _digest(t: Any) -> int:
-    """CRC-32C of a tensor's bytes (a CUDA tensor's through host memory)."""
+    """A digest of a tensor's bytes, for telling holders apart (not against an adversary).
+    On the CPU their CRC-32C (below 2^32). On a device, computed there (no copy of the
+    state to the host): the bytes as int64 words, each XORed with a multiple of its place
+    and multiplied by an odd constant, summed with wrap-around (integer arithmetic: the
+    same on every device), kept in [2^62, 2^63) so the two kinds are never compared
+    (``checkpoint.live.digest_on_device``)."""
     import crc32c
     import torch
 
-    flat = t.detach().reshape(-1)
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
-    return crc32c.crc32c(flat.contiguous().view(torch.uint8).numpy())
+    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    if raw.device.type == "cpu":
+        return crc32c.crc32c(raw.numpy())
+    return _device_digest(raw)
+
+
+def _device_digest(raw: Any) -> int:
+    """:func:`_digest` of the bytes ``raw`` (a uint8 tensor) where they are."""
+    import torch
+
+    words = torch.zeros(-(-raw.numel() // 8) * 8, dtype=torch.uint8, device=raw.device)
+    words[: raw.numel()] = raw
+    w = words.view(torch.int64)
+    place = torch.arange(1, w.numel() + 1, dtype=torch.int64, device=w.device) * _MIX
+    total = int((torch.bitwise_xor(w, place) * _MIX).sum()) ^ raw.numel()
+    return (total & ((1 << 62) - 1)) | (1 << 62)
 
 
 def state_tensors(model: Any, optimizer: Any = None, *others: Any) -> StateTensors:

@@ -343,3 +343,20 @@ def test_state_tensors_refuses_a_model_of_dtensors(tmp_path):
 def test_an_object_without_a_state_dict_is_refused_in_state_tensors():
     with pytest.raises(TypeError, match="other 0 is object: neither an optimizer"):
         ei.state_tensors(torch.nn.Linear(2, 2), None, object())
+
+
+def test_the_digest_of_device_tensors_is_computed_in_place_and_tells_contents_apart():
+    """On a GPU the holders' digests are computed on the device (integer arithmetic, the
+    same everywhere), never from a copy of the state in host memory; checked here on the
+    CPU, where the same code runs. Its values never meet a CRC's."""
+    from checkpoint.live import digest_on_device
+
+    a = torch.randn(1001, generator=torch.Generator().manual_seed(1))
+    b = a.clone()
+    b.view(torch.int32)[500] ^= 1  # one bit
+    u8 = ei._device_digest
+    same = u8(a.view(torch.uint8)), u8(a.clone().view(torch.uint8))
+    assert same[0] == same[1] and u8(b.view(torch.uint8)) != same[0]
+    assert digest_on_device(same[0]) and not digest_on_device(ei._digest(a))
+    assert u8(torch.zeros(0, dtype=torch.uint8)) != u8(torch.zeros(8, dtype=torch.uint8))
+    assert ei._digest(a[::2]) == ei._digest(a[::2].contiguous())  # a view, as its values
