@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -147,58 +148,46 @@ def test_a_step_of_a_newer_format_stops_the_load_and_is_neither_fallen_back_past
     assert "step 50" in warnings[0] and list(read_unloadable(ckpt)) == [50]
 
 
-def test_a_step_whose_file_fails_a_read_stops_the_load_and_is_not_marked(tmp_path, monkeypatch):
-    """A bad sector fails the read, not the open: EIO from preadv of step 20's data."""
-    import errno
-
-    from checkpoint import CheckpointReadError
-    from checkpoint.store import read_unloadable
-
-    ckpt = str(tmp_path)
-    save_steps(ckpt, [10, 20])
-    bad = os.path.realpath(data_file(ckpt, 20))
+def _eio_when_reading(bad: str):
+    """``os.preadv`` failing with EIO for the file ``bad`` (a bad sector fails the read)."""
     real = os.preadv
 
-    def failing_preadv(fd, buffers, offset, *args):
+    def failing(fd, buffers, offset, *args):
         if os.readlink(f"/proc/self/fd/{fd}") == bad:
             raise OSError(errno.EIO, "Input/output error")
         return real(fd, buffers, offset, *args)
 
-    monkeypatch.setattr(os, "preadv", failing_preadv)
-    model, optim = blank()
-    with pytest.raises(CheckpointReadError, match=r"step 20 could not be read \(.*cannot read"):
-        load_latest(ckpt, model=model, optimizer=optim, warn=pytest.fail)
-    monkeypatch.undo()
-    assert read_unloadable(ckpt) == {}
-    assert load_latest(ckpt, model=model, optimizer=optim).step == 20
+    return "preadv", failing, "cannot read: Input/output"
 
 
-def test_a_step_that_cannot_be_read_stops_the_load_and_is_not_marked(tmp_path, monkeypatch):
-    """An I/O error (here EIO from every open of step 20's data) is the disk's, not the
+def _eio_when_opening(bad: str):
+    """``os.open`` failing with EIO for the file ``bad`` (opened in its step directory)."""
+    real = os.open
+
+    def failing(path, flags, *args, dir_fd=None, **kwargs):
+        where = str(path) if dir_fd is None else os.path.join(
+            os.readlink(f"/proc/self/fd/{dir_fd}"), path
+        )  # fmt: skip
+        if where == bad:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(path, flags, *args, dir_fd=dir_fd, **kwargs)
+
+    return "open", failing, "cannot open: Input/output"
+
+
+@pytest.mark.parametrize("fault", [_eio_when_opening, _eio_when_reading], ids=["open", "read"])
+def test_a_step_that_cannot_be_read_stops_the_load_and_is_not_marked(tmp_path, monkeypatch, fault):
+    """An I/O error from step 20's data, at its open or at a read, is the disk's, not the
     step's: falling back would abandon the step and the next commit would prune it."""
-    import errno
-
     from checkpoint import CheckpointReadError
     from checkpoint.store import read_unloadable
 
     ckpt = str(tmp_path)
     save_steps(ckpt, [10, 20])
-    bad = os.path.realpath(data_file(ckpt, 20))
-    real = os.open
-
-    def failing_open(path, flags, *args, dir_fd=None, **kwargs):
-        where = (
-            str(path)
-            if dir_fd is None
-            else os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), path)
-        )
-        if where == bad:
-            raise OSError(errno.EIO, "Input/output error")
-        return real(path, flags, *args, dir_fd=dir_fd, **kwargs)
-
-    monkeypatch.setattr(os, "open", failing_open)
+    name, failing, says = fault(os.path.realpath(data_file(ckpt, 20)))
+    monkeypatch.setattr(os, name, failing)
     model, optim = blank()
-    with pytest.raises(CheckpointReadError, match=r"step 20 could not be read \(.*Input/output"):
+    with pytest.raises(CheckpointReadError, match=rf"step 20 could not be read \(.*{says}"):
         load_latest(ckpt, model=model, optimizer=optim, warn=pytest.fail)
     monkeypatch.undo()
     assert read_unloadable(ckpt) == {}

@@ -503,43 +503,51 @@ def test_a_hung_rank_of_a_ddp_script_is_killed_alone_and_its_peers_go_on_in_proc
     assert len(first & second) == 1, story(job)  # rank 0's process went on
 
 
-def test_the_ddp_example_survives_a_killed_node_in_process_and_matches_one_process(tmp_path):
-    """examples/ddp_inprocess.py: a plain DDP script with the elasticd lines, dp3 -> dp2,
-    then a killed worker whose replacement (a new process: a script of its own has no
-    standby) receives the model, AdamW's state and the warm-up scheduler's position from
-    the survivor (before the review fix, a newcomer's made-up optimizer state and its
-    scheduler at step 0 would have trained on differently)."""
-    script = os.path.join(
-        os.path.dirname(os.path.dirname(__file__)), "examples", "ddp_inprocess.py"
-    )
+def run_example(tmp_path, name: str, script: str, steps: int, knobs: dict, faults: list[str]):
+    """An example script alone (its reference losses, which it logs to the file named by
+    ``<PREFIX>_LOG``, the knobs' prefix) and as a 3-node in-process job through
+    ``faults``; the job's result, once it succeeded with every step recorded once, each
+    loss equal to the script alone's within fp32 round-off."""
+    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", script)
     ref_log = tmp_path / "ref.jsonl"
-    steps = 100
-    # Steps of 20 ms: step-keyed faults fire when the agents see the step, and a step of
-    # this script takes a millisecond (once, loaded CI saw step 10's fault land at step
-    # 30, too late for a second fault at step 25 of 40).
-    knobs = {"DDP_STEPS": str(steps), "DDP_STEP_SLEEP": "0.02"}
+    log_var = next(iter(knobs)).split("_")[0] + "_LOG"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
-    r = subprocess.run([sys.executable, script], env={**env, **knobs, "DDP_LOG": str(ref_log)},
+    r = subprocess.run([sys.executable, script], env={**env, **knobs, log_var: str(ref_log)},
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     reference = {
         rec["step"]: rec["loss"] for rec in map(json.loads, ref_log.read_text().splitlines())
     }
     assert sorted(reference) == list(range(1, steps + 1))
-    job = make_job(tmp_path, "ddp", steps=steps, command=[sys.executable, script])
+    job = make_job(tmp_path, name, steps=steps, command=[sys.executable, script])
     os.environ.update(knobs)  # the agents' environment reaches the workers
     try:
-        result = run(job, 3, ["kill-node=1@step=10", "kill-worker=1@step=60"])
+        result = run(job, 3, faults)
     finally:
         for k in knobs:
             del os.environ[k]
-    assert result["state"] == "succeeded", result["reason"]
+    assert result["state"] == "succeeded", f"{result['reason']}\n{story(job)}"
     assert not [f for f in result["faults"] if f.get("skipped")], result["faults"]
     # The script's channel.record wrote them (where elasticd run reads steps and losses).
-    records = [json.loads(line) for line in (tmp_path / "ddp" / "metrics.jsonl").open()]
+    records = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").open()]
     assert [rec["step"] for rec in records] == list(range(1, steps + 1))
     for rec in records:
         assert rec["loss"] == pytest.approx(reference[rec["step"]], rel=1e-5, abs=1e-7)
+    return job, result
+
+
+def test_the_ddp_example_survives_a_killed_node_in_process_and_matches_one_process(tmp_path):
+    """examples/ddp_inprocess.py: a plain DDP script with the elasticd lines, dp3 -> dp2,
+    then a killed worker whose replacement (a new process: a script of its own has no
+    standby) receives the model, AdamW's state and the warm-up scheduler's position from
+    the survivor (before the review fix, a newcomer's made-up optimizer state and its
+    scheduler at step 0 would have trained on differently)."""
+    # Steps of 20 ms: step-keyed faults fire when the agents see the step, and a step of
+    # this script takes a millisecond (once, loaded CI saw step 10's fault land at step
+    # 30, too late for a second fault at step 25 of 40).
+    job, result = run_example(tmp_path, "ddp", "ddp_inprocess.py", 100,
+                              {"DDP_STEPS": "100", "DDP_STEP_SLEEP": "0.02"},
+                              ["kill-node=1@step=10", "kill-worker=1@step=60"])  # fmt: skip
     recs = [e for e in result["status"]["history"] if e["kind"] == "recovery"]
     assert [e["mode"] for e in recs] == ["inprocess", "inprocess"], recs
     pids = round_pids(job)
@@ -556,33 +564,9 @@ def test_the_fsdp2_example_survives_a_killed_node_and_worker_in_process_and_matc
     the script hands over a whole copy of its state and shards a fresh model each round:
     dp3 -> dp2 (the survivors' copies), then a killed worker whose new process receives
     the copy; every step once, each loss equal to the script alone within fp32 round-off."""
-    script = os.path.join(
-        os.path.dirname(os.path.dirname(__file__)), "examples", "fsdp2_inprocess.py"
-    )
-    ref_log = tmp_path / "ref.jsonl"
-    steps = 30
-    knobs = {"FSDP_STEPS": str(steps), "FSDP_STEP_SLEEP": "0.05"}
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
-    r = subprocess.run([sys.executable, script], env={**env, **knobs, "FSDP_LOG": str(ref_log)},
-                       capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-2000:]
-    reference = {
-        rec["step"]: rec["loss"] for rec in map(json.loads, ref_log.read_text().splitlines())
-    }
-    assert sorted(reference) == list(range(1, steps + 1))
-    job = make_job(tmp_path, "fsdp", steps=steps, command=[sys.executable, script])
-    os.environ.update(knobs)  # the agents' environment reaches the workers
-    try:
-        result = run(job, 3, ["kill-node=1@step=8", "kill-worker=1@step=18"])
-    finally:
-        for k in knobs:
-            del os.environ[k]
-    assert result["state"] == "succeeded", f"{result['reason']}\n{story(job)}"
-    assert not [f for f in result["faults"] if f.get("skipped")], result["faults"]
-    records = [json.loads(line) for line in (tmp_path / "fsdp" / "metrics.jsonl").open()]
-    assert [rec["step"] for rec in records] == list(range(1, steps + 1))
-    for rec in records:
-        assert rec["loss"] == pytest.approx(reference[rec["step"]], rel=1e-5, abs=1e-7)
+    job, result = run_example(tmp_path, "fsdp", "fsdp2_inprocess.py", 30,
+                              {"FSDP_STEPS": "30", "FSDP_STEP_SLEEP": "0.05"},
+                              ["kill-node=1@step=8", "kill-worker=1@step=18"])  # fmt: skip
     recs = [e for e in result["status"]["history"] if e["kind"] == "recovery"]
     assert [(e["mode"], e["source"], e["lost_steps"]) for e in recs] == [
         ("inprocess", "peers", 0),
