@@ -1013,17 +1013,9 @@ def _recover_from_peers(
         marks[name], last[0] = now - last[0], now
 
     me, world = group_rank(group), group_size(group)
-    descs = gather_descriptions(
-        describe(
-            have=have,
-            have_step=have_step,
-            have_consumed=have_consumed,
-            need=need,
-            extra=extra,
-            digests=digests,
-        ),
-        group,
-    )
+    mine = describe(have=have, have_step=have_step, have_consumed=have_consumed, need=need,
+                    extra=extra, digests=digests)  # fmt: skip
+    descs = gather_descriptions(mine, group)
     plan, why = plan_recovery(descs)
     mark("plan")
     planned = time.perf_counter()
