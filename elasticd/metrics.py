@@ -119,6 +119,11 @@ class AgentMetrics:
             "1 for the state each job not yet finished is in, 0 for its other states "
             "(pending, queued, running, recovering).", [j, "state"], registry=r,
         )  # fmt: skip
+        self.job_submitted = Gauge(
+            "elasticd_job_submitted_timestamp_seconds",
+            "Unix time each job not yet finished was submitted (this run of it: a job "
+            "submitted again under its name starts anew).", [j], registry=r,
+        )  # fmt: skip
 
         # -- job gauges: node rank 0 of the job's current world only -----------------------
         self.world_size = Gauge(

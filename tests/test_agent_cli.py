@@ -180,6 +180,10 @@ def test_a_job_past_its_restart_limit_fails_and_says_why(cluster, tmp_path):
         (lead,) = [b for b in scrape(cluster) if running in b]
         assert sample(lead, running) == 1.0
         assert sample(lead, running.replace("running", "queued")) == 0.0
+        # When this run of it was submitted (the stall alert's start), from the same agent.
+        submitted = 'elasticd_job_submitted_timestamp_seconds{elasticd_job="limit"}'
+        assert sample(lead, submitted) == pytest.approx(reg.get("limit").submitted)
+        assert sum(submitted in b for b in scrape(cluster)) == 1
         pid = next(p for i in range(2) for r, p in cluster.worker_pids(i).items() if r == 0)
         os.kill(pid, 9)
         final = wait_for(lambda: (rec := reg.get("limit")).state.terminal and rec, timeout=60)

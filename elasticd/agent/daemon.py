@@ -474,6 +474,7 @@ class Agent:
         m.nodes_alive.set(len(nodes) if coordinator else 0)
         wanted: dict[str, tuple[int, int]] = {}
         states: dict[str, str] = {}
+        submitted: dict[str, float] = {}
         if coordinator:
             for record in self._view.jobs():  # type: ignore[union-attr]
                 if record.state.terminal:
@@ -486,13 +487,15 @@ class Agent:
                     self._job_settings[record.run_id] = (job.nodes.min, job.checkpoint.every)
                 wanted[record.name] = self._job_settings[record.run_id]
                 states[record.name] = str(record.state)
-        for gauge in (m.nodes_min, m.checkpoint_every, m.job_state):
+                submitted[record.name] = record.submitted
+        for gauge in (m.nodes_min, m.checkpoint_every, m.job_state, m.job_submitted):
             for labels in list(gauge._metrics):
                 if labels[0] not in wanted:
                     gauge.remove(*labels)
         for name, (nodes_min, every) in wanted.items():
             m.nodes_min.labels(name).set(nodes_min)
             m.checkpoint_every.labels(name).set(every)
+            m.job_submitted.labels(name).set(submitted[name])
             # Every active state, 1 for the current one: an alert or a panel selects by
             # state without a series appearing and vanishing as the job moves.
             for state in ACTIVE_STATES:
