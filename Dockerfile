@@ -23,7 +23,7 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends \
-        python3 python3-venv ca-certificates libibverbs1 librdmacm1 ibverbs-providers \
+        python3 python3-venv ca-certificates libibverbs1 librdmacm1 ibverbs-providers tini \
     && rm -rf /var/lib/apt/lists/*
 
 RUN python3 -m venv "$VIRTUAL_ENV" \
@@ -43,5 +43,8 @@ RUN groupadd --gid 10001 elasticd \
         --shell /usr/sbin/nologin elasticd
 USER 10001:10001
 
-ENTRYPOINT ["elasticd"]
+# tini is PID 1: it reaps the processes a worker leaves behind when it dies (a data
+# loader's, a compiler's), which are re-parented to PID 1; the agent as PID 1 left them as
+# zombies, one set per recovery, until the pid limit. It passes SIGTERM on to the agent.
+ENTRYPOINT ["tini", "--", "elasticd"]
 CMD ["--help"]

