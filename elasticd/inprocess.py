@@ -282,12 +282,14 @@ class Context:
         # Offered: what was held before complete() made anything (made ones are zeros).
         have = boxes if held is None else {k: v for k, v in boxes.items() if k in held}
         why: list[str] = []
+        unchecked = tensors.unchecked if isinstance(tensors, StateTensors) else set()
         result = recover_from_peers(
             have=have if step is not None else None, have_step=step,
             have_consumed=0 if step is not None else None, need=boxes, group=group,
             refused=why.append,
             # Claimed whole and replicated: a key is sent only where its holders agree.
-            digests={k: _digest(t) for k, (t, _info) in have.items()} if step is not None else None,
+            digests={k: _digest(t) for k, (t, _info) in have.items() if k not in unchecked}
+            if step is not None else None,
         )  # fmt: skip
         if result is None:
             raise RuntimeError(
@@ -317,6 +319,10 @@ class StateTensors(dict):
         the device) of a tensor under it that this rank lacks: optimizer state, which the
         optimizer creates lazily."""
         self._put_back: list[Callable[[], None]] = []
+        self.unchecked: set[str] = set()
+        """Names whose holders may hold them differently, so not compared between holders
+        (a module's buffers: BatchNorm's running statistics follow each rank's batches
+        between DDP's broadcasts); a rank that lacks one takes any holder's."""
         self.held: frozenset[str] = frozenset()
         """The names this rank held before :meth:`complete` made any: only those are
         offered to the others (a made tensor is zeros until the transfer fills it)."""
@@ -478,22 +484,35 @@ def _digest(t: Any) -> int:
     import crc32c
     import torch
 
-    raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    raw = t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
     if raw.device.type == "cpu":
         return crc32c.crc32c(raw.numpy())
     return _device_digest(raw)
 
 
-def _device_digest(raw: Any) -> int:
-    """:func:`_digest` of the bytes ``raw`` (a uint8 tensor) where they are."""
+DIGEST_CHUNK = 64 << 20
+"""Bytes a device digest works on at a time (a multiple of 8): its temporaries (an aligned
+copy, the places, the mixed words) stay a few of these, not several copies of a large
+tensor, in a recovery, when memory is tightest."""
+
+
+def _device_digest(raw: Any, chunk: int = DIGEST_CHUNK) -> int:
+    """:func:`_digest` of the bytes ``raw`` (a uint8 tensor) where they are: chunk by
+    chunk, the partial sums added on the device, one read back at the end."""
     import torch
 
-    words = torch.zeros(-(-raw.numel() // 8) * 8, dtype=torch.uint8, device=raw.device)
-    words[: raw.numel()] = raw
-    w = words.view(torch.int64)
-    place = torch.arange(1, w.numel() + 1, dtype=torch.int64, device=w.device) * _MIX
-    total = int((torch.bitwise_xor(w, place) * _MIX).sum()) ^ raw.numel()
-    return (total & ((1 << 62) - 1)) | (1 << 62)
+    n = raw.numel()
+    total = torch.zeros((), dtype=torch.int64, device=raw.device)
+    for at in range(0, n, chunk):
+        part = raw[at : at + chunk]
+        words = torch.zeros(-(-part.numel() // 8) * 8, dtype=torch.uint8, device=raw.device)
+        words[: part.numel()] = part
+        w = words.view(torch.int64)
+        first = at // 8 + 1
+        place = torch.arange(first, first + w.numel(), dtype=torch.int64, device=w.device) * _MIX
+        total += (torch.bitwise_xor(w, place) * _MIX).sum()
+    value = int(total) ^ n
+    return (value & ((1 << 62) - 1)) | (1 << 62)
 
 
 def state_tensors(model: Any, optimizer: Any = None, *others: Any) -> StateTensors:
@@ -523,10 +542,13 @@ def state_tensors(model: Any, optimizer: Any = None, *others: Any) -> StateTenso
     out = StateTensors()
     for p in model.parameters():
         p.grad = None
+    buffers = {id(b) for b in model.buffers()}
     for name, t in model.state_dict(keep_vars=True).items():
         if torch.is_tensor(t):
             refuse_sharded("state_tensors", f"model/{name}", t)
             out[f"model/{name}"] = t.detach()
+            if id(t) in buffers:
+                out.unchecked.add(f"model/{name}")
     names = {id(p): n for n, p in model.named_parameters()}
     if optimizer is not None:
         _optimizer_state(out, names, optimizer, "optim")

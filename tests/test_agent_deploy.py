@@ -171,7 +171,7 @@ def test_the_slurm_script_parses_and_asks_slurm_for_what_an_elastic_run_needs():
     assert cleanup.index('wait "$pid"') < cleanup.index('kill -TERM "$etcd"')
     # Through the agents' step, not srun (srun turns its SIGTERM into SIGKILL).
     assert 'scancel --signal=TERM "$agents_step"' in cleanup
-    assert "--job-name=elasticd-agents" in text and '$2 == "elasticd-agents"' in text
+    assert "--job-name=elasticd-agents" in text and '$2 == "elasticd-agents" && !found' in text
 
 
 def test_every_deploy_file_serves_and_scrapes_the_agents_default_port_not_dcgm_exporters():

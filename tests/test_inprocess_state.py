@@ -28,7 +28,7 @@ import elasticd.inprocess as ei
 CASES = ["sgd-momentum", "adam-amsgrad", "adamw-scheduler-scaler", "rmsprop-extra-param",
          "int-lr-two-optimizers", "parameters-as-given", "generator", "lazy-state-refused",
          "not-a-tensor-refused", "shape-per-rank-refused", "contents-per-rank-refused",
-         "dtensor-refused", "sgd-after-the-refusals"]  # fmt: skip
+         "dtensor-refused", "sgd-after-the-refusals", "batchnorm-buffers"]  # fmt: skip
 REFUSED = ("lazy-state-refused", "not-a-tensor-refused", "shape-per-rank-refused",
            "contents-per-rank-refused", "dtensor-refused")  # fmt: skip
 """Cases that fail the sync on every rank alike (the ranks stay in step for the next)."""
@@ -92,7 +92,8 @@ class Noted(torch.nn.Module):
 
 def _build(case: str, seed: int):
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), Noted())
+    middle = torch.nn.BatchNorm1d(6) if case == "batchnorm-buffers" else torch.nn.Tanh()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), middle, Noted())
     # A parameter the model does not hold (the same on every rank until it is trained).
     extra = torch.nn.Parameter(torch.randn(6, generator=torch.Generator().manual_seed(7)))
     others: list = []
@@ -196,6 +197,10 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
                     tensors["extra/buf"] = torch.zeros(3 if rank == 0 else 4)
                 if case == "contents-per-rank-refused":  # a rank's own shard, handed as whole
                     tensors["extra/shard"] = torch.full((4,), float(rank))
+                if case == "batchnorm-buffers" and holder:
+                    # Each rank's running statistics follow its own batches between DDP's
+                    # broadcasts of rank 0's: the holders' differ, and that is no refusal.
+                    model[1].running_mean.add_(float(rank))
                 if case == "dtensor-refused":  # FSDP2's parameters are DTensors
                     from torch.distributed.device_mesh import init_device_mesh
                     from torch.distributed.tensor import Shard, distribute_tensor
@@ -360,3 +365,9 @@ def test_the_digest_of_device_tensors_is_computed_in_place_and_tells_contents_ap
     assert digest_on_device(same[0]) and not digest_on_device(ei._digest(a))
     assert u8(torch.zeros(0, dtype=torch.uint8)) != u8(torch.zeros(8, dtype=torch.uint8))
     assert ei._digest(a[::2]) == ei._digest(a[::2].contiguous())  # a view, as its values
+    # Chunk by chunk (bounded temporaries on a GPU) it is the same digest.
+    raw = a.view(torch.uint8)
+    assert u8(raw, chunk=16) == u8(raw, chunk=4096) == same[0]
+    # A conjugate view is digested as its values.
+    c = torch.randn(5, dtype=torch.complex64, generator=torch.Generator().manual_seed(2))
+    assert ei._digest(c.conj()) == ei._digest(c.conj().resolve_conj())
