@@ -458,7 +458,7 @@ def refuse_sharded(where: str, name: str, t: Any) -> None:
     module's) is one shard of a tensor on a mesh of the round that made it: synced as a
     whole tensor, the survivors would keep shards of a mesh that is gone and a newcomer
     would get another rank's. Refused in one line, naming what works instead."""
-    if type(t).__name__ != "DTensor":
+    if not any(c.__name__ == "DTensor" for c in type(t).__mro__):  # a subclass too
         return
     mesh = getattr(t, "device_mesh", None)
     raise TypeError(
