@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import time
 import zlib
 from collections.abc import Callable, Mapping, Sequence
@@ -356,17 +357,98 @@ def _read_parts(parts: tuple[_Part, ...], view: memoryview) -> None:
         i = j
 
 
+def _read_int(path: str) -> int | None:
+    """The integer in a one-line kernel file, or None (absent, unreadable, ``max``)."""
+    with contextlib.suppress(OSError, ValueError), open(path, encoding="ascii") as fh:
+        return int(fh.read().split()[0])
+    return None
+
+
+def _stat_field(path: str, name: str) -> int:
+    with contextlib.suppress(OSError, ValueError, IndexError), open(path, encoding="ascii") as fh:
+        for line in fh:
+            key, _, value = line.partition(" ")
+            if key == name:
+                return int(value)
+    return 0
+
+
+UNLIMITED_V1 = 1 << 62
+"""cgroup v1 writes "no limit" as a page-rounded 2^63 - 1: anything this large is none."""
+
+
+def cgroup_headroom(
+    proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup"
+) -> int | None:
+    """Bytes this process's memory cgroups let it allocate before the OOM killer acts, or
+    None where no limit applies (or none can be read).
+
+    A container's limit (Kubernetes' ``resources.limits.memory``, a Slurm job's cgroup) is
+    far below the host's ``MemAvailable``, so the host alone says a tensor fits that gets
+    the process killed. Every level from the process's own cgroup up to the root counts
+    (a pod's limit sits above its container's): the smallest headroom wins. The page cache
+    is not counted as used, as the kernel reclaims it before it kills: a checkpoint just
+    read leaves gigabytes of it, and counting it would refuse what fits. v2 (``0::/path``,
+    ``memory.max``) and v1 (the ``memory`` controller, ``memory.limit_in_bytes``) are both
+    read; inside a container's cgroup namespace the path is ``/`` and its own files are at
+    the mount's top."""
+    try:
+        with open(proc_cgroup, encoding="ascii") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    best: int | None = None
+    for line in lines:
+        hid, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hid == "0" and controllers == "":
+            base, limit, usage, stat, cache = (
+                root,
+                "memory.max",
+                "memory.current",
+                "memory.stat",
+                "file",
+            )
+        elif "memory" in controllers.split(","):
+            base = os.path.join(root, "memory")
+            limit, usage, stat, cache = (
+                "memory.limit_in_bytes",
+                "memory.usage_in_bytes",
+                "memory.stat",
+                "total_cache",
+            )
+        else:
+            continue
+        parts = [p for p in path.split("/") if p and p not in (".", "..")]
+        for depth in range(len(parts), -1, -1):
+            where = os.path.join(base, *parts[:depth])
+            cap = _read_int(os.path.join(where, limit))
+            if cap is None or cap >= UNLIMITED_V1:
+                continue
+            used = _read_int(os.path.join(where, usage)) or 0
+            used -= min(used, _stat_field(os.path.join(where, stat), cache))
+            room = max(0, cap - used)
+            best = room if best is None else min(best, room)
+    return best
+
+
 def available_memory() -> int | None:
-    """Bytes the kernel says may still be allocated without swapping (``MemAvailable``),
-    or None where it does not say."""
+    """Bytes that may still be allocated without swapping or being OOM-killed: the
+    kernel's ``MemAvailable``, capped by the process's memory cgroups
+    (:func:`cgroup_headroom`); None where neither says."""
+    free: int | None = None
     with (
         contextlib.suppress(OSError, ValueError, IndexError),
         open("/proc/meminfo", encoding="ascii") as fh,
     ):
         for line in fh:
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return None
+                free = int(line.split()[1]) * 1024
+                break
+    room = cgroup_headroom()
+    if room is None:
+        return free
+    return room if free is None else min(free, room)
 
 
 def check_memory(nbytes: int, what: str) -> None:
@@ -377,8 +459,8 @@ def check_memory(nbytes: int, what: str) -> None:
     free = available_memory()
     if free is not None and nbytes > free:
         raise CheckpointReadError(
-            f"{what}: needs {nbytes / 1e9:.1f} GB of memory, the machine has "
-            f"{free / 1e9:.1f} GB available"
+            f"{what}: needs {nbytes / 1e9:.1f} GB of memory, this process has "
+            f"{free / 1e9:.1f} GB available (its memory cgroup's limit counted)"
         )
 
 

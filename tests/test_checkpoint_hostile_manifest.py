@@ -767,3 +767,69 @@ def test_a_huge_tensor_in_a_sparse_file_is_refused_in_one_line_not_allocated(tmp
     reseal(ckpt, raw)
     assert os.stat(evil).st_blocks * 512 < 1 << 20
     refused(cli("export", ckpt, str(tmp_path / "out")), "evil.weight: ")
+
+
+def _cgroup_tree(root, files):
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_a_memory_cgroup_limit_caps_what_a_load_may_allocate(tmp_path):
+    """MemAvailable is the host's: in a container limited to 2 GiB on a 1 TB host a
+    hostile or oversized tensor passed the check and the process was OOM-killed instead of
+    refused. The cgroup files are laid out as the kernel does (v2 unified; v1 memory
+    controller), so this reads them as it would on a node: the smallest headroom of the
+    process's cgroup and its ancestors wins, and page cache is not counted as used."""
+    from checkpoint.load import cgroup_headroom
+
+    gib = 1 << 30
+    v2 = tmp_path / "v2"
+    _cgroup_tree(v2, {
+        "proc": "0::/kubepods/pod1/ctr\n",
+        "fs/kubepods/pod1/ctr/memory.max": "max\n",
+        "fs/kubepods/pod1/memory.max": f"{2 * gib}\n",
+        "fs/kubepods/pod1/memory.current": f"{gib}\n",
+        "fs/kubepods/pod1/memory.stat": f"anon 123\nfile {gib // 2}\nkernel 7\n",
+        "fs/kubepods/memory.max": f"{64 * gib}\n",
+        "fs/memory.max": "max\n",
+    })  # fmt: skip
+    # 2 GiB limit, 1 GiB used of which half is page cache: 1.5 GiB of room.
+    assert cgroup_headroom(str(v2 / "proc"), str(v2 / "fs")) == 3 * gib // 2
+    # Inside a cgroup namespace the path is "/" and the container's own files are at the top.
+    _cgroup_tree(v2, {"ns": "0::/\n", "top/memory.max": f"{gib}\n", "top/memory.current": "0\n"})
+    assert cgroup_headroom(str(v2 / "ns"), str(v2 / "top")) == gib
+    v1 = tmp_path / "v1"
+    _cgroup_tree(v1, {
+        "proc": "12:pids:/x\n4:memory:/slurm/uid_0/job_7\n1:name=systemd:/x\n0::/\n",
+        "fs/memory/slurm/uid_0/job_7/memory.limit_in_bytes": f"{4 * gib}\n",
+        "fs/memory/slurm/uid_0/job_7/memory.usage_in_bytes": f"{5 * gib}\n",
+        "fs/memory/slurm/uid_0/job_7/memory.stat": f"cache 1\ntotal_cache {2 * gib}\n",
+        "fs/memory/memory.limit_in_bytes": "9223372036854771712\n",
+    })  # fmt: skip
+    assert cgroup_headroom(str(v1 / "proc"), str(v1 / "fs")) == gib
+    # Over the limit in anonymous memory: no room (never negative); no limit anywhere: None.
+    _cgroup_tree(v1, {"fs/memory/slurm/uid_0/job_7/memory.stat": "total_cache 0\n"})
+    assert cgroup_headroom(str(v1 / "proc"), str(v1 / "fs")) == 0
+    _cgroup_tree(v1, {"free": "4:memory:/nowhere\n0::/\n"})
+    assert cgroup_headroom(str(v1 / "free"), str(v1 / "fs")) is None
+    assert cgroup_headroom(str(tmp_path / "absent"), str(v1 / "fs")) is None
+
+
+def test_a_tensor_over_the_cgroup_limit_is_refused_in_one_line(tmp_path, monkeypatch):
+    """The refusal through the real read path (what `ckpt export` assembles a tensor with)
+    when the cgroup is what is short."""
+    from checkpoint import load as load_module
+    from checkpoint import open_step
+    from checkpoint.errors import CheckpointReadError
+
+    ckpt = str(tmp_path / "ckpt")
+    save(ckpt)
+    monkeypatch.setattr(load_module, "cgroup_headroom", lambda: 8)
+    with pytest.raises(
+        CheckpointReadError, match=r": w: needs 0\.0 GB of memory, this process has"
+    ):
+        open_step(ckpt).read("w")
+    monkeypatch.setattr(load_module, "cgroup_headroom", lambda: W.nbytes)
+    assert torch.equal(open_step(ckpt).read("w"), W)
