@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import time
+from typing import TYPE_CHECKING
 
 from prometheus_client import (
     CollectorRegistry,
@@ -35,6 +36,9 @@ from prometheus_client import (
 )
 
 from elasticd.errors import UsageError
+
+if TYPE_CHECKING:
+    from elasticd.agent.health import Health
 
 JOB_LABEL = "elasticd_job"
 TROUBLE_KINDS = ("round_failed", "runner_crashed")
@@ -270,9 +274,11 @@ class AgentMetrics:
         return [m for m in vars(self).values()
                 if hasattr(m, "_labelnames") and m._labelnames[:1] == (JOB_LABEL,)]  # fmt: skip
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> int:
+    def serve(self, port: int, addr: str = "0.0.0.0", health: Health | None = None) -> int:
         """Start the /metrics HTTP endpoint; returns the port (``0`` picks a free one).
-        A port in use is the user's to fix: one line naming ``--metrics-port``.
+        A port in use is the user's to fix: one line naming ``--metrics-port``. With
+        ``health``, ``/healthz`` on the same port answers the agent's liveness
+        (:mod:`elasticd.agent.health`).
 
         The counters' and histograms' ``_created`` series are not exported (every counter
         is at 0 from its job's start, so increase() and rate() need no creation time):
@@ -287,6 +293,8 @@ class AgentMetrics:
                     "give each agent its own --metrics-port, or 0 to turn metrics off"
                 ) from None
             raise UsageError(f"--metrics-port: cannot serve on {addr}:{port}: {exc}") from None
+        if health is not None:
+            server.set_app(health.wsgi(server.get_app()))
         return server.server_address[1]
 
 

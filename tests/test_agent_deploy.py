@@ -183,7 +183,7 @@ def test_every_deploy_file_serves_and_scrapes_the_agents_default_port_not_dcgm_e
         "prometheus/prometheus.yml": 3,  # the static targets
         "slurm/elasticd.sbatch": 1,
         "systemd/elasticd-agent.env": 1,
-        "kubernetes/base/agent.yaml": 4,  # annotation, argument, container port, probe
+        "kubernetes/base/agent.yaml": 5,  # annotation, argument, container port, two probes
     }
     for name, count in files.items():
         text = (DEPLOY / name).read_text()

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry
 
 from elasticd.agent import METRICS_PORT
+from elasticd.agent.health import STALE_AFTER, Health, sd_notify, start_watchdog
 from elasticd.agent.launch import NodeInfo
 from elasticd.agent.policy import (
     command_allowed,
@@ -91,10 +92,13 @@ class AgentConfig:
     """Which job ``command:`` this agent runs: ``none`` (only the built-in trainer),
     ``all``, or a tuple of allowed executables (names or paths)."""
     ttl_after_finished: float = WEEK
+    """Seconds a finished job stays in the registry before it is deleted (0: never)."""
     keep_finished_metrics: float = 120.0
     """Seconds a finished job's series stay on /metrics (long enough for a few scrapes to
     see its final values), then they are removed."""
-    """Seconds a finished job stays in the registry before it is deleted (0: never)."""
+    stale_after: float = STALE_AFTER
+    """Seconds without a turn of the main loop after which ``/healthz`` answers 503 and
+    the systemd watchdog is no longer fed (:mod:`elasticd.agent.health`)."""
     devices: int | None = None
     """GPUs on this node (None: counted from the driver)."""
     visible_devices: str | None = field(
@@ -173,6 +177,7 @@ class Agent:
         self.metrics = AgentMetrics(registry or CollectorRegistry())
         self.preempt = threading.Event()
         self._wake = threading.Event()
+        self.health = Health(config.stale_after)
         self._clock = clock
         self._client = None
         self._embedded = None
@@ -379,6 +384,7 @@ class Agent:
         """Ask the agent to stop as on SIGTERM (preemption)."""
         self.preempt.set()
         self._wake.set()
+        sd_notify("STOPPING=1")
 
     def run(self) -> int:
         os.makedirs(self.config.state_dir, exist_ok=True)
@@ -389,7 +395,11 @@ class Agent:
             # stuck agent is read without stopping it (the local cluster does it on timeout).
             dump_stacks_on_sigusr1()
         # Before anything is registered: a port in use is a one-line user error.
-        port = self.metrics.serve(self.config.metrics_port) if self.config.metrics_port else 0
+        port = (
+            self.metrics.serve(self.config.metrics_port, health=self.health)
+            if self.config.metrics_port
+            else 0
+        )
         self._client = self._connect()
         self._client.on_error = self._etcd_error
         try:
@@ -401,7 +411,11 @@ class Agent:
             self._registry = JobRegistry(self._client, clock=self._clock)
             self._view = ClusterView(self._client, on_change=self._wake.set)
             self._start_view()
+            self.health.beat()
+            sd_notify("READY=1")
+            start_watchdog(self.health, self.preempt)
             while not self.preempt.is_set():
+                self.health.beat()
                 self._wake.clear()
                 try:
                     timeout = self._reconcile()

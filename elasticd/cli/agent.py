@@ -44,6 +44,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keep-finished-metrics", default="2m", metavar="DURATION",
                    help="keep a finished job's series on /metrics this long, so Prometheus "
                    "scrapes its final values, then remove them (default 2m)")  # fmt: skip
+    p.add_argument("--stale-after", default="120s", metavar="DURATION",
+                   help="answer 503 on /healthz and stop feeding systemd's watchdog when "
+                   "the agent's main loop has not turned for this long (default 120s)")  # fmt: skip
     add_etcd_options(p)
     p.set_defaults(func=run)
 
@@ -70,6 +73,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--nproc-per-node: {args.nproc_per_node} must be >= 1")
     if not 0 <= args.metrics_port <= 65535:
         raise UsageError(f"--metrics-port: {args.metrics_port} is not a TCP port")
+    stale_after = parse_duration(args.stale_after, "--stale-after")
+    if stale_after < 5:
+        raise UsageError(f"--stale-after: {args.stale_after!r} must be at least 5s")
     given = args.etcd or os.environ.get("ELASTICD_ETCD")
     state_dir = args.state_dir or os.path.join(
         os.path.expanduser("~"), ".local", "state", "elasticd"
@@ -87,5 +93,6 @@ def run(args: argparse.Namespace) -> int:
         allow_commands="all" if args.allow_commands else (tuple(args.allow_command) or "none"),
         ttl_after_finished=parse_duration(args.ttl_after_finished, "--ttl-after-finished"),
         keep_finished_metrics=parse_duration(args.keep_finished_metrics, "--keep-finished-metrics"),
+        stale_after=stale_after,
     )
     return Agent(config).run()

@@ -1,0 +1,103 @@
+"""The agent's liveness: ``/healthz`` for a Kubernetes probe and systemd's notify/watchdog
+protocol, against a real agent process, a real etcd, a real HTTP endpoint and a real
+datagram socket standing where systemd's is."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+
+from polling import wait_for
+from prometheus_client import CollectorRegistry
+
+from elasticd.agent.health import Health, sd_notify, watchdog_interval
+from elasticd.etcd import reserve_port
+from elasticd.metrics import AgentMetrics
+
+
+def get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_healthz_says_ok_until_the_main_loop_stops_turning_and_metrics_stay_served():
+    """A wedged loop (here: a clock moved past the limit with no beat) turns /healthz to
+    503 with one line; /metrics on the same port is unaffected."""
+    now = [1000.0]
+    health = Health(stale_after=120.0, clock=lambda: now[0])
+    port = AgentMetrics(CollectorRegistry()).serve(0, addr="127.0.0.1", health=health)
+    assert get(port, "/healthz") == (200, "starting\n")
+    health.beat()
+    now[0] += 119.0
+    assert get(port, "/healthz") == (200, "ok\n")
+    now[0] += 2.0
+    status, body = get(port, "/healthz")
+    assert status == 503
+    assert body == "the agent's main loop has not turned for 121 s (limit 120 s)\n"
+    status, body = get(port, "/metrics")
+    assert status == 200 and "elasticd_agent_registrations_total" in body
+    health.beat()
+    assert get(port, "/healthz")[0] == 200
+
+
+def test_systemd_settings_are_read_as_systemd_writes_them(tmp_path):
+    assert watchdog_interval({}) is None
+    assert watchdog_interval({"WATCHDOG_USEC": "60000000"}) == 30.0
+    assert watchdog_interval({"WATCHDOG_USEC": "60000000", "WATCHDOG_PID": "1"}) is None
+    assert watchdog_interval({"WATCHDOG_USEC": "0"}) is None
+    assert watchdog_interval({"WATCHDOG_USEC": "soon"}) is None
+    mine = {"WATCHDOG_USEC": "2000000", "WATCHDOG_PID": str(os.getpid())}
+    assert watchdog_interval(mine) == 1.0
+    assert not sd_notify("READY=1", {})
+    assert not sd_notify("READY=1", {"NOTIFY_SOCKET": str(tmp_path / "nobody")})
+    # An abstract socket ("@name"), as systemd often passes it.
+    name = f"elasticd-test-{os.getpid()}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.bind("\0" + name)
+        assert sd_notify("READY=1", {"NOTIFY_SOCKET": "@" + name})
+        assert s.recv(64) == b"READY=1"
+
+
+def test_a_real_agent_tells_systemd_it_is_ready_feeds_the_watchdog_and_says_when_it_stops(
+    tmp_path, etcd_server
+):
+    where = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(where)
+    sock.settimeout(30)
+    state = tmp_path / "state"
+    env = {**os.environ, "NOTIFY_SOCKET": where, "WATCHDOG_USEC": "400000"}
+    env.pop("WATCHDOG_PID", None)
+    hold = reserve_port()  # held until the agent listens on it (SO_REUSEADDR on both)
+    agent = subprocess.Popen(
+        [sys.executable, "-m", "elasticd", "agent", "--etcd", etcd_server.endpoint,
+         "--node-id", f"health-{os.getpid()}", "--state-dir", str(state),
+         "--metrics-port", str(hold.getsockname()[1]), "--nproc-per-node", "1"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert sock.recv(64) == b"READY=1"  # only once registered: its record is there
+        info = json.loads((state / "agent.json").read_text())
+        assert info["pid"] == agent.pid
+        assert get(info["metrics_port"], "/healthz") == (200, "ok\n")
+        pings = [sock.recv(64) for _ in range(3)]
+        assert pings == [b"WATCHDOG=1"] * 3
+        agent.send_signal(signal.SIGTERM)
+        wait_for(lambda: sock.recv(64) == b"STOPPING=1", timeout=30)
+        assert agent.wait(timeout=60) == 0
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+        sock.close()
+        hold.close()
+    assert "Traceback" not in agent.stderr.read()
