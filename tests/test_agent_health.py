@@ -101,3 +101,50 @@ def test_a_real_agent_tells_systemd_it_is_ready_feeds_the_watchdog_and_says_when
         sock.close()
         hold.close()
     assert "Traceback" not in agent.stderr.read()
+
+
+def test_the_watchdog_is_fed_while_healthy_not_while_wedged_and_always_while_stopping(
+    tmp_path, monkeypatch
+):
+    """A stale loop stops the pings (systemd restarts the agent); a stopping agent, which
+    beats nothing while it waits out its workers' grace period, is fed until it is done."""
+    import threading
+
+    from elasticd.agent.health import start_watchdog
+
+    where = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(where)
+    monkeypatch.setenv("NOTIFY_SOCKET", where)
+    monkeypatch.setenv("WATCHDOG_USEC", "100000")  # a ping every 50 ms
+    monkeypatch.delenv("WATCHDOG_PID", raising=False)
+    now = [0.0]
+    health = Health(stale_after=10.0, clock=lambda: now[0])
+    health.beat()
+    stopping, done = threading.Event(), threading.Event()
+    thread = start_watchdog(health, stopping, done)
+    assert thread is not None
+    try:
+        sock.settimeout(5)
+        assert sock.recv(64) == b"WATCHDOG=1"
+        now[0] = 11.0  # wedged
+        sock.settimeout(0.2)
+        for _ in range(3):  # drain a ping sent before the clock moved
+            try:
+                sock.recv(64)
+            except TimeoutError:
+                break
+        sock.settimeout(0.5)
+        try:
+            got = sock.recv(64)
+        except TimeoutError:
+            got = None
+        assert got is None
+        stopping.set()
+        sock.settimeout(5)
+        assert sock.recv(64) == b"WATCHDOG=1"
+    finally:
+        done.set()
+        thread.join(timeout=5)
+        sock.close()
+    assert not thread.is_alive()

@@ -178,6 +178,8 @@ class Agent:
         self.preempt = threading.Event()
         self._wake = threading.Event()
         self.health = Health(config.stale_after)
+        self._exited = threading.Event()
+        """Set when run() is done: the systemd watchdog pings stop."""
         self._clock = clock
         self._client = None
         self._embedded = None
@@ -413,7 +415,7 @@ class Agent:
             self._start_view()
             self.health.beat()
             sd_notify("READY=1")
-            start_watchdog(self.health, self.preempt)
+            start_watchdog(self.health, self.preempt, self._exited)
             while not self.preempt.is_set():
                 self.health.beat()
                 self._wake.clear()
@@ -683,6 +685,7 @@ class Agent:
             self._client.close()
         if self._embedded is not None:
             self._embedded.stop()
+        self._exited.set()
 
 
 def _is_own_pid(pid: object) -> bool:

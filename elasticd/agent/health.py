@@ -98,16 +98,19 @@ def watchdog_interval(env: dict[str, str] | None = None) -> float | None:
     return usec / 2e6 if usec > 0 else None
 
 
-def start_watchdog(health: Health, stop: threading.Event) -> threading.Thread | None:
-    """Ping systemd's watchdog while ``health`` is well, until ``stop``; None where systemd
-    wants no pings."""
+def start_watchdog(
+    health: Health, stopping: threading.Event, done: threading.Event
+) -> threading.Thread | None:
+    """Ping systemd's watchdog while ``health`` is well, and unconditionally once
+    ``stopping`` (the agent waits out its workers' grace period, beating nothing; its stop
+    is bounded by ``TimeoutStopSec``), until ``done``; None where systemd wants no pings."""
     interval = watchdog_interval()
     if interval is None:
         return None
 
     def body() -> None:
-        while not stop.wait(interval):
-            if health.state()[0]:
+        while not done.wait(interval):
+            if stopping.is_set() or health.state()[0]:
                 sd_notify("WATCHDOG=1")
 
     t = threading.Thread(target=body, name="elasticd-sd-watchdog", daemon=True)
