@@ -317,7 +317,10 @@ def _convert(value: Any, tp: Any, path: str, where: str) -> Any:
             return value
     elif tp is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
+            try:
+                return float(value)
+            except OverflowError:  # an integer of hundreds of digits
+                raise JobSpecError(f"{where}: {path}: {value} is too large") from None
         if isinstance(value, str):  # YAML 1.1 reads `1e-3` as a string
             try:
                 return float(value)
@@ -383,6 +386,10 @@ def _check_dir(where: str, path: str, value: str | None) -> None:
         raise JobSpecError(f"{where}: {path}: must not be empty (leave it out for the default)")
     if value.startswith("~"):
         raise JobSpecError(f"{where}: {path}: {value!r}: '~' is not expanded; write the path out")
+    if "\0" in value:
+        raise JobSpecError(f"{where}: {path}: {value!r} holds a NUL byte")
+    if os.path.exists(value) and not os.path.isdir(value):
+        raise JobSpecError(f"{where}: {path}: {value!r} exists and is not a directory")
     try:
         cwd = os.path.realpath(os.getcwd())
     except OSError:  # the current directory was deleted: only absolute paths can be judged
@@ -532,6 +539,18 @@ def _check(job: JobSpec, where: str) -> None:
         )
     _check_dir(where, "output_dir", job.output_dir)
     _check_dir(where, "checkpoint.dir", job.checkpoint.dir)
+    if job.command is None and t.dtype == "float16":
+        # The trainer refused it only once running: every round failed, on every node.
+        raise JobSpecError(
+            f"{where}: train.dtype: float16 needs loss scaling, which the built-in trainer "
+            "does not do; use bfloat16 or float32 (or a command of your own)"
+        )
+    if job.rendezvous.ttl < 1:
+        # Checked by the rendezvous only once running: every agent's runner crash-looped.
+        raise JobSpecError(
+            f"{where}: rendezvous.ttl: {job.rendezvous.ttl:g} must be at least 1 (leases "
+            "are granted in whole seconds)"
+        )
     if job.data.source == "file" and not job.data.path:
         raise JobSpecError(f"{where}: data.path: required when data.source is 'file'")
     if job.data.source == "synthetic" and job.data.path:
@@ -584,8 +603,12 @@ def load_raw(path: str | os.PathLike[str]) -> dict[str, Any]:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise JobSpecError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise JobSpecError(f"{where}: not UTF-8 text (byte {exc.start})") from None
     try:
         raw = yaml.safe_load(text)
+    except RecursionError:
+        raise JobSpecError(f"{where}: nested too deeply") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark is not None else ""

@@ -62,11 +62,11 @@ def _jsonl(path: str) -> list[dict[str, Any]]:
     """The records of a JSON-lines file; torn or foreign lines are skipped."""
     out = []
     try:
-        with open(path, encoding="utf-8") as fh:
+        with open(path, "rb") as fh:  # bytes: a torn write may split a UTF-8 character
             for line in fh:
                 try:
                     rec = json.loads(line)
-                except ValueError:
+                except ValueError:  # UnicodeDecodeError included
                     continue
                 if isinstance(rec, dict):
                     out.append(rec)

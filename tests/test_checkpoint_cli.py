@@ -277,3 +277,16 @@ def test_max_file_size_must_be_a_finite_size_above_zero(tmp_path, capsys):
         assert code == 2 and len(err.strip().splitlines()) == 1, (size, err)
         assert f"argument --max-file-size: not a size: '{size}'" in err, err
         assert not (tmp_path / "out").exists()
+
+
+def test_verify_fails_when_the_newest_commit_cannot_be_opened(tmp_path, capsys):
+    """A load passes over a step whose manifest was overwritten, so the default step to
+    verify was the older one and `verify` said ok: a health check missed the damage."""
+    save_steps(str(tmp_path), [2, 4])
+    Path(step_path(str(tmp_path), 4), "manifest.json").write_text("{garbage")
+    code, out, err = run(capsys, "verify", str(tmp_path))
+    assert code == 2 and "ok" not in out
+    assert len(err.strip().splitlines()) == 1
+    assert "step 4, newer than the step a load takes, cannot be opened" in err
+    code, out, _ = run(capsys, "verify", str(tmp_path), "--step", "2")  # asked by name
+    assert code == 0 and "ok" in out

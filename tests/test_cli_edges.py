@@ -127,3 +127,31 @@ def test_follow_elsewhere_prints_a_plain_line_per_change():
         "running eta 0:40"
     )
     assert lines[2].endswith("succeeded")  # no ETA once over
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_an_etcd_timeout_that_is_not_a_finite_positive_number_is_refused(value):
+    """NaN passed `seconds <= 0` and every wait on it spun forever (a newcomer's report)."""
+    r = elasticd("list", "--etcd", "127.0.0.1:1", "--etcd-timeout", value)
+    assert r.returncode == 2, r.stderr
+    line = r.stderr.strip()
+    assert line.startswith("elasticd: error: etcd timeout: ") and "\n" not in line, line
+    assert line.endswith(" must be a positive, finite number"), line
+
+
+def test_an_agent_state_dir_that_cannot_be_made_is_one_line(tmp_path):
+    (tmp_path / "afile").write_text("")
+    r = elasticd("agent", "--etcd", "127.0.0.1:1", "--metrics-port", "0",
+                 "--state-dir", str(tmp_path / "afile"))  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == (
+        f"elasticd: error: --state-dir: cannot create {tmp_path / 'afile'}: File exists"
+    )
+
+
+def test_report_skips_lines_that_are_not_utf_8(tmp_path):
+    from elasticd.report import _jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 1}\n{"step": \xff2}\n{"step": 3}\n')
+    assert _jsonl(str(path)) == [{"step": 1}, {"step": 3}]

@@ -46,6 +46,14 @@ BAD_SPECS = [
     ("nan learning rate", "name: t\ntrain: {lr: .nan}\n", "job.yaml: train.lr: nan must be a finite number"),
     ("infinite grad clip", "name: t\ntrain: {grad_clip: .inf}\n",
      "job.yaml: train.grad_clip: inf must be a finite number"),
+    ("huge integer for a float", "name: t\ntrain: {lr: " + "9" * 400 + "}\n",
+     "job.yaml: train.lr: " + "9" * 400 + " is too large"),
+    ("ttl under etcd's lease second", "name: t\nrendezvous: {ttl: 0.5}\n",
+     "job.yaml: rendezvous.ttl: 0.5 must be at least 1 (leases are granted in whole seconds)"),
+    ("float16 in the built-in trainer", "name: t\ntrain: {dtype: float16}\n",
+     "job.yaml: train.dtype: float16 needs loss scaling, which the built-in trainer does not do; use bfloat16 or float32 (or a command of your own)"),
+    ("NUL in a directory", 'name: t\noutput_dir: "a\\0b"\n', "job.yaml: output_dir: 'a\\x00b' holds a NUL byte"),
+    ("nested too deeply", "name: t\nx: " + "[" * 5000 + "]" * 5000 + "\n", "job.yaml: nested too deeply"),
 ]  # fmt: skip
 
 
@@ -79,3 +87,17 @@ def test_a_bad_set_override_is_rejected_before_etcd(tmp_path, capsys):
     code = main(["submit", str(path), "--set", "train.steps=-3", "--etcd", "127.0.0.1:1"])
     err = capsys.readouterr().err
     assert code == 2 and "train.steps: -3 must be > 0" in err
+
+
+def test_a_job_file_that_is_not_utf_8_or_a_checkpoint_dir_that_is_a_file_is_one_line(
+    tmp_path, capsys
+):
+    path = tmp_path / "job.yaml"
+    path.write_bytes(b"name: t\n# caf\xe9\n")
+    assert main(["submit", str(path), "--etcd", "127.0.0.1:1"]) == 2
+    assert capsys.readouterr().err.strip().endswith("job.yaml: not UTF-8 text (byte 13)")
+    (tmp_path / "afile").write_text("")
+    path.write_text(f"name: t\ncheckpoint: {{dir: {tmp_path / 'afile'}}}\n")
+    assert main(["submit", str(path), "--etcd", "127.0.0.1:1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.endswith("exists and is not a directory"), err

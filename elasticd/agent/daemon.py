@@ -389,7 +389,12 @@ class Agent:
         sd_notify("STOPPING=1")
 
     def run(self) -> int:
-        os.makedirs(self.config.state_dir, exist_ok=True)
+        try:
+            os.makedirs(self.config.state_dir, exist_ok=True)
+        except OSError as exc:  # a file in the way, a read-only or absent parent
+            raise UsageError(
+                f"--state-dir: cannot create {self.config.state_dir}: {exc.strerror or exc}"
+            ) from None
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda signum, frame: self.stop())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -103,8 +104,8 @@ def config_from_options(
                 seconds = float(value)
             except ValueError as exc:
                 raise UsageError(f"etcd {field}: {value!r} is not a number of seconds") from exc
-            if seconds <= 0:
-                raise UsageError(f"etcd {field}: {value!r} must be positive")
+            if not 0 < seconds < math.inf:  # NaN and inf too: a deadline that never comes
+                raise UsageError(f"etcd {field}: {value!r} must be a positive, finite number")
             fields[field] = seconds
     if bool(fields.get("cert")) != bool(fields.get("key")):
         raise UsageError("etcd TLS: a client cert needs its key, and a key needs its cert")
