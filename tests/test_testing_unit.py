@@ -316,3 +316,63 @@ def test_a_failed_run_names_its_last_worker_errors_and_a_script_that_recorded_no
     assert "failure round 5 on node-1: worker_failed: rank 1: exit code 1: ImportError" in text
     assert "(3)" in text and "(2)" not in text  # the last three
     assert "no step was recorded" not in _result([{"step": 1, "loss": 1.0}]).describe()
+
+
+def test_a_key_no_record_of_either_run_has_is_named_not_tabulated():
+    """A misspelt `keys=` made a row of "- -" per step that hid the mistake."""
+    ref = _result([{"step": s, "loss": 1.0} for s in range(1, 4)])
+    got = _result([{"step": s, "loss": 1.0} for s in range(1, 4)])
+    got.assert_losses_match(ref, keys=("loss",))
+    with pytest.raises(ElasticdAssertionError) as info:
+        got.assert_losses_match(ref, keys=("loss", "acc"))
+    assert str(info.value) == "keys: 'acc' in no record of either run (recorded: loss, step)"
+
+
+def test_a_run_is_refused_before_it_starts_when_its_hang_fault_cannot_be_seen_in_time(
+    tmp_path, monkeypatch
+):
+    """The built-in job's hang_timeout is test-sized (the job default, 300 s, equals the
+    run's default timeout: a hang-worker fault always timed out); a job that raises it to
+    the run's timeout is refused; a dict job gets a few restarts per fault, not 10."""
+    from elasticd import localcluster
+    from elasticd.testing import Cluster
+
+    cluster = Cluster(base=str(tmp_path), timeout=60)
+    job = cluster.builtin_job()
+    slow = cluster.builtin_job(restart={"hang_timeout": 60})
+    with pytest.raises(UsageError, match=r"^faults: hang-worker=0@step=2: a hung worker is "
+                       r"found after restart\.hang_timeout \(60 s\), not within the run's "
+                       r"timeout \(60 s\)"):  # fmt: skip
+        cluster.run(slow, faults="hang-worker=0@step=2")
+    with pytest.raises(UsageError, match=r"^env\['X'\]: 1: names and values must be strings"):
+        cluster.run(job, env={"X": 1})
+    seen = []
+
+    def fake_run_cluster(spec, **kw):  # what run() would start, captured (pure logic)
+        seen.append(spec)
+        raise RuntimeError("not started")
+
+    monkeypatch.setattr(localcluster, "run_cluster", fake_run_cluster)
+    for faults, given, want in (((), {}, 2), (["kill-worker=0@step=2"] * 2, {}, 6),
+                                ((), {"max_restarts": 7}, 7)):  # fmt: skip
+        with pytest.raises(RuntimeError, match="not started"):
+            cluster.run(cluster.builtin_job(restart=given), faults=faults)
+        assert seen[-1].restart.max_restarts == want
+        assert seen[-1].restart.hang_timeout == 30
+
+
+def test_the_marker_takes_only_a_timeout(monkeypatch):
+    from elasticd.testing.plugin import _timeout
+
+    class Item:
+        nodeid = "t.py::test"
+
+        def __init__(self, marker):
+            self.marker = marker
+
+        def get_closest_marker(self, name):
+            return self.marker
+
+    assert _timeout(Item(pytest.mark.elasticd(timeout=7).mark)) == 7.0
+    with pytest.raises(pytest.UsageError, match=r"takes only timeout= \(got timout\)"):
+        _timeout(Item(pytest.mark.elasticd(timout=7).mark))

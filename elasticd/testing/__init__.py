@@ -51,9 +51,18 @@ BUILTIN_JOB: dict[str, Any] = {
     "train": {"steps": 20, "global_batch": 12, "micro_batch": 2},
     "checkpoint": {"every": 5},
     "rendezvous": {"ttl": 2, "settle": 1.0},
+    "restart": {"hang_timeout": 30},
 }  # fmt: skip
 """The built-in trainer's small GPT (seconds per run on a laptop CPU), the base of
-:meth:`Cluster.builtin_job`. A global batch of 12 splits evenly over 1, 2, 3, 4 or 6 ranks."""
+:meth:`Cluster.builtin_job` and :meth:`Cluster.script_job`. A global batch of 12 splits
+evenly over 1, 2, 3, 4 or 6 ranks. ``restart.hang_timeout`` is test-sized: the job's default
+(300 s) equals a run's default timeout, so a ``hang-worker`` fault was never detected in
+time."""
+
+SPARE_RESTARTS = 2
+"""A dict job that does not set ``restart.max_restarts`` gets two per fault and this many
+more: a script that fails on its own (a NameError before its first step) fails the run in
+a few restarts, not after the job default's 10, minutes later."""
 
 
 ENV_TEST_BASE = "ELASTICD_TEST_BASE"
@@ -196,6 +205,14 @@ class RunResult:
         same step; a step one run has and the other lacks is a difference too."""
         mine = {int(r["step"]): r for r in self.records}
         theirs = {int(r["step"]): r for r in reference.records}
+        recorded = {k for r in (*self.records, *reference.records) for k in r}
+        absent = [k for k in keys if k not in recorded]
+        if absent:  # a misspelt key made a table of "-" rows that hid the mistake
+            raise ElasticdAssertionError(
+                f"keys: {', '.join(map(repr, absent))} in no record of either run (recorded: "
+                f"{', '.join(sorted(recorded)) or 'nothing'})",
+                self,
+            )
         rows = []
         for step in sorted(set(mine) | set(theirs)):
             if step <= after:
@@ -203,6 +220,8 @@ class RunResult:
             for key in keys:
                 got = mine.get(step, {}).get(key)
                 want = theirs.get(step, {}).get(key)
+                if got is None and want is None:
+                    continue  # recorded by neither (a key in no record is refused below)
                 if got is None or want is None:
                     rows.append((step, key, got, want, math.inf))
                     continue
@@ -424,6 +443,7 @@ class Cluster:
         from elasticd.jobspec import parse_job
         from elasticd.localcluster import check_plan, parse_fault, run_cluster
 
+        faults = [faults] if isinstance(faults, str) else list(faults)
         index = self._next
         self._next += 1  # a run that raises keeps its directory: the next gets another
         run_dir = os.path.join(self.base, f"run-{index}")
@@ -438,22 +458,35 @@ class Cluster:
             if restart not in ("inprocess", "process"):
                 raise UsageError(f"restart: {restart!r} must be inprocess or process")
             raw["restart"] = {**(raw.get("restart") or {}), "mode": restart}
+        if isinstance(job, Mapping) and "max_restarts" not in (raw.get("restart") or {}):
+            raw["restart"] = {**(raw.get("restart") or {}),
+                              "max_restarts": 2 * len(faults) + SPARE_RESTARTS}  # fmt: skip
         # Relative paths of the job (data.path) are the caller's, as for `elasticd run`.
         spec = parse_job(raw, where=f"job {raw['name']}").with_paths_resolved(os.getcwd())
-        if isinstance(faults, str):
-            faults = [faults]
+        for k, v in (env or {}).items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise UsageError(f"env[{k!r}]: {v!r}: names and values must be strings")
+        limit = timeout or self.timeout
         try:  # the CLI's words for the CLI's flag; here the argument is faults=
             parsed = [parse_fault(f) for f in faults]
             check_plan(nodes_min=spec.nodes.min, nproc=spec.nproc_per_node, nodes=nodes,
                        faults=parsed, etcd_members=1, where=f"job {raw['name']}")  # fmt: skip
         except UsageError as exc:
             raise UsageError(str(exc).replace("--fault ", "faults: ", 1)) from None
+        hang = spec.restart.hang_timeout
+        for fault, text in zip(parsed, faults, strict=True):
+            if fault.kind == "hang-worker" and hang >= limit:
+                raise UsageError(
+                    f"faults: {text}: a hung worker is found after restart.hang_timeout "
+                    f"({hang:g} s), not within the run's timeout ({limit:g} s); lower "
+                    "restart.hang_timeout or raise the timeout"
+                )
         os.makedirs(spec.out_dir, exist_ok=True)
         out = io.StringIO()
         agents_env = {**os.environ, **self.env, **(env or {}), ENV_TEST_BASE: self.base}
         agents_env.setdefault("OMP_NUM_THREADS", "1")
         final = run_cluster(spec, nodes=nodes, faults=parsed,
-                            timeout=timeout or self.timeout, out=out, env=agents_env)  # fmt: skip
+                            timeout=limit, out=out, env=agents_env)  # fmt: skip
         result = result_from(final, run_dir=spec.out_dir, output=out.getvalue())
         self.runs.append(result)
         if result.unfired and not allow_unfired:

@@ -50,6 +50,12 @@ def _timeout(item: pytest.Item) -> float:
     marker = item.get_closest_marker("elasticd")
     if marker is None:
         return DEFAULT_TIMEOUT
+    unknown = sorted(set(marker.kwargs) - {"timeout"})
+    if unknown or len(marker.args) > 1:
+        raise pytest.UsageError(
+            f"{item.nodeid}: @pytest.mark.elasticd: takes only timeout= (got "
+            f"{', '.join(unknown) or f'{len(marker.args)} positional arguments'})"
+        )
     value = marker.kwargs.get("timeout", marker.args[0] if marker.args else DEFAULT_TIMEOUT)
     try:
         seconds = float(value)
