@@ -300,8 +300,11 @@ class WorkerChannel:
         return resumed is None or step > resumed
 
     def recovered(self, **info: Any) -> None:
-        """In-process restart: how this round's state was recovered (``source``,
-        ``resume_step``, ``lost_steps``); rank 0's goes into the job's recovery record."""
+        """How this round's state was recovered (``source``, ``resume_step``,
+        ``lost_steps``), in-process or after a process restart (a script that resumed from
+        its own checkpoint says so: ``source="checkpoint", resume_step=N``); rank 0's goes
+        into the job's recovery record. Without it a recovery counts as from ``none``,
+        every step lost."""
         self._last["recovery"] = info
         self._write()
 
