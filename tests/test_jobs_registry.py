@@ -263,3 +263,34 @@ def test_failure_records_of_decided_rounds_are_pruned_and_a_stale_round_cannot_p
         reg.prune_failures(name, rounds + 5, fence=fence)
     assert len(etcd_client.get_prefix(prefix)[0]) == 4
     assert reg.prune_failures(name, 0) == 0  # nothing below round 0
+
+
+def test_logs_of_an_in_process_job_are_its_warm_workers_per_node(
+    etcd_server, etcd_client, tmp_path
+):
+    """An in-process job's workers log per node and local rank (`warm/`), not in
+    `round-*/rank-*.log`: `elasticd logs` said "no logs" for the demo's own job."""
+    from elasticd.jobspec import run_logs_dir
+
+    name = unique("warm")
+    (tmp_path / "job.yaml").write_text(
+        f"name: {name}\noutput_dir: out\nrestart: {{mode: inprocess}}\n"
+    )
+    ep = etcd_server.endpoint
+    assert run_cli("submit", "job.yaml", etcd=ep, cwd=tmp_path).returncode == 0
+    run_id = JobRegistry(etcd_client).get(name).run_id
+    assert run_id
+    warm = tmp_path / run_logs_dir("out", run_id) / "warm"
+    for node, text in (("node-0", "step 1 loss 5.0\n"), ("node-1", "step 1 loss 5.0 (rank 1)\n")):
+        (warm / node).mkdir(parents=True)
+        (warm / node / "local-0.log").write_text(text)
+    r = run_cli("logs", name, etcd=ep)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == [
+        f"==> {(warm / 'node-0' / 'local-0.log').resolve()} <==", "step 1 loss 5.0",
+        f"==> {(warm / 'node-1' / 'local-0.log').resolve()} <==", "step 1 loss 5.0 (rank 1)",
+    ]  # fmt: skip
+    r = run_cli("logs", name, "--rank", "0", etcd=ep)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert "restarts in-process: its workers log per node and local rank" in r.stderr
+    run_cli("cancel", name, etcd=ep)

@@ -503,6 +503,23 @@ def _rank_files(round_dir: str, rank: int | None) -> list[str]:
     return [os.path.join(round_dir, f) for f in names]
 
 
+def _warm_files(logs_dir: str) -> list[str]:
+    """The logs of an in-process job's warm workers: one per node and local rank
+    (``warm/<node>/local-<i>.log``), for every round they served; not per global rank,
+    which may change from round to round."""
+    warm = os.path.join(logs_dir, "warm")
+    try:
+        nodes = sorted(os.listdir(warm))
+    except OSError:
+        return []
+    out = []
+    for node in nodes:
+        with contextlib.suppress(OSError):
+            out += [os.path.join(warm, node, f) for f in sorted(os.listdir(os.path.join(warm, node)))
+                    if f.endswith(".log")]  # fmt: skip
+    return out
+
+
 def run_logs(args: argparse.Namespace) -> int:
     client, registry = open_registry(args)
     with client:
@@ -514,6 +531,14 @@ def run_logs(args: argparse.Namespace) -> int:
         while True:
             round_dir = _latest_round_dir(logs_dir)
             files = _rank_files(round_dir, args.rank) if round_dir else []
+            warm = _warm_files(logs_dir) if not files else []
+            if warm and args.rank is not None:
+                raise UsageError(
+                    f"job {args.name!r} restarts in-process: its workers log per node and "
+                    f"local rank ({os.path.join(logs_dir, 'warm')}/<node>/local-<i>.log), "
+                    "not per global rank; leave out --rank"
+                )
+            files = files or warm
             for path in files:
                 with open(path, "rb") as fh:
                     fh.seek(offsets.get(path, 0))
