@@ -143,6 +143,7 @@ def check_plan(
     faults: Sequence[Fault],
     etcd_members: int,
     where: str = "job.yaml",
+    steps: int | None = None,
 ) -> None:
     """Refuse, before anything starts, a local cluster that can never run the job or
     faults that can never apply (one-line UsageErrors).
@@ -162,6 +163,10 @@ def check_plan(
         )
     most = nodes + sum(f.kind == "add-node" for f in faults)
     for f in faults:
+        if steps is not None and f.step > steps:  # it ran, never fired, and exited 0
+            raise UsageError(
+                f"--fault {f}: step {f.step} is past the job's last step (train.steps: {steps})"
+            )
         if f.kind in NODE_FAULTS and f.target >= most:  # type: ignore[operator]
             raise UsageError(f"--fault {f}: there is no node {f.target} (nodes 0..{most - 1})")
         if f.kind in RANK_FAULTS and f.target >= most * nproc:  # type: ignore[operator]

@@ -470,7 +470,8 @@ class Cluster:
         try:  # the CLI's words for the CLI's flag; here the argument is faults=
             parsed = [parse_fault(f) for f in faults]
             check_plan(nodes_min=spec.nodes.min, nproc=spec.nproc_per_node, nodes=nodes,
-                       faults=parsed, etcd_members=1, where=f"job {raw['name']}")  # fmt: skip
+                       faults=parsed, etcd_members=1, where=f"job {raw['name']}",
+                       steps=spec.train.steps)  # fmt: skip
         except UsageError as exc:
             raise UsageError(str(exc).replace("--fault ", "faults: ", 1)) from None
         hang = spec.restart.hang_timeout
