@@ -1,5 +1,5 @@
-"""The agent's liveness: ``/healthz`` for a Kubernetes probe and systemd's notify/watchdog
-protocol, against a real agent process, a real etcd, a real HTTP endpoint and a real
+"""The agent's liveness (``/healthz`` for a Kubernetes probe and systemd's notify/watchdog
+protocol) and how it judges another agent's, against a real agent process, a real etcd, a real HTTP endpoint and a real
 datagram socket standing where systemd's is."""
 
 from __future__ import annotations
@@ -148,3 +148,26 @@ def test_the_watchdog_is_fed_while_healthy_not_while_wedged_and_always_while_sto
         thread.join(timeout=5)
         sock.close()
     assert not thread.is_alive()
+
+
+def test_a_zombie_agent_is_dead_to_a_restarted_one():
+    """An agent SIGKILLed and not yet reaped by its parent stays a zombie: `kill(pid, 0)`
+    succeeds on it, and the same node id restarted a second later was refused for good
+    ("already registered by a live agent")."""
+    import time
+
+    from elasticd.agent.daemon import _pid_alive
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            with open(f"/proc/{proc.pid}/stat", "rb") as fh:
+                if fh.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    break
+            time.sleep(0.02)
+        assert not _pid_alive(proc.pid)
+    finally:
+        proc.wait()
+    assert _pid_alive(os.getpid())
+    assert not _pid_alive(proc.pid) and not _pid_alive("x")

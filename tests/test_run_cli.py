@@ -62,7 +62,11 @@ BAD_FAULTS = [
     ("no such rank", "kill-worker=7@step=2", "there is no rank 7"),
     ("member kill on one etcd", "kill-etcd-member=0@step=2", "needs an etcd of 3 members"),
     ("leader kill on one etcd", "kill-etcd-leader@step=2", "needs an etcd of 3 members"),
-    ("past the last step", "kill-node=1@step=5", "step 5 is past the job's last step (train.steps: 4)"),
+    (
+        "past the last step",
+        "kill-node=1@step=5",
+        "step 5 is past the job's last step (train.steps: 4)",
+    ),
 ]
 
 

@@ -234,3 +234,22 @@ def test_plain_torchrun_with_two_processes_runs_tp2_without_repeating_nproc_per_
         (1, 2, 2, 1),
         (2, 2, 2, 1),
     ]
+
+
+def test_a_newcomers_first_layout_is_not_used_for_a_world_of_another_size():
+    """A newcomer planned its layout for round 2 (3 ranks); round 2 ended before it trained
+    (a node lost meanwhile), and round 3 (2 ranks) was handed the 3-rank layout: "the
+    default group has 2 ranks but the layout was planned for 3", and a process restart."""
+    from types import SimpleNamespace
+
+    from elasticd.layout import plan
+    from trainer.__main__ import _layout_for
+
+    job = parse_job({"name": "t", "train": {"global_batch": 12, "micro_batch": 2}})
+    first = {"layout": plan(3, job)}
+    ctx = SimpleNamespace(world_size=2, layout=None)
+    assert _layout_for(ctx, job, first).world == 2 and first == {}
+    first = {"layout": plan(3, job)}
+    planned = first["layout"]
+    assert _layout_for(SimpleNamespace(world_size=3, layout=None), job, first) is planned
+    assert _layout_for(SimpleNamespace(world_size=3, layout=None), job, first).world == 3

@@ -178,11 +178,21 @@ def _run(*, job, layout, rank: int, world: int, env: Mapping[str, str]) -> int:
     first = {"layout": layout}
 
     def one_round(ctx) -> int:
-        # The first round's layout was checked in main(); later ones come from the agent.
-        this = first.pop("layout", None) or _round_layout(ctx, job)
-        return _train_round(ctx, job=job, layout=this, device=device)
+        return _train_round(ctx, job=job, layout=_layout_for(ctx, job, first), device=device)
 
     return run_rounds(one_round, env=env, timeout=timedelta(minutes=10))
+
+
+def _layout_for(ctx, job, first: dict):
+    """The layout a round trains on. The first round's was checked in main(); later ones
+    come from the agent. A round that ended before it trained (a node lost while a
+    newcomer opened its first round) leaves main()'s layout for a world that is gone: it
+    is used only for a world of its size (a world's layout is planned from its size), and
+    is spent either way."""
+    this = first.pop("layout", None)
+    if this is None or this.world != ctx.world_size:
+        this = _round_layout(ctx, job)
+    return this
 
 
 def _round_layout(ctx, job):

@@ -703,10 +703,18 @@ def _is_own_pid(pid: object) -> bool:
 
 
 def _pid_alive(pid: object) -> bool:
+    """Whether ``pid`` names a live process: a zombie (killed, not yet reaped by a parent
+    that does not wait, such as a wrapper or `elasticd run` busy elsewhere) is dead, and
+    a restarted agent takes its record over instead of being refused for good."""
     try:
         os.kill(int(pid), 0)  # type: ignore[arg-type]
     except (TypeError, ValueError, ProcessLookupError):
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as fh:  # type: ignore[arg-type]
+            state = fh.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in (b"Z", b"X")
