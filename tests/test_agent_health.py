@@ -1,6 +1,6 @@
 """The agent's liveness (``/healthz`` for a Kubernetes probe and systemd's notify/watchdog
-protocol) and how it judges another agent's, against a real agent process, a real etcd, a real HTTP endpoint and a real
-datagram socket standing where systemd's is."""
+protocol) and how it judges another agent's, against a real agent process, a real etcd, a
+real HTTP endpoint and a real datagram socket standing where systemd's is."""
 
 from __future__ import annotations
 
