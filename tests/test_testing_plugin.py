@@ -173,6 +173,20 @@ def test_the_built_in_trainer_killed_in_its_checkpoint_save_recovers_in_process(
 
 
 @pytest.mark.elasticd(timeout=240)
+def test_a_worker_killed_in_its_checkpoint_save_lost_that_step_too(elasticd_cluster):
+    """The heartbeat came after the save: a fault in the save of step 8 was counted from
+    step 7 (3 lost from step 4), though steps 5 to 8 were all trained again. (Saves are
+    synchronous: step 4 is committed before step 5 starts.)"""
+    job = elasticd_cluster.builtin_job(train={"steps": 10}, checkpoint={"every": 4, "async": False})
+    result = elasticd_cluster.run(
+        job, nodes=1, restart="process", faults=["kill-worker=0@step=8:phase=checkpoint-save"]
+    )
+    result.assert_succeeded()
+    (recovery,) = result.recoveries
+    assert (recovery.mode, recovery.source, recovery.lost_steps) == ("process", "checkpoint", 4)
+
+
+@pytest.mark.elasticd(timeout=240)
 def test_an_error_raised_in_a_ranks_step_is_the_scripts_to_handle(elasticd_cluster):
     # Not a communication error: the script's own exception. Its worker exits non-zero,
     # the job restarts it (process mode) from the checkpoint, and the log shows the error.

@@ -582,12 +582,17 @@ class Trainer:
                 self._phase("step-end", self.state.step)
                 if metrics is not None:  # before the save: a fault in it keeps the record
                     metrics.write(result)
+                if progress is not None:
+                    # The heartbeat too: the agent counts the steps a fault lost from the
+                    # last one it saw, and a fault in the save lost this step as well.
+                    progress(result)
                 every, step = self.job.checkpoint.every, self.state.step
-                if (every and step % every == 0) or step == self.job.train.steps:
+                saving = bool(every and step % every == 0) or step == self.job.train.steps
+                if saving:
                     self._phase("checkpoint-save", step)
                 ckpt.after_step()
-                if progress is not None:
-                    progress(result)
+                if progress is not None and saving:
+                    progress(result)  # again, with the save (its commit, when synchronous)
                 if after_step is not None:
                     after_step(result)
                 results.append(result)
