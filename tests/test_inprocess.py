@@ -195,6 +195,25 @@ def test_a_hung_worker_is_killed_and_its_peer_waiting_on_it_goes_on_in_process(t
     assert not any("rank 0: no progress" in e.get("detail", "") for e in failures), failures
 
 
+def test_a_worker_hung_as_a_peer_node_dies_is_killed_alone_and_the_rest_go_on_in_process(
+    tmp_path,
+):
+    """Node 1 dies and rank 2 hangs (SIGSTOP) at the same step: the survivors re-form, but
+    the hung worker never leaves the round before. It was waited for 120 s
+    (ROUND_BEGIN_TIMEOUT) and every worker was restarted from the checkpoint; now, past
+    hang_timeout and the leave margin, it alone is killed, and its node's replacement takes
+    the state from rank 0's memory."""
+    restart = {"mode": "inprocess", "scale_up": "immediate", "hang_timeout": 4}
+    job = make_job(tmp_path, "stuck", steps=40, restart=restart)
+    result = run(job, 3, ["kill-node=1@step=5", "hang-worker=2@step=5"])
+    history = result["status"]["history"]
+    recs = [e for e in history if e["kind"] == "recovery"]
+    assert recs and all(e["mode"] == "inprocess" for e in recs), f"{history}\n{story(job)}"
+    failures = [e.get("detail", "") for e in history if e["kind"] == "failure"]
+    assert not any("within 120 s" in f for f in failures), failures
+    check_inprocess(tmp_path, job, result, recoveries=len(recs))
+
+
 def test_rank_0_killed_after_a_steps_collectives_leaves_no_gap_in_the_metrics(tmp_path):
     """Rank 0 dies after step 5's last collective, before it writes step 5's record: its
     peer holds step 5, so the world resumes after it and nobody trains step 5 again. The

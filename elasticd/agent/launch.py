@@ -19,7 +19,7 @@ import stat
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from elasticd.agent.policy import WorkerEnvInputs, scrub_env, worker_argv, worker_envs
@@ -75,6 +75,9 @@ class Round:
     """Whether rank 0 completed a step in this round yet."""
     carried: int = 0
     """Workers that went on from the previous round in their process (in-process)."""
+    stuck: list = field(default_factory=list)
+    """Carried workers judged stuck in the round before (never took this one): the ones a
+    hung outcome kills, the others are kept."""
 
 
 def write_json(path: str, obj: Any) -> None:

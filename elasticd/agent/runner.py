@@ -92,6 +92,14 @@ its sockets shut; a group set-up whose store keys never met its peer's) would ho
 whole new world for the 10-minute group timeout; past the bound it counts as hung, and the
 process-restart fallback replaces it."""
 
+LEAVE_MARGIN = 15.0
+"""Seconds beyond ``restart.hang_timeout`` a carried worker may take to leave the round
+before (the rest of a step, bounded by ``hang_timeout``; the abort, bounded by the
+worker's own 10 s watchdog). One still there (a worker that hung as its peer was lost)
+is stuck: only it is killed, its peers are kept, and the round recovers in-process.
+(Before, it waited for ROUND_BEGIN_TIMEOUT, 120 s, and fell back to a process restart of
+every worker.)"""
+
 
 class Notes:
     """One daemon thread that writes an agent's trouble notes and clears, in order: the
@@ -788,20 +796,28 @@ class JobRunner:
 
     def _not_begun(self, rnd: Round, now: float) -> list[Worker]:
         """The workers of this in-process round (one that kept workers) still in the round
-        before, or still opening this one's process group, past the round-begin bound."""
+        before past ``hang_timeout`` and :data:`LEAVE_MARGIN` (noted in ``rnd.stuck``), or
+        still opening this one's process group past the round-begin bound."""
         if not rnd.carried or rnd.first_step_seen:
             return []
-        if now - rnd.spawned_at <= self._round_begin_timeout():
-            return []
-        return rnd.workers.not_begun() + rnd.workers.not_opened()
+        age = now - rnd.spawned_at
+        stuck = []
+        if age > self.job.restart.hang_timeout + LEAVE_MARGIN:
+            stuck = rnd.workers.not_begun()
+        rnd.stuck = stuck
+        if age <= self._round_begin_timeout():
+            return stuck
+        return stuck + [w for w in rnd.workers.not_opened() if w not in stuck]
 
     def _not_begun_detail(self, rnd: Round, workers: list[Worker]) -> str:
-        before = {id(w) for w in rnd.workers.not_begun()}
-        parts = [f"rank {w.rank} " + ("never took the round (stuck in the one before)"
-                                      if id(w) in before else "never opened its process group")
+        before = {id(w) for w in rnd.stuck}
+        leave = self.job.restart.hang_timeout + LEAVE_MARGIN
+        parts = [f"rank {w.rank} " + (f"never took the round (stuck in the one before) within "
+                                      f"{leave:g} s" if id(w) in before else
+                                      "never opened its process group within "
+                                      f"{self._round_begin_timeout():g} s")
                  for w in workers]  # fmt: skip
-        return (f"round {rnd.number}: " + "; ".join(parts)
-                + f" within {self._round_begin_timeout():g} s")  # fmt: skip
+        return f"round {rnd.number}: " + "; ".join(parts)
 
     def _faulted(self, beats: dict[int, dict]) -> bool:
         """Whether a local in-process worker reported a failed collective this round."""
@@ -935,6 +951,10 @@ class JobRunner:
             # too (a script that exits with it on a peer's preemption). Stopped as ever.
             return False
         own = outcome in (Outcome.WORKER_FAILED, Outcome.WORKER_HUNG)
+        if outcome == Outcome.WORKER_HUNG and rnd.stuck and not rnd.first_step_seen:
+            # Workers stuck in the round before: they alone are killed (_keep_workers);
+            # their peers, which took this round, are kept for the next.
+            return True
         if own and rnd.carried and not rnd.first_step_seen:
             log.warning(
                 "in-process recovery did not reach a step; falling back to a process restart",
@@ -949,6 +969,11 @@ class JobRunner:
         live ones are handed to the next round. A hung worker is killed (it may be
         SIGSTOPped and cannot recover)."""
         w = rnd.workers
+        if outcome == Outcome.WORKER_HUNG:
+            for stuck in rnd.stuck:  # stuck in the round before: they cannot take the next
+                if stuck.proc.poll() is None:
+                    stuck.proc.kill()
+                    stuck.proc.wait(timeout=10)
         # Every hung worker: the stalest first, until none is past its bound (a worker
         # waiting on its peers has a longer one: the kill of the hung peer frees it).
         while outcome == Outcome.WORKER_HUNG:
