@@ -155,3 +155,13 @@ def test_report_skips_lines_that_are_not_utf_8(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_bytes(b'{"step": 1}\n{"step": \xff2}\n{"step": 3}\n')
     assert _jsonl(str(path)) == [{"step": 1}, {"step": 3}]
+
+
+def test_a_tls_file_that_is_not_pem_is_named_in_one_line(tmp_path):
+    der = tmp_path / "ca.der"
+    der.write_bytes(b"\x30\x82\x01\x0a" + bytes(64))
+    r = elasticd("list", "--etcd", "127.0.0.1:1", "--etcd-cacert", str(der))
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip() == (
+        f"elasticd: error: etcd ca_cert: {der} is not a PEM file (no -----BEGIN line)"
+    )

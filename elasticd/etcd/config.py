@@ -67,6 +67,21 @@ def parse_endpoints(text: str | None) -> tuple[str, ...]:
     return tuple(out)
 
 
+def _check_pem(field: str, path: object) -> None:
+    """A TLS file that is readable but not PEM (a DER certificate, the wrong file) is
+    named here in one line: gRPC printed its own C-level error lines, then a misleading
+    "did not answer within 5 s". An unreadable one is left to the connect's own error."""
+    if not isinstance(path, str):
+        return
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(1 << 20)
+    except OSError:
+        return
+    if b"-----BEGIN " not in head:
+        raise UsageError(f"etcd {field}: {path} is not a PEM file (no -----BEGIN line)")
+
+
 def config_from_options(
     options: Mapping[str, object], env: Mapping[str, str] | None = None
 ) -> EtcdConfig:
@@ -111,6 +126,8 @@ def config_from_options(
         raise UsageError("etcd TLS: a client cert needs its key, and a key needs its cert")
     if bool(fields.get("user")) != bool(fields.get("password")):
         raise UsageError("etcd auth: user and password go together")
+    for field in ("ca_cert", "cert", "key"):
+        _check_pem(field, fields.get(field))
     config = EtcdConfig(**fields)  # type: ignore[arg-type]
     if config.request_timeout > config.timeout:
         config = config.with_(request_timeout=config.timeout)
