@@ -387,7 +387,8 @@ def cgroup_headroom(
     far below the host's ``MemAvailable``, so the host alone says a tensor fits that gets
     the process killed. Every level from the process's own cgroup up to the root counts
     (a pod's limit sits above its container's): the smallest headroom wins. The page cache
-    is not counted as used, as the kernel reclaims it before it kills: a checkpoint just
+    is not counted as used, as the kernel reclaims it before it kills (its shared memory,
+    /dev/shm and tmpfs, is: it cannot be reclaimed without swap): a checkpoint just
     read leaves gigabytes of it, and counting it would refuse what fits. v2 (``0::/path``,
     ``memory.max``) and v1 (the ``memory`` controller, ``memory.limit_in_bytes``) are both
     read; inside a container's cgroup namespace the path is ``/`` and its own files are at
@@ -407,7 +408,7 @@ def cgroup_headroom(
                 "memory.max",
                 "memory.current",
                 "memory.stat",
-                "file",
+                ("file", "shmem"),
             )
         elif "memory" in controllers.split(","):
             base = os.path.join(root, "memory")
@@ -415,7 +416,7 @@ def cgroup_headroom(
                 "memory.limit_in_bytes",
                 "memory.usage_in_bytes",
                 "memory.stat",
-                "total_cache",
+                ("total_cache", "total_shmem"),
             )
         else:
             continue
@@ -426,7 +427,11 @@ def cgroup_headroom(
             if cap is None or cap >= UNLIMITED_V1:
                 continue
             used = _read_int(os.path.join(where, usage)) or 0
-            used -= min(used, _stat_field(os.path.join(where, stat), cache))
+            # Page cache is reclaimed before the OOM killer acts; shared memory in it
+            # (/dev/shm, tmpfs: NCCL, DataLoader workers) is not, without swap.
+            stats = os.path.join(where, stat)
+            reclaimable = _stat_field(stats, cache[0]) - _stat_field(stats, cache[1])
+            used -= min(used, max(0, reclaimable))
             room = max(0, cap - used)
             best = room if best is None else min(best, room)
     return best

@@ -791,7 +791,7 @@ def test_a_memory_cgroup_limit_caps_what_a_load_may_allocate(tmp_path):
         "fs/kubepods/pod1/ctr/memory.max": "max\n",
         "fs/kubepods/pod1/memory.max": f"{2 * gib}\n",
         "fs/kubepods/pod1/memory.current": f"{gib}\n",
-        "fs/kubepods/pod1/memory.stat": f"anon 123\nfile {gib // 2}\nkernel 7\n",
+        "fs/kubepods/pod1/memory.stat": f"anon 123\nfile {gib // 2}\nkernel 7\nshmem 0\n",
         "fs/kubepods/memory.max": f"{64 * gib}\n",
         "fs/memory.max": "max\n",
     })  # fmt: skip
@@ -812,6 +812,12 @@ def test_a_memory_cgroup_limit_caps_what_a_load_may_allocate(tmp_path):
     # Over the limit in anonymous memory: no room (never negative); no limit anywhere: None.
     _cgroup_tree(v1, {"fs/memory/slurm/uid_0/job_7/memory.stat": "total_cache 0\n"})
     assert cgroup_headroom(str(v1 / "proc"), str(v1 / "fs")) == 0
+    # /dev/shm is in the cache but cannot be reclaimed: 2 GiB cache of which 1 GiB shmem.
+    _cgroup_tree(v1, {"fs/memory/slurm/uid_0/job_7/memory.stat":
+                      f"total_cache {2 * gib}\ntotal_shmem {gib}\n"})  # fmt: skip
+    assert cgroup_headroom(str(v1 / "proc"), str(v1 / "fs")) == 0  # 4 - (5 - 1)
+    _cgroup_tree(v1, {"fs/memory/slurm/uid_0/job_7/memory.usage_in_bytes": f"{3 * gib}\n"})
+    assert cgroup_headroom(str(v1 / "proc"), str(v1 / "fs")) == 2 * gib  # 4 - (3 - 1)
     _cgroup_tree(v1, {"free": "4:memory:/nowhere\n0::/\n"})
     assert cgroup_headroom(str(v1 / "free"), str(v1 / "fs")) is None
     assert cgroup_headroom(str(tmp_path / "absent"), str(v1 / "fs")) is None

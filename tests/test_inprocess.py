@@ -211,6 +211,9 @@ def test_a_worker_hung_as_a_peer_node_dies_is_killed_alone_and_the_rest_go_on_in
     assert recs and all(e["mode"] == "inprocess" for e in recs), f"{history}\n{story(job)}"
     failures = [e.get("detail", "") for e in history if e["kind"] == "failure"]
     assert not any("within 120 s" in f for f in failures), failures
+    # The path under test: the hung worker was judged stuck in the round before.
+    assert any("never took the round (stuck in the one before) within 19 s" in f
+               for f in failures), f"{failures}\n{story(job)}"  # fmt: skip
     check_inprocess(tmp_path, job, result, recoveries=len(recs))
 
 

@@ -293,4 +293,13 @@ def test_logs_of_an_in_process_job_are_its_warm_workers_per_node(
     r = run_cli("logs", name, "--rank", "0", etcd=ep)
     assert r.returncode == 2 and r.stderr.count("\n") == 1
     assert "restarts in-process: its workers log per node and local rank" in r.stderr
+    # A round that started a replacement process: its rank log, then the kept workers'.
+    rank_log = tmp_path / run_logs_dir("out", run_id) / "round-2" / "rank-1.log"
+    rank_log.parent.mkdir()
+    rank_log.write_text("replacement\n")
+    r = run_cli("logs", name, etcd=ep)
+    assert r.stdout.splitlines()[:2] == [f"==> {rank_log.resolve()} <==", "replacement"]
+    assert len(r.stdout.splitlines()) == 6, r.stdout
+    r = run_cli("logs", name, "--rank", "1", etcd=ep)
+    assert r.returncode == 0 and r.stdout.splitlines()[1:] == ["replacement"], r.stdout
     run_cli("cancel", name, etcd=ep)

@@ -53,6 +53,7 @@ from elasticd.agent.policy import (
 from elasticd.agent.runner import JobRunner, Notes, note_trouble_later
 from elasticd.agent.view import NODES_PREFIX, ClusterView
 from elasticd.errors import ElasticdError, UsageError
+from elasticd.etcd.client import EtcdUnavailableError
 from elasticd.jobs import USAGE_PREFIX, JobRecord, JobRegistry, JobState
 from elasticd.log import dump_stacks_on_sigusr1, kv
 from elasticd.metrics import AgentMetrics
@@ -628,6 +629,13 @@ class Agent:
                     self._explain(record, nodes)
             except ElasticdError as exc:
                 log.warning("queue bookkeeping failed", **kv(job=record.name, error=str(exc)))
+                if isinstance(exc, EtcdUnavailableError):
+                    # etcd away: the rest would each wait out a request timeout too (two
+                    # dozen finished jobs made one turn of the loop minutes long, and
+                    # /healthz 503); they are done at the next turn.
+                    wake.append(1.0)
+                    break
+            self.health.beat()  # each record is a turn of the loop's work
         return wake
 
     def _explain(self, record: JobRecord, nodes: dict[str, dict]) -> None:

@@ -98,19 +98,32 @@ def watchdog_interval(env: dict[str, str] | None = None) -> float | None:
     return usec / 2e6 if usec > 0 else None
 
 
+STOPPING_FED = 600.0
+"""Seconds the watchdog is fed without a beat once the agent stops: its workers' grace
+period and its etcd requests (systemd's ``TimeoutStopSec`` bounds a SIGTERM'd stop; a stop
+of the agent's own, its node lease lost for good, has no such bound)."""
+
+
 def start_watchdog(
-    health: Health, stopping: threading.Event, done: threading.Event
+    health: Health,
+    stopping: threading.Event,
+    done: threading.Event,
+    clock: Callable[[], float] = time.monotonic,
 ) -> threading.Thread | None:
-    """Ping systemd's watchdog while ``health`` is well, and unconditionally once
-    ``stopping`` (the agent waits out its workers' grace period, beating nothing; its stop
-    is bounded by ``TimeoutStopSec``), until ``done``; None where systemd wants no pings."""
+    """Ping systemd's watchdog while ``health`` is well, and for :data:`STOPPING_FED`
+    seconds once ``stopping`` whatever it says (the agent waits out its workers' grace
+    period, beating nothing), until ``done``; None where systemd wants no pings."""
     interval = watchdog_interval()
     if interval is None:
         return None
 
     def body() -> None:
+        since: float | None = None
         while not done.wait(interval):
-            if stopping.is_set() or health.state()[0]:
+            if stopping.is_set() and since is None:
+                since = clock()
+            fed = since is not None and clock() - since < STOPPING_FED
+            if fed or health.state()[0]:
                 sd_notify("WATCHDOG=1")
 
     t = threading.Thread(target=body, name="elasticd-sd-watchdog", daemon=True)

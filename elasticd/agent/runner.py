@@ -37,6 +37,7 @@ import functools
 import logging
 import os
 import queue
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -792,7 +793,10 @@ class JobRunner:
         return env
 
     def _round_begin_timeout(self) -> float:
-        return max(ROUND_BEGIN_TIMEOUT, self.job.restart.hang_timeout)
+        # Past the stuck bound (and some): a worker stuck in the round before is its own
+        # node's to kill alone, before its peers' nodes, whose workers wait for it in the
+        # group's set-up, give up on the round and restart every process.
+        return max(ROUND_BEGIN_TIMEOUT, self.job.restart.hang_timeout + LEAVE_MARGIN + 15.0)
 
     def _not_begun(self, rnd: Round, now: float) -> list[Worker]:
         """The workers of this in-process round (one that kept workers) still in the round
@@ -803,11 +807,14 @@ class JobRunner:
         age = now - rnd.spawned_at
         stuck = []
         if age > self.job.restart.hang_timeout + LEAVE_MARGIN:
-            stuck = rnd.workers.not_begun()
+            # Only a worker that stepped before: one still importing or loading its state
+            # (a cold newcomer carried on) is as slow as a new process.
+            stuck = [w for w in rnd.workers.not_begun() if w.stepped]
         rnd.stuck = stuck
         if age <= self._round_begin_timeout():
             return stuck
-        return stuck + [w for w in rnd.workers.not_opened() if w not in stuck]
+        return stuck + [w for w in rnd.workers.not_begun() + rnd.workers.not_opened()
+                        if w not in stuck]  # fmt: skip
 
     def _not_begun_detail(self, rnd: Round, workers: list[Worker]) -> str:
         before = {id(w) for w in rnd.stuck}
@@ -973,16 +980,22 @@ class JobRunner:
             for stuck in rnd.stuck:  # stuck in the round before: they cannot take the next
                 if stuck.proc.poll() is None:
                     stuck.proc.kill()
-                    stuck.proc.wait(timeout=10)
+                    with contextlib.suppress(subprocess.TimeoutExpired):  # in D state
+                        stuck.proc.wait(timeout=10)
         # Every hung worker: the stalest first, until none is past its bound (a worker
         # waiting on its peers has a longer one: the kill of the hung peer frees it).
+        killed: set[int] = set()
         while outcome == Outcome.WORKER_HUNG:
             stalest = w.stalest_progress(self._clock())
             timeout = self.job.restart.hang_timeout
             if stalest is None or stalest.age <= hang_bound(timeout, waiting=stalest.waiting):
                 break
+            if stalest.worker.proc.pid in killed:
+                break  # killed, and still not gone within 10 s (uninterruptible I/O)
+            killed.add(stalest.worker.proc.pid)
             stalest.worker.proc.kill()
-            stalest.worker.proc.wait(timeout=10)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                stalest.worker.proc.wait(timeout=10)
         write_control(control_path(self._node.state_dir, self.record.run_id),
                       round_=rnd.number, state="abort")  # fmt: skip
         self._kept = w

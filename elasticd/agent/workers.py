@@ -84,6 +84,10 @@ class Worker:
     """A live process that this round took over rather than started: one that lived a round
     before, or a warm worker or standby (``env_ready`` then says whether its imports are
     done)."""
+    stepped: bool = False
+    """It reported a completed step in a round before: it is past its imports and its
+    state's load, so what keeps it from taking a new round is the rest of a step (bounded
+    by ``hang_timeout``) and the abort."""
 
     @property
     def returncode(self) -> int | None:
@@ -210,12 +214,14 @@ class WorkerGroup:
             if old is None:
                 fresh.append((local_rank, dict(base_env)))
                 continue
+            beat = read_heartbeat(old.heartbeat_path) if old.heartbeat_path else None
+            stepped = old.stepped or (beat is not None and "step" in beat)
             group.workers.append(
                 Worker(
                     local_rank=local_rank, rank=int(base_env["RANK"]), proc=old.proc,
                     log_path=old.log_path, heartbeat_path=base_env[ENV_HEARTBEAT],
                     error_path=base_env["TORCHELASTIC_ERROR_FILE"], started=old.started,
-                    carried=True, env_ready=old.env_ready,
+                    carried=True, env_ready=old.env_ready, stepped=stepped,
                 )
             )  # fmt: skip
         if before_spawn is not None:

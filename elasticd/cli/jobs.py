@@ -531,14 +531,16 @@ def run_logs(args: argparse.Namespace) -> int:
         while True:
             round_dir = _latest_round_dir(logs_dir)
             files = _rank_files(round_dir, args.rank) if round_dir else []
-            warm = _warm_files(logs_dir) if not files else []
-            if warm and args.rank is not None:
+            # An in-process job's kept workers log on in their warm logs: shown with the
+            # rank logs of the processes a round started (a replacement).
+            warm = _warm_files(logs_dir) if args.rank is None else []
+            if not files and args.rank is not None and _warm_files(logs_dir):
                 raise UsageError(
                     f"job {args.name!r} restarts in-process: its workers log per node and "
                     f"local rank ({os.path.join(logs_dir, 'warm')}/<node>/local-<i>.log), "
                     "not per global rank; leave out --rank"
                 )
-            files = files or warm
+            files = files + warm
             for path in files:
                 with open(path, "rb") as fh:
                     fh.seek(offsets.get(path, 0))

@@ -74,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
     # before a process starts.
     check_plan(nodes_min=job.nodes.min, nproc=job.nproc_per_node, nodes=args.nodes,
                faults=faults, etcd_members=args.etcd_members,
-               where=os.path.basename(args.job), steps=job.train.steps)  # fmt: skip
+               where=os.path.basename(args.job),
+               steps=job.train.steps if job.command is None else None)  # fmt: skip
     prepare_output_dir(job.out_dir, fresh=args.fresh)
     as_json = getattr(args, "json", False)
     progress = sys.stderr if as_json else sys.stdout

@@ -51,13 +51,15 @@ BUILTIN_JOB: dict[str, Any] = {
     "train": {"steps": 20, "global_batch": 12, "micro_batch": 2},
     "checkpoint": {"every": 5},
     "rendezvous": {"ttl": 2, "settle": 1.0},
-    "restart": {"hang_timeout": 30},
 }  # fmt: skip
 """The built-in trainer's small GPT (seconds per run on a laptop CPU), the base of
 :meth:`Cluster.builtin_job` and :meth:`Cluster.script_job`. A global batch of 12 splits
-evenly over 1, 2, 3, 4 or 6 ranks. ``restart.hang_timeout`` is test-sized: the job's default
-(300 s) equals a run's default timeout, so a ``hang-worker`` fault was never detected in
-time."""
+evenly over 1, 2, 3, 4 or 6 ranks."""
+
+HANG_TIMEOUT = 30.0
+"""``restart.hang_timeout`` of a dict job that plans a ``hang-worker`` fault and sets none:
+the job default (300 s) equals a run's default timeout, so the hang was never detected in
+time. Only then: a script's long step or save elsewhere is not cut short."""
 
 SPARE_RESTARTS = 2
 """A dict job that does not set ``restart.max_restarts`` gets two per fault and this many
@@ -458,20 +460,23 @@ class Cluster:
             if restart not in ("inprocess", "process"):
                 raise UsageError(f"restart: {restart!r} must be inprocess or process")
             raw["restart"] = {**(raw.get("restart") or {}), "mode": restart}
-        if isinstance(job, Mapping) and "max_restarts" not in (raw.get("restart") or {}):
-            raw["restart"] = {**(raw.get("restart") or {}),
-                              "max_restarts": 2 * len(faults) + SPARE_RESTARTS}  # fmt: skip
+        given = raw.get("restart") or {}
+        if isinstance(job, Mapping) and "max_restarts" not in given:
+            raw["restart"] = {**given, "max_restarts": 2 * len(faults) + SPARE_RESTARTS}
+        hangs = any(str(f).startswith("hang-worker") for f in faults)
+        if isinstance(job, Mapping) and hangs and "hang_timeout" not in given:
+            raw["restart"] = {**(raw.get("restart") or {}), "hang_timeout": HANG_TIMEOUT}
         # Relative paths of the job (data.path) are the caller's, as for `elasticd run`.
         spec = parse_job(raw, where=f"job {raw['name']}").with_paths_resolved(os.getcwd())
         for k, v in (env or {}).items():
-            if not isinstance(k, str) or not isinstance(v, str):
+            if not isinstance(k, str) or not isinstance(v, str | os.PathLike):
                 raise UsageError(f"env[{k!r}]: {v!r}: names and values must be strings")
         limit = timeout or self.timeout
         try:  # the CLI's words for the CLI's flag; here the argument is faults=
             parsed = [parse_fault(f) for f in faults]
             check_plan(nodes_min=spec.nodes.min, nproc=spec.nproc_per_node, nodes=nodes,
                        faults=parsed, etcd_members=1, where=f"job {raw['name']}",
-                       steps=spec.train.steps)  # fmt: skip
+                       steps=spec.train.steps if spec.command is None else None)  # fmt: skip
         except UsageError as exc:
             raise UsageError(str(exc).replace("--fault ", "faults: ", 1)) from None
         hang = spec.restart.hang_timeout
