@@ -109,22 +109,33 @@ def test_a_carried_worker_that_never_took_its_round_is_a_hang():
     assert decide(Observation(exit_codes=(None,), not_begun=False)) is None
 
 
-def test_the_round_begin_bound_is_at_least_the_hang_timeout():
-    """A worker still finishing a step of the round before may take up to ``hang_timeout``
-    (a step or a synchronous save with no collective to notice the abort): it is judged
-    stuck only past ``max(ROUND_BEGIN_TIMEOUT, hang_timeout)``, and only in a round that
-    carried workers and has not stepped."""
-    from elasticd.agent.runner import ROUND_BEGIN_TIMEOUT, JobRunner
+def test_a_worker_stuck_in_the_round_before_is_judged_before_its_peers_give_up():
+    """A carried worker that stepped before and has not taken the round within
+    ``hang_timeout`` + LEAVE_MARGIN (the rest of a step, the abort) is stuck, and noted in
+    ``rnd.stuck`` for its node to kill alone. A worker that began but has not opened the
+    group is judged only past ``max(ROUND_BEGIN_TIMEOUT, hang_timeout + LEAVE_MARGIN + 15)``:
+    after the stuck bound, so a stuck worker's own node acts before its peers' nodes give up
+    on the round (at the default 300 s they gave up first and restarted every process). A
+    carried worker that never stepped (a cold newcomer still importing) is never stuck."""
+    from elasticd.agent.runner import LEAVE_MARGIN, ROUND_BEGIN_TIMEOUT, JobRunner
 
     runner = object.__new__(JobRunner)
-    stuck, opening = ["rank 1's worker"], ["rank 0's worker"]
-    rnd = SimpleNamespace(carried=1, first_step_seen=False, spawned_at=1000.0,
-                          workers=SimpleNamespace(not_begun=lambda: stuck,
-                                                  not_opened=lambda: opening))  # fmt: skip
-    for hang, bound in ((300.0, 300.0), (30.0, ROUND_BEGIN_TIMEOUT)):
+    stuck = SimpleNamespace(name="rank 1", stepped=True)
+    cold = SimpleNamespace(name="rank 2", stepped=False)
+    opening = SimpleNamespace(name="rank 0", stepped=True)
+    rnd = SimpleNamespace(carried=1, first_step_seen=False, spawned_at=1000.0, stuck=[],
+                          workers=SimpleNamespace(not_begun=lambda: [stuck, cold],
+                                                  not_opened=lambda: [opening]))  # fmt: skip
+    for hang in (300.0, 30.0, 4.0):
         runner.job = SimpleNamespace(restart=SimpleNamespace(hang_timeout=hang))
-        assert runner._not_begun(rnd, 1000.0 + bound) == []
-        assert runner._not_begun(rnd, 1000.0 + bound + 1) == stuck + opening
+        leave = hang + LEAVE_MARGIN
+        group = max(ROUND_BEGIN_TIMEOUT, leave + 15.0)
+        assert leave < group
+        assert runner._not_begun(rnd, 1000.0 + leave) == [] and rnd.stuck == []
+        assert runner._not_begun(rnd, 1000.0 + leave + 1) == [stuck] and rnd.stuck == [stuck]
+        assert runner._not_begun(rnd, 1000.0 + group) == [stuck]
+        assert runner._not_begun(rnd, 1000.0 + group + 1) == [stuck, cold, opening]
+        assert rnd.stuck == [stuck]
     assert runner._not_begun(SimpleNamespace(**{**vars(rnd), "first_step_seen": True}), 1e9) == []
     assert runner._not_begun(SimpleNamespace(**{**vars(rnd), "carried": 0}), 1e9) == []
 
@@ -712,7 +723,7 @@ def test_a_hung_workers_failure_is_claimed_and_counted_before_the_kill_even_if_t
         dump_stacks=lambda: 0, kill=lambda: None,
         stalest_progress=lambda now: SimpleNamespace(worker=hung, age=60.0, waiting=False),
     )  # fmt: skip
-    rnd = SimpleNamespace(number=5, carried=0, first_step_seen=True, workers=workers)
+    rnd = SimpleNamespace(number=5, carried=0, first_step_seen=True, workers=workers, stuck=[])
 
     a = agent_of(reg, job, "node-a")
     a._start_round = lambda world, joined_at: rnd

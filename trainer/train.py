@@ -587,12 +587,13 @@ class Trainer:
                     # last one it saw, and a fault in the save lost this step as well.
                     progress(result)
                 every, step = self.job.checkpoint.every, self.state.step
-                saving = bool(every and step % every == 0) or step == self.job.train.steps
-                if saving:
+                if (every and step % every == 0) or step == self.job.train.steps:
                     self._phase("checkpoint-save", step)
                 ckpt.after_step()
-                if progress is not None and saving:
-                    progress(result)  # again, with the save (its commit, when synchronous)
+                if progress is not None:
+                    # Again, with what after_step committed: this step's synchronous save,
+                    # or an earlier asynchronous one it finalised.
+                    progress(result)
                 if after_step is not None:
                     after_step(result)
                 results.append(result)

@@ -37,7 +37,6 @@ import functools
 import logging
 import os
 import queue
-import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -977,25 +976,22 @@ class JobRunner:
         SIGSTOPped and cannot recover)."""
         w = rnd.workers
         if outcome == Outcome.WORKER_HUNG:
-            for stuck in rnd.stuck:  # stuck in the round before: they cannot take the next
+            # Stuck in the round before: they cannot take the next. One that SIGKILL does
+            # not end within the wait (uninterruptible I/O) ends the round without its
+            # usual record, as for a hung worker (its failure is claimed and counted first).
+            for stuck in rnd.stuck:
                 if stuck.proc.poll() is None:
                     stuck.proc.kill()
-                    with contextlib.suppress(subprocess.TimeoutExpired):  # in D state
-                        stuck.proc.wait(timeout=10)
+                    stuck.proc.wait(timeout=10)
         # Every hung worker: the stalest first, until none is past its bound (a worker
         # waiting on its peers has a longer one: the kill of the hung peer frees it).
-        killed: set[int] = set()
         while outcome == Outcome.WORKER_HUNG:
             stalest = w.stalest_progress(self._clock())
             timeout = self.job.restart.hang_timeout
             if stalest is None or stalest.age <= hang_bound(timeout, waiting=stalest.waiting):
                 break
-            if stalest.worker.proc.pid in killed:
-                break  # killed, and still not gone within 10 s (uninterruptible I/O)
-            killed.add(stalest.worker.proc.pid)
             stalest.worker.proc.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                stalest.worker.proc.wait(timeout=10)
+            stalest.worker.proc.wait(timeout=10)
         write_control(control_path(self._node.state_dir, self.record.run_id),
                       round_=rnd.number, state="abort")  # fmt: skip
         self._kept = w
