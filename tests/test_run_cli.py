@@ -62,11 +62,6 @@ BAD_FAULTS = [
     ("no such rank", "kill-worker=7@step=2", "there is no rank 7"),
     ("member kill on one etcd", "kill-etcd-member=0@step=2", "needs an etcd of 3 members"),
     ("leader kill on one etcd", "kill-etcd-leader@step=2", "needs an etcd of 3 members"),
-    (
-        "past the last step",
-        "kill-node=1@step=5",
-        "step 5 is past the job's last step (train.steps: 4)",
-    ),
 ]
 
 
@@ -79,6 +74,16 @@ def test_a_malformed_or_impossible_fault_is_one_line_and_exit_2(
     assert code == 2
     assert err.count("\n") == 1 and err.startswith("elasticd: error: ") and message in err, err
     assert not (in_tmp / "runs").exists()  # refused before anything was created
+
+
+def test_a_fault_past_the_built_in_trainers_last_step_is_refused(in_tmp, capsys):
+    """It ran, never fired, and exited 0. A `command:` job's steps are only advice to its
+    script, so its faults are not checked against them."""
+    job = write_job(in_tmp / "job.yaml", command=None)
+    code, _, err = run_cli(capsys, job, "--nodes", "2", "--fault", "kill-node=1@step=5")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "kill-node=1@step=5: step 5 is past the job's last step (train.steps: 4)" in err
+    assert not (in_tmp / "runs").exists()
 
 
 def test_a_member_index_beyond_the_etcd_cluster_is_refused(in_tmp, capsys):
