@@ -456,6 +456,29 @@ def test_a_preempted_spare_leaves_at_once_and_the_active_ranks_go_on_in_process(
     assert second < first and len(second) == 2, story(job)
 
 
+def test_a_frozen_node_and_a_preempted_one_do_not_hold_the_survivor_for_the_grace_period(
+    tmp_path,
+):
+    """Node 2 frozen and node 1 preempted at the same step: node 1's workers cannot save
+    (their agreement waits on the frozen node), so its agent waits for them up to
+    restart.grace_period with its join alive, and node 0's re-form (once node 2's lease
+    expired) waited for it all that time: 28 s in a chaos run. Its agent now marks its
+    join leaving first, and node 0 re-forms alone at once: a world of node 0 only, which
+    cannot form once node 2 has thawed (at 15 s) unless it formed before node 1's agent
+    left (at the 40 s grace). Then node 2 joins again as a newcomer."""
+    job = make_job(tmp_path, "frozenterm", steps=16,
+                   restart={"mode": "inprocess", "scale_up": "immediate", "grace_period": 40})  # fmt: skip
+    result = run(job, 3, ["freeze-node=2@step=5:phase=step-end:for=15",
+                          "term-node=1@step=5:phase=step-end"])  # fmt: skip
+    assert result["state"] == "succeeded", f"{result['reason']}\n{story(job)}"
+    assert [r["step"] for r in result["metrics"]] == list(range(1, 17)), story(job)
+    worlds = [r["world"] for r in result["metrics"]]
+    assert 1 in worlds, f"{worlds}\n{story(job)}"
+    reference = reference_losses(tmp_path, job)
+    for rec in result["metrics"]:
+        assert rec["loss"] == pytest.approx(reference[rec["step"]], rel=1e-4), rec["step"]
+
+
 def test_a_frozen_node_is_left_behind_in_process_and_comes_back_as_a_newcomer(tmp_path):
     """SIGSTOP of a whole node: the survivors' collectives block on it until its lease
     expires (rendezvous.ttl); then their agents end the round, the workers shut the round's

@@ -319,3 +319,40 @@ def test_a_left_out_nodes_evidence_still_probes_a_dead_member_at_once(etcd_confi
     finally:
         for h in handlers:
             h.close()
+
+
+@pytest.mark.parametrize("reform_grace", [None, 0.15], ids=["process", "inprocess"])
+def test_a_member_marked_leaving_is_not_waited_for_while_its_lease_lives(etcd_config, reform_grace):
+    """A preempted agent keeps its join (and lease) while its workers save and stop, up
+    to restart.grace_period; a frozen peer can hold their save that long. The others'
+    re-form waited for it all that time (28 s in a chaos run: a frozen node plus a
+    preempted one). Marked leaving, it is excused at once; it is not reported lost (its
+    workers may still be saving with ours), and it is never in the next world."""
+    handlers = _handlers(etcd_config, fresh_run_id(), 3, ttl=30, min_nodes=1, max_nodes=3,
+                         settle=0.2, reform_grace=reform_grace)  # fmt: skip
+    n0, n1, n2 = handlers
+    changes = []
+    n0.on_change = changes.append
+    try:
+        assert {w.size for w in _form_all(handlers).values()} == {3}
+        assert n1.mark_leaving()
+        time.sleep(0.3)
+        assert not n0.changed.is_set() and not changes, changes
+        out = _form_all([n0, n2], timeout=20)
+        assert {w.nodes for w in out.values()} == {("n0", "n2")}, out
+        assert n1._lease  # still alive: the mark, not a lease, excused it
+    finally:
+        for h in handlers:
+            h.close()
+
+
+def test_a_leaving_mark_never_re_creates_a_join_that_went_away(etcd_config, etcd_client):
+    (n0,) = _handlers(etcd_config, fresh_run_id(), 1, ttl=30)
+    try:
+        world = n0.next_world()
+        key = n0.settings.join_key(world.round, "n0")
+        etcd_client.delete(key)
+        assert not n0.mark_leaving()
+        assert etcd_client.get(key) is None
+    finally:
+        n0.close()

@@ -666,6 +666,13 @@ class JobRunner:
             raise
         detected_at = self._clock()
         if outcome == Outcome.PREEMPTED:
+            # Said first: while our workers save and stop (up to restart.grace_period; a
+            # frozen peer can hold their save that long) our join lives on, and a re-form
+            # the others start meanwhile would wait for us.
+            try:
+                handler.mark_leaving()
+            except ElasticdError as exc:
+                log.warning("leaving not marked", **kv(job=self.name, error=str(exc)))
             # Claimed before the workers stop: our peers' workers exit with the
             # preemption code a moment later and must find the cause already named.
             try:

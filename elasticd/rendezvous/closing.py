@@ -138,6 +138,10 @@ class RoundCloser:
         previous = m.world
         live_old = m.joined_nodes(previous.round) if previous else ()
         gone = self._gone.get(previous.round, set()) if previous else set()
+        if previous is not None:
+            # A preempted member keeps its join (and lease) while its workers save and
+            # stop, up to restart.grace_period; it will not re-join, so nobody waits.
+            gone = gone | m.leaving(previous.round)
         pend = pending_previous(previous, live_old, gone)
         # The grace runs from evidence of the previous world's members only (a node left
         # out of it carries evidence of an older world); any evidence starts the probes,

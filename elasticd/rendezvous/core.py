@@ -96,6 +96,8 @@ class EtcdRendezvous:
         )
         self._lease = 0
         self._joined_round = 0
+        self._joined_as: tuple[Member, int] | None = None
+        """Our join record of ``_joined_round`` and the revision that created it."""
         self._evidence = False
         self._current: World | None = None
         self._current_nodes: frozenset[str] = frozenset()
@@ -262,6 +264,7 @@ class EtcdRendezvous:
         if not result.succeeded:
             return False
         self._joined_round = round_
+        self._joined_as = (me, result.revision)
         log.info("joined round", **kv(node=self.node_id, round=round_))
         if self._mirror.members_live:
             # Our own join must be in the mirror before we judge the round from it.
@@ -397,6 +400,28 @@ class EtcdRendezvous:
     @property
     def current_world(self) -> World | None:
         return self._current
+
+    def mark_leaving(self) -> bool:
+        """Re-write our join of the current round as leaving (we are preempted; our
+        workers still save and stop, and our lease lives until :meth:`leave`): a round
+        that waits for the previous world's members then excuses us at once, instead of
+        waiting until we leave. Fenced on our join being the one we made (a join that
+        went away is never re-created). Whether the mark was written."""
+        lease, round_, joined = self._lease, self._joined_round, self._joined_as
+        if not lease or not round_ or joined is None:
+            return False
+        me, created = joined
+        key = self.settings.join_key(round_, self.node_id)
+        mark = dataclasses.replace(me, leaving=True)
+        try:
+            result = self._client.txn(
+                [compare(key, "create", "==", created)], [put_op(key, member_json(mark), lease)]
+            )
+        except EtcdLeaseNotFound:
+            return False
+        if result.succeeded:
+            log.info("marked leaving", **kv(node=self.node_id, round=round_))
+        return result.succeeded
 
     def leave(self) -> None:
         """Leave gracefully: revoke our lease so every peer is told at once."""

@@ -220,6 +220,10 @@ class Member:
     evidence: bool = False
     """It joined because it saw a fault (a collective failed, a local worker died); not
     part of the world record."""
+    leaving: bool = False
+    """It is preempted and on its way out (its join is re-written with this mark while
+    its workers save and stop): a round waiting for the previous world's members
+    excuses it at once. Not part of the world record."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -284,11 +288,15 @@ def member_json(member: Member) -> str:
     doc = _member_doc(member)
     if member.evidence:
         doc["evidence"] = True
+    if member.leaving:
+        doc["leaving"] = True
     return json.dumps(doc)
 
 
 EVIDENCE_MARK = b'"evidence": true'
 """How ``member_json`` marks an evidence join (the mirror looks for it without parsing)."""
+LEAVING_MARK = b'"leaving": true'
+"""How ``member_json`` marks a leaving member's join (likewise)."""
 
 
 def closer_json(node: str) -> str:
@@ -310,6 +318,7 @@ def parse_member(node: str, raw: bytes) -> Member:
         return Member(
             node=node, addr=str(doc["addr"]), port=int(doc["port"]),
             probe=int(doc.get("probe", 0)), evidence=doc.get("evidence") is True,
+            leaving=doc.get("leaving") is True,
         )  # fmt: skip
     except (ValueError, KeyError, TypeError) as exc:
         raise RendezvousState(
@@ -363,7 +372,8 @@ def pending_previous(
     previous: World | None, live_old_joins: Collection[str], gone: Collection[str] = ()
 ) -> int:
     """How many members of the previous world are alive but have not re-joined yet;
-    ``gone``: members known dead although their lease lives on (a refused probe)."""
+    ``gone``: members known dead although their lease lives on (a refused probe), or
+    leaving (preempted: they will not re-join, whatever their lease says)."""
     if previous is None or not live_old_joins:
         return 0
     return sum(1 for n in previous.nodes if n in live_old_joins and n not in gone)

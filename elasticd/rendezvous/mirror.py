@@ -19,6 +19,7 @@ from elasticd.etcd.watch import Event
 from elasticd.log import kv
 from elasticd.rendezvous.decisions import (
     EVIDENCE_MARK,
+    LEAVING_MARK,
     Member,
     RendezvousSettings,
     World,
@@ -187,6 +188,10 @@ class Mirror:
     def joined_nodes(self, round_: int) -> KeysView[str]:
         """The nodes with a live join in ``round_`` (a live view: do not keep it)."""
         return self.rounds.get(round_, {}).keys()
+
+    def leaving(self, round_: int) -> set[str]:
+        """The nodes whose live join of ``round_`` says they are leaving (preempted)."""
+        return {n for n, (_, raw) in self.rounds.get(round_, {}).items() if LEAVING_MARK in raw}
 
     def absent(self, world: World) -> set[str]:
         """Members of ``world`` known to have no live join of its round: their join was
