@@ -53,6 +53,7 @@ calls ``train`` exactly once in a process group made from the torchrun environme
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -1800,13 +1801,29 @@ def _set_device(local_rank: int) -> None:
     local rank's groups would be on ``cuda:0``). With one device visible, that one."""
     import torch
 
+    if torch.cuda.is_available():
+        with contextlib.suppress(ValueError):
+            local_device(local_rank)
+
+
+def local_device(local_rank: int) -> Any:
+    """This process's device, made current: ``cuda:<local_rank>`` when the node's devices
+    are all visible (the agent), the one visible device when each process sees only its
+    own (torchrun or Slurm with per-task devices: ``cuda:<local_rank>`` would not exist),
+    the CPU without CUDA. ValueError when several are visible but not that many."""
+    import torch
+
     if not torch.cuda.is_available():
-        return
+        return torch.device("cpu")
     n = torch.cuda.device_count()
     if 0 <= local_rank < n:
-        torch.cuda.set_device(local_rank)
+        index = local_rank
     elif n == 1:
-        torch.cuda.set_device(0)
+        index = 0
+    else:
+        raise ValueError(f"LOCAL_RANK {local_rank} but {n} CUDA devices are visible")
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def _leave_round(control: _Control, round_: int, exc: BaseException) -> None:

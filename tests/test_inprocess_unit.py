@@ -1279,3 +1279,30 @@ def test_a_node_keeps_the_newest_round_directories_of_a_run_only(tmp_path):
         ["notes.txt", "round-x", *(f"round-{r}" for r in range(10, 18))]
     )
     prune_rounds(str(tmp_path / "missing"), 5)  # nothing there: nothing to do
+
+
+@pytest.mark.parametrize(
+    ("visible", "local_rank", "want"),
+    [(8, 3, 3), (1, 3, 0), (1, 0, 0), (2, 3, None)],
+    ids=["all-visible", "one-per-process", "one", "too-few"],
+)
+def test_a_workers_device_is_its_local_rank_or_the_one_it_sees(
+    monkeypatch, visible, local_rank, want
+):
+    """torchrun or Slurm with one device per process: LOCAL_RANK 3 sees only cuda:0, and
+    the built-in trainer's cuda:3 was an invalid device ordinal (a GPU review). Pure
+    logic: CUDA's presence and count are stood in for."""
+    import torch
+
+    from elasticd.inprocess import local_device
+
+    made = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: visible)
+    monkeypatch.setattr(torch.cuda, "set_device", made.append)
+    if want is None:
+        with pytest.raises(ValueError, match="LOCAL_RANK 3 but 2 CUDA devices are visible"):
+            local_device(local_rank)
+        assert not made
+    else:
+        assert local_device(local_rank) == torch.device("cuda", want) and made == [want]

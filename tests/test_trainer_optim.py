@@ -163,3 +163,55 @@ def test_a_zero1_gather_takes_this_ranks_own_rows_from_its_memory_not_the_gather
         assert torch.equal(mine, before), (rank, p)
         assert torch.isnan(p.detach()).sum() == 12  # the other rank's rows: from the output
         p.data.copy_(torch.arange(24, dtype=torch.float32).view(6, 4))
+
+
+def test_dense_and_expert_buckets_on_one_communicator_launch_in_one_order_on_every_rank(
+    monkeypatch,
+):
+    """ep 1: the dense and the expert data-parallel groups are the same ranks, and
+    ProcessGroups makes them one group. Launched list by list as each became ready, the
+    order across the two lists followed each rank's backward (an expert no token reached
+    on one rank takes no part in it): on NCCL, two ranks issuing one communicator's
+    all-reduces in different orders hang (a GPU review). Now both lists are one, in
+    backward order, whatever order the gradients arrive in. Pure logic: the all-reduce
+    records what it was given."""
+    import torch.distributed as dist
+
+    from checkpoint.shards import ShardInfo
+    from trainer.parallel.context import GroupSlot
+    from trainer.parallel.data import GradSync
+
+    params = []
+    for i, expert in enumerate([False, True, False, True]):
+        p = torch.nn.Parameter(torch.zeros(4))
+        p.expert, p.grad_replicas = expert, 2
+        p.shard_info = ShardInfo.whole(f"p{i}", (4,))
+        params.append(p)
+    launched = []
+
+    def record(buffer, group=None, async_op=False):
+        launched.append(next(i for i, b in enumerate(sync.buckets) if b.buffer is buffer))
+
+    monkeypatch.setattr(dist, "all_reduce", record)
+    group = object()
+    slot = GroupSlot(group=group, size=2, rank=0)
+    orders = []
+    for arrival in ([3, 2, 1, 0], [3, 1, 2, 0], [1, 3, 0, 2]):  # three ranks' backwards
+        sync = GradSync(params, dense=slot, expert=slot, divisor=1, bucket_bytes=16)
+        sync.zero()
+        launched.clear()
+        for i in arrival:
+            params[i].grad = torch.ones(4)
+            sync._on_grad(params[i])
+        sync.finish()
+        orders.append([sync.buckets[i].params[0].shard_info.name for i in launched])
+        sync.close()
+    assert orders == [["p3", "p2", "p1", "p0"]] * 3, orders
+    # Distinct groups keep their own lists (each list's order is its own).
+    other = GroupSlot(group=object(), size=2, rank=0)
+    sync = GradSync(params, dense=slot, expert=other, divisor=1, bucket_bytes=16)
+    assert [[b.params[0].shard_info.name for b in bs] for bs in sync._lists] == [
+        ["p2", "p0"],
+        ["p3", "p1"],
+    ]
+    sync.close()

@@ -167,14 +167,10 @@ def _run(*, job, layout, rank: int, world: int, env: Mapping[str, str]) -> int:
     """Train, one round at a time (``elasticd.inprocess.run``): under an agent with
     ``restart.mode: inprocess`` a fault is recovered in this process; elsewhere there is
     one round."""
-    import torch
-
+    from elasticd.inprocess import local_device
     from elasticd.inprocess import run as run_rounds
 
-    device = torch.device("cpu")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(env.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
+    device = local_device(int(env.get("LOCAL_RANK", "0")))
     first = {"layout": layout}
 
     def one_round(ctx) -> int:

@@ -269,7 +269,11 @@ class MoE(nn.Module):
             n, start = size * tp.size, size * tp.rank
             xf = _GatherChunks.apply(xf, tp.group, n, size, start, start + size)
             weights = _GatherChunks.apply(weights, tp.group, n, size, start, start + size)
-            top_idx = _gather_rows(top_idx, tp.group, n, size)
+            # Clamped: a gather aborted when its in-process round ended returns whatever
+            # its buffer held, and an index out of range in expert_counts' scatter is a
+            # device-side assert on CUDA, fatal to the process (its state with it), where
+            # check_results would have ended the round cleanly. A no-op otherwise.
+            top_idx = _gather_rows(top_idx, tp.group, n, size).clamp_(0, self.num_experts - 1)
         out = self._dispatch_compute_combine(xf, weights, top_idx)
         if self.split_tokens:
             out = _GatherChunks.apply(out, tp.group, n, size, start, stop)
