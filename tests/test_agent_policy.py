@@ -383,7 +383,7 @@ def test_metrics_follow_prometheus_names_and_are_served():
     m = AgentMetrics(reg)
     m.world_size.labels("j").set(3)
     m.restarts.labels("j", "worker_failed").inc()
-    m.recovery_seconds.labels("j", "peer_lost", "process", "checkpoint").observe(4.2)
+    m.recovery_seconds.labels("j", "process", "checkpoint").observe(4.2)
     m.set_worker_states("j", {"running": 2})
     port = m.serve(0, addr="127.0.0.1")
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
@@ -391,7 +391,7 @@ def test_metrics_follow_prometheus_names_and_are_served():
     assert 'elasticd_restarts_total{elasticd_job="j",reason="worker_failed"} 1.0' in body
     assert (
         'elasticd_recovery_seconds_bucket{elasticd_job="j",le="5.0",mode="process",'
-        'reason="peer_lost",source="checkpoint"} 1.0'
+        'source="checkpoint"} 1.0'
     ) in body
     m.lost_steps.labels("j").inc(3)
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()

@@ -8,6 +8,7 @@ import time
 
 import pytest
 from conftest import fresh_prefix
+from polling import until
 
 from elasticd.errors import EtcdError, UsageError
 from elasticd.etcd import (
@@ -220,3 +221,39 @@ def test_a_frozen_member_loses_no_kept_lease_and_no_watch_event(tmp_path):
         client.close()
         other.close()
         cluster.stop()
+
+
+def test_a_kept_lease_is_alive_while_refreshed_or_etcd_is_away_and_not_once_we_did_not_run(
+    tmp_path,
+):
+    """``LeaseKeeper.alive``, what a thawed agent's scrape asks before anything else
+    here has run (docs/metrics.md). Refreshed, a 2 s lease stays alive past its TTL;
+    revoked, it is not. etcd stopped for twice the TTL: still alive (the keeper keeps
+    trying, and a new leader renews every lease; the agents' metrics must not drop a
+    world that trains on). The keeper stopped (a frozen process: nothing runs, nothing
+    notices): not alive once its TTL has passed."""
+    from elasticd.etcd.lease import LeaseKeeper
+
+    server = EmbeddedEtcd(data_dir=str(tmp_path / "etcd")).start()
+    client = connect(server.client_config(timeout=1.0))
+    keeper = LeaseKeeper(client)
+    try:
+        kept, revoked = client.lease_grant(2), client.lease_grant(2)
+        for lease in (kept, revoked):
+            keeper.add(lease, 0.5, lambda _lease: None, ttl=2)
+        assert keeper.alive(kept) and not keeper.alive(12345)
+        time.sleep(3)
+        assert keeper.alive(kept)
+        client.lease_revoke(revoked)
+        assert until(lambda: not keeper.alive(revoked), 5)
+        server.stop()
+        for _ in range(8):
+            time.sleep(0.5)
+            assert keeper.alive(kept)
+        keeper.close()  # frozen: the keeper's thread runs no more
+        assert keeper.alive(kept)
+        assert until(lambda: not keeper.alive(kept), 5)
+    finally:
+        keeper.close()
+        client.close()
+        server.stop()

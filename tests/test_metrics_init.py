@@ -30,6 +30,7 @@ def test_the_recovery_histogram_starts_at_0_for_every_recovery_counter_series():
         for source in RECOVERY_SOURCES:
             labels = {"reason": reason, "mode": "inprocess", "source": source}
             assert _value(reg, "elasticd_recoveries_total", **labels) == 0
+            del labels["reason"]
             assert _value(reg, "elasticd_recovery_seconds_count", **labels) == 0
             assert _value(reg, "elasticd_recovery_seconds_sum", **labels) == 0
             assert _value(reg, "elasticd_recovery_seconds_bucket", le="+Inf", **labels) == 0
@@ -37,11 +38,11 @@ def test_the_recovery_histogram_starts_at_0_for_every_recovery_counter_series():
     reporter = JobReporter(name="j", registry=_Registry(), metrics=m)
     reporter.recovered(round_=2, rec={"detected_at": 100.0, "reason": "peer_lost"}, marks=[],
                        now=101.5, first_step=9, write=True, mode="inprocess", source="peers")  # fmt: skip
-    done = {"reason": "peer_lost", "mode": "inprocess", "source": "peers"}
+    done = {"mode": "inprocess", "source": "peers"}
     assert _value(reg, "elasticd_recovery_seconds_count", **done) == 1
     assert _value(reg, "elasticd_recovery_seconds_bucket", le="2.0", **done) == 1
     assert _value(reg, "elasticd_recovery_seconds_bucket", le="1.0", **done) == 0
-    assert _value(reg, "elasticd_recoveries_total", **done) == 1
+    assert _value(reg, "elasticd_recoveries_total", reason="peer_lost", **done) == 1
     # A finished job leaves with every one of them.
     m.drop_job("j")
     assert _value(reg, "elasticd_recovery_seconds_count", **done) is None
@@ -54,3 +55,49 @@ def test_a_node_that_took_a_job_and_is_in_no_world_yet_exports_0_in_world():
     m = AgentMetrics(reg)
     m.init_job("j", "process")
     assert _value(reg, "elasticd_job_node_in_world") == 0
+
+
+def test_a_scrape_leaves_out_the_job_gauges_of_a_node_whose_membership_lapsed():
+    """A node rank 0 frozen past its lease's TTL (its peers re-formed without it) and
+    thawed served its old world's size and step beside the new node rank 0's until its
+    runner noticed: sums by job doubled (world size 5 of 2, an SRE review). A scrape now
+    asks the membership first (the lease's liveness: tests/test_etcd_client.py), through
+    the real HTTP endpoint."""
+    import urllib.request
+
+    reg = CollectorRegistry()
+    m = AgentMetrics(reg)
+    m.init_job("j", "inprocess")
+    m.world_size.labels("j").set(3)
+    m.step.labels("j").set(1284)
+    m.in_world.labels("j").set(1)
+    alive = [True]
+    m.watch_membership("j", lambda: alive[0])
+    port = m.serve(0, addr="127.0.0.1")
+
+    def scrape() -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            return r.read().decode()
+
+    before = scrape()
+    assert 'elasticd_world_size{elasticd_job="j"} 3.0' in before
+    assert 'elasticd_job_node_in_world{elasticd_job="j"} 1.0' in before
+    alive[0] = False
+    after = scrape()
+    assert 'elasticd_world_size{elasticd_job="j"}' not in after
+    assert 'elasticd_job_step{elasticd_job="j"}' not in after
+    assert 'elasticd_job_node_in_world{elasticd_job="j"} 0.0' in after
+    assert 'elasticd_restarts_total{elasticd_job="j",reason="peer_lost"} 0.0' in after
+    # A check that raises counts as lapsed, and never breaks the scrape.
+    m.watch_membership("j", lambda: 1 / 0)
+    assert 'elasticd_world_size{elasticd_job="j"}' not in scrape()
+    m.watch_membership("j", None)  # out of the world for good: its final values stand
+    assert 'elasticd_world_size{elasticd_job="j"} 3.0' in scrape()
+    filtered = (
+        urllib.request.urlopen(
+            f"http://127.0.0.1:{port}/metrics?name[]=elasticd_world_size", timeout=10
+        )
+        .read()
+        .decode()
+    )
+    assert "elasticd_world_size" in filtered and "elasticd_job_step" not in filtered

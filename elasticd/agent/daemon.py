@@ -335,7 +335,9 @@ class Agent:
         self._published = usage
         self._lease = lease
         self.metrics.agent_registrations.inc()
-        self._client.keeper().add(lease, self.config.node_ttl / 3, self._on_node_lease_lost)
+        self._client.keeper().add(
+            lease, self.config.node_ttl / 3, self._on_node_lease_lost, ttl=self.config.node_ttl
+        )
 
     def _on_node_lease_lost(self, lease: int) -> None:
         """etcd forgot our lease (an outage longer than its TTL): register again."""

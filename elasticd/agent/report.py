@@ -338,9 +338,8 @@ class JobReporter:
         reason = str(rec.get("reason", "unknown"))
         m = self._metrics
         if write:  # node rank 0 only: each recovery is counted once
-            labels = (self.name, reason, mode, source)
-            m.recovery_seconds.labels(*labels).observe(total)
-            m.recoveries.labels(*labels).inc()
+            m.recovery_seconds.labels(self.name, mode, source).observe(total)
+            m.recoveries.labels(self.name, reason, mode, source).inc()
             m.last_recovery_seconds.labels(self.name).set(total)
             m.last_recovery_time.labels(self.name).set(now)
             if lost_steps:

@@ -540,6 +540,7 @@ class JobRunner:
                 handler.set_closed()  # wakes nodes still waiting for a round
         except ElasticdError as exc:
             log.warning("could not close the rendezvous", **kv(job=self.name, error=str(exc)))
+        self._metrics.watch_membership(self.name, None)  # what stays is final
         try:
             handler.close()  # revokes our lease: peers are told at once
         except Exception:  # the lease lapses on its own within a TTL
@@ -582,6 +583,10 @@ class JobRunner:
         m.rendezvous_rounds.labels(self.name).inc()
         m.rendezvous_seconds.labels(self.name).observe(rnd.formed_at - joined_at)
         m.in_world.labels(self.name).set(1)
+        # Our membership's lease, checked at each scrape: frozen past its TTL, this node
+        # speaks for the job no more (its peers re-formed without it), even before this
+        # thread runs again to notice.
+        m.watch_membership(self.name, getattr(self._handler, "lease_alive", None))
         if rnd.node_rank == 0:  # the job's gauges: exported by node rank 0 alone
             m.world_size.labels(self.name).set(world.size)
             m.world_ranks.labels(self.name).set(world.size * nproc)

@@ -23,12 +23,21 @@ from elasticd.log import kv
 
 log = logging.getLogger("elasticd.etcd")
 
+GAP = 1.5
+"""Seconds the keeper's thread may go without running before that counts as a gap in
+this process's life (it runs every 0.5 s at most, 2 s while it reconnects, with checks
+every 0.25 s). A gap longer than a lease's TTL means the lease lapsed meanwhile."""
+
 
 @dataclass(slots=True)
 class _Kept:
     interval: float
     on_lost: Callable[[int], None]
     due: float
+    ttl: float = 0.0
+    """What it was granted with (0: unknown, taken as three intervals)."""
+    answered: float = 0.0
+    """When (monotonic) the refresh etcd last answered for it was sent (or it was added)."""
 
 
 class LeaseKeeper:
@@ -43,6 +52,11 @@ class LeaseKeeper:
         self._client = client
         self._leases: dict[int, _Kept] = {}
         self._lock = threading.Lock()
+        self._active = time.monotonic()
+        """When this keeper's thread last ran (it runs at least every ACTIVE_EVERY)."""
+        self._gap: tuple[float, float] = (0.0, 0.0)
+        """(when it ended, how long) the last time this keeper did not run for longer
+        than GAP seconds: the process was frozen (SIGSTOP, a paused VM) or starved."""
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._requests: queue.Queue | None = None
@@ -50,14 +64,47 @@ class LeaseKeeper:
         self._thread = threading.Thread(target=self._run, name="etcd-lease-keeper", daemon=True)
         self._thread.start()
 
-    def add(self, lease: int, interval: float, on_lost: Callable[[int], None]) -> None:
+    def add(
+        self, lease: int, interval: float, on_lost: Callable[[int], None], ttl: float | None = None
+    ) -> None:
+        """Refresh ``lease`` every ``interval``; ``ttl``: what it was granted with (just
+        now), alive that long before any refresh (else one ``interval``)."""
+        now = time.monotonic()
         with self._lock:
-            self._leases[lease] = _Kept(interval, on_lost, time.monotonic() + interval)
+            self._leases[lease] = _Kept(interval, on_lost, now + interval,
+                                        ttl=ttl or 3 * interval, answered=now)  # fmt: skip
         self._wake.set()
 
     def remove(self, lease: int) -> None:
         with self._lock:
             self._leases.pop(lease, None)
+
+    def alive(self, lease: int) -> bool:
+        """Whether ``lease`` may still be alive, judged here without asking etcd. False
+        once etcd said it is gone, and while this keeper has not refreshed it for its
+        TTL *because this process did not run*: frozen that long (SIGSTOP, a paused VM),
+        its lease lapsed while it slept, though nothing here has noticed yet (a thawed
+        agent's metrics must not speak for a world that re-formed without it). An etcd
+        outage is not such a gap: the keeper keeps trying, and etcd's new leader renews
+        every lease when it is back, so the lease is taken as alive meanwhile."""
+        now = time.monotonic()
+        with self._lock:
+            kept = self._leases.get(lease)
+            if kept is None:
+                return False
+            silent = now - self._active
+            ended, length = self._gap
+        if silent > max(kept.ttl, GAP):  # frozen now: this thread has not run since
+            return False
+        return not (length > max(kept.ttl, GAP) and ended > kept.answered)
+
+    def _ran(self) -> None:
+        """This keeper's thread runs: note a gap since its last run, if one was long."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._active > GAP:
+                self._gap = (now, now - self._active)
+            self._active = now
 
     def close(self) -> None:
         self._stop.set()
@@ -78,8 +125,14 @@ class LeaseKeeper:
         try:
             for resp in stream:  # type: ignore[attr-defined]
                 self._answered = True
+                asked = None
                 with contextlib.suppress(IndexError):  # answers come in the order asked
-                    sent.popleft()
+                    asked = sent.popleft()
+                if resp.TTL > 0 and asked is not None:
+                    with self._lock:
+                        kept = self._leases.get(resp.ID)
+                        if kept is not None:
+                            kept.answered = max(kept.answered, asked)
                 if resp.TTL <= 0:
                     with self._lock:
                         kept = self._leases.pop(resp.ID, None)
@@ -100,6 +153,7 @@ class LeaseKeeper:
     def _run(self) -> None:
         attempt = 0
         while not self._stop.is_set():
+            self._ran()
             member = self._client.member()  # type: ignore[attr-defined]
             q: queue.Queue = queue.Queue()
             self._requests = q
@@ -123,7 +177,11 @@ class LeaseKeeper:
                 reader.start()
                 why = self._pump(q, reader, sent)
                 stream.cancel()
-                reader.join(timeout=2)
+                for _ in range(8):  # up to 2 s, running all the while
+                    reader.join(timeout=0.25)
+                    self._ran()
+                    if not reader.is_alive():
+                        break
             else:
                 why = "UNAVAILABLE"
             if self._stop.is_set():
@@ -141,6 +199,7 @@ class LeaseKeeper:
             # that TTL, and each try of a member still down costs one pause.
             attempt = 1 if self._answered else attempt + 1
             self._stop.wait(min(0.05 * 2 ** min(attempt, 5), 0.5))
+            self._ran()
 
     def _answer_limit(self) -> float:
         """How long a refresh may go unanswered before the member is given up: the client's
@@ -159,6 +218,7 @@ class LeaseKeeper:
         """Send refreshes as they fall due, until the stream breaks (``STREAM_BROKEN``), a
         refresh goes unanswered too long (``DEADLINE_EXCEEDED``) or we stop."""
         while not self._stop.is_set() and reader.is_alive():
+            self._ran()
             now = time.monotonic()
             with contextlib.suppress(IndexError):
                 if now - sent[0] > self._answer_limit():

@@ -123,7 +123,9 @@ class EtcdRendezvous:
         if self._lease:
             return self._lease
         lease = self._client.lease_grant(self.settings.ttl)
-        self._client.keeper().add(lease, self.settings.keepalive, self._on_lease_lost)
+        self._client.keeper().add(
+            lease, self.settings.keepalive, self._on_lease_lost, ttl=self.settings.ttl
+        )
         self._lease = lease
         return lease
 
@@ -400,6 +402,13 @@ class EtcdRendezvous:
     @property
     def current_world(self) -> World | None:
         return self._current
+
+    def lease_alive(self) -> bool:
+        """Whether our membership's lease is alive as far as etcd's answers tell: False
+        at once when we were frozen past its TTL, before anything else here noticed (the
+        agent's metrics then stop speaking for the job: docs/metrics.md)."""
+        lease = self._lease
+        return bool(lease) and self._client.keeper().alive(lease)
 
     def mark_leaving(self) -> bool:
         """Re-write our join of the current round as leaving (we are preempted; our
