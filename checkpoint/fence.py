@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from checkpoint import smallfile
 from checkpoint.errors import FencedError, FormatError
+from checkpoint.manifest import quoted
 
 FENCE_FILE = "fence.json"
 
@@ -40,7 +41,8 @@ class Fence:
             raise ValueError(f"fence round must be an integer >= 0, got {self.round!r}")
 
     def describe(self) -> str:
-        return f"round {self.round} of run {self.run_id or '(none)'}"
+        # The run id may come from a fence file (anyone's to write): one line, quoted.
+        return f"round {self.round} of run {quoted(self.run_id) if self.run_id else '(none)'}"
 
     def to_dict(self) -> dict[str, str | int]:
         return {"run_id": self.run_id, "round": self.round}

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 
 from checkpoint import smallfile
 from checkpoint.errors import OwnershipError
+from checkpoint.manifest import quoted
 
 OWNER_FILE = "owner.json"
 LOCK_FILE = "lock"
@@ -247,21 +248,26 @@ def _lock(
         tool = str(holder.get("run_id", "")).startswith(TOOL_PREFIX)
         if tool and time.monotonic() < start + TOOL_WAIT_S:
             if not waited:
-                warn(f"{path}: held by {holder['run_id']} (pid {holder.get('pid', '?')}); "
-                     "waiting for it to finish")  # fmt: skip
+                warn(f"{path}: held by {quoted(holder['run_id'])} "
+                     f"(pid {quoted(holder.get('pid', '?'))}); waiting for it to finish")  # fmt: skip
                 waited = True
             time.sleep(0.1)
             continue
         if time.monotonic() < deadline:
             time.sleep(0.02)
             continue
-        run = f"run {holder['run_id']} of " if holder.get("run_id") else ""  # not a plain run's
         raise OwnershipError(
-            f"checkpoint directory {ckpt_dir} is in use by {run}"
-            f"job {holder.get('job') or '?'} (pid {holder.get('pid', '?')} on "
-            f"{holder.get('host', '?')}); wait for it to end or give this job another "
-            "checkpoint.dir"
+            f"checkpoint directory {ckpt_dir} is in use by {describe_holder(holder)}; wait "
+            "for it to end or give this job another checkpoint.dir"
         )
+
+
+def describe_holder(holder: dict) -> str:
+    """``run R of job J (pid P on H)`` from a lock's record, each field quoted (a record
+    is anyone's to write: a newline in it must not make a message two lines)."""
+    run = f"run {quoted(holder['run_id'])} of " if holder.get("run_id") else ""  # a plain run
+    return (f"{run}job {quoted(holder.get('job') or '?')} (pid {quoted(holder.get('pid', '?'))} "
+            f"on {quoted(holder.get('host', '?'))})")  # fmt: skip
 
 
 def _follows(place: dict, holder: dict) -> bool:
@@ -315,7 +321,9 @@ def _write_record(fd: int, *, job: str, run_id: str, place: dict | None = None) 
 
 
 def _holder(fd: int) -> dict:
-    with contextlib.suppress(OSError, ValueError, UnicodeDecodeError):
+    """The holder's record, or {} for one that is not a JSON object: the content of a lock
+    file is anyone's to write (its lock is advisory), so it only ever names, quoted."""
+    with contextlib.suppress(OSError, ValueError, UnicodeDecodeError, RecursionError):
         obj = json.loads(os.pread(fd, 1 << 16, 0))
         if isinstance(obj, dict):
             return obj

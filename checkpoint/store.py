@@ -579,7 +579,7 @@ def start_over(ckpt_dir: str, *, job: str) -> list[int]:
     another job (``owner.json``, or the newest manifest where there is none) or a run
     holds its lock (it is training there)."""
     from checkpoint.errors import OwnershipError
-    from checkpoint.owner import OWNER_FILE, holding, read_owner
+    from checkpoint.owner import OWNER_FILE, describe_holder, holding, read_owner
 
     if not os.path.isdir(ckpt_dir):
         return []
@@ -595,9 +595,8 @@ def start_over(ckpt_dir: str, *, job: str) -> list[int]:
     with holding(ckpt_dir, what="elasticd submit --fresh", job=job) as holder:
         if holder is not None:
             raise OwnershipError(
-                f"checkpoint directory {ckpt_dir} is in use by run "
-                f"{holder.get('run_id') or '?'} (pid {holder.get('pid', '?')} on "
-                f"{holder.get('host', '?')}): nothing deleted"
+                f"checkpoint directory {ckpt_dir} is in use by {describe_holder(holder)}: "
+                "nothing deleted"
             )
         steps = _delete_all(ckpt_dir)
     return steps

@@ -280,3 +280,41 @@ def test_prune_of_a_directory_without_checkpoints_leaves_nothing_there(tmp_path,
 
     assert main(["ckpt", "prune", str(tmp_path), "--keep", "1"]) == 0
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "record",
+    ['{"job":"tiny","run_id":"evil\\nSECOND LINE","pid":"1\\nTHIRD","host":"h"}',
+     "[" * 30000 + "]" * 30000],
+    ids=["newlines", "deep"],
+)  # fmt: skip
+def test_a_hostile_lock_record_is_named_on_one_line_and_never_crashes_a_claim(tmp_path, record):
+    """The lock is advisory: anyone can rewrite the record of a live run's lock file. A
+    record with newlines made the refusal three lines; one nested 30,000 deep crashed
+    the claim (and `ckpt prune`) with a RecursionError (a security review)."""
+    from checkpoint.fence import Fence
+    from checkpoint.owner import LOCK_FILE
+
+    ckpt = str(tmp_path / "ckpt")
+    for step in (1, 2):  # something to prune
+        saver = Saver(ckpt, group=None, options=SaveOptions(async_=False, job="tiny"))
+        saver.save(step=step, consumed_samples=step,
+                   model={"w": (torch.ones(4), ShardInfo.whole("w", (4,)))})  # fmt: skip
+        saver.close()
+    held = claim(ckpt, job="tiny", run_id="tiny-1")
+    try:
+        with open(os.path.join(ckpt, LOCK_FILE), "r+b") as fh:  # the lock stays held
+            fh.truncate(0)
+            fh.write(record.encode())
+        with pytest.raises(OwnershipError) as caught:
+            claim(ckpt, job="tiny", run_id="tiny-2")
+        assert "\n" not in str(caught.value) and "in use by" in str(caught.value)
+        code = subprocess.run(
+            [sys.executable, "-m", "elasticd", "ckpt", "prune", "--keep", "1", ckpt],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert code.returncode == 2 and code.stderr.count("\n") == 1, code.stderr
+    finally:
+        held.release()
+    fence = Fence(run_id="tiny-evil\nSECOND LINE", round=7)
+    assert "\n" not in fence.describe() and "SECOND LINE" in fence.describe()

@@ -383,7 +383,7 @@ def run_export(args: argparse.Namespace) -> int:
 
 def run_prune(args: argparse.Namespace) -> int:
     from checkpoint import committed_steps, prune
-    from checkpoint.owner import holding
+    from checkpoint.owner import describe_holder, holding
 
     if args.keep < 1:
         raise UsageError(f"ckpt prune: --keep must be at least 1, got {args.keep}")
@@ -395,9 +395,8 @@ def run_prune(args: argparse.Namespace) -> int:
     with holding(args.dir, what="elasticd ckpt prune") as holder:
         if holder is not None:
             raise UsageError(
-                f"ckpt prune: {args.dir} is in use by run {holder.get('run_id') or '?'} of "
-                f"job {holder.get('job') or '?'} (pid {holder.get('pid', '?')} on "
-                f"{holder.get('host', '?')}); prune it when that run has ended"
+                f"ckpt prune: {args.dir} is in use by {describe_holder(holder)}; prune it "
+                "when that run has ended"
             )
         removed = prune(args.dir, keep=args.keep)
     print(
