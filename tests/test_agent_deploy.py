@@ -151,6 +151,8 @@ def test_the_slurm_script_parses_and_asks_slurm_for_what_an_elastic_run_needs():
     signal = next(d for d in directives if d.startswith("--signal="))
     assert signal.startswith("--signal=B:TERM@") and int(signal.rsplit("@", 1)[1]) >= 60
     assert "--kill-on-bad-exit=0" in text  # one dead agent does not end the others
+    # The etcd it starts compacts (a job's status rewritten every 3 s fills the quota).
+    assert "--auto-compaction-mode=revision --auto-compaction-retention=" in text
     # Every elasticd command it runs parses (its variables stand in as plain words).
     commands = re.findall(r'"\$elasticd" ((?:[^\n\\]|\\\n)+)', text)
     assert {c.split()[0] for c in commands} == {"agent", "nodes", "submit"}

@@ -838,3 +838,17 @@ def test_a_failure_line_drops_torchs_rank_prefixes(tmp_path):
     assert last_line(str(log)) == "RuntimeError: the state [rank1]: x"
     log.write_text("plain line\n")
     assert last_line(str(log)) == "plain line"
+
+
+@pytest.mark.parametrize(
+    ("code", "want"),
+    [(-signal.SIGKILL, Outcome.WORKER_FAILED), (-signal.SIGSEGV, Outcome.WORKER_FAILED),
+     (-signal.SIGABRT, Outcome.PEER_LOST), (1, Outcome.PEER_LOST), (None, Outcome.PEER_LOST)],
+)  # fmt: skip
+def test_a_local_worker_killed_by_a_signal_is_our_cause_even_when_a_peer_moved_on(code, want):
+    """SIGKILL of a worker: its peer's collective fails at once, the peer's agent re-joins
+    the next round, and this agent saw both its worker dead and the peer "lost" in one
+    tick. It said peer_lost, and the kill went on record as the peer's collective failure
+    (an SRE review, one kill in two). A signal that can be the peer's doing (NCCL's abort)
+    or a plain error exit stays a symptom of the loss."""
+    assert decide(Observation(lost=("n1",), exit_codes=(code, None))) == want

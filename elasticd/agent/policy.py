@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import os
 import re
+import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -144,6 +145,12 @@ def decide(obs: Observation) -> Outcome | None:
     if obs.fenced:
         return Outcome.FENCED
     if obs.lost:
+        if any(c is not None and c < 0 and -c not in SYMPTOM_SIGNALS for c in codes):
+            # A local worker killed by a signal is a cause of its own, seen here; the
+            # peer "lost" may only be moving on to the next round because of it (its
+            # collective failed on our dead worker's sockets first: an SRE review saw the
+            # kill recorded as the peer's collective failure, and ours as peer_lost).
+            return Outcome.WORKER_FAILED
         return Outcome.PEER_LOST
     if any(c == obs.user_error_code for c in codes):
         return Outcome.USER_ERROR
@@ -169,6 +176,12 @@ def decide(obs: Observation) -> Outcome | None:
         if now is not None and (before is None or now > before):
             return Outcome.SCALE_UP
     return None
+
+
+SYMPTOM_SIGNALS = frozenset({signal.SIGABRT, signal.SIGPIPE})
+"""Signals a worker can die of *because* a peer went away (NCCL's watchdog aborts the
+process on a failed collective; a write to a closed socket), which therefore do not make
+its death a cause of its own when a peer is lost too."""
 
 
 PEER_FAULT_MARKS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
