@@ -840,13 +840,15 @@ def run_cluster(
     poll: float = 0.02,
     env: Mapping[str, str] | None = None,
     progress: Any = None,
+    metrics: bool = False,
 ) -> dict[str, Any]:
     """Start the cluster, submit ``job``, inject ``faults`` (a list, fired by step or by
     the workers at a phase, or an object with ``due(RunView) -> list[Fault]`` and
     optionally ``fault_injected(fault, record)``), follow the job to its end. ``env``: the
     agents' environment (default ours). ``progress``: shows the job's progress as one live
     line (``show(record)``, ``say(text)`` for the lines above it, ``close()``; the CLI's
-    on a terminal); without it, ``out`` gets a plain line per change.
+    on a terminal); without it, ``out`` gets a plain line per change. ``metrics``: each
+    agent serves Prometheus metrics (and /healthz) on a free port, named in ``out``.
 
     Returns the job's final record as a dict, with ``faults`` (each injected fault's record,
     both ends of the timed ones) and ``metrics`` (the records this run appended).
@@ -869,7 +871,7 @@ def run_cluster(
     tail = MetricsTail.at_end(os.path.join(job.out_dir, "metrics.jsonl"))
     records: list[dict] = []
     cluster = LocalCluster(base_dir=base, nproc=job.nproc_per_node, etcd_members=etcd_members,
-                           env=agents_env)  # fmt: skip
+                           env=agents_env, metrics=metrics)  # fmt: skip
     record, timed_out, step, announced = None, False, 0, 0
     final_out = out
     if progress is not None:
@@ -880,6 +882,9 @@ def run_cluster(
         cluster.start(nodes)
         what = "etcd" if etcd_members == 1 else f"etcd cluster ({etcd_members} members)"
         out.write(f"local cluster: {what} {cluster.endpoint}, {nodes} agents, logs in {base}\n")
+        if metrics:
+            urls = ", ".join(f"http://127.0.0.1:{p}/metrics" for p in cluster.metrics_ports)
+            out.write(f"agent metrics: {urls}\n")
         # A short client timeout keeps the loop (and the faults) going while etcd is away.
         config = cluster.etcd.client_config(timeout=1.0, request_timeout=0.5)
         with connect(config) as client:

@@ -177,8 +177,14 @@ def test_the_marker_goes_only_into_a_directory_holding_nothing_but_elasticd_outp
 def test_fresh_deletes_the_output_of_an_earlier_run(in_tmp):
     write_job(in_tmp / "job.yaml", nodes={"min": 1, "max": 1})
     command = [sys.executable, "-m", "elasticd", "run", "job.yaml", "--nodes", "1"]
-    first = subprocess.run(command, cwd=in_tmp, capture_output=True, text=True, timeout=120)
+    first = subprocess.run([*command, "--metrics"], cwd=in_tmp, capture_output=True, text=True,
+                           timeout=120)  # fmt: skip
     assert first.returncode == 0, first.stdout + first.stderr
+    # --metrics: the agents serve /metrics, named at the start (they served none: an SRE
+    # review could not scrape the documented local cluster).
+    (line,) = [x for x in first.stdout.splitlines() if x.startswith("agent metrics: ")]
+    assert line.startswith("agent metrics: http://127.0.0.1:") and line.endswith("/metrics")
+    assert int(line.rsplit(":", 1)[1].split("/")[0]) > 0
     out = in_tmp / "runs" / "cli"
     assert (out / OUTPUT_MARKER).exists() and (out / "metrics.jsonl").exists()
     (out / "stale.txt").write_text("from the first run")

@@ -49,6 +49,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "resumes from its checkpoints)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=1800.0, metavar="S",
                    help="give up after this many seconds (default 1800)")  # fmt: skip
+    p.add_argument("--metrics", action="store_true",
+                   help="each agent serves Prometheus metrics and /healthz on a free port "
+                   "(named at the start), for a Prometheus or curl to scrape")  # fmt: skip
     p.add_argument("--json", action="store_true",
                    help="print the final status (state, history with every recovery, "
                    "faults, metrics) as one JSON object on stdout; progress goes to stderr")  # fmt: skip
@@ -83,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
     # fault and recovery lines; elsewhere (a log, a pipe) a plain line per change.
     live = Progress(progress) if progress.isatty() else None
     result = run_cluster(job, nodes=args.nodes, faults=faults, timeout=args.timeout,
-                         out=progress, etcd_members=args.etcd_members, progress=live)  # fmt: skip
+                         out=progress, etcd_members=args.etcd_members, progress=live,
+                         metrics=args.metrics)  # fmt: skip
     if as_json:
         print(json.dumps(result, sort_keys=True, default=str))
     else:
