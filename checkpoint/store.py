@@ -39,8 +39,12 @@ def step_path(ckpt_dir: str, step: int) -> str:
 
 
 def committed_steps(ckpt_dir: str) -> list[int]:
-    """Steps with a committed directory, ascending. A ``step-N`` that is a symlink (say, to
-    another job's step) is not one: it is skipped like any other stranger."""
+    """Steps with a committed directory, ascending: a ``step-N`` directory with an entry
+    named ``manifest.json``, whatever that entry is. One that is not a regular file (a
+    FIFO, a directory, a symlink) is a commit that is damaged: a load falls back from it and
+    ``verify`` names it (it was skipped: a resume trained from step 1 in silence). A
+    ``step-N`` that is a symlink (say, to another job's step) is not one: it is skipped
+    like any other stranger."""
     try:
         names = os.listdir(ckpt_dir)
     except FileNotFoundError:
@@ -49,7 +53,7 @@ def committed_steps(ckpt_dir: str) -> list[int]:
     for name in names:
         step = parse_step_dirname(name)
         path = os.path.join(ckpt_dir, name)
-        if step is not None and _real_dir(path) and os.path.isfile(os.path.join(path, MANIFEST)):
+        if step is not None and _real_dir(path) and os.path.lexists(os.path.join(path, MANIFEST)):
             steps.append(step)
     return sorted(steps)
 
@@ -540,14 +544,31 @@ def prune(
     :func:`lineage`); delete the rest: abandoned steps first, then steps that failed to
     load, then the oldest. The newest loadable commit is never deleted, a step that failed
     to load is never kept in place of one that loads, and where no step loads nothing is
-    deleted. Returns the steps deleted, in order."""
+    deleted. Returns the steps deleted, in order.
+
+    A step to be kept must open first (its manifest, its files and their headers, no
+    tensor data read): commit numbers are what a manifest says, and a step planted with a
+    re-sealed manifest claiming the newest commit made every step that loads "abandoned"
+    (``ckpt prune --keep 1`` deleted them all and kept the plant: a security review). One
+    that does not open counts for nothing kept, and is not deleted here either (its trouble
+    may pass: only a load's failure, recorded, makes it deletable)."""
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
     numbers = commit_numbers(ckpt_dir)
     failed = _failed(ckpt_dir, numbers)
-    current, abandoned = lineage(ckpt_dir, numbers, failed)
-    if not current:
-        return []
+    spared: set[int] = set()
+    while True:
+        current, abandoned = lineage(ckpt_dir, numbers, failed | spared)
+        if not current:
+            return []
+        bad = [s for s in current[:keep] if _opens(ckpt_dir, s) is not None]
+        if not bad:
+            break
+        spared.update(bad)
+        if log:
+            log(
+                f"{', '.join(step_dirname(s) for s in bad)}: does not open; neither kept nor pruned"
+            )
     doomed = abandoned + _newest_first(failed, numbers) + list(reversed(current[keep:]))
     for step in doomed:
         path = step_path(ckpt_dir, step)
@@ -562,6 +583,32 @@ def prune(
     if doomed:
         fsync_dir(ckpt_dir)
     return doomed
+
+
+_OPENED: dict[str, tuple[int, int, int]] = {}
+"""Step path -> its manifest's (inode, mtime, size) when it last opened (:func:`_opens`):
+retention runs after every commit, and opening its kept steps every time would read each
+of their files' headers again."""
+
+
+def _opens(ckpt_dir: str, step: int) -> str | None:
+    """Why the committed ``step`` does not open as a load would open it, or None."""
+    from checkpoint.step import CheckpointFiles  # it imports this module
+
+    path = step_path(ckpt_dir, step)
+    try:
+        st = os.stat(os.path.join(path, MANIFEST), follow_symlinks=False)
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if _OPENED.get(path) == key:
+            return None
+        with CheckpointFiles.open(path) as files:
+            files.check_files()
+    except Exception as exc:  # whatever a hostile step raises: it is not kept for it
+        return str(exc) or type(exc).__name__
+    if len(_OPENED) >= _COMMIT_CACHE_SIZE:
+        _OPENED.clear()
+    _OPENED[path] = key
+    return None
 
 
 def _unlink(path: str) -> None:
