@@ -56,11 +56,19 @@ def kv(**fields: Any) -> dict[str, dict[str, Any]]:
     return {"extra": {"kv": fields}}
 
 
+LEVELS = ("debug", "info", "warning", "error")
+
+
 def level_from_env(env: Mapping[str, str] | None = None) -> int:
     """The level named by ``ELASTICD_LOG_LEVEL``; unknown names fall back to info."""
     name = (env if env is not None else os.environ).get("ELASTICD_LOG_LEVEL", "info")
     level = logging.getLevelName(name.strip().upper())
     return level if isinstance(level, int) else logging.INFO
+
+
+def _unknown_level(env: Mapping[str, str] | None) -> str | None:
+    name = (env if env is not None else os.environ).get("ELASTICD_LOG_LEVEL", "info")
+    return None if name.strip().lower() in (*LEVELS, "critical") else name
 
 
 def setup_logging(stream=None, env: Mapping[str, str] | None = None) -> None:
@@ -78,6 +86,12 @@ def setup_logging(stream=None, env: Mapping[str, str] | None = None) -> None:
         logger.addHandler(handler)
         logger.setLevel(level)
         logger.propagate = False
+    unknown = _unknown_level(env)
+    if unknown is not None:  # said, not silently ignored (a newcomer's walk)
+        logging.getLogger("elasticd").warning(
+            "ELASTICD_LOG_LEVEL=%r is not a level (%s); logging at info", unknown[:40],
+            ", ".join(LEVELS),
+        )  # fmt: skip
 
 
 def dump_stacks_on_sigusr1() -> None:

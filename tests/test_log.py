@@ -33,3 +33,16 @@ def test_the_level_comes_from_the_environment_and_defaults_to_info():
     setup_logging(stream, env={"ELASTICD_LOG_LEVEL": "error"})
     logging.getLogger("checkpoint.y").warning("hidden")
     assert stream.getvalue() == ""
+
+
+def test_an_unknown_level_is_said_once_and_info_is_used():
+    """A typo fell back to info in silence (a newcomer's walk)."""
+    stream = io.StringIO()
+    setup_logging(stream, env={"ELASTICD_LOG_LEVEL": "verbose"})
+    said = stream.getvalue()
+    assert said.count("\n") == 1 and "ELASTICD_LOG_LEVEL='verbose' is not a level" in said, said
+    logging.getLogger("elasticd.z").info("shown")
+    assert "msg=shown" in stream.getvalue()
+    quiet = io.StringIO()
+    setup_logging(quiet, env={"ELASTICD_LOG_LEVEL": " Warning "})
+    assert quiet.getvalue() == ""
