@@ -237,3 +237,24 @@ def test_a_spare_node_replaces_a_lost_one_without_a_layout_change(tmp_path):
     spare = ({0, 1, 2} - set(members)).pop()
     assert f"node-{spare}" in final.status["nodes"]
     assert f"node-{members[0]}" not in final.status["nodes"]
+
+
+def test_status_of_a_pending_job_says_when_no_agent_is_registered(tmp_path):
+    """`submit --follow` said why a job waits with no agent anywhere; `status` said only
+    "pending" (a newcomer's walk)."""
+    from elasticd.etcd import EmbeddedEtcd
+
+    server = EmbeddedEtcd(data_dir=str(tmp_path / "etcd")).start()
+    try:
+        (tmp_path / "job.yaml").write_text(json.dumps(job_dict(tmp_path, "alone")))
+        run = [sys.executable, "-m", "elasticd"]
+        etcd = ["--etcd", server.endpoint]
+        assert subprocess.run([*run, "submit", "job.yaml", *etcd], cwd=tmp_path,
+                              capture_output=True, timeout=120).returncode == 0  # fmt: skip
+        out = subprocess.run([*run, "status", "alone", *etcd], capture_output=True, text=True,
+                             timeout=120).stdout  # fmt: skip
+        assert out.startswith(
+            "job alone: pending (submitted; no agent is registered: start one "
+        ), out
+    finally:
+        server.stop()

@@ -381,6 +381,8 @@ def run_status(args: argparse.Namespace) -> int:
             records = [record]
         else:
             records = registry.list()
+        # A pending job with no agent anywhere says why it waits (as submit --follow does).
+        no_agents = any(r.state == JobState.PENDING for r in records) and not registry.node_count()
     if args.json:
         docs = [{**_summary(r), "status": r.status} for r in records]
         print(json.dumps(docs[0] if args.name else docs, indent=2, sort_keys=True))
@@ -389,7 +391,11 @@ def run_status(args: argparse.Namespace) -> int:
         print("no jobs")
     for r in records:
         s = {k: show(v) for k, v in _summary(r).items()}
-        print(f"job {s['name']}: {s['state']}" + (f" ({s['reason']})" if r.reason else ""))
+        reason = r.reason
+        if no_agents and r.state == JobState.PENDING:
+            why = "no agent is registered: start one with `elasticd agent`"
+            reason = f"{reason}; {why}" if reason else why
+        print(f"job {s['name']}: {s['state']}" + (f" ({show(reason)})" if reason else ""))
         layout = show(r.status.get("layout_text") or r.status.get("layout"))
         print(f"  world {s['world']}  round {s['round']}  layout {layout}")
         print(f"  step {s['step']}/{s['steps']}  loss {s['loss']}  checkpoint {s['checkpoint']}")
