@@ -54,7 +54,7 @@ SELF_KINDS = frozenset({"kill-worker", "hang-worker", "raise-error", "fail-colle
 """Faults a worker carries out on itself."""
 RAISING_KINDS = frozenset({"raise-error", "fail-collective"})
 """Self faults that raise, and so may fire without a phase (when the step is reported)."""
-NODE_KINDS = frozenset({"kill-node", "term-node", "freeze-node"})
+NODE_KINDS = frozenset({"kill-node", "term-node", "freeze-node", "restart-node"})
 ACK_WAIT = 120.0
 """Seconds a firing worker waits in its phase for the cluster to carry the fault out."""
 TERM_WAIT = 30.0

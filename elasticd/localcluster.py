@@ -40,9 +40,9 @@ log = logging.getLogger("elasticd.localcluster")
 
 FAULT_KINDS = (
     "kill-node", "kill-worker", "hang-worker", "term-node", "add-node", "freeze-node",
-    "etcd-outage", "kill-etcd-member", "kill-etcd-leader", "raise-error", "fail-collective",
+    "restart-node", "etcd-outage", "kill-etcd-member", "kill-etcd-leader", "raise-error", "fail-collective",
 )  # fmt: skip
-NODE_FAULTS = frozenset({"kill-node", "term-node", "freeze-node"})
+NODE_FAULTS = frozenset({"kill-node", "term-node", "freeze-node", "restart-node"})
 """Faults whose target is a node index."""
 RANK_FAULTS = frozenset({"kill-worker", "hang-worker", "raise-error", "fail-collective"})
 """Faults whose target is a global rank."""
@@ -54,7 +54,8 @@ DEFAULT_FOR = {"freeze-node": 10.0, "etcd-outage": 10.0, "kill-etcd-member": 5.0
 _NO_TARGET = frozenset({"add-node", "etcd-outage", "kill-etcd-leader"})
 MAX_FOR = 3600.0
 FAULT_SYNTAX = (
-    "kill-node=I, term-node=I, freeze-node=I[:for=T], kill-worker=RANK, hang-worker=RANK, "
+    "kill-node=I, term-node=I, freeze-node=I[:for=T], restart-node=I, kill-worker=RANK, "
+    "hang-worker=RANK, "
     "raise-error=RANK, fail-collective=RANK, kill-etcd-member=I[:for=T] (each @step=S), or "
     "add-node@step=S, etcd-outage@step=S[:for=T], kill-etcd-leader@step=S[:for=T]; any of "
     "them [:phase=forward|backward|optimizer|update|step-end|checkpoint-save]"
@@ -404,6 +405,20 @@ class LocalCluster:
         if self.metrics:
             self._port_holds.append(reserve_port())
             port = self._port_holds[-1].getsockname()[1]
+        self.agents.append(self._launch(index, port))
+        self.metrics_ports.append(port)
+        return index
+
+    def restart_node(self, index: int) -> None:
+        """SIGKILL node ``index``'s agent and workers and start its agent again at once,
+        under the same node id and state directory: a machine that reboots (or an agent
+        a supervisor restarts) faster than its lease expires."""
+        self.kill_node(index)
+        # Its metrics port is still held (reserve_port): the new agent binds it as the
+        # first did.
+        self.agents[index] = self._launch(index, self.metrics_ports[index])
+
+    def _launch(self, index: int, port: int) -> subprocess.Popen:
         argv = [
             self.python, "-m", "elasticd", "agent", "--etcd", self.endpoint,
             "--node-id", f"node-{index}", "--addr", "127.0.0.1",
@@ -422,9 +437,7 @@ class LocalCluster:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
-        self.agents.append(proc)
-        self.metrics_ports.append(port)
-        return index
+        return proc
 
     def agent_env(self, index: int) -> dict[str, str]:
         """Node ``index``'s agent's environment, which its workers inherit. The node id
@@ -601,6 +614,9 @@ class LocalCluster:
             if kind == "term-node":
                 self.term_node(index)
                 return f"node {index}: agent SIGTERMed"
+            if kind == "restart-node":
+                self.restart_node(index)
+                return f"node {index}: agent and workers SIGKILLed, agent started again"
             pids = self.freeze_node(index)
             self._later(lasts, record, f"thaw node {index}",
                         lambda: f"node {index} thawed ({self.thaw_node(index)} processes)")  # fmt: skip

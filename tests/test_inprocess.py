@@ -456,6 +456,30 @@ def test_a_preempted_spare_leaves_at_once_and_the_active_ranks_go_on_in_process(
     assert second < first and len(second) == 2, story(job)
 
 
+@pytest.mark.parametrize("mode", ["process", "inprocess"])
+def test_a_node_restarted_under_its_id_within_a_ttl_is_a_lost_node_not_a_failure(tmp_path, mode):
+    """Node 1's agent and workers SIGKILLed and its agent started again at once, under
+    its id: it re-joined before its old lease expired, so the next world had the same
+    nodes, nothing was relabelled, and the survivor's failed worker counted as a failure
+    (worker_failed, one of restart.max_restarts; in-process, the probe's refusal already
+    left it out of one world). Joins now carry the agent process's incarnation: a member
+    back as another process was lost."""
+    job = make_job(tmp_path, "reboot", steps=16, nodes={"min": 1, "max": 2},
+                   restart={"mode": mode, "scale_up": "immediate"},
+                   rendezvous={"ttl": 10, "settle": 2.0, "reform_grace": 0.5})  # fmt: skip
+    result = run(job, 2, ["restart-node=1@step=5"])
+    assert result["state"] == "succeeded", f"{result['reason']}\n{story(job)}"
+    status = result["status"]
+    failures = [e for e in status["history"] if e["kind"] == "failure"]
+    assert failures and {e["reason"] for e in failures} == {"peer_lost"}, failures
+    assert status.get("restarts", 0) == 0, status
+    steps = [r["step"] for r in result["metrics"]]
+    assert steps[-1] == 16 and (mode == "process" or steps == list(range(1, 17))), story(job)
+    reference = reference_losses(tmp_path, job)
+    for rec in result["metrics"]:
+        assert rec["loss"] == pytest.approx(reference[rec["step"]], rel=1e-4), rec["step"]
+
+
 def test_a_frozen_node_and_a_preempted_one_do_not_hold_the_survivor_for_the_grace_period(
     tmp_path,
 ):

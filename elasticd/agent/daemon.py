@@ -35,6 +35,7 @@ import signal
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -177,6 +178,8 @@ class Agent:
         self.config = config
         self.metrics = AgentMetrics(registry or CollectorRegistry())
         self.preempt = threading.Event()
+        self.incarnation = uuid.uuid4().hex[:12]
+        """This agent process, told from the node's earlier ones (``NodeInfo.incarnation``)."""
         self._wake = threading.Event()
         self.health = Health(config.stale_after)
         self._exited = threading.Event()
@@ -587,7 +590,7 @@ class Agent:
 
     def _start_runner(self, record: JobRecord, slots: list[int], devices: list[str] | None) -> None:
         node = NodeInfo(node_id=self.config.node_id, addr=self.config.addr,
-                        state_dir=self.config.state_dir)  # fmt: skip
+                        state_dir=self.config.state_dir, incarnation=self.incarnation)  # fmt: skip
         runner = JobRunner(record=record, client=self._client, registry=self._registry,
                            node=node, metrics=self.metrics, preempt=self.preempt,
                            view=self._view, devices=devices, clock=self._clock,

@@ -47,6 +47,9 @@ class NodeInfo:
     """Per-node scratch: layouts, heartbeats, error files."""
     python: str = sys.executable
     """Interpreter for the built-in trainer."""
+    incarnation: str = ""
+    """A token drawn at the agent's start: its rendezvous joins carry it, so a node
+    restarted under the same id is told from one that stayed (``Member.incarnation``)."""
 
 
 @dataclass(kw_only=True, slots=True)

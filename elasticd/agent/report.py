@@ -65,6 +65,17 @@ def checkpoint_facts(ckpt_dir: str, step: int) -> tuple[int, float | None] | Non
         return None
 
 
+def _restarted(status: dict[str, Any], world: Any) -> set[str]:
+    """Members of ``world`` that were in the previous one as another agent process (killed
+    and started again under the node's id within a TTL, so they re-joined before their old
+    lease expired): lost all the same, their workers and state with them."""
+    before = status.get("incarnations")
+    if not isinstance(before, dict):
+        return set()
+    return {m.node for m in getattr(world, "members", ())
+            if m.incarnation and before.get(m.node) not in (None, "", m.incarnation)}  # fmt: skip
+
+
 def _uncounted(event: dict[str, Any]) -> bool:
     return event.get("kind") == "failure" and not event.get("counted")
 
@@ -146,6 +157,7 @@ class JobReporter:
              "resume_step": ckpt_step},
             world=world.size, nodes=list(world.nodes), round=world.round, layout=summary,
             layout_text=text, checkpoint=ckpt_step, fence=f,
+            incarnations={m.node: m.incarnation for m in world.members if m.incarnation},
         )  # fmt: skip
         if world.round % FAILURES_PRUNE_EVERY == 0:  # a few ms, once in 16 rounds
             try:
@@ -172,7 +184,7 @@ class JobReporter:
         record = self._registry.get(self.name)
         status = record.status if record is not None else {}
         previous = status.get("nodes")
-        lost = sorted(set(previous or ()) - set(world.nodes))
+        lost = sorted(set(previous or ()) - set(world.nodes) | _restarted(status, world))
         if lost:
             # A node whose own worker ended the round is missing only while it starts a
             # new one (a crash loop backs off first): not lost. Its failure counts, or a

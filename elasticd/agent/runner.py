@@ -265,6 +265,7 @@ class JobRunner:
             node_id=self._node.node_id,
             addr=self._node.addr,
             on_change=self._on_change,
+            incarnation=self._node.incarnation,
         )
 
     def _on_change(self, change: Any) -> None:

@@ -21,7 +21,8 @@ FAULT_HELP = (
     "kill-node=I@step=S (SIGKILL agent I and its workers), kill-worker=RANK@step=S, "
     "hang-worker=RANK@step=S (SIGSTOP), term-node=I@step=S (preemption), add-node@step=S, "
     "freeze-node=I@step=S[:for=T] (SIGSTOP agent I and all its workers, SIGCONT after T s, "
-    "default 10), etcd-outage@step=S[:for=T] (stop all of etcd for T s, default 10), "
+    "default 10), restart-node=I@step=S (SIGKILL agent I and its workers, start the agent "
+    "again at once under its id), etcd-outage@step=S[:for=T] (stop all of etcd for T s, default 10), "
     "kill-etcd-member=M@step=S[:for=T] and kill-etcd-leader@step=S[:for=T] (SIGKILL one "
     "member, restart it after T s, default 5; need --etcd-members 3). Repeatable."
 )

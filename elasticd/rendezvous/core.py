@@ -69,8 +69,11 @@ class EtcdRendezvous:
         on_change: Callable[[Change], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         owns_client: bool = False,
+        incarnation: str = "",
     ) -> None:
         self.settings = settings
+        self.incarnation = incarnation
+        """This agent process's token, in every join (``Member.incarnation``)."""
         self.node_id = node_id or f"{addr}_{uuid.uuid4().hex[:8]}"
         self.addr = addr
         self.on_change = on_change
@@ -252,6 +255,7 @@ class EtcdRendezvous:
             # no port is opened and no closer connects (elasticd/rendezvous/probe.py).
             probe=self._probe_port() if s.reform_grace is not None else 0,
             evidence=self._evidence,
+            incarnation=self.incarnation,
         )
         fence = compare(s.world_key(), "mod", "==", seen_world_mod)
         ops = [put_op(s.join_key(round_, self.node_id), member_json(me), lease)]

@@ -220,6 +220,11 @@ class Member:
     evidence: bool = False
     """It joined because it saw a fault (a collective failed, a local worker died); not
     part of the world record."""
+    incarnation: str = ""
+    """Which agent process of the node joined (a token it draws at start; "" from an
+    older agent): a node killed and started again under its id within a TTL re-joins
+    before its old lease expires, and only this tells the survivors it was lost (its
+    workers' state with it), not a survivor."""
     leaving: bool = False
     """It is preempted and on its way out (its join is re-written with this mark while
     its workers save and stop): a round waiting for the previous world's members
@@ -281,6 +286,8 @@ def _member_doc(member: Member) -> dict[str, object]:
     doc: dict[str, object] = {"node": member.node, "addr": member.addr, "port": member.port}
     if member.probe:
         doc["probe"] = member.probe
+    if member.incarnation:
+        doc["incarnation"] = member.incarnation
     return doc
 
 
@@ -318,6 +325,7 @@ def parse_member(node: str, raw: bytes) -> Member:
         return Member(
             node=node, addr=str(doc["addr"]), port=int(doc["port"]),
             probe=int(doc.get("probe", 0)), evidence=doc.get("evidence") is True,
+            incarnation=str(doc.get("incarnation", "")),
             leaving=doc.get("leaving") is True,
         )  # fmt: skip
     except (ValueError, KeyError, TypeError) as exc:
@@ -338,6 +346,7 @@ def parse_world(raw: bytes, revision: int = 0) -> World:
                 addr=str(m["addr"]),
                 port=int(m["port"]),
                 probe=int(m.get("probe", 0)),
+                incarnation=str(m.get("incarnation", "")),
             )
             for m in doc["members"]
         )
