@@ -83,3 +83,29 @@ def test_a_manifest_that_is_not_a_regular_file_is_a_damaged_commit_not_no_commit
         shutil.rmtree(step_path(ckpt, 2))
         out = cli("ckpt", "verify", ckpt)
         assert out.returncode == 2 and "no committed checkpoint" not in out.stderr, out.stderr
+
+
+def test_an_io_error_while_looking_at_a_step_to_keep_deletes_nothing(tmp_path, monkeypatch):
+    """A stat that fails for a passing reason (EIO, ESTALE, EMFILE) is no verdict on the
+    step: were it taken for a bad one, the lineage would be judged without it and its
+    predecessor deleted (the diff review: steps 10 and 20 deleted for a glitch on 25). The
+    error is injected into os.stat for that step's files alone."""
+    import errno
+
+    from checkpoint.store import prune
+
+    ckpt = str(tmp_path / "ckpt")
+    save(ckpt, 10, 20, 30)
+    real_stat = os.stat
+    glitch = step_path(ckpt, 30)
+
+    def stat(path, *args, **kwargs):
+        if str(path).startswith(glitch + os.sep) and str(path).endswith(".safetensors"):
+            raise OSError(errno.EIO, "Input/output error")
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", stat)
+    assert prune(ckpt, keep=1) == []
+    monkeypatch.setattr(os, "stat", real_stat)
+    assert sorted(prune(ckpt, keep=1)) == [10, 20]
+    assert committed_steps(ckpt) == [30]
