@@ -573,7 +573,7 @@ def prune(
     fails counts for nothing kept, and is not deleted here either (only a load's failure,
     recorded, makes it deletable); an I/O error while looking deletes nothing this time.
     Commit numbers are still what a sealed manifest says (the seal is unkeyed): a plant
-    with copies of real files is only found by the load that fails on it."""
+    with copies of a real step's files still heads the lineage."""
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
     numbers = commit_numbers(ckpt_dir)
