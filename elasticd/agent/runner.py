@@ -349,6 +349,12 @@ class JobRunner:
             self._finish(handler)
         return self.outcome
 
+    def _mark_leaving(self, handler: Any) -> None:
+        try:
+            handler.mark_leaving()
+        except Exception as exc:  # the lease ends it anyway, once we leave
+            log.warning("leaving not marked", **kv(job=self.name, error=str(exc)))
+
     def _rendezvous_timed_out(self, exc: Exception) -> bool:
         """No world took us within join_timeout. Returns whether the job is over for us.
 
@@ -672,13 +678,12 @@ class JobRunner:
             raise
         detected_at = self._clock()
         if outcome == Outcome.PREEMPTED:
-            # Said first: while our workers save and stop (up to restart.grace_period; a
-            # frozen peer can hold their save that long) our join lives on, and a re-form
-            # the others start meanwhile would wait for us.
-            try:
-                handler.mark_leaving()
-            except ElasticdError as exc:
-                log.warning("leaving not marked", **kv(job=self.name, error=str(exc)))
+            # While our workers save and stop (up to restart.grace_period; a frozen peer
+            # can hold their save that long) our join lives on, and a re-form the others
+            # start meanwhile would wait for us. On a thread: an etcd away (under Slurm it
+            # may be stopping too) must not delay the workers' "save now" by its timeout.
+            threading.Thread(target=self._mark_leaving, args=(handler,), daemon=True,
+                             name="mark-leaving").start()  # fmt: skip
             # Claimed before the workers stop: our peers' workers exit with the
             # preemption code a moment later and must find the cause already named.
             try:

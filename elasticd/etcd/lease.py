@@ -82,7 +82,8 @@ class LeaseKeeper:
     def alive(self, lease: int) -> bool:
         """Whether ``lease`` may still be alive, judged here without asking etcd. False
         once etcd said it is gone, and while this keeper has not refreshed it for its
-        TTL *because this process did not run*: frozen that long (SIGSTOP, a paused VM),
+        TTL *because this process did not run*: frozen that long (SIGSTOP; whatever stops
+        the process but not the monotonic clock, which a suspended host's does not count),
         its lease lapsed while it slept, though nothing here has noticed yet (a thawed
         agent's metrics must not speak for a world that re-formed without it). An etcd
         outage is not such a gap: the keeper keeps trying, and etcd's new leader renews

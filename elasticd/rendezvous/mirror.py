@@ -110,6 +110,9 @@ class Mirror:
                     important = True
                 else:
                     self._set(ev.kv)
+                    # A member marked leaving is excused at once: a closer waiting for it
+                    # must look again now (else up to its 1 s wait later).
+                    important = important or LEAVING_MARK in ev.kv.value
                 self.revision[feed] = max(self.revision[feed], ev.kv.mod_revision)
             # Waking a waiter costs a thread switch; a plain join wakes it only when its
             # predicate says the join can matter.
