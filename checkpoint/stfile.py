@@ -429,10 +429,15 @@ _STRING = re.compile(rb'"[^"]*"')
 
 
 def _entry_problem(info: object, data_len: int, unknown_dtypes: bool = False) -> str | None:
+    """What is wrong with a header entry, or None. Each field's JSON type is checked
+    before it is looked up or compared: a dtype of ``[]`` is unhashable, and every reader
+    (verify, export, a load, a Hugging Face import) stopped on its TypeError."""
     if not isinstance(info, dict):
         return "not a JSON object"
     dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if dtype not in ITEMSIZE and not (unknown_dtypes and isinstance(dtype, str)):
+    if not isinstance(dtype, str):
+        return f"dtype {quoted(dtype)} is not a name"
+    if dtype not in ITEMSIZE and not unknown_dtypes:
         return f"unknown dtype {quoted(dtype)}"
     if (
         not isinstance(shape, list)

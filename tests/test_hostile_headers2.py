@@ -1,0 +1,215 @@
+"""Hostile headers and manifests, second round: the types of a safetensors header entry's
+fields, a Hugging Face weight whose declared shape a sparse file "backs", names that are
+not UTF-8 text (a lone surrogate), JSON in another encoding than UTF-8 and numbers that
+overflow to infinity.
+
+Each is refused in one line naming what is wrong (exit code 2, no traceback) by every
+reader (``ckpt verify``, ``inspect``, ``export``, ``export --format hf``, a load,
+``model.init_from: hf:DIR``), and a resume falls back past such a step as past any other
+damaged one. Every file is real: manifests are re-sealed and tensor files' ``bytes`` and
+``header_sha256`` recomputed, so what stops each attack is the validation, not a checksum.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from test_checkpoint_hostile import (
+    W,
+    cli,
+    manifest,
+    reseal,
+    save,
+)
+
+from checkpoint import (
+    Checkpoint,
+    ShardInfo,
+    load_latest,
+)
+from checkpoint.store import step_path
+from trainer.__main__ import main as trainer_main
+from trainer.hf import export_hf
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = REPO / "examples" / "tiny.yaml"
+ENV = {"RANK": "0", "WORLD_SIZE": "1"}
+
+
+def run(out: Path, steps: int, *extra: str) -> int:
+    args = [str(TINY), "--set", f"output_dir={out}", "--set", f"train.steps={steps}"]
+    for o in extra:
+        args += ["--set", o]
+    return trainer_main(args, env=ENV)
+
+
+def one_line(err: str, prefix: str = "") -> str:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(prefix), err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """The output directory of a tiny run with steps 2 and 3 committed."""
+    out = tmp_path_factory.mktemp("trained") / "out"
+    assert run(out, 2) == 0
+    assert run(out, 3) == 0
+    return out
+
+
+@pytest.fixture
+def small(tmp_path) -> str:
+    """The one-tensor checkpoint of test_checkpoint_hostile (step 3, format version 4)."""
+    out = str(tmp_path / "ckpt")
+    save(out)
+    return out
+
+
+def rewrite_step_header(step_dir: Path, edit) -> None:
+    """Rewrite the first tensor file of ``step_dir`` through ``edit(header)`` and re-seal
+    its ``bytes`` and ``header_sha256`` and the manifest."""
+    import hashlib
+
+    raw = json.loads((step_dir / "manifest.json").read_text())
+    name = sorted(raw["files"])[0]
+    path = step_dir / name
+    blob = path.read_bytes()
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8 : 8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    head = struct.pack("<Q", len(text)) + text
+    path.write_bytes(head + blob[8 + n :])
+    raw["files"][name].update(
+        bytes=len(head) + len(blob) - 8 - n, header_sha256=hashlib.sha256(head).hexdigest()
+    )
+    raw.pop("checksum", None)
+    canon = json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
+    raw["checksum"] = hashlib.sha256(canon).hexdigest()
+    (step_dir / "manifest.json").write_text(json.dumps(raw))
+
+
+def first_tensor_key(header: dict) -> str:
+    return sorted(k for k in header if k != "__metadata__")[0]
+
+
+# -- D1: a header entry's dtype, shape or data_offsets of the wrong JSON type ------------
+
+
+def _entry(field: str, value):
+    def edit(header: dict) -> None:
+        header[first_tensor_key(header)][field] = value
+
+    return edit
+
+
+ENTRY_ATTACKS = {
+    "dtype-list": (_entry("dtype", []), "dtype [] is not a name"),
+    "dtype-object": (_entry("dtype", {"F32": 1}), "dtype {'F32': 1} is not a name"),
+    "dtype-number": (_entry("dtype", 4), "dtype 4 is not a name"),
+    "shape-object": (_entry("shape", {"0": 4}), "shape {'0': 4} is not a list"),
+    "shape-of-booleans": (_entry("shape", [True, True]), "is not a list of at most 8"),
+    "offsets-of-lists": (_entry("data_offsets", [[0], [4]]), "data_offsets [[0], [4]]"),
+    "offsets-of-booleans": (_entry("data_offsets", [False, True]), "data_offsets [False, True]"),
+}
+
+
+@pytest.mark.parametrize("attack", list(ENTRY_ATTACKS))
+def test_a_header_entry_field_of_the_wrong_type_is_refused_in_one_line_by_every_reader(
+    trained, tmp_path, capsys, attack
+):
+    edit, says = ENTRY_ATTACKS[attack]
+    out = tmp_path / "out"
+    shutil.copytree(trained, out)
+    ckpt = str(out / "ckpt")
+    rewrite_step_header(Path(step_path(ckpt, 3)), edit)
+    capsys.readouterr()
+    for argv in (
+        ["verify", ckpt],
+        ["inspect", ckpt],
+        ["inspect", "--json", ckpt],
+        ["export", ckpt, str(tmp_path / "raw")],
+        ["export", "--format", "hf", ckpt, str(tmp_path / "hf")],
+    ):
+        code, _, err = cli(capsys, *argv)
+        assert code == 2, (argv, err)
+        line = one_line(err)
+        assert says in line and "header entry" in line, (argv, line)
+    assert not (tmp_path / "raw").exists() and not (tmp_path / "hf").exists()
+
+
+def test_a_resume_falls_back_past_a_step_whose_header_has_a_list_as_dtype(
+    trained, tmp_path, capsys, caplog
+):
+    out = tmp_path / "out"
+    shutil.copytree(trained, out)
+    ckpt = str(out / "ckpt")
+    rewrite_step_header(Path(step_path(ckpt, 3)), _entry("dtype", []))
+    capsys.readouterr()
+    assert run(out, 4) == 0, capsys.readouterr().err[-2000:]
+    said = capsys.readouterr().out
+    assert "resumed from " + step_path(ckpt, 2) + " at step 2" in said, said
+    warned = [r.getMessage() for r in caplog.records if "cannot be loaded" in r.getMessage()]
+    assert len(warned) == 1 and "dtype [] is not a name" in warned[0], warned
+
+
+@pytest.fixture(scope="module")
+def hf_dir(trained, tmp_path_factory) -> Path:
+    hf = tmp_path_factory.mktemp("hf") / "hf"
+    export_hf(Checkpoint.open(step_path(str(trained / "ckpt"), 2)), str(hf))
+    return hf
+
+
+def edit_hf_header(hf: Path, edit) -> None:
+    path = hf / "model.safetensors"
+    blob = path.read_bytes()
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8 : 8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + blob[8 + n :])
+
+
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [
+        (lambda h: h["transformer.wte.weight"].update(dtype=[]), "dtype [] is not a name"),
+        # A tensor the import does not need, of a dtype it would leave unread.
+        (
+            lambda h: h.update(zz={"dtype": {}, "shape": [0], "data_offsets": [0, 0]}),
+            "dtype {} is not a name",
+        ),
+    ],
+    ids=["needed", "unneeded"],
+)
+def test_init_from_refuses_a_header_dtype_that_is_not_a_name_in_one_line(
+    hf_dir, tmp_path, capsys, edit, says
+):
+    hf = tmp_path / "hf"
+    shutil.copytree(hf_dir, hf)
+    edit_hf_header(hf, edit)
+    capsys.readouterr()
+    assert run(tmp_path / "out", 1, f"model.init_from=hf:{hf}") == 2
+    line = one_line(capsys.readouterr().err, "trainer: error: ")
+    assert says in line, line
+
+
+def test_the_sound_checkpoints_of_these_tests_still_pass(small, trained, tmp_path, capsys):
+    raw = manifest(small)
+    reseal(small, raw)
+    for argv in (["verify", small], ["inspect", "--json", small]):
+        assert cli(capsys, *argv)[0] == 0
+    ckpt = str(trained / "ckpt")
+    assert cli(capsys, "export", "--format", "hf", ckpt, str(tmp_path / "hf"))[0] == 0
+    model = {"w": (torch.zeros(64, 16), ShardInfo.whole("w", (64, 16)))}
+    load_latest(small, model=model)
+    assert torch.equal(model["w"][0], W)
