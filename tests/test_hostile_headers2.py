@@ -13,12 +13,14 @@ damaged one. Every file is real: manifests are re-sealed and tensor files' ``byt
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import struct
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from test_checkpoint_hostile import (
     W,
     cli,
@@ -32,9 +34,11 @@ from checkpoint import (
     ShardInfo,
     load_latest,
 )
+from checkpoint.load import available_memory
 from checkpoint.store import step_path
+from elasticd.jobspec import ModelConfig
 from trainer.__main__ import main as trainer_main
-from trainer.hf import export_hf
+from trainer.hf import HFError, _hf_shape, _pairs, export_hf, gpt2_config, model_record, read_hf
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "examples" / "tiny.yaml"
@@ -201,6 +205,86 @@ def test_init_from_refuses_a_header_dtype_that_is_not_a_name_in_one_line(
     assert run(tmp_path / "out", 1, f"model.init_from=hf:{hf}") == 2
     line = one_line(capsys.readouterr().err, "trainer: error: ")
     assert says in line, line
+
+
+# -- D2: a Hugging Face weight whose declared shape a sparse file "backs" ----------------
+
+
+def sparse_hf_dir(
+    hf: Path, cfg: ModelConfig, *, positions: int, big: str, dtype: str, others: bool = True
+) -> int:
+    """A GPT-2 directory for ``cfg`` whose tensor ``big`` is declared in ``dtype`` at its
+    full shape (``positions`` rows for ``wpe``) over a sparse hole: the file's size backs
+    it, its disk does not. The other tensors are real (``others``), or left out. Returns
+    the bytes declared."""
+    hf.mkdir()
+    record = model_record(cfg)
+    config = gpt2_config(record) | {"n_positions": positions}
+    (hf / "config.json").write_text(json.dumps(config))
+    gen = torch.Generator().manual_seed(5)
+    tensors = {}
+    for ours, name, how in _pairs(record):
+        if name != big and others:
+            shape = _hf_shape(ours, how, record, positions)
+            tensors[name] = torch.randn(shape, generator=gen) * 0.02
+    save_file(tensors, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    ours, how = next((o, h) for o, n, h in _pairs(record) if n == big)
+    shape = _hf_shape(ours, how, record, positions)
+    item = {"F32": 4, "F16": 2}[dtype]
+    nbytes = item
+    for s in shape:
+        nbytes *= s
+    path = hf / "model.safetensors"
+    blob = path.read_bytes()
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8 : 8 + n])
+    data_len = len(blob) - 8 - n
+    header[big] = {"dtype": dtype, "shape": list(shape),
+                   "data_offsets": [data_len, data_len + nbytes]}  # fmt: skip
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    head = struct.pack("<Q", len(text)) + text
+    path.write_bytes(head + blob[8 + n :])
+    os.truncate(path, len(head) + data_len + nbytes)  # a hole: no disk behind it
+    return nbytes
+
+
+@pytest.mark.timeout(120)
+def test_init_from_reads_only_the_positions_it_uses_of_a_sparse_wpe_of_2_24_rows(tmp_path, capsys):
+    """``n_positions`` 2^24 and ``wpe`` F32 [2^24, 1024] on a sparse file: 64 GiB declared,
+    4 KiB on disk. The whole of it was allocated (a traceback, "can't allocate memory";
+    below the machine's memory, gigabytes read to keep 32 rows). Only the ``seq_len`` rows
+    the model has are read now."""
+    model = dict(layers=1, hidden=1024, heads=4, ffn_hidden=256, vocab=256, seq_len=32)
+    cfg = ModelConfig(**model)
+    hf = tmp_path / "hf"
+    declared = sparse_hf_dir(hf, cfg, positions=1 << 24, big="transformer.wpe.weight", dtype="F32")
+    assert declared == 64 << 30
+    assert os.stat(hf / "model.safetensors").st_blocks * 512 < 64 << 20
+    sets = [f"model.{k}={v}" for k, v in model.items()]
+    capsys.readouterr()
+    rc = run(tmp_path / "out", 1, *sets, f"model.init_from=hf:{hf}")
+    assert rc == 0, capsys.readouterr().err[-2000:]
+    # The rows read are the file's (a hole reads as zeros), not uninitialized memory.
+    got = read_hf(str(hf), cfg)["embedding.position_embeddings.weight"]
+    assert got.shape == (32, 1024) and not got.any()
+
+
+def test_init_from_refuses_a_weight_larger_than_the_memory_available_in_one_line(tmp_path):
+    """A job's own shapes may be larger than the machine: ``wte`` F16 [2^24, 2^14] (512 GiB
+    declared, its float32 copy 1 TiB more) on a sparse file is refused before any
+    allocation, naming the tensor and the memory, not a traceback."""
+    cfg = ModelConfig(layers=1, hidden=1 << 14, heads=4, ffn_hidden=256, vocab=1 << 24,
+                      seq_len=32)  # fmt: skip
+    free = available_memory()
+    if free is None or free > 1 << 40:
+        pytest.skip("this machine says no memory limit, or more than 1 TiB")
+    hf = tmp_path / "hf"
+    sparse_hf_dir(hf, cfg, positions=32, big="transformer.wte.weight", dtype="F16", others=False)
+    with pytest.raises(HFError) as info:
+        read_hf(str(hf), cfg)
+    line = one_line(str(info.value))
+    assert "transformer.wte.weight" in line and "GB of memory" in line, line
 
 
 def test_the_sound_checkpoints_of_these_tests_still_pass(small, trained, tmp_path, capsys):

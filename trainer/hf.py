@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from checkpoint.errors import CheckpointError
+from checkpoint.load import check_memory
 from checkpoint.manifest import parse_json, quoted
 from checkpoint.stfile import pread_into, read_header_fd
 from checkpoint.verify import export_dir, write_safetensors
@@ -251,9 +252,10 @@ def read_hf(
     try:
         out = {}
         for ours, hf, how in _pairs(cfg):
-            t = files.get(hf, _hf_shape(ours, how, cfg, positions))
-            if ours == "embedding.position_embeddings.weight":
-                t = t[: cfg["seq_len"]]
+            # Of the positions (up to 2^24, which a sparse file "backs" at no cost on
+            # disk), only the model's seq_len are read.
+            rows = cfg["seq_len"] if ours == "embedding.position_embeddings.weight" else None
+            t = files.get(hf, _hf_shape(ours, how, cfg, positions), rows=rows)
             out[ours] = _from_hf(t, how, _our_shape(ours, cfg)).clone()
         unused = sorted(k for k in files.files if k not in files.used and not _not_weights(k, cfg))
         left = [k for k in unused if _GPT2_NAME.fullmatch(k.removeprefix("transformer."))]
@@ -460,8 +462,14 @@ class _WeightFiles:
             got = self._open[name] = (fd, len(raw), header)
         return got
 
-    def get(self, hf: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """Tensor ``hf`` (checked to be a floating-point ``shape`` before it is read)."""
+    def get(self, hf: str, shape: tuple[int, ...], *, rows: int | None = None) -> torch.Tensor:
+        """Tensor ``hf`` as float32 (checked to be a floating-point ``shape`` before it is
+        read); with ``rows``, only its first ``rows`` rows are read.
+
+        The memory it takes is checked before it is allocated, as a checkpoint load does
+        (:func:`checkpoint.load.check_memory`): a file's size says nothing of what it
+        holds (a sparse file declares gigabytes over a hole), and the shapes asked for
+        may be larger than the machine."""
         # Hub GPT-2 files name the base model's tensors without the ``transformer.`` prefix.
         for key in (hf, hf.removeprefix("transformer.")):
             if key not in self.files:
@@ -478,14 +486,33 @@ class _WeightFiles:
                     f"{self.where}: {name}: {key} is {info['dtype']} {list(got)}, the job's "
                     f"model needs a floating-point {list(shape)}"
                 )
-            t = torch.empty(shape, dtype=dtype)
+            if rows is not None and shape:
+                shape = (min(rows, shape[0]), *shape[1:])  # the rows lead: a prefix
+            numel = 1
+            for n in shape:
+                numel *= n
+            # The bytes read, then their float32 copy, or the clone read_hf makes of it.
+            item = torch.empty((), dtype=dtype).element_size()
+            what = f"{self.where}: {name}: {key}"
+            try:
+                check_memory(numel * max(item + 4, 8), what)
+                t = torch.empty(shape, dtype=dtype)
+            except CheckpointError as exc:
+                raise HFError(_one_line(exc)) from None
+            except RuntimeError as exc:  # torch's "can't allocate memory", one line
+                raise HFError(f"{what}: {numel * item / 1e9:.1f} GB could not be allocated "
+                              f"({_one_line(exc)})") from None  # fmt: skip
             if t.numel():
                 view = memoryview(t.view(-1).view(torch.uint8).numpy())
                 try:
                     pread_into(fd, view, start + info["data_offsets"][0], name)
                 except CheckpointError as exc:
                     raise HFError(f"{self.where}: {_one_line(exc)}") from None
-            return t.float()
+            try:
+                return t.float()
+            except RuntimeError as exc:
+                raise HFError(f"{what}: its float32 copy could not be allocated "
+                              f"({_one_line(exc)})") from None  # fmt: skip
         raise HFError(f"{self.where}: has no tensor {hf}")
 
     def close(self) -> None:
