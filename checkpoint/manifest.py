@@ -13,6 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from checkpoint import smallfile
 from checkpoint.errors import FormatError, UnsupportedVersionError
 from checkpoint.planner import (
     CORNERS_FREE,
@@ -439,18 +440,26 @@ refused at its first save). Enough for the layout of 23,000 ranks; costs at most
 
 
 def parse_json(
-    data: bytes, where: str, *, max_bytes: int, error: type[Exception], density: bool = True
+    data: bytes,
+    where: str,
+    *,
+    max_bytes: int,
+    error: type[Exception],
+    density: bool = True,
+    utf8_strings: bool = False,
 ) -> Any:
     """``json.loads`` of checkpoint input, refused with one ``error`` line (never another
     exception) when it is larger than ``max_bytes``, has more lists and objects than one
     per :data:`CONTAINER_BYTES` bytes, nests deeper than :data:`MAX_DEPTH`, is not JSON in
     UTF-8 (``NaN``, ``Infinity`` and ``-Infinity``, which Python's parser takes, are not
-    JSON), or holds an integer Python refuses to parse (over 4300 digits)."""
+    JSON; nor is a byte order mark), holds an integer Python refuses to parse (over 4300
+    digits), a number out of a double's range (``1e400``) or (``utf8_strings``) a string
+    with a lone surrogate (:func:`checkpoint.smallfile.loads`)."""
     json_bounds(data, where, max_bytes=max_bytes, error=error, density=density)
     try:
         # UTF-8 only, as the format says: json.loads would also take UTF-16 and UTF-32
         # bytes, which the depth count below does not read.
-        raw = json.loads(data.decode("utf-8"), parse_constant=not_json)
+        raw = smallfile.loads(data, utf8_strings=utf8_strings)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise error(f"{where}: not valid JSON ({text[:200]})") from None
@@ -639,6 +648,8 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
         shown = quoted(name)
         if name == "__metadata__":  # an export names its tensors so: safetensors' own entry
             raise _Bad(f"tensor {shown}: the name is reserved by safetensors")
+        if not smallfile.utf8_text(name):  # an export writes it: safetensors cannot
+            raise _Bad(f"tensor {shown}: the name holds a lone surrogate, which is not UTF-8 text")
         t = _dict(t, f"tensor {shown}")
         kind = t["kind"]
         if kind not in KINDS:

@@ -24,10 +24,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import math
 import os
+import re
 import secrets
 import stat
 from collections.abc import Callable
+from typing import Any
 
 from checkpoint.errors import CheckpointError
 
@@ -117,15 +120,134 @@ def read_small(
 def parse_json(
     data: bytes, *, where: str, what: str = "JSON", error: type[CheckpointError] = CheckpointError
 ) -> object:
-    """``json.loads(data)``; a file that is not JSON (not UTF-8, malformed, nested too deep
-    for the parser, or holding ``NaN`` or ``Infinity``, which Python's parser takes) raises
-    ``error``: ``<where>: not <what> (<why>)``."""
+    """:func:`loads` of ``data``; a file that is not JSON (not UTF-8, malformed, nested too
+    deep for the parser, holding ``NaN`` or ``Infinity``, which Python's parser takes, or a
+    number or string :func:`loads` refuses) raises ``error``: ``<where>: not <what>
+    (<why>)``."""
     try:
-        return json.loads(data, parse_constant=_not_json)
+        return loads(data)
     except RecursionError as exc:
         raise error(f"{where}: not {what} (nested too deep)") from exc
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError both
-        raise error(f"{where}: not {what} ({exc})") from exc
+        raise error(f"{where}: not {what} ({_first_line(exc)})") from exc
+
+
+def loads(data: bytes, *, utf8_strings: bool = False) -> Any:
+    """``json.loads`` of checkpoint input, strictly JSON text in UTF-8, as the format says:
+
+    - the bytes are decoded as UTF-8 first (``json.loads`` of bytes would detect UTF-16
+      and UTF-32 and take them, which safetensors and other readers do not), and a byte
+      order mark is refused;
+    - ``NaN``, ``Infinity`` and ``-Infinity`` are not JSON, and neither is a number out
+      of a double's range (``1e400`` parses as ``inf``, which ``json.dumps`` writes back as
+      ``Infinity``): refused naming where it is (``extra.lr: 1e400 is not a finite
+      number``);
+    - with ``utf8_strings``, a string or key with a lone surrogate (``"\\ud800"``, a valid
+      JSON escape) is not UTF-8 text, and is refused naming where it is: safetensors
+      refuses such a header, and such a name cannot be a file's. (A manifest refuses it
+      in a tensor name only, which an export writes: its job may hold one, and is shown
+      escaped.)
+
+    Raises ValueError (RecursionError for nesting deeper than the parser goes)."""
+    if data[:3] == b"\xef\xbb\xbf":
+        raise ValueError("starts with a byte order mark (JSON here is UTF-8 without one)")
+    text = data.decode("utf-8")  # UnicodeDecodeError is a ValueError
+    infinite: list[str] = []
+
+    def finite(number: str) -> Any:
+        value = float(number)
+        if math.isfinite(value):
+            return value
+        infinite.append(number)
+        return _Infinite(number)
+
+    obj = json.loads(text, parse_constant=_not_json, parse_float=finite)
+    if infinite:
+        where, value = _find(obj, lambda v: isinstance(v, _Infinite), keys=False)
+        raise ValueError(f"{where}: {_cut(value.text)} is not a finite number")
+    if utf8_strings and lone_surrogate(data):
+        where, value = _find(obj, _not_utf8, keys=True)
+        raise ValueError(
+            f"{where}: {_cut(ascii(value))} holds a lone surrogate, which is not UTF-8 text"
+        )
+    return obj
+
+
+class _Infinite:
+    """A number :func:`loads` found out of a double's range, until it says where."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_SURROGATE_PAIR = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}")
+
+
+def lone_surrogate(data: bytes) -> bool:
+    """Whether the UTF-8 JSON text ``data`` escapes a surrogate that is not half of a pair
+    (UTF-8 itself cannot hold one: the decode refused it). Read from the text at C speed:
+    the first search fails on nearly every file (non-ASCII names written by ``json.dumps``
+    are escaped, but only those past U+FFFF are pairs). Outside strings valid JSON has no
+    backslash, so escapes pair from the left: escaped backslashes go first."""
+    if _SURROGATE_ESCAPE.search(data) is None:
+        return False
+    plain = _SURROGATE_PAIR.sub(b"", data.replace(b"\\\\", b"__"))
+    return _SURROGATE_ESCAPE.search(plain) is not None
+
+
+def _not_utf8(value: object) -> bool:
+    return isinstance(value, str) and not utf8_text(value)
+
+
+def utf8_text(text: str) -> bool:
+    """Whether ``text`` is UTF-8 text: it holds no lone surrogate (which JSON's ``\\u``
+    escapes can make, and which no file, header or name on disk can hold)."""
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _find(obj: object, match: Callable[[object], bool], *, keys: bool) -> tuple[str, Any]:
+    """The place (``extra.deep.a[1]``; ``key in tensors`` for a key) and the first value
+    of the parsed JSON ``obj`` that ``match`` (``keys``: keys too), walked without
+    recursion; ``("?", None)`` if there is none. Only ever walks input already refused."""
+    stack: list[tuple[str, object]] = [("", obj)]
+    while stack:
+        where, value = stack.pop()
+        if match(value):
+            return where or "the top level", value
+        if isinstance(value, dict):
+            items = list(value.items())
+            for key, inner in reversed(items):
+                stack.append((_path(where, key), inner))
+            if keys:
+                for key in value:
+                    if match(key):
+                        return f"a key in {where or 'the top level'}", key
+        elif isinstance(value, list):
+            stack.extend((f"{where}[{i}]", inner) for i, inner in reversed(list(enumerate(value))))
+    return "?", None
+
+
+def _path(where: str, key: str) -> str:
+    shown = key if key.isprintable() and key and "." not in key else ascii(key)
+    return f"{where}.{shown}" if where else shown
+
+
+def _cut(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).splitlines()
+    return text[0][:300] if text else type(exc).__name__
 
 
 def _not_json(constant: str) -> object:

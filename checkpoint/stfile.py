@@ -28,7 +28,7 @@ import crc32c
 
 from checkpoint import smallfile
 from checkpoint.errors import CheckpointReadError, CorruptCheckpointError, SaveRefusedError
-from checkpoint.manifest import lower_hex, not_json, quoted, st_code
+from checkpoint.manifest import lower_hex, quoted, st_code
 
 if TYPE_CHECKING:  # imported where a tensor is written: reading needs no torch
     import torch
@@ -122,6 +122,12 @@ def write_file(
         raise SaveRefusedError(
             f"{path}: a header of {len(header) - 8} bytes ({len(slots)} tensors), more than "
             f"the {MAX_HEADER_BYTES} a load reads"
+        )
+    if smallfile.lone_surrogate(header):  # json.dumps escapes it; every load refuses it
+        bad = next(s.key for s in slots if not smallfile.utf8_text(s.key))
+        raise SaveRefusedError(
+            f"{path}: tensor key {quoted(bad)} holds a lone surrogate, which is not UTF-8 "
+            "text (every load would refuse the file)"
         )
     if callable(data):
         part_of = data
@@ -398,9 +404,14 @@ def read_header_fd(
             f"one per {HEADER_CONTAINER_BYTES} bytes"
         )
     try:
-        parsed = json.loads(text, parse_constant=not_json)  # NaN, Infinity: not JSON
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, 5000 digits
-        raise CorruptCheckpointError(f"{path}: header is not valid JSON") from exc
+        # UTF-8 text only, as safetensors reads it (json.loads of bytes takes UTF-16 and
+        # UTF-32 too); no NaN or Infinity, no number beyond a double, no lone surrogate.
+        parsed = smallfile.loads(text, utf8_strings=True)
+    except RecursionError as exc:
+        raise CorruptCheckpointError(f"{path}: header is not valid JSON (nested too deep)") from exc
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, 5000 digits
+        why = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+        raise CorruptCheckpointError(f"{path}: header is not valid JSON ({why})") from exc
     if not isinstance(parsed, dict):
         raise CorruptCheckpointError(f"{path}: header is not a JSON object")
     data_len = size - 8 - n

@@ -22,19 +22,30 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from test_checkpoint_hostile import (
+    STEP,
     W,
     cli,
+    data_name,
     manifest,
+    manifest_path,
     reseal,
+    rewrite_header,
     save,
 )
 
 from checkpoint import (
     Checkpoint,
+    CheckpointError,
+    SaveOptions,
+    Saver,
+    SaveRefusedError,
     ShardInfo,
+    committed_steps,
     load_latest,
 )
 from checkpoint.load import available_memory
+from checkpoint.smallfile import parse_json as small_parse_json
+from checkpoint.stfile import read_header
 from checkpoint.store import step_path
 from elasticd.jobspec import ModelConfig
 from trainer.__main__ import main as trainer_main
@@ -285,6 +296,181 @@ def test_init_from_refuses_a_weight_larger_than_the_memory_available_in_one_line
         read_hf(str(hf), cfg)
     line = one_line(str(info.value))
     assert "transformer.wte.weight" in line and "GB of memory" in line, line
+
+
+# -- D3: a name that is not UTF-8 text (a lone surrogate) ---------------------------------
+
+
+def _surrogate_name(ckpt: str, raw: dict) -> None:
+    new = "w\ud800"
+    raw["tensors"][new] = raw["tensors"].pop("w")
+
+    def edit(header: dict) -> None:
+        for key in [k for k in header if k.startswith("w@")]:
+            header[new + key[1:]] = header.pop(key)
+        meta = header["__metadata__"]
+        for key in [k for k in meta if k.startswith("crc32c:w@")]:
+            meta["crc32c:" + new + key[len("crc32c:w") :]] = meta.pop(key)
+
+    rewrite_header(ckpt, raw, edit)
+
+
+def test_a_tensor_name_with_a_lone_surrogate_is_refused_by_every_reader_in_one_line(
+    small, tmp_path, capsys
+):
+    """``"w\\ud800"`` is valid JSON, but not UTF-8 text: verify and inspect passed it, and
+    export stopped in safetensors with a UnicodeEncodeError traceback."""
+    raw = manifest(small)
+    _surrogate_name(small, raw)
+    reseal(small, raw)
+    assert "\\ud800" in manifest_path(small).read_text()
+    for argv in (["verify", small], ["inspect", small], ["export", small, str(tmp_path / "x")]):
+        code, _, err = cli(capsys, *argv)
+        line = one_line(err)
+        assert code == 2 and "lone surrogate" in line and "'w\\ud800'" in line, (argv, line)
+    assert not (tmp_path / "x").exists()
+    model = {"w": (torch.zeros(64, 16), ShardInfo.whole("w", (64, 16)))}
+    with pytest.raises(CheckpointError, match="lone surrogate"):
+        load_latest(small, model=model)
+
+
+def test_a_header_key_with_a_lone_surrogate_is_refused_and_a_pair_is_not(tmp_path):
+    data = torch.zeros(2, dtype=torch.float32)
+    for key, bad in (("\U0001f600", False), ("a\udc00", True), ("\ud83d\ud83d\ude00", True)):
+        path = tmp_path / "t.safetensors"
+        head = json.dumps({key: {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})
+        text = head.encode() + b" " * (-len(head) % 8)
+        path.write_bytes(struct.pack("<Q", len(text)) + text + data.numpy().tobytes())
+        if bad:
+            with pytest.raises(CheckpointError, match="lone surrogate"):
+                read_header(str(path))
+        else:
+            assert key in read_header(str(path))[1]
+
+
+def test_init_from_refuses_an_index_naming_a_file_with_a_lone_surrogate_in_one_line(
+    hf_dir, tmp_path, capsys
+):
+    """Such a name cannot be opened (a UnicodeEncodeError traceback from os.open)."""
+    hf = tmp_path / "hf"
+    shutil.copytree(hf_dir, hf)
+    (hf / "model.safetensors").rename(hf / "model-1.safetensors")
+    index = {"weight_map": {"transformer.wte.weight": "x\ud800.safetensors"}}
+    (hf / "model.safetensors.index.json").write_text(json.dumps(index))
+    capsys.readouterr()
+    assert run(tmp_path / "out", 1, f"model.init_from=hf:{hf}") == 2
+    line = one_line(capsys.readouterr().err, "trainer: error: ")
+    assert "wte.weight': 'x\\ud800.safetensors' holds a lone surrogate" in line, line
+
+
+def test_a_save_of_a_tensor_name_with_a_lone_surrogate_is_refused_before_it_commits(tmp_path):
+    """Such a step would be committed, then refused by every load."""
+    name = "w\ud800"
+    saver = Saver(str(tmp_path / "ckpt"), group=None, options=SaveOptions(async_=False))
+    try:
+        with pytest.raises(SaveRefusedError, match="lone surrogate"):
+            saver.save(step=1, consumed_samples=0,
+                       model={name: (W.clone(), ShardInfo.whole(name, (64, 16)))})  # fmt: skip
+    finally:
+        saver.close()
+    assert committed_steps(str(tmp_path / "ckpt")) == []
+
+
+# -- D8 (a): JSON in another encoding than UTF-8 -------------------------------------------
+
+
+@pytest.mark.parametrize("encoding", ["utf-32-le", "utf-16-le", "utf-8-sig"])
+def test_a_header_in_another_encoding_than_utf8_is_refused(small, capsys, encoding):
+    """json.loads of bytes detects UTF-16 and UTF-32 and takes them (safetensors does not)."""
+
+    raw = manifest(small)
+    path = Path(step_path(small, STEP)) / data_name(raw)
+    blob = path.read_bytes()
+    (n,) = struct.unpack("<Q", blob[:8])
+    text = blob[8 : 8 + n].decode("utf-8").rstrip(" ").encode(encoding)
+    while len(text) % 8:  # padded with spaces of that encoding: all of it decodes
+        text += " ".encode(encoding.removesuffix("-sig"))
+    head = struct.pack("<Q", len(text)) + text
+    path.write_bytes(head + blob[8 + n :])
+    import hashlib
+
+    raw["files"][data_name(raw)].update(
+        bytes=len(head) + len(blob) - 8 - n, header_sha256=hashlib.sha256(head).hexdigest()
+    )
+    reseal(small, raw)
+    code, _, err = cli(capsys, "verify", small)
+    line = one_line(err)
+    assert code == 2 and "header is not valid JSON" in line, line
+
+
+@pytest.mark.parametrize("encoding", ["utf-32", "utf-16-le", "utf-8-sig"])
+def test_a_control_file_in_another_encoding_than_utf8_is_refused(encoding):
+    with pytest.raises(CheckpointError, match=r"fence\.json: not a fence"):
+        small_parse_json(
+            json.dumps({"run_id": "r", "round": 1}).encode(encoding),
+            where="fence.json",
+            what="a fence",
+        )
+
+
+def test_a_manifest_with_a_byte_order_mark_is_refused(small, capsys):
+    path = manifest_path(small)
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    code, _, err = cli(capsys, "inspect", small)
+    assert code == 2 and "not valid JSON" in one_line(err)
+
+
+# -- D8 (b): numbers out of a double's range ------------------------------------------------
+
+
+def with_number(ckpt: str, raw: dict, put, literal: str) -> None:
+    """Re-seal ``raw`` with ``put(raw, inf)`` done (the checksum a reader computes from
+    the parsed ``inf``), then write the manifest with ``literal`` where ``inf`` is."""
+    import hashlib
+
+    raw.pop("checksum", None)
+    put(raw, float("inf"))
+    canon = json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
+    raw["checksum"] = hashlib.sha256(canon).hexdigest()
+    text = json.dumps(raw)
+    assert text.count("Infinity") == 1
+    manifest_path(ckpt).write_text(text.replace("Infinity", literal))
+
+
+@pytest.mark.parametrize(
+    ("put", "says"),
+    [
+        (lambda raw, v: raw["extra"].update(lr=v), "extra.lr: 1e400"),
+        (lambda raw, v: raw.update(created_unix=v), "created_unix: 1e400"),
+        (lambda raw, v: raw["extra"].update(deep={"a": [0, v]}), "extra.deep.a[1]: 1e400"),
+    ],
+    ids=["extra", "created_unix", "nested"],
+)
+def test_a_manifest_number_that_overflows_to_infinity_is_refused_naming_its_field(
+    small, capsys, put, says
+):
+    """1e400 parses as inf, which the NaN/Infinity rule did not see: ``inspect --json``
+    then printed ``Infinity``, which is not JSON."""
+    raw = manifest(small)
+    with_number(small, raw, put, "1e400")
+    for argv in (["inspect", "--json", small], ["verify", small]):
+        code, out, err = cli(capsys, *argv)
+        line = one_line(err)
+        assert code == 2 and says in line and "finite" in line, (argv, line)
+        assert "Infinity" not in out
+    model = {"w": (torch.zeros(64, 16), ShardInfo.whole("w", (64, 16)))}
+    with pytest.raises(CheckpointError, match="1e400"):
+        load_latest(small, model=model)
+
+
+def test_a_header_number_that_overflows_to_infinity_is_refused(tmp_path):
+    path = tmp_path / "t.safetensors"
+    head = '{"__metadata__": {"x": "1"}, "t": {"dtype": "F32", "shape": [0], ' \
+           '"data_offsets": [0, 0], "scale": -1e999}}'  # fmt: skip
+    text = head.encode() + b" " * (-len(head) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text)
+    with pytest.raises(CheckpointError, match=r"t\.scale: -1e999 is not a finite number"):
+        read_header(str(path))
 
 
 def test_the_sound_checkpoints_of_these_tests_still_pass(small, trained, tmp_path, capsys):

@@ -357,7 +357,9 @@ def _read_json(path: str, name: str, cap: int, where: str) -> Any:
         os.close(fd)
     # Bounded as a manifest is (lists and objects per byte, depth): an index of nothing
     # but [] would cost 30 times its size in memory.
-    return parse_json(b"".join(chunks), f"{where}: {name}", max_bytes=cap, error=HFError)
+    # No lone surrogate (a file name with one cannot be opened: a UnicodeEncodeError).
+    return parse_json(b"".join(chunks), f"{where}: {name}", max_bytes=cap, error=HFError,
+                      utf8_strings=True)  # fmt: skip
 
 
 def _hf_shape(ours: str, how: str, cfg: Mapping[str, Any], positions: int) -> tuple[int, ...]:
