@@ -554,6 +554,20 @@ class _Bad(Exception):
     """A manifest field that fails its check (becomes a FormatError naming the manifest)."""
 
 
+class _Fields(dict):
+    """A JSON object of the manifest whose missing field is a :class:`_Bad` naming the
+    object and the field (``tensor w: no 'kind' field``), not a bare ``KeyError('kind')``."""
+
+    __slots__ = ("what",)
+
+    def __init__(self, value: dict[str, Any], what: str) -> None:
+        super().__init__(value)
+        self.what = what
+
+    def __missing__(self, key: str) -> Any:
+        raise _Bad(f"{self.what + ': ' if self.what else ''}no {key!r} field")
+
+
 def _int(value: Any, what: str, *, lo: int = 0) -> int:
     if type(value) is not int or not lo <= value < INT_LIMIT:
         shown = quoted(ascii(value[:400])) if isinstance(value, str) else quoted(value)
@@ -603,6 +617,7 @@ def _dict(value: Any, what: str) -> dict[str, Any]:
 
 
 def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
+    raw = _Fields(raw, "")
     version = raw["version"]
     crc_key = "crc32" if version == 1 else "crc32c"
     files: dict[str, FileEntry] = {}
@@ -612,7 +627,7 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
                 f"file name {quoted(name)} is not a plain *.safetensors name inside the step "
                 "directory"
             )
-        f = _dict(f, f"files.{name}")
+        f = _Fields(_dict(f, f"files.{name}"), f"files.{name}")
         files[name] = FileEntry(
             name=name,
             bytes=_int(f["bytes"], f"files.{name}.bytes", lo=8),
@@ -650,7 +665,7 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
             raise _Bad(f"tensor {shown}: the name is reserved by safetensors")
         if not smallfile.utf8_text(name):  # an export writes it: safetensors cannot
             raise _Bad(f"tensor {shown}: the name holds a lone surrogate, which is not UTF-8 text")
-        t = _dict(t, f"tensor {shown}")
+        t = _Fields(_dict(t, f"tensor {shown}"), f"tensor {shown}")
         kind = t["kind"]
         if kind not in KINDS:
             raise _Bad(f"tensor {shown}: kind {quoted(kind)} is not one of {', '.join(KINDS)}")
@@ -717,8 +732,12 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
     if not isinstance(job, str):
         raise _Bad(f"job: {quoted(job)} is not a string")
     created = raw.get("created_unix", 0.0)
-    if type(created) not in (int, float) or not math.isfinite(created):
-        raise _Bad(f"created_unix: {quoted(created)} is not a number")
+    if (
+        type(created) not in (int, float)
+        or (type(created) is int and not -INT_LIMIT < created < INT_LIMIT)
+        or not math.isfinite(created)
+    ):
+        raise _Bad(f"created_unix: {quoted(created, 60)} is not a finite number of seconds")
     writer = raw.get("writer")
     if writer is not None:
         _dict(writer, "writer")
@@ -782,6 +801,10 @@ def _parse_shards(t, name, shape, files, version) -> dict[str, Any]:
     for s in t["shards"]:
         if not isinstance(s, dict):
             raise _Bad(f"tensor {shown}: shard: not a JSON object")
+        if not {"file", "key", "offsets", "sizes", crc_key} <= s.keys() or (
+            version >= 3 and "block_rows" not in s
+        ):
+            s = _Fields(s, f"tensor {shown}: shard")  # its missing field named below
         file, key = s["file"], s["key"]
         if not isinstance(file, str) or file not in files:
             raise _Bad(

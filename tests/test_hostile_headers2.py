@@ -473,6 +473,47 @@ def test_a_header_number_that_overflows_to_infinity_is_refused(tmp_path):
         read_header(str(path))
 
 
+# -- Minor: messages that named no field ----------------------------------------------------
+
+
+def test_a_created_unix_of_400_digits_is_refused_naming_the_field(small, capsys):
+    raw = manifest(small)
+    raw["created_unix"] = 10**400
+    reseal(small, raw)
+    code, _, err = cli(capsys, "inspect", small)
+    line = one_line(err)
+    assert code == 2 and "created_unix" in line and "OverflowError" not in line, line
+
+
+@pytest.mark.parametrize("field", ["kind", "dtype", "shape", "regions", "block_bytes"])
+def test_a_tensor_without_a_field_is_refused_naming_the_tensor_and_the_field(small, capsys, field):
+    raw = manifest(small)
+    del raw["tensors"]["w"][field]
+    reseal(small, raw)
+    code, _, err = cli(capsys, "inspect", small)
+    line = one_line(err)
+    assert code == 2 and f"tensor w: no {field!r} field" in line, line
+    assert "KeyError" not in line
+
+
+def test_a_file_entry_without_a_field_is_refused_naming_the_file_and_the_field(small, capsys):
+    raw = manifest(small)
+    del raw["files"][data_name(raw)]["header_sha256"]
+    reseal(small, raw)
+    code, _, err = cli(capsys, "inspect", small)
+    line = one_line(err)
+    assert code == 2 and f"files.{data_name(raw)}: no 'header_sha256' field" in line, line
+
+
+def test_a_manifest_without_a_top_level_field_is_refused_naming_it(small, capsys):
+    raw = manifest(small)
+    del raw["job"]
+    reseal(small, raw)
+    code, _, err = cli(capsys, "inspect", small)
+    line = one_line(err)
+    assert code == 2 and "no 'job' field" in line and "KeyError" not in line, line
+
+
 def test_the_sound_checkpoints_of_these_tests_still_pass(small, trained, tmp_path, capsys):
     raw = manifest(small)
     reseal(small, raw)
