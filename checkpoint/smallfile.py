@@ -162,14 +162,16 @@ def loads(data: bytes, *, utf8_strings: bool = False) -> Any:
         return _Infinite(number)
 
     obj = json.loads(text, parse_constant=_not_json, parse_float=finite)
+    # Found in the text, it may be gone from the value (a duplicate key's later value
+    # replaces it): refused all the same, as the text's.
     if infinite:
         where, value = _find(obj, lambda v: isinstance(v, _Infinite), keys=False)
-        raise ValueError(f"{where}: {_cut(value.text)} is not a finite number")
+        number = value.text if isinstance(value, _Infinite) else infinite[0]
+        raise ValueError(f"{where}: {_cut(number)} is not a finite number")
     if utf8_strings and lone_surrogate(data):
         where, value = _find(obj, _not_utf8, keys=True)
-        raise ValueError(
-            f"{where}: {_cut(ascii(value))} holds a lone surrogate, which is not UTF-8 text"
-        )
+        shown = _cut(ascii(value)) if isinstance(value, str) else "a string"
+        raise ValueError(f"{where}: {shown} holds a lone surrogate, which is not UTF-8 text")
     return obj
 
 
@@ -217,7 +219,8 @@ def utf8_text(text: str) -> bool:
 def _find(obj: object, match: Callable[[object], bool], *, keys: bool) -> tuple[str, Any]:
     """The place (``extra.deep.a[1]``; ``key in tensors`` for a key) and the first value
     of the parsed JSON ``obj`` that ``match`` (``keys``: keys too), walked without
-    recursion; ``("?", None)`` if there is none. Only ever walks input already refused."""
+    recursion; ``("the text", None)`` if there is none. Only ever walks input already
+    refused."""
     stack: list[tuple[str, object]] = [("", obj)]
     while stack:
         where, value = stack.pop()
@@ -233,7 +236,7 @@ def _find(obj: object, match: Callable[[object], bool], *, keys: bool) -> tuple[
                         return f"a key in {where or 'the top level'}", key
         elif isinstance(value, list):
             stack.extend((f"{where}[{i}]", inner) for i, inner in reversed(list(enumerate(value))))
-    return "?", None
+    return "the text", None
 
 
 def _path(where: str, key: str) -> str:

@@ -473,6 +473,24 @@ def test_a_header_number_that_overflows_to_infinity_is_refused(tmp_path):
         read_header(str(path))
 
 
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        (b'{"a": 1e400, "a": 1}', "the text: 1e400 is not a finite number"),
+        (b'{"t": {"dtype": "F32"}, "x": "\\ud800", "x": ""}', "the text: a string holds a lone"),
+    ],
+    ids=["number", "surrogate"],
+)
+def test_what_a_duplicate_key_hides_is_refused_in_one_line_all_the_same(tmp_path, text, says):
+    """The parse keeps a duplicate key's last value: what the text holds is refused even
+    where the value no longer does (it stopped with an AttributeError)."""
+    path = tmp_path / "t.safetensors"
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text)
+    with pytest.raises(CheckpointError, match=says):
+        read_header(str(path))
+
+
 # -- Minor: messages that named no field ----------------------------------------------------
 
 
