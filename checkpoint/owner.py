@@ -324,7 +324,7 @@ def _holder(fd: int) -> dict:
     """The holder's record, or {} for one that is not a JSON object: the content of a lock
     file is anyone's to write (its lock is advisory), so it only ever names, quoted."""
     with contextlib.suppress(OSError, ValueError, UnicodeDecodeError, RecursionError):
-        obj = json.loads(os.pread(fd, 1 << 16, 0))
+        obj = smallfile.loads(os.pread(fd, 1 << 16, 0))
         if isinstance(obj, dict):
             return obj
     return {}
