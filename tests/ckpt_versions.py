@@ -87,3 +87,16 @@ def move_chunks(raw: dict, tensor: dict, file: str) -> None:
             row[0] = raw["files"][file]["rank"]
     for s in tensor.get("shards", ()):
         s["file"] = file
+
+
+def reheadered(blob: bytes, edit) -> tuple[bytes, bytes]:
+    """A safetensors file's bytes with its header rewritten through ``edit(header)`` (in
+    place) and padded to 8: ``(the new 8-byte length and header, the whole new file)``.
+    The caller re-seals what names the file (its size, its header's sha256)."""
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8 : 8 + n])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    head = struct.pack("<Q", len(text)) + text
+    return head, head + blob[8 + n :]

@@ -16,7 +16,6 @@ import json
 import os
 import re
 import shutil
-import struct
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from ckpt_versions import rewrite_as
+from ckpt_versions import reheadered, rewrite_as
 
 from checkpoint import (
     Checkpoint,
@@ -102,14 +101,7 @@ def rename_file(raw: dict, new: str) -> None:
 def rewrite_header(ckpt: str, raw: dict, edit) -> None:
     """Rewrite the tensor file's header through ``edit(header)`` and re-seal its checksums."""
     path = Path(step_path(ckpt, STEP)) / data_name(raw)
-    blob = path.read_bytes()
-    (n,) = struct.unpack("<Q", blob[:8])
-    header = json.loads(blob[8 : 8 + n])
-    edit(header)
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    head = struct.pack("<Q", len(text)) + text
-    new = head + blob[8 + n :]
+    head, new = reheadered(path.read_bytes(), edit)
     path.write_bytes(new)
     raw["files"][data_name(raw)].update(
         bytes=len(new), header_sha256=hashlib.sha256(head).hexdigest()

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ckpt_versions import reheadered
 from safetensors.torch import save_file
 from test_checkpoint_hostile import (
     STEP,
@@ -32,6 +33,7 @@ from test_checkpoint_hostile import (
     rewrite_header,
     save,
 )
+from test_checkpoint_hostile_trainer import run
 
 from checkpoint import (
     Checkpoint,
@@ -48,19 +50,9 @@ from checkpoint.smallfile import parse_json as small_parse_json
 from checkpoint.stfile import read_header
 from checkpoint.store import step_path
 from elasticd.jobspec import ModelConfig
-from trainer.__main__ import main as trainer_main
 from trainer.hf import HFError, _hf_shape, _pairs, export_hf, gpt2_config, model_record, read_hf
 
 REPO = Path(__file__).resolve().parent.parent
-TINY = REPO / "examples" / "tiny.yaml"
-ENV = {"RANK": "0", "WORLD_SIZE": "1"}
-
-
-def run(out: Path, steps: int, *extra: str) -> int:
-    args = [str(TINY), "--set", f"output_dir={out}", "--set", f"train.steps={steps}"]
-    for o in extra:
-        args += ["--set", o]
-    return trainer_main(args, env=ENV)
 
 
 def one_line(err: str, prefix: str = "") -> str:
@@ -95,17 +87,9 @@ def rewrite_step_header(step_dir: Path, edit) -> None:
     raw = json.loads((step_dir / "manifest.json").read_text())
     name = sorted(raw["files"])[0]
     path = step_dir / name
-    blob = path.read_bytes()
-    (n,) = struct.unpack("<Q", blob[:8])
-    header = json.loads(blob[8 : 8 + n])
-    edit(header)
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    head = struct.pack("<Q", len(text)) + text
-    path.write_bytes(head + blob[8 + n :])
-    raw["files"][name].update(
-        bytes=len(head) + len(blob) - 8 - n, header_sha256=hashlib.sha256(head).hexdigest()
-    )
+    head, new = reheadered(path.read_bytes(), edit)
+    path.write_bytes(new)
+    raw["files"][name].update(bytes=len(new), header_sha256=hashlib.sha256(head).hexdigest())
     raw.pop("checksum", None)
     canon = json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
     raw["checksum"] = hashlib.sha256(canon).hexdigest()
@@ -185,13 +169,7 @@ def hf_dir(trained, tmp_path_factory) -> Path:
 
 def edit_hf_header(hf: Path, edit) -> None:
     path = hf / "model.safetensors"
-    blob = path.read_bytes()
-    (n,) = struct.unpack("<Q", blob[:8])
-    header = json.loads(blob[8 : 8 + n])
-    edit(header)
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    path.write_bytes(struct.pack("<Q", len(text)) + text + blob[8 + n :])
+    path.write_bytes(reheadered(path.read_bytes(), edit)[1])
 
 
 @pytest.mark.parametrize(
