@@ -20,6 +20,7 @@ them with it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import stat
@@ -490,11 +491,8 @@ class _WeightFiles:
                 )
             if rows is not None and shape:
                 shape = (min(rows, shape[0]), *shape[1:])  # the rows lead: a prefix
-            numel = 1
-            for n in shape:
-                numel *= n
+            numel, item = math.prod(shape), dtype.itemsize
             # The bytes read, then their float32 copy, or the clone read_hf makes of it.
-            item = torch.empty((), dtype=dtype).element_size()
             what = f"{self.where}: {name}: {key}"
             try:
                 check_memory(numel * max(item + 4, 8), what)
