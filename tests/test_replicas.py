@@ -95,10 +95,12 @@ def _worker(rank: int, store: str, out: str, device: str) -> None:
     rep = Replicator(live=lambda: {"w": (w, info)}, copies=1, every=1, node=f"n{rank}",
                      group=None)  # fmt: skip
     for step in (1, 2):
+        rep.wait_copied()  # as the optimizer step does: the snapshot's copy read w first
         w.fill_(10 * step + rank)
         rep.after_step(step, step * 8)
     rep.close()
     dist.barrier()
+    rep.wait_copied()
     w.fill_(99)  # step 3 trained on: live state moved past the replicas
     held = rep.held()
     # Recovery over the same group: rank 2 stands for a newcomer that holds nothing; ranks
@@ -150,3 +152,56 @@ def test_replicas_on_real_gloo_restore_a_lost_shard_at_the_last_replicated_step(
         assert r["pinned"] == [device == "cuda"] * 2, r
         assert r["shared"] == [True, True] and r["offered_again"] == [1, 2], r
         assert r["other"] == 0, r
+
+
+BIG = 16 << 20  # float32 elements: 64 MiB, long enough a copy for a race to show
+
+
+def _overlap_worker(rank: int, store: str, out: str) -> None:
+    """Two ranks on two 'nodes', each a 64 MiB tensor on the GPU, replicated every step;
+    the tensor is overwritten right after each replication (after ``wait_copied``, as the
+    trainer's optimizer step is), while the side stream's copy may still be reading it."""
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    info = ShardInfo("w", (2 * BIG,), (rank * BIG,), (BIG,))
+    w = torch.zeros(BIG, device="cuda")
+    rep = Replicator(live=lambda: {"w": (w, info)}, copies=1, every=1, node=f"n{rank}",
+                     group=None)  # fmt: skip
+    for step in (1, 2, 3):
+        rep.wait_copied()
+        w.fill_(10 * step + rank)
+        rep.after_step(step, step)
+        # The next step's "update", queued at once: with the wait, it runs after the copy.
+        rep.wait_copied()
+        w.fill_(-1.0)
+    rep.close()
+    held = {}
+    for h in rep.held():
+        t = h.tensors["w"][0]
+        held.setdefault(h.step, []).append(sorted(t.unique().tolist()))
+    Path(out, f"rank-{rank}.json").write_text(json.dumps({
+        "held": {str(k): sorted(v) for k, v in held.items()},
+        "pinned": [b.flat.is_pinned() for b in rep.snapshots],
+    }))  # fmt: skip
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(180)
+def test_a_snapshot_copied_on_a_side_stream_is_the_state_of_its_step(tmp_path):
+    """On CUDA the snapshot is copied on a side stream and sent once the copy landed; a
+    state overwritten right after the replication (behind ``wait_copied``) is not in it,
+    neither in the sender's snapshot nor in the replica its peer received."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    out = tmp_path / "out"
+    out.mkdir()
+    mp.spawn(_overlap_worker, args=(str(tmp_path / "store"), str(out)), nprocs=2, join=True)
+    for rank in range(2):
+        r = json.loads((out / f"rank-{rank}.json").read_text())
+        peer = 1 - rank
+        assert r["pinned"] == [True, True], r
+        # Steps 2 and 3: this rank's snapshot and its peer's replica, each one value.
+        assert r["held"] == {
+            "2": sorted([[20.0 + rank], [20.0 + peer]]),
+            "3": sorted([[30.0 + rank], [30.0 + peer]]),
+        }, r

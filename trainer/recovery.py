@@ -265,13 +265,14 @@ def _start_replication(ctx: Any, trainer: Any, *, job: Any, group: Any, carry: b
     None when the job keeps no replicas. ``carry``: it may share the previous round's
     snapshot buffers (``Replicator(previous=...)``)."""
     import socket
+    import weakref
 
     from trainer.replicas import Replicator
 
     copies = job.checkpoint.memory_replicas
     if not copies or not ctx.inprocess:
         return None
-    return Replicator(
+    rep = Replicator(
         live=(lambda: holdings(trainer, create=True)) if trainer is not None else None,
         copies=copies,
         every=job.checkpoint.memory_every,
@@ -279,6 +280,9 @@ def _start_replication(ctx: Any, trainer: Any, *, job: Any, group: Any, carry: b
         group=group,
         previous=ctx.state.get("replicator") if carry else None,
     )
+    if trainer is not None:  # its optimizer step waits for the snapshot's copy (CUDA)
+        trainer.replicator = weakref.ref(rep)
+    return rep
 
 
 def replicate(ctx: Any, trainer: Any) -> None:

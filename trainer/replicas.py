@@ -29,13 +29,28 @@ covers a lost shard.
 
 Costs, per rank: host memory of two snapshots of its own state plus two per rank it keeps
 a replica of (4× its state at k = 1); per replication, one device-to-host copy of its state
-(blocking, on CUDA) and its bytes sent once over the network (in the background).
+and its bytes sent once over the network (in the background).
+
+On CUDA the copy into the (pinned) snapshot does not hold the loop up: it is queued on a
+side stream of the device, after the work the current stream had queued (the optimizer
+step that made the state), and the next step's forward and backward run while it lands.
+Only the send waits for it: a helper thread waits for the copy's event, marks the snapshot
+and posts the sends. The state must not change before the copy has read it:
+:meth:`Replicator.wait_copied` makes the current stream wait for the copy (on the device;
+the host goes on), and the trainer calls it before each optimizer step
+(``Trainer._update``); :meth:`Replicator.held` does so too, before recovery writes into
+the tensors. The live tensors are ``record_stream``-ed on the side stream, so that memory
+freed meanwhile (a load that replaces a tensor) is not reused before the copy is done. On
+the CPU the copy is made in the loop, as before, and sent at once.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Mapping
+from concurrent import futures
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -181,6 +196,13 @@ class Replicator:
         self.replicas: dict[int, list[_Buffer]] = {}
         self._sends: list[Any] = []
         self._recvs: dict[int, tuple[Any, _Buffer]] = {}
+        # CUDA only: each device's side stream, the last snapshot's copy events, and the
+        # helper's future (its send works) while the copy lands and the sends are posted.
+        self._streams: dict[torch.device, Any] = {}
+        self._copied: dict[torch.device, Any] = {}
+        self._posting: Future | None = None
+        # The previous round's last copy into the shared snapshots may still be landing.
+        self._prior: Future | None = previous._posting if same else None
 
     def _allocate(self) -> None:
         """Two buffers of each, used in turn: the older is overwritten, the newer stays whole."""
@@ -212,28 +234,103 @@ class Replicator:
         if not self.enabled or step % self.every:
             return
         self._allocate()
+        if self._prior is not None:  # before a shared snapshot is overwritten: its copy
+            # landed (its sends, on the previous round's group, may have failed)
+            futures.wait([self._prior])
+            self._prior = None
         self._complete(wait=True)
+        copying = None
         if self.snapshots and self.live is not None:
             snap = self._older(self.snapshots)
             snap.step = snap.consumed = None  # being overwritten
-            for key, (t, _info) in self.live().items():
-                snap.tensors[key][0].copy_(t, non_blocking=True)
             if snap.flat.is_pinned():
-                torch.cuda.current_stream().synchronize()  # the copies land before the send
-            snap.flat[:HEADER].view(torch.int64).copy_(torch.tensor([step, consumed]))
-            snap.step, snap.consumed = step, consumed
-            self._sends = [
-                dist.isend(snap.flat, group=self.group, group_dst=dst, tag=TAG + self.rank)
-                for dst in self.to
-            ]
+                copying = snap
+                self._copy_on_side_streams(snap)
+                snap.flat[:HEADER].view(torch.int64).copy_(torch.tensor([step, consumed]))
+            else:
+                for key, (t, _info) in self.live().items():
+                    snap.tensors[key][0].copy_(t, non_blocking=True)
+                snap.flat[:HEADER].view(torch.int64).copy_(torch.tensor([step, consumed]))
+                snap.step, snap.consumed = step, consumed
+                self._sends = self._send(snap)
         for src, pair in self.replicas.items():
             buf = self._older(pair)
             buf.step = buf.consumed = None  # being overwritten
             work = dist.irecv(buf.flat, group=self.group, group_src=src, tag=TAG + src)
             self._recvs[src] = (work, buf)
+        if copying is not None:  # after the receives: the helper's sends are all that
+            # touches the group while the loop goes on
+            self._posting = self._post_when_copied(copying, step, consumed)
+
+    def _send(self, snap: _Buffer) -> list[Any]:
+        return [
+            dist.isend(snap.flat, group=self.group, group_dst=dst, tag=TAG + self.rank)
+            for dst in self.to
+        ]
+
+    def _copy_on_side_streams(self, snap: _Buffer) -> None:
+        """Queue the copy of the live tensors into ``snap`` on each device's side stream,
+        after what its current stream has queued (the state as the step left it)."""
+        live = self.live() if self.live is not None else {}
+        devices = {t.device for t, _ in live.values() if t.is_cuda}
+        for device in devices:
+            if device not in self._streams:
+                self._streams[device] = torch.cuda.Stream(device)
+            self._streams[device].wait_stream(torch.cuda.current_stream(device))
+        events = {}
+        try:
+            for key, (t, _info) in live.items():
+                into = snap.tensors[key][0]
+                if not t.is_cuda:  # a host tensor: copied here, at once
+                    into.copy_(t)
+                    continue
+                side = self._streams[t.device]
+                with torch.cuda.stream(side):
+                    into.copy_(t, non_blocking=True)
+                # Memory of a tensor freed meanwhile is not handed out again before the
+                # side stream has read it.
+                t.record_stream(side)
+        finally:  # recorded even when a copy failed to start: the queued ones are waited for
+            for device in devices:
+                events[device] = torch.cuda.Event(blocking=True)  # a waiter sleeps
+                events[device].record(self._streams[device])
+            self._copied = events
+
+    def _post_when_copied(self, snap: _Buffer, step: int, consumed: int) -> Future:
+        """A daemon thread waits for the snapshot's copies, marks it as holding ``step``
+        and posts its sends; the future holds the send works (or the failure)."""
+        done: Future = Future()
+        events = list(self._copied.values())
+
+        def run() -> None:
+            try:
+                for event in events:
+                    event.synchronize()
+                snap.consumed, snap.step = consumed, step
+                done.set_result(self._send(snap))
+            except BaseException as exc:  # handed to the loop's next wait
+                done.set_exception(exc)
+
+        threading.Thread(target=run, name="elasticd-replica-send", daemon=True).start()
+        return done
+
+    def _join_posting(self) -> None:
+        """Wait for the helper (the copy's landing: short): its sends join ``_sends``."""
+        posting, self._posting = self._posting, None
+        if posting is not None:
+            self._sends.extend(posting.result())
+
+    def wait_copied(self) -> None:
+        """Before anything changes the live tensors (the optimizer step): each device's
+        current stream waits for the last snapshot's copy from them. On the device only;
+        the host goes on. Nothing to do on the CPU (the copy was made in the loop)."""
+        for device, event in self._copied.items():
+            torch.cuda.current_stream(device).wait_event(event)
 
     def _complete(self, *, wait: bool) -> None:
         """Mark replicas whose transfer finished (waiting for them if ``wait``)."""
+        if wait:
+            self._join_posting()
         for work in self._sends if wait else ():
             work.wait()
         if wait:
@@ -251,7 +348,10 @@ class Replicator:
 
     def held(self) -> list[Held]:
         """What recovery may use beside the live tensors: the snapshot and every replica
-        whose transfer completed (never waits)."""
+        whose transfer completed (never waits; a snapshot whose copy has not landed is not
+        offered). Recovery may write into the live tensors next: the current stream waits
+        for the snapshot's copy from them first (on the device)."""
+        self.wait_copied()
         self._complete(wait=False)
         return [h for h in (b.held() for b in self._buffers()) if h is not None]
 

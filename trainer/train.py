@@ -172,6 +172,12 @@ class Trainer:
         self.checkpointing = None
         """The run's Checkpointing once ``run`` started (its saver's last result is
         reported to the agent)."""
+        self.replicator: Callable[[], object] | None = None
+        """A weak reference to the :class:`trainer.replicas.Replicator` of this trainer's
+        state (in-process rounds with ``checkpoint.memory_replicas``): its snapshot copy,
+        on a CUDA side stream, is waited for before each optimizer step changes the state.
+        Weak: the replicator's ``live`` refers to this trainer, and a cycle would keep a
+        past round's trainer (its device memory) until a full garbage collection."""
         self.device = device or torch.device("cpu")
         m, t, p = job.model, job.train, layout.parallel
         apply_tf32(device=self.device, dtype=DTYPES[t.dtype], tf32=t.tf32)
@@ -470,6 +476,9 @@ class Trainer:
         :data:`NONFINITE_LIMIT` such steps in a row raise :class:`DivergedError`."""
         if self.checkpointing is not None:  # the last save's snapshot may still be copying
             self.checkpointing.wait_snapshot()
+        replicator = self.replicator() if self.replicator is not None else None
+        if replicator is not None:  # so may the last in-memory replica's (CUDA)
+            replicator.wait_copied()
         step = self.state.step + 1
         if math.isfinite(norm):
             self.main.clip(norm=norm, max_norm=self.job.train.grad_clip)
