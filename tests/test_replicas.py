@@ -205,3 +205,41 @@ def test_a_snapshot_copied_on_a_side_stream_is_the_state_of_its_step(tmp_path):
             "2": sorted([[20.0 + rank], [20.0 + peer]]),
             "3": sorted([[30.0 + rank], [30.0 + peer]]),
         }, r
+
+
+def test_pinned_buffers_are_released_only_when_the_state_changed_size() -> None:
+    """After a recovery, the previous world's pinned buffers (snapshots, save staging) are
+    of use again only at the same state size; a newcomer had none."""
+    from trainer.recovery import pinned_cache_is_stale, release_stale_pinned
+
+    assert pinned_cache_is_stale(100, 60)  # ZeRO-1 rows over another dp size, a new layout
+    assert pinned_cache_is_stale(100, 0)  # active before, a spare now
+    assert not pinned_cache_is_stale(100, 100)  # a DP shrink: the same buffers again
+    assert not pinned_cache_is_stale(None, 100)  # a newcomer: nothing of its own before
+    if not torch.cuda.is_available():  # nothing pinned to release
+        assert release_stale_pinned(100, 60) is False
+
+
+@pytest.mark.gpu
+def test_torch_keeps_freed_pinned_blocks_rounded_up_until_the_release() -> None:
+    """The facts ``release_stale_pinned`` rests on, measured: a pinned block is rounded up
+    to a power of two, stays with torch's host allocator once freed, and is returned by the
+    release after a change of state size (not after none)."""
+    from trainer.recovery import release_stale_pinned
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+
+    def owned() -> int:
+        return torch.cuda.host_memory_stats()["allocated_bytes.current"]
+
+    release_stale_pinned(1, 2)  # start from an empty cache
+    base = owned()
+    t = torch.empty((5 << 20) + 1, dtype=torch.uint8, pin_memory=True)
+    assert owned() - base == 8 << 20  # 5 MiB + 1 byte: an 8 MiB block
+    del t
+    assert owned() - base == 8 << 20  # freed, still pinned
+    assert release_stale_pinned(7, 7) is False
+    assert owned() - base == 8 << 20
+    assert release_stale_pinned(7, 9) is True
+    assert owned() == base

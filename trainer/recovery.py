@@ -143,6 +143,7 @@ def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any, job: Any, agreed
     extra = old_replicas.held() if old_replicas is not None else []
     have = holdings(old, create=True) if old is not None else None
     need = holdings(trainer, create=True) if trainer is not None else {}
+    sizes = (state_bytes(have) if have is not None else None, state_bytes(need))
     source = "none"
     result = None
     if newest >= 0:
@@ -171,6 +172,7 @@ def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any, job: Any, agreed
         ctx.state.pop("trainer", None)
         ctx.state.pop("peer_records", None)
         ctx.state["replicator"] = replicator  # the old copies go now
+        release_stale_pinned(*sizes)
         return "peers" if result is not None else "none"
     if result is not None:
         source = "replica" if result.sources.get("from_extra") else "peers"
@@ -203,7 +205,42 @@ def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any, job: Any, agreed
     channel.mark("state_loaded")
     ctx.state["trainer"] = trainer  # the old one (and its memory) goes
     ctx.state["replicator"] = replicator  # and the old copies
+    release_stale_pinned(*sizes)
     return source
+
+
+def state_bytes(holding: Any) -> int:
+    """Bytes of a rank's state (:func:`holdings`)."""
+    return sum(t.numel() * t.element_size() for t, _info in holding.values())
+
+
+def pinned_cache_is_stale(before: int | None, after: int) -> bool:
+    """Whether the pinned host buffers sized by this rank's state in the previous round
+    (``before`` bytes; None: no previous state) are of no use to this round (``after``
+    bytes): the state's size changed (a new layout, ZeRO-1 rows over another data-parallel
+    size, a spare now). At the same size the next round asks for the same buffers again
+    (its save staging, and its snapshots when not carried over), which torch's host
+    allocator hands back from its cache."""
+    return before is not None and before != after
+
+
+def release_stale_pinned(before: int | None, after: int) -> bool:
+    """After a recovery on CUDA whose state changed size (:func:`pinned_cache_is_stale`):
+    return the pinned host memory torch's caching host allocator keeps for freed blocks to
+    the system. That allocator rounds every pinned request up to a power of two and never
+    frees a block by itself (``ATen/core/CachingHostAllocator.h``: ``allocate`` rounds with
+    ``PowerOf2Ceil``, ``free`` puts the block back on its size's free list; only
+    ``empty_cache`` frees them), so the previous world's snapshots, save staging and
+    transfer buffers would stay pinned beside this world's for the life of the process.
+    Blocks still in use, or with copies pending, are kept. Returns whether it released."""
+    if not pinned_cache_is_stale(before, after) or not torch.cuda.is_available():
+        return False
+    empty = getattr(torch.accelerator, "empty_host_cache", None)
+    if empty is not None:
+        empty()
+    else:  # an older torch
+        torch._C._host_emptyCache()
+    return True
 
 
 def _drop_previous(ctx: Any) -> None:
