@@ -429,7 +429,7 @@ class Trainer:
         # From here this rank holds all its update needs: a fault in the collectives below
         # (a peer that completed them applies the step) leaves it for recovery to complete.
         self.pending_norm = norm
-        mem_gb = self._peak_memory_gb()
+        mem = self._peak_memory()  # read with the loss below: one host synchronisation
         # Every collective of the step but the ZeRO-1 all-gather comes before the optimizer
         # step: a rank that applied it has nothing left to wait for, so a fault leaves each
         # rank's main parameters wholly at step s or s+1 (in-process recovery picks a step
@@ -441,6 +441,7 @@ class Trainer:
         if self.pipeline is not None:
             loss = self.pipeline.share_loss(loss)
         loss_value = float(loss)
+        mem_gb = float(mem)  # its all-reduce ran before the loss's: no second wait
         check_results()  # the loss and the peak memory, as the norm above
         # Every collective before the update is done (the ZeRO-1 all-gather comes after).
         self._phase("update")
@@ -515,14 +516,20 @@ class Trainer:
         self._update(norm)
         return True
 
-    def _peak_memory_gb(self) -> float:
-        """The largest peak memory of any active rank so far (a MAX over the model groups,
-        which together span every active rank, as the gradient norm's sum does)."""
+    def _peak_memory(self) -> torch.Tensor:
+        """The largest peak memory of any active rank so far, in GiB (a MAX over the model
+        groups, which together span every active rank, as the gradient norm's sum does),
+        as a one-element tensor on the device. The caller reads it after the loss: on
+        NCCL a read here would be one more host synchronisation per step, while the loss's
+        read, which follows, waits for this all-reduce anyway (queued before the loss's).
+        Not moved to a gloo group: the value is read on the host in the step either way,
+        and a CPU all-reduce over every active rank costs TCP round trips where this one
+        costs a small NCCL collective between kernels already queued."""
         mem = torch.tensor([peak_memory_gib(self.device)], device=self.device)
         for slot in self.model_groups:
             if slot.active:
                 comm.all_reduce(mem, slot.group, op=dist.ReduceOp.MAX)
-        return float(mem)
+        return mem
 
     def train_step(self) -> StepResult:
         started = time.perf_counter()
