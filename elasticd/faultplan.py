@@ -16,9 +16,15 @@ start; they pass it on to their workers).
   all-gather comes after it), ``step-end``, ``checkpoint-save``.
 - Who fires: the target rank for kill-worker, hang-worker, raise-error and fail-collective
   (it SIGKILLs or SIGSTOPs itself, or raises :class:`InjectedFault` or
-  :class:`InjectedCollectiveFault`); the first rank of the target node to
-  get there for kill-node, term-node and freeze-node; rank 0 for add-node and the etcd
-  faults. The firing rank creates ``fired-<id>`` (exclusively: a fault fires once, even if
+  :class:`InjectedCollectiveFault`); for kill-node, term-node and freeze-node, the
+  target node's rank that gets there last (each rank of the node marks its arrival,
+  ``arrived-<id>-<rank>``, and the node is hit once all ``LOCAL_WORLD_SIZE`` have, or
+  NODE_GATHER_WAIT after the first: a rank of the node that never enters the phase, a
+  spare, only delays it); rank 0 for add-node and the etcd faults. (The first rank of
+  the node to get there used to fire, while the node's other ranks could still be in the
+  step's last collective: their peers on other nodes then failed it too, and a fault
+  meant to land after every collective of a step landed in one; seen once in a full run
+  of the suite on a loaded 2-core box.) The firing rank creates ``fired-<id>`` (exclusively: a fault fires once, even if
   a recovery trains that step again) and, for a fault the cluster carries out, waits in the
   phase until the cluster has done it (``acked-<id>``), so the fault hits that phase and
   not a later one.
@@ -59,6 +65,8 @@ ACK_WAIT = 120.0
 """Seconds a firing worker waits in its phase for the cluster to carry the fault out."""
 TERM_WAIT = 30.0
 """Seconds a term-node's firing worker then waits for the SIGTERM its agent passes on."""
+NODE_GATHER_WAIT = 10.0
+"""Seconds a node fault with a phase waits for all the node's ranks to enter the phase."""
 
 
 class InjectedFault(Exception):
@@ -105,6 +113,10 @@ class WorkerFaults:
                 self.entries = []
             self.dir = os.path.join(os.path.dirname(path), "fired")
         self.rank = int(env.get("RANK", "0") or 0)
+        try:
+            self.local_world = max(1, int(env.get("LOCAL_WORLD_SIZE", "1") or 1))
+        except ValueError:
+            self.local_world = 1
         self.node = env.get(ENV_NODE, "")
         self.round = env.get("ELASTICD_ROUND", "")
 
@@ -138,8 +150,36 @@ class WorkerFaults:
                 return
             time.sleep(0.005)
 
+    def _gather_node(self, entry: Mapping[str, Any], fired: str) -> None:
+        """A node fault with a phase: mark this rank's arrival, then wait until every rank
+        of the node has arrived (up to NODE_GATHER_WAIT), or one of them fired it."""
+        if self.local_world <= 1 or entry["phase"] is None:
+            return
+        prefix = f"arrived-{entry['id']}-"
+        try:
+            with open(os.path.join(self.dir, f"{prefix}{self.rank}"), "w", encoding="utf-8"):
+                pass
+        except OSError:
+            return  # the run's directory is gone
+        deadline = time.monotonic() + NODE_GATHER_WAIT
+        while not os.path.exists(fired):
+            try:
+                arrived = sum(n.startswith(prefix) for n in os.listdir(self.dir))
+            except OSError:
+                return
+            if arrived >= self.local_world:
+                return
+            if time.monotonic() > deadline:
+                print(f"elasticd: fault {entry['fault']}: {arrived} of the node's "
+                      f"{self.local_world} ranks entered the phase within "
+                      f"{NODE_GATHER_WAIT:g} s; firing", file=sys.stderr, flush=True)  # fmt: skip
+                return
+            time.sleep(0.005)
+
     def _fire(self, entry: Mapping[str, Any], preempted: Callable[[], bool] | None) -> None:
         name = os.path.join(self.dir, f"fired-{entry['id']}")
+        if entry["kind"] in NODE_KINDS:
+            self._gather_node(entry, name)
         try:
             fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:

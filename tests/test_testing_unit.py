@@ -243,6 +243,43 @@ def test_a_fail_collective_fault_waits_for_the_node_faults_beside_it_then_fails_
     faults.at("update", 5)  # fired once
 
 
+def test_a_node_fault_in_a_phase_waits_for_every_rank_of_the_node_to_get_there(
+    tmp_path, monkeypatch
+):
+    """The first of node 1's two ranks to reach ``update`` does not fire: its peer may
+    still be inside the step's last collective, which the kill would break for the other
+    nodes too. The node is hit once both are there; a rank that never comes (a spare)
+    only delays it, by NODE_GATHER_WAIT."""
+    import threading
+    import time
+
+    import elasticd.faultplan as faultplan
+
+    _, path = _plan(tmp_path, "kill-node=1@step=5:phase=update")
+    fired = tmp_path / "faults" / "fired"
+    env = {"ELASTICD_FAULT_PLAN": path, "ELASTICD_NODE_ID": "node-1", "LOCAL_WORLD_SIZE": "2"}
+    first = WorkerFaults({**env, "RANK": "2"})
+    second = WorkerFaults({**env, "RANK": "3"})
+    (fired / "acked-0").write_text("{}")  # the cluster carries it out at once once asked
+    waiter = threading.Thread(target=first.at, args=("update", 5))
+    waiter.start()
+    time.sleep(0.3)
+    assert waiter.is_alive() and not (fired / "fired-0").exists()  # rank 3 is not there
+    second.at("update", 5)
+    waiter.join(5)
+    assert not waiter.is_alive() and (fired / "fired-0").exists()
+    assert sorted(p.name for p in fired.glob("arrived-*")) == ["arrived-0-2", "arrived-0-3"]
+
+    # Alone: fired after the bound.
+    monkeypatch.setattr(faultplan, "NODE_GATHER_WAIT", 0.3)
+    _, path = _plan(tmp_path / "alone", "kill-node=1@step=5:phase=update")
+    fired = tmp_path / "alone" / "faults" / "fired"
+    (fired / "acked-0").write_text("{}")
+    t0 = time.monotonic()
+    WorkerFaults({**env, "ELASTICD_FAULT_PLAN": path, "RANK": "2"}).at("update", 5)
+    assert time.monotonic() - t0 >= 0.25 and (fired / "fired-0").exists()
+
+
 def test_the_cluster_cannot_raise_inside_a_worker(tmp_path):
     cluster = LocalCluster(base_dir=str(tmp_path), nproc=1)
     for spec in ("raise-error=0@step=2", "fail-collective=0@step=2"):
