@@ -235,8 +235,8 @@ def release_stale_pinned(before: int | None, after: int) -> bool:
     Blocks still in use, or with copies pending, are kept. Returns whether it released."""
     if not pinned_cache_is_stale(before, after) or not torch.cuda.is_available():
         return False
-    # torch.accelerator.empty_host_cache: torch 2.9 and later (TORCH_VERSION may pick an
-    # older one, whose cache then stays as it is)
+    # An older torch (TORCH_VERSION may pick one) may lack torch.accelerator's
+    # empty_host_cache: its cache then stays as it is.
     empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
     if empty is None:
         return False
