@@ -19,6 +19,7 @@ import yaml
 from elasticd.agent import METRICS_PORT
 from elasticd.cli import build_parser
 from elasticd.jobspec import parse_job
+from elasticd.layout import plan
 
 K8S = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
 KUBECTL = shutil.which("kubectl")
@@ -197,6 +198,21 @@ def test_the_rdma_overlay_adds_the_rdma_devices_and_the_cpu_overlay_drops_the_gp
     assert [a for a in args if a.startswith("--nproc-per-node")] == ["--nproc-per-node=2"]
     assert "--state-dir=/var/lib/elasticd" in args
     parse_job(yaml.safe_load(one(cpu_docs, "ConfigMap")["data"]["job.yaml"]))
+
+
+@pytest.mark.parametrize("path", BUILDS)
+def test_each_builds_job_uses_every_rank_at_every_node_count_it_allows(path):
+    """A shipped job leaves no rank idle: at each node count from ``nodes.min`` to
+    ``nodes.max``, with the agents' ``--nproc-per-node``, the layout has no spare (the
+    cpu-only overlay's global batch of 12 left one of 4 ranks idle on 2 nodes)."""
+    docs = build(path)
+    job = parse_job(yaml.safe_load(one(docs, "ConfigMap")["data"]["job.yaml"]))
+    args = one(docs, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]["args"]
+    (nproc,) = [int(a.split("=")[1]) for a in args if a.startswith("--nproc-per-node=")]
+    assert job.nproc_per_node == nproc
+    for nodes in range(job.nodes.min, job.nodes.max + 1):
+        layout = plan(nodes * nproc, job)
+        assert layout.spares == (), f"{nodes} nodes: spares {layout.spares}"
 
 
 def test_the_submit_job_follows_with_its_own_client_certificate():
