@@ -55,6 +55,32 @@ def test_a_fault_test_passes_and_a_failing_assertion_says_what_differs(pytester)
     assert leftover_processes(str(pytester.path)) == []
 
 
+def test_a_failed_test_says_its_run_directories_are_gone_without_elasticd_keep(pytester):
+    # The failure message names the run dir and worker logs; without --elasticd-keep they
+    # are deleted at teardown, and the report said nothing of it (a user went looking).
+    # worlds counts nodes; each record's world counts ranks.
+    pytester.makepyfile(
+        test_gone=f"""
+        import pytest
+
+        @pytest.mark.elasticd(timeout=120)
+        def test_fails_after_a_run(elasticd_cluster):
+            job = elasticd_cluster.script_job({os.path.abspath(SCRIPT)!r}, steps=2)
+            result = elasticd_cluster.run(job, nodes=1, nproc_per_node=2)
+            assert result.worlds == [1], result.describe()
+            assert {{r["world"] for r in result.records}} == {{2}}, result.records
+            assert False, "on purpose"
+        """
+    )
+    res = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    res.assert_outcomes(failed=1)
+    res.stdout.fnmatch_lines(["*AssertionError: on purpose*"])
+    res.stdout.fnmatch_lines(
+        ["*test_fails_after_a_run: run directories deleted (*--elasticd-keep keeps those*"]
+    )
+    nothing_left(pytester)
+
+
 def test_a_test_that_times_out_leaves_no_process_and_no_directory_behind(pytester):
     pytester.makepyfile(
         test_slowpoke=f"""

@@ -117,7 +117,8 @@ class RunResult:
     records: list[dict[str, Any]]
     """metrics.jsonl records of the run, the last record of each step, by step."""
     worlds: list[int]
-    """The world sizes in order (nodes in each new world; consecutive repeats merged)."""
+    """The world sizes in order (nodes, not ranks, in each new world; consecutive repeats
+    merged)."""
     recoveries: list[Recovery]
     faults: list[dict[str, Any]]
     """Each fault as fired: ``fault``, ``kind``, ``t``, ``detail`` (and ``end``)."""

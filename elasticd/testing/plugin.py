@@ -160,8 +160,17 @@ def elasticd_cluster(
     cluster = Cluster(base=base, timeout=_timeout(request.node), references=_REFERENCES,
                       reference_base=elasticd_reference_dir)  # fmt: skip
     yield cluster
-    keep = request.config.getoption("elasticd_keep") and _failed(request.node)
+    failed = _failed(request.node)
+    keep = request.config.getoption("elasticd_keep") and failed
     stray = sweep(base, remove=not keep)
+    if failed and not keep and cluster.runs:
+        # The failure message names run dirs and worker logs: say that they are gone.
+        said = ("run directories deleted (the logs its failure names are gone; "
+                "--elasticd-keep keeps those of failed tests)")  # fmt: skip
+        request.node.add_report_section("teardown", "elasticd", said)
+        reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"elasticd: {request.node.nodeid}: {said}")
     if keep:
         request.node.add_report_section(
             "teardown", "elasticd", f"run directories kept in {base} (--elasticd-keep)"
