@@ -162,7 +162,7 @@ def test_lost_steps_slow_recoveries_and_wrong_worlds_are_named():
         _result([], state="failed").assert_succeeded()
 
 
-def test_a_job_is_a_dict_a_path_or_the_built_in_one_with_overrides(tmp_path):
+def test_a_job_is_a_dict_a_path_or_the_built_in_one_with_overrides(tmp_path, monkeypatch):
     from elasticd.jobspec import load_job
     from elasticd.testing import BUILTIN_JOB, Cluster, _job_dict
 
@@ -175,8 +175,16 @@ def test_a_job_is_a_dict_a_path_or_the_built_in_one_with_overrides(tmp_path):
     path.write_text("name: j\ntrain: {steps: 3, global_batch: 4, micro_batch: 2}\n")
     assert _job_dict(str(path))["train"]["steps"] == 3
     assert _job_dict(load_job(str(path)))["name"] == "j"
-    with pytest.raises(UsageError, match="no such file"):
+    with pytest.raises(UsageError, match=r"no such file$"):
         cluster.script_job(tmp_path / "missing.py")
+    # A relative path is the current directory's, not the test file's: the message says so
+    # (pytest run from elsewhere than the script's directory got a bare "no such file").
+    monkeypatch.chdir(tmp_path)
+    says = r"train\.py: no such file \(a relative path is taken from the current directory, "
+    with pytest.raises(UsageError, match=says + r".*, not the test file's"):
+        cluster.script_job("train.py")
+    (tmp_path / "train.py").write_text("")
+    assert cluster.script_job("train.py")["command"][1] == str(tmp_path / "train.py")
     with pytest.raises(UsageError, match="restart: 'sometimes' must be inprocess or process"):
         cluster.run(job, restart="sometimes")
     with pytest.raises(JobSpecError, match=r"nodes\.min: a world of 1 ranks is smaller than tp"):

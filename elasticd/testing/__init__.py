@@ -419,7 +419,12 @@ class Cluster:
         what the script should train (it reads it from ``ELASTICD_JOB_FILE`` if it wants)."""
         path = os.path.abspath(os.fspath(script))
         if not os.path.isfile(path):
-            raise UsageError(f"script_job: {script}: no such file")
+            where = "" if os.path.isabs(os.fspath(script)) else (
+                f" (a relative path is taken from the current directory, {os.getcwd()}, "
+                "not the test file's: os.path.join(os.path.dirname(__file__), ...) names "
+                "one beside the test)"
+            )  # fmt: skip
+            raise UsageError(f"script_job: {script}: no such file{where}")
         raw = _merge(BUILTIN_JOB, {"command": [python, path, *args], "train.steps": steps})
         return _merge(raw, overrides)
 
