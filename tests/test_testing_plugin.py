@@ -258,3 +258,52 @@ def test_a_fault_that_never_fires_fails_the_run_rather_than_passing_unnoticed(el
     result = info.value.result
     assert result.outcome == "succeeded" and result.steps == list(range(1, 7))
     assert "fault never fired: kill-worker=1@step=5:phase=checkpoint-save" in result.output
+
+
+PLAIN = """
+import json, os, sys
+import torch
+import torch.distributed as dist
+from elasticd.worker import PREEMPTED_EXIT_CODE, WorkerChannel
+
+job = json.load(open(os.environ["ELASTICD_JOB_FILE"]))
+steps, ckpt = job["train"]["steps"], os.path.join(job["checkpoint"]["dir"], "w.pt")
+dist.init_process_group("gloo")  # the agent's torchrun environment
+channel = WorkerChannel.from_env()
+channel.install_preemption_handler()
+w = torch.zeros(4)
+start = 0
+if os.path.exists(ckpt):
+    state = torch.load(ckpt)
+    w, start = state["w"], state["step"]
+if start:
+    channel.recovered(source="checkpoint", resume_step=start)
+for step in range(start, steps):
+    channel.phase("forward", step + 1)
+    g = torch.full((4,), float(step + 1))
+    dist.all_reduce(g)
+    w -= 0.01 * g / dist.get_world_size()
+    channel.record(step=step + 1, loss=float(w.sum()))
+    if channel.preempt_agreed():
+        if dist.get_rank() == 0:
+            os.makedirs(os.path.dirname(ckpt), exist_ok=True)
+            torch.save({"w": w, "step": step + 1}, ckpt)
+        dist.barrier()
+        sys.exit(PREEMPTED_EXIT_CODE)
+"""
+
+
+@pytest.mark.elasticd(timeout=200)
+def test_the_docs_plain_script_leaves_at_a_preemption_and_loses_no_step(elasticd_cluster, tmp_path):
+    # docs/testing.md's first script, as written there: a plain process group from the
+    # agent's environment, preempt_agreed(), a save, and PREEMPTED_EXIT_CODE.
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN)
+    job = elasticd_cluster.script_job(str(script), steps=8)
+    result = elasticd_cluster.run(
+        job, nodes=2, restart="process", faults=["term-node=1@step=4:phase=forward"]
+    )
+    result.assert_succeeded().assert_worlds([2, 1]).assert_no_lost_steps()
+    result.assert_losses_match(elasticd_cluster.reference(job, nodes=2))
+    (recovery,) = result.recoveries
+    assert (recovery.reason, recovery.source) == ("preempted", "checkpoint"), recovery
