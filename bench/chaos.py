@@ -5,12 +5,15 @@
 It runs the built-in trainer (a small GPT, so that steps are fast on 2 cores) on 3 agents
 (between 2 and 4 as nodes come and go; ``nodes: {min: 2, max: 4}``) over a 3-member etcd
 cluster, and injects, at seeded random steps, every kind of fault `elasticd run` knows:
-kill-node, term-node, freeze-node (thawed after 10 s), kill-worker, hang-worker, add-node,
-kill-etcd-member, kill-etcd-leader (each restarted after 5 s) and a 10 s etcd outage.
-Kinds are drawn from a shuffled bag, so every kind comes once in each round of nine.
+kill-node, term-node, freeze-node (thawed after 10 s), restart-node (its agent started again
+at once under its id), kill-worker, hang-worker, add-node, kill-etcd-member,
+kill-etcd-leader (each restarted after 5 s) and a 10 s etcd outage. Kinds are drawn from a
+shuffled bag, so every kind comes once in each round of ten.
 
 The schedule keeps the cluster viable and the faults apart: a node is removed only while
-3 or more are up (``nodes.min`` is 2), added only while fewer than 4 are, and each fault
+3 or more are up (``nodes.min`` is 2), added only while fewer than 4 are (restart-node
+neither removes nor adds one: the node is back under its id within the lease TTL, so it
+fits at any count), and each fault
 fires only after the previous one has recovered (its kind's own test, below), a checkpoint
 was committed since, and training went on for a number of new steps: the steps left spread
 over the faults left, with seeded jitter, so every fault fires however fast the machine
@@ -18,7 +21,9 @@ is (the job's length in steps comes from --minutes and a step rate measured here
 ``--recovery-limit`` seconds is reported, and no further fault is injected.
 
 Recovered means: a metrics record from a new round (kill-node, term-node, kill-worker,
-hang-worker); the world back to its size before the fault after the thaw (freeze-node);
+hang-worker); a metrics record from a new round and the world back to its size before the
+fault (restart-node: the node count does not change); the world back to its size before
+the fault after the thaw (freeze-node);
 the world one node larger (add-node); for the etcd faults, etcd back, every live agent
 registered again and the job's status in etcd newer than the moment etcd came back.
 
@@ -90,10 +95,13 @@ from elasticd.localcluster import (
 )
 
 KINDS = (
-    "kill-node", "term-node", "freeze-node", "kill-worker", "hang-worker", "add-node",
-    "kill-etcd-member", "kill-etcd-leader", "etcd-outage",
+    "kill-node", "term-node", "freeze-node", "restart-node", "kill-worker", "hang-worker",
+    "add-node", "kill-etcd-member", "kill-etcd-leader", "etcd-outage",
 )  # fmt: skip
 REMOVES = frozenset({"kill-node", "term-node", "freeze-node"})
+ON_NODE = REMOVES | {"restart-node"}
+"""Kinds aimed at a node that is up (restart-node is back under its id at once: it removes
+none for good, so the schedule counts it neither as a removal nor as an addition)."""
 ETCD = frozenset({"kill-etcd-member", "kill-etcd-leader", "etcd-outage"})
 DURATION = {"freeze-node": 10.0, "etcd-outage": 10.0, "kill-etcd-member": 5.0,
             "kill-etcd-leader": 5.0}  # fmt: skip
@@ -340,6 +348,8 @@ class ChaosPlan:
         def viable(kind: str) -> bool:
             if kind in REMOVES:
                 return self.alive > NODES_MIN and len(up) >= self.alive
+            if kind == "restart-node":  # the node count does not change: any count fits
+                return len(up) >= self.alive > 0
             return kind != "add-node" or self.alive < NODES_MAX
 
         # The first viable kind after which most of the bag's other node faults can still
@@ -355,7 +365,7 @@ class ChaosPlan:
         else:  # what is left in the bag does not fit the cluster now: draw outside it
             kind = self.rng.choice([k for k in KINDS if viable(k)])
         target: int | None = None
-        if kind in REMOVES:
+        if kind in ON_NODE:
             target = self.rng.choice(up)
         elif kind in ("kill-worker", "hang-worker"):
             target = self.rng.randrange(max(1, self.world))
@@ -386,6 +396,8 @@ class ChaosPlan:
             done = bool(cur.rounds)
         elif kind == "add-node":
             done = bool(cur.rounds) and self.world >= cur.world + 1
+        elif kind == "restart-node":  # the same nodes again: a new round, as large as before
+            done = bool(cur.rounds) and self.world >= cur.world
         elif kind == "freeze-node":
             done = ended is not None and bool(cur.rounds) and self.world >= cur.world
         else:  # etcd faults: etcd back, agents caught up, and no node lost for good
@@ -731,7 +743,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--minutes", type=float, default=3.0, help="about how long the job runs")
     p.add_argument("--faults", type=int, default=None,
-                   help="faults to inject (default: 1.5 a minute, at least 9, one of each kind)")  # fmt: skip
+                   help="faults to inject (default: 1.5 a minute, at least 10, one of each kind)")  # fmt: skip
     p.add_argument(
         "--steps", type=int, default=None, help="the job's steps (default: from --minutes)"
     )
