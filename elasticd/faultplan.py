@@ -16,15 +16,13 @@ start; they pass it on to their workers).
   all-gather comes after it), ``step-end``, ``checkpoint-save``.
 - Who fires: the target rank for kill-worker, hang-worker, raise-error and fail-collective
   (it SIGKILLs or SIGSTOPs itself, or raises :class:`InjectedFault` or
-  :class:`InjectedCollectiveFault`); for kill-node, term-node and freeze-node, the
-  target node's rank that gets there last (each rank of the node marks its arrival,
-  ``arrived-<id>-<rank>``, and the node is hit once all ``LOCAL_WORLD_SIZE`` have, or
-  NODE_GATHER_WAIT after the first: a rank of the node that never enters the phase, a
-  spare, only delays it); rank 0 for add-node and the etcd faults. (The first rank of
-  the node to get there used to fire, while the node's other ranks could still be in the
-  step's last collective: their peers on other nodes then failed it too, and a fault
-  meant to land after every collective of a step landed in one; seen once in a full run
-  of the suite on a loaded 2-core box.) The firing rank creates ``fired-<id>`` (exclusively: a fault fires once, even if
+  :class:`InjectedCollectiveFault`); for the node faults (kill-node, term-node,
+  freeze-node, restart-node), the target node's rank that gets there last: each rank of
+  the node marks its arrival (``arrived-<id>-<rank>``), and the node is hit once all
+  ``LOCAL_WORLD_SIZE`` have, or NODE_GATHER_WAIT after the first (a rank that never
+  enters the phase, a spare, only delays it), so that none of the node's ranks is still
+  inside a collective its peers on other nodes need; rank 0 for add-node and the etcd
+  faults. The firing rank creates ``fired-<id>`` (exclusively: a fault fires once, even if
   a recovery trains that step again) and, for a fault the cluster carries out, waits in the
   phase until the cluster has done it (``acked-<id>``), so the fault hits that phase and
   not a later one.

@@ -143,7 +143,12 @@ def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any, job: Any, agreed
     extra = old_replicas.held() if old_replicas is not None else []
     have = holdings(old, create=True) if old is not None else None
     need = holdings(trainer, create=True) if trainer is not None else {}
-    sizes = (state_bytes(have) if have is not None else None, state_bytes(need))
+    # This rank's state size before and after, for the pinned-cache release (CUDA only).
+    sizes = (
+        (state_bytes(have) if have is not None else None, state_bytes(need))
+        if torch.cuda.is_available()
+        else (None, 0)
+    )
     source = "none"
     result = None
     if newest >= 0:
