@@ -14,6 +14,10 @@ resharded to tp4, with ours and with DCP, cold (the files evicted from the page 
 with posix_fadvise DONTNEED first) and warm. Every time is the slowest rank's. Last, the
 bytes read per byte needed when every rank of tp8 loads a one-writer (tp1) checkpoint and
 every rank of tp3 loads the tp2 x dp2 one. The goals printed are issue 13's.
+
+``--sealed`` adds a sync save with a seal key (``checkpoint.seal``: a MAC per verify block
+and one over the manifest) to the same interleaved rounds, and its resharded loads (cold
+and warm) beside the unsealed ones, and prints what sealing costs.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ COMPUTE_MATMULS = 400
 """The stand-in for a training step's forward and backward: this many 256 x 256 matmuls
 per rank (about 0.2-0.3 s with 4 ranks on 2 cores: a step of a model this size takes
 seconds on a CPU, and its forward and backward leave a GPU's copy engine idle)."""
+SEAL_KEY = b"bench-key-" + b"0" * 54
+"""The key of --sealed's saves and loads (a benchmark's, not a secret)."""
 
 
 def spec(
@@ -166,6 +172,15 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str
 
     saver = Saver(ours, group=group, options=SaveOptions(async_=True, keep=2))
     sync = Saver(ours, group=group, options=SaveOptions(async_=False, keep=2))
+    # --sealed: the same sync save with a seal key (checkpoint.seal), into a directory of
+    # its own, in the same interleaved rounds; and its loads beside the unsealed ones.
+    seal_key = SEAL_KEY if args.sealed else None
+    sealed_dir = os.path.join(base, "ours-sealed")
+    sealed = (
+        Saver(sealed_dir, group=group, options=SaveOptions(async_=False, keep=2, key=seal_key))
+        if seal_key
+        else None
+    )
     # The trainer's pattern, for an async save with the snapshot inside save() and one
     # overlapped with the next step's compute (each into a directory of its own).
     stepped = {
@@ -223,6 +238,11 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str
             lambda s=step: sync.save(step=s + 1, consumed_samples=s, model=model, optimizer=optim)
         )
         rec("sync", took)
+        if sealed is not None:
+            _, took = timed(
+                lambda s=step: sealed.save(step=s, consumed_samples=s, model=model, optimizer=optim)
+            )
+            rec("sealed_sync", took)
         if payload is None:
             written = sync.last.bytes_written
             payload = torch.rand(written // 4 + 1).view(torch.uint8)[:written].numpy()
@@ -254,6 +274,8 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str
             timed(sv.wait)  # the write, outside the timing
     saver.close()
     sync.close()
+    if sealed is not None:
+        sealed.close()
     for sv in stepped.values():
         sv.close()
     r: dict[str, float] = {k: statistics.median(v) for k, v in runs.items()}
@@ -302,6 +324,16 @@ def worker(rank: int, world: int, store: str, args: argparse.Namespace, out: str
                     r[f"{key}_needed"] = total(ck.stats.bytes_needed)
                     # Closed before the next eviction: pages a process still maps stay
                     # in the page cache, so an open load would make the next "cold" warm.
+                    ck.close()
+                if seal_key is not None and label == "reshard":
+                    if cache == "cold" and rank == 0:
+                        evict(sealed_dir)
+                    ck, took = timed(
+                        lambda m=tgt_model, o=tgt_optim: load_latest(
+                            sealed_dir, model=m, optimizer=o, group=group, key=seal_key
+                        )
+                    )
+                    times.setdefault(f"{cache}_sealed_load_reshard", []).append(took)
                     ck.close()
                 if cache == "cold" and rank == 0:
                     evict(dcp_dir)
@@ -434,6 +466,17 @@ def report(r: dict[str, float], state_bytes: int) -> None:
     for key, text in (("tp1_to_tp8", "tp1 -> tp8"), ("tp2_to_tp3", "tp2 -> tp3")):
         v = r[key]
         goal(f"bytes read / needed, {text} (verified loads, every rank)", v, "<= 1.05", v <= 1.05)
+    if "sealed_sync" in r:
+        print("\nSEALED (checkpoint.key_file: a MAC per verify block and one over the manifest)")
+        for text, ours_key, sealed_key in (
+            ("sync save, sealed / unsealed (seconds)", "sync", "sealed_sync"),
+            ("resharded load cold, sealed / unsealed", "cold_load_reshard", "cold_sealed_load_reshard"),
+            ("resharded load warm, sealed / unsealed", "warm_load_reshard", "warm_sealed_load_reshard"),
+        ):  # fmt: skip
+            print(f"  {text:<58} {r[sealed_key] / r[ours_key]:6.2f}x   "
+                  f"({r[sealed_key]:.3f} s against {r[ours_key]:.3f} s)")  # fmt: skip
+        v = r["raw"] / r["sealed_sync"]
+        goal("sealed sync save speed vs raw write (raw_s / sealed_s)", v, ">= 0.9", v >= 0.9)
     print("\nALSO")
     v = r["dcp_sync"] / r["sync"]
     goal("sync save speed vs DCP save (dcp_s / ours_s)", v, "> 1", v > 1)
@@ -449,6 +492,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="repetitions (medians are reported)")
     p.add_argument(
         "--dir", default=None, help="scratch directory (default: a temp dir under the cwd)"
+    )
+    p.add_argument(
+        "--sealed",
+        action="store_true",
+        help="also time a sealed sync save and sealed resharded loads (checkpoint.seal)",
     )
     args = p.parse_args()
     base = args.dir or tempfile.mkdtemp(prefix="bench-ckpt-", dir=os.getcwd())

@@ -65,6 +65,7 @@ from checkpoint.planner import (
     plan_reads,
     row_bytes,
 )
+from checkpoint.seal import TAG_HEX, SealError, macs_match
 from checkpoint.shards import ShardInfo
 from checkpoint.step import CheckpointFiles, LoadStats, _OpenFile, step_to_open
 from checkpoint.stfile import (
@@ -88,6 +89,8 @@ class _Part:
     nbytes: int
     block: int
     crc: str
+    mac: str = ""
+    """Their MACs, concatenated (a sealed step opened with its key), or ""."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,8 +121,10 @@ class Checkpoint(CheckpointFiles):
     directory: a step directory renamed, or replaced by a symlink to somewhere else, once
     it was opened (a swap race) does not change what is read."""
 
-    def __init__(self, path: str, manifest: Manifest, dir_fd: int) -> None:
-        super().__init__(path, manifest, dir_fd)
+    def __init__(
+        self, path: str, manifest: Manifest, dir_fd: int, key: bytes | None = None
+    ) -> None:
+        super().__init__(path, manifest, dir_fd, key)
         self.rank_tensors: dict[str, torch.Tensor] = {}
         """The tensors of ``load_latest(rank_tensors=...)`` this step holds, read, checked."""
 
@@ -216,6 +221,7 @@ class Checkpoint(CheckpointFiles):
         wanted = blocks_for_rows(rows, per)
         step = max(1, PIECE_BYTES // (k * per * row))  # blocks per piece (of each chunk)
         crcs = [self._crcs(entry, o.chunk, f) for o, (f, _, _) in zip(ops, spans, strict=True)]
+        macs = [self._macs(entry, o.chunk, f) for o, (f, _, _) in zip(ops, spans, strict=True)]
         whole = self.manifest.version < 3
         dest = region[op.dst] if k == 1 else _strips_view(region, ops)
         out = []
@@ -231,8 +237,9 @@ class Checkpoint(CheckpointFiles):
                     nbytes=(hi - lo) * row,
                     block=per * row,
                     crc=crc if whole else crc[8 * first : 8 * last],
+                    mac=mac[TAG_HEX * first : TAG_HEX * last],
                 )
-                for o, (f, begin, _), crc in zip(ops, spans, crcs, strict=True)
+                for o, (f, begin, _), crc, mac in zip(ops, spans, crcs, macs, strict=True)
             )
             if not sizes:  # a 0-d chunk
                 shape, src, into = (), (), dest
@@ -266,13 +273,19 @@ class Checkpoint(CheckpointFiles):
         def fetch(i: int) -> None:
             view = views[i % len(views)]
             _read_parts(reads[i].parts, view)
-            if not check:
+            if not check and self.key is None:  # a key is checked whatever ``verify`` says
                 return
             at = 0
             for p in reads[i].parts:
                 if not blocks_match(view[at : at + p.nbytes], p.block, p.crc, crc):
                     raise CorruptCheckpointError(
                         f"{p.f.path}: {quoted(p.key)}: checksum mismatch (corrupted data)"
+                    )
+                if self.key is not None and not macs_match(
+                    view[at : at + p.nbytes], p.block, p.mac, self.key
+                ):
+                    raise CorruptCheckpointError(
+                        f"{p.f.path}: {quoted(p.key)}: MAC mismatch (changed after it was sealed)"
                     )
                 at += p.nbytes
 
@@ -470,13 +483,17 @@ def check_memory(nbytes: int, what: str) -> None:
 
 
 DAMAGED, MISMATCH, NEWER, UNREADABLE = "damaged", "mismatch", "newer", "unreadable"
+UNSEALED = "unsealed"
 """How a step failed to load, as :func:`load_latest` acts on it: ``damaged`` (its content:
-fall back, and record it as unloadable), ``mismatch`` (the model does not fit it: fall
-back, record nothing), ``newer`` (a format version of a newer build) and ``unreadable``
+fall back, and record it as unloadable), ``mismatch`` (the model does not fit it) and
+``unsealed`` (a load with a key: the step has no seal, or another key's): fall back,
+record nothing; ``newer`` (a format version of a newer build) and ``unreadable``
 (permissions, I/O, memory, anything unforeseen): stop, record nothing."""
 
 
 def _failure(exc: BaseException) -> str:
+    if isinstance(exc, SealError):
+        return UNSEALED
     if isinstance(exc, LayoutMismatchError):
         return MISMATCH
     if isinstance(exc, UnsupportedVersionError):
@@ -498,6 +515,7 @@ def load_latest(
     warn: Callable[[str], None] = log.warning,
     broadcast: bool = False,
     rank_tensors: Callable[[Manifest], Sequence[str]] | None = None,
+    key: bytes | None = None,
 ) -> Checkpoint:
     """Load the newest loadable committed checkpoint into the given tensors.
 
@@ -512,6 +530,10 @@ def load_latest(
     readers balanced by bytes) and sent to the others over ``group`` once every rank has
     loaded its share (:func:`share_plan`); every rank must pass the same ``broadcast``.
 
+    With ``key`` (:mod:`checkpoint.seal`), only a step sealed with it loads, every block
+    read checked against its MAC; a step without a seal, or another key's, is fallen back
+    past and not recorded as unloadable.
+
     Tries the steps in :func:`checkpoint.store.load_order` (newest commit of the current
     lineage first; `latest` is only a hint). A step that fails is recorded as unloadable
     (retention then never keeps it in place of one that loads). A checkpoint counts as loaded only
@@ -524,7 +546,7 @@ def load_latest(
         store.recover_replaced(ckpt_dir)  # a step moved aside by a writer that then died
     # Rank 0's order is every rank's (they must try the same steps), so only it reads the
     # manifests' commit numbers.
-    order = store.load_order(ckpt_dir) if leader else None
+    order = store.load_order(ckpt_dir, key) if leader else None
     if distributed:
         order = broadcast_json(order, group)
     if not order:
@@ -539,11 +561,12 @@ def load_latest(
             n: v for n, v in (optimizer or {}).items() if f"optimizer/{n}" not in skip
         }
     failures = []
+    unsealed = 0
     for i, step in enumerate(order):
         path = store.step_path(ckpt_dir, step)
         ckpt, error, kind = None, "", ""
         try:
-            ckpt = Checkpoint.open(path)
+            ckpt = Checkpoint.open(path, key=key)
             ckpt.load_into(read_model, read_optimizer, verify=verify)
             for name in rank_tensors(ckpt.manifest) if rank_tensors else ():
                 if name in ckpt.manifest.tensors:
@@ -577,10 +600,12 @@ def load_latest(
         if isinstance(ckpt, Checkpoint):
             ckpt.close()
         failures.append(f"step {step}: {errors[0]}")
+        unsealed += any(k == UNSEALED for _, k in gathered)
         if leader and any(k == DAMAGED for _, k in gathered):
             # Retention must never keep it in place of a step that loads.
             try:
-                store.mark_unloadable(ckpt_dir, step, next(e for e, k in gathered if k == DAMAGED))
+                error = next(e for e, k in gathered if k == DAMAGED)
+                store.mark_unloadable(ckpt_dir, step, error, key=key)
             except OSError as exc:
                 warn(f"cannot record that step {step} failed to load: {exc}")
         if i + 1 < len(order):  # else the error below says it, once
@@ -588,14 +613,22 @@ def load_latest(
                 f"checkpoint step {step} cannot be loaded ({errors[0]}); "
                 "falling back to an older one"
             )
+    hint = ""
+    if unsealed == len(failures):
+        # Every step was saved without this key (or with another): say what to do.
+        hint = (
+            "; none is sealed with the key: resume without the key to load them unsealed, "
+            "or start over"
+        )
     raise CorruptCheckpointError(
-        f"{ckpt_dir}: no committed checkpoint loads: " + "; ".join(failures)
+        f"{ckpt_dir}: no committed checkpoint loads: " + "; ".join(failures) + hint
     )
 
 
-def open_step(ckpt_dir: str, step: int | None = None) -> Checkpoint:
-    """Open ``step`` (default: the newest commit, as a load would) of a checkpoint directory."""
-    return Checkpoint.open(step_to_open(ckpt_dir, step))
+def open_step(ckpt_dir: str, step: int | None = None, *, key: bytes | None = None) -> Checkpoint:
+    """Open ``step`` (default: the newest commit, as a load would) of a checkpoint
+    directory; with ``key``, only if it is sealed with it."""
+    return Checkpoint.open(step_to_open(ckpt_dir, step, key), key=key)
 
 
 # -- read once, send to the replicas --------------------------------------------------------------

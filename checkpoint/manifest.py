@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from checkpoint import smallfile
+from checkpoint import seal, smallfile
 from checkpoint.errors import FormatError, UnsupportedVersionError
 from checkpoint.planner import (
     CORNERS_FREE,
@@ -305,6 +305,9 @@ class Manifest:
     """The fence the commit was made under, ``{"run_id": ..., "round": ...}``: which run and
     rendezvous round wrote the step (None: an unfenced writer, plain torchrun or a process
     alone, or a manifest from before it was recorded)."""
+    seal: dict[str, str] | None = None
+    """The manifest's ``seal`` as read (``alg``, ``key_id``, ``mac``: :mod:`checkpoint.seal`),
+    or None: saved without a key. Checked only by a reader given the key."""
 
     @property
     def checksum_key(self) -> str:
@@ -315,7 +318,9 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(f.bytes for f in self.files.values())
 
-    def to_json(self) -> bytes:
+    def to_json(self, *, key: bytes | None = None) -> bytes:
+        """The manifest's bytes; sealed with ``key`` when one is given (a seal read with
+        the manifest is not written back: it sealed those bytes, not these)."""
         body = {
             "format": FORMAT_NAME,
             "version": self.version,
@@ -355,6 +360,8 @@ class Manifest:
             "commit": self.commit,
             **({"writer": self.writer} if self.writer is not None else {}),
         }
+        if key is not None:
+            seal.seal_body(body, key)
         body["checksum"] = _self_checksum(body)
         return _dumps_lines(body)
 
@@ -373,7 +380,9 @@ class Manifest:
         ]
 
     @classmethod
-    def from_json(cls, data: bytes, *, where: str, density: bool = True) -> Manifest:
+    def from_json(
+        cls, data: bytes, *, where: str, density: bool = True, key: bytes | None = None
+    ) -> Manifest:
         """Parse and check a manifest: nothing in it is trusted before it is checked.
 
         The manifest's own sha256 guards against accidents only (anyone can recompute it),
@@ -382,7 +391,9 @@ class Manifest:
         directory, every tensor's chunks tile it exactly, and the chunks of each file fit in
         the bytes the manifest says it has (which a load checks against the real file
         before it reads). ``density=False`` (a writer reading back part of what it checked
-        whole) skips the containers-per-byte bound, which a part need not meet alone."""
+        whole) skips the containers-per-byte bound, which a part need not meet alone.
+        With ``key``, the manifest must be sealed with it (SealError otherwise), checked
+        right after its own checksum, before any other field is looked at."""
         raw = parse_json(data, where, max_bytes=MAX_MANIFEST_BYTES, error=FormatError,
                          density=density)  # fmt: skip
         if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
@@ -404,6 +415,8 @@ class Manifest:
             raise FormatError(f"{where}: cannot re-encode the manifest ({exc})") from None
         if expected != actual:
             raise FormatError(f"{where}: manifest checksum does not match its content")
+        if key is not None:
+            seal.check_seal(raw, key, where)
         try:
             return _parse(cls, raw, where)
         except _Bad as exc:
@@ -758,7 +771,21 @@ def _parse(cls: type[Manifest], raw: dict[str, Any], where: str) -> Manifest:
         version=version,
         commit=_int(raw.get("commit", 0), "commit"),
         writer=writer,
+        seal=_seal(raw.get("seal")),
     )
+
+
+def _seal(value: Any) -> dict[str, str] | None:
+    """A manifest's ``seal`` as read (checked against a key only by a reader given one)."""
+    if value is None:
+        return None
+    if (
+        not isinstance(value, dict)
+        or set(value) != {"alg", "key_id", "mac"}
+        or not all(isinstance(v, str) and len(v) <= 128 for v in value.values())
+    ):
+        raise _Bad("seal: not an object of alg, key_id and mac (strings)")
+    return dict(value)
 
 
 MAX_CHUNKS = 1 << 21

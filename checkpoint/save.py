@@ -101,6 +101,10 @@ class SaveOptions:
     checksums fit the header a load reads (``checkpoint.saveplan.header_block_bytes``)."""
     fence: Fence | None = None
     """The run and round this saver commits for; None: commits are not fenced."""
+    key: bytes | None = None
+    """Seal each commit with this secret key (:mod:`checkpoint.seal`: a MAC per verify
+    block and one over the manifest); retention then counts only steps sealed with it.
+    None: unsealed, as before."""
     hook: Callable[[str], None] | None = None
     """Called by group rank 0 at each named point of a commit (``before-rename``,
     ``replaced-moved-aside``, ``renamed``, ``latest-tmp-written``, ``latest-switched``,
@@ -390,6 +394,7 @@ class Saver:
             chunk_max_pieces=self.options.chunk_max_pieces,
             block_bytes=self.options.block_bytes,
             only=self.rank,
+            sealed=self.options.key is not None,
         )
         self._plan_cache = (signature, plan, digest)
         return plan, start["token"], None
@@ -515,6 +520,7 @@ class Saver:
                     mine.slots,
                     data,
                     hasher_pool=self._hasher,
+                    key=self.options.key,
                 )
                 written = w.bytes
                 # The chunks' checksums stay in the file's header (format version 4).
@@ -601,7 +607,7 @@ class Saver:
             optimizer=head["scalars"],
             extra=head["extra"],
             created_unix=time.time(),
-            commit=store.next_commit(self.ckpt_dir),
+            commit=store.next_commit(self.ckpt_dir, key=self.options.key),
             writer=(
                 {"run_id": self.options.fence.run_id, "round": self.options.fence.round}
                 if self.options.fence is not None
@@ -609,7 +615,7 @@ class Saver:
             ),
         )
         where = "the manifest this save would commit"
-        body = manifest.to_json()
+        body = manifest.to_json(key=self.options.key)
         if len(body) > MAX_MANIFEST_BYTES:
             # Every load would refuse it: never commit a step that cannot be loaded.
             raise SaveRefusedError(
@@ -655,6 +661,7 @@ class Saver:
             hook=self.options.hook,
             commit=manifest.commit,
             defer=self._defer,
+            key=self.options.key,
         )
 
 

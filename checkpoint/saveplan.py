@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from checkpoint import stfile
+from checkpoint import seal, stfile
 from checkpoint.errors import CheckpointError
 from checkpoint.manifest import (
     MAX_STRIPS,
@@ -140,14 +140,15 @@ class SavePlan:
         }
 
 
-def header_block_bytes(block_bytes: int, file_bytes: int) -> int:
+def header_block_bytes(block_bytes: int, file_bytes: int, digits: int = 8) -> int:
     """Bytes per verify block for a save whose largest file holds ``file_bytes``: at least
     ``block_bytes``, and enough that the file's block checksums (8 hex digits each, in its
     header: format version 4) take at most half of the header a load reads
     (``stfile.MAX_HEADER_BYTES``). Every full block of whole rows holds over half of
     ``block_bytes``, so a file has at most ``2 * file_bytes / block_bytes`` of them (plus
-    one per chunk). With the default 16 KiB this grows only for files over 52 GB."""
-    budget = stfile.MAX_HEADER_BYTES // 2 // 8  # checksums a header may hold
+    one per chunk). With the default 16 KiB this grows only for files over 52 GB (over
+    17 GB for a sealed save, whose ``digits`` per block are 24: each block's MAC too)."""
+    budget = stfile.MAX_HEADER_BYTES // 2 // digits  # checksums a header may hold
     return max(block_bytes, -(-2 * file_bytes // budget))
 
 
@@ -158,6 +159,7 @@ def build_save_plan(
     chunk_max_pieces: int = 8,
     block_bytes: int = 16 << 10,
     only: int | None = None,
+    sealed: bool = False,
 ) -> SavePlan:
     """Deduplicate replicas, balance the writers, and lay out each rank's file: each
     written region cut into strips along its second dimension (:func:`strip_grid`), each
@@ -201,7 +203,7 @@ def build_save_plan(
          for keys in mine.values()),
         default=0,
     )  # fmt: skip
-    block_bytes = header_block_bytes(block_bytes, largest)
+    block_bytes = header_block_bytes(block_bytes, largest, 8 + (seal.TAG_HEX if sealed else 0))
     chunk_max_pieces = min(chunk_max_pieces, MAX_STRIPS)
     written: dict[str, list[WrittenRegion]] = {name: [] for name in meta}
     files: dict[int, FilePlan] = {}

@@ -34,6 +34,7 @@ from checkpoint.manifest import (
     quoted,
 )
 from checkpoint.planner import SavedChunk
+from checkpoint.seal import header_macs
 from checkpoint.stfile import header_crcs, open_regular, read_header_fd, read_regular
 
 
@@ -82,9 +83,14 @@ class CheckpointFiles:
     directory: a step directory renamed, or replaced by a symlink to somewhere else, once
     it was opened (a swap race) does not change what is read."""
 
-    def __init__(self, path: str, manifest: Manifest, dir_fd: int) -> None:
+    def __init__(
+        self, path: str, manifest: Manifest, dir_fd: int, key: bytes | None = None
+    ) -> None:
         self.path = path
         self.manifest = manifest
+        self.key = key
+        """The seal key it was opened with (its manifest's seal checked): every block read
+        is then checked against its MAC too. None: the seal is not checked."""
         self.dir_fd = dir_fd
         self._dir_closer = weakref.finalize(self, os.close, dir_fd)
         self.stats = LoadStats()
@@ -93,9 +99,10 @@ class CheckpointFiles:
         """(device, inode) -> the name it was opened as: each name is a file of its own."""
 
     @classmethod
-    def open(cls, path: str) -> Self:
+    def open(cls, path: str, *, key: bytes | None = None) -> Self:
         """Open a committed step directory; an uncommitted one is refused, and so is one
-        whose manifest names another step than its directory's name."""
+        whose manifest names another step than its directory's name. With ``key``, one
+        whose manifest is not sealed with it (SealError)."""
         path = os.path.abspath(path)
         base = os.path.basename(path)
         step = parse_step_dirname(base)
@@ -127,7 +134,7 @@ class CheckpointFiles:
             except OSError as exc:
                 raise CheckpointError(f"{where}: cannot open: {exc.strerror}") from None
             raw = read_regular(where, max_bytes=MAX_MANIFEST_BYTES, dir_fd=dir_fd)
-            manifest = Manifest.from_json(raw, where=where)
+            manifest = Manifest.from_json(raw, where=where, key=key)
             if manifest.step != step:
                 # A step copied or renamed in under another step's name: no reader takes
                 # it for that step (a load falls back to an older one).
@@ -137,7 +144,7 @@ class CheckpointFiles:
         except BaseException:
             os.close(dir_fd)
             raise
-        return cls(path, manifest, dir_fd)
+        return cls(path, manifest, dir_fd, key)
 
     def open_file(self, name: str) -> tuple[int, int]:
         """``(fd, size)`` of the tensor file ``name`` of the manifest, opened in the step
@@ -183,7 +190,9 @@ class CheckpointFiles:
         for entry in self.manifest.tensors.values():
             # Cut a region at a time, not kept: it stops at the first chunk no file holds.
             for chunk in entry.each_chunk():
-                self._crcs(entry, chunk, self._chunk_span(chunk, entry)[0])
+                f = self._chunk_span(chunk, entry)[0]
+                self._crcs(entry, chunk, f)
+                self._macs(entry, chunk, f)
 
     def _entry(self, name: str):
         entry = self.manifest.tensors.get(name)
@@ -218,6 +227,14 @@ class CheckpointFiles:
             return entry.crc32[(chunk.file, chunk.key)]
         return header_crcs(f.header, chunk.key, entry.blocks(chunk), f.path)
 
+    def _macs(self, entry: TensorEntry, chunk: SavedChunk, f: _OpenFile) -> str:
+        """The MACs of ``chunk``'s blocks from its file's header (a sealed step opened
+        with its key: :mod:`checkpoint.seal`), or "" when the step was opened without a
+        key."""
+        if self.key is None:
+            return ""
+        return header_macs(f.header, chunk.key, entry.blocks(chunk), f.path)
+
     def _chunk_span(self, chunk: SavedChunk, entry: TensorEntry) -> tuple[_OpenFile, int, int]:
         """Where a chunk lies in its file (offset, bytes), after its header entry (whose
         offsets were checked against the file when it was opened) matches the manifest."""
@@ -245,11 +262,11 @@ def read_header_checked(fd: int, size: int, path: str) -> tuple[bytes, dict]:
         raise CorruptCheckpointError(f"{path}: header is not valid JSON ({text[:200]})") from None
 
 
-def step_to_open(ckpt_dir: str, step: int | None = None) -> str:
+def step_to_open(ckpt_dir: str, step: int | None = None, key: bytes | None = None) -> str:
     """The directory of ``step`` of a checkpoint directory (default: the newest commit, as
-    a load would take it)."""
+    a load with ``key`` would take it)."""
     if step is None:
-        order = store.load_order(ckpt_dir)
+        order = store.load_order(ckpt_dir, key)
         if not order:
             raise NoCheckpointError(f"{ckpt_dir}: no committed checkpoint")
         step = order[0]

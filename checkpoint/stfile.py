@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import crc32c
 
-from checkpoint import smallfile
+from checkpoint import seal, smallfile
 from checkpoint.errors import CheckpointReadError, CorruptCheckpointError, SaveRefusedError
 from checkpoint.manifest import lower_hex, quoted, st_code
 
@@ -81,15 +81,24 @@ def crc_count(nbytes: int, block_bytes: int) -> int:
     return 1 if not block_bytes or nbytes <= block_bytes else -(-nbytes // block_bytes)
 
 
-def header_bytes(slots: Sequence[FileSlot], crcs: Mapping[str, str] | None = None) -> bytes:
+def header_bytes(
+    slots: Sequence[FileSlot],
+    crcs: Mapping[str, str] | None = None,
+    *,
+    sealed: bool = False,
+    macs: Mapping[str, str] | None = None,
+) -> bytes:
     """The 8-byte length and the JSON header, padded with spaces to a multiple of 8, with
-    each slot's block checksums from ``crcs`` (format version 4, :data:`CRC_META`); without
-    ``crcs``, zeros in their place: a header of the very same length, written before the
-    data and overwritten once the checksums are known."""
+    each slot's block checksums from ``crcs`` (format version 4, :data:`CRC_META`) and,
+    ``sealed``, its block MACs from ``macs`` (:data:`checkpoint.seal.MAC_META`); without
+    them, zeros in their place: a header of the very same length, written before the data
+    and overwritten once the checksums are known."""
     meta = {"format": "pt", "writer": "elasticd"}
     for s in slots:
         n = crc_count(s.end - s.begin, s.block_bytes)
         meta[CRC_META + s.key] = crcs[s.key] if crcs is not None else "0" * 8 * n
+        if sealed:
+            meta[seal.MAC_META + s.key] = macs[s.key] if macs is not None else seal.placeholder(n)
     head: dict[str, object] = {"__metadata__": meta}
     for s in slots:
         head[s.key] = {
@@ -108,6 +117,7 @@ def write_file(
     data: torch.Tensor | Callable[[int], memoryview],
     *,
     hasher_pool: ThreadPoolExecutor,
+    key: bytes | None = None,
 ) -> WrittenFile:
     """Write the data section under a header for ``slots``; fsync the file. ``data`` is the
     whole data section (uint8, a staging buffer), or a function giving slot ``i``'s bytes
@@ -116,8 +126,10 @@ def write_file(
     Each chunk's block CRC-32Cs run on ``hasher_pool`` while this thread writes it, and
     with a function the next slot's bytes are made there too (all of it releases the GIL),
     so checksums and copies overlap the writes; there is no whole-file hash to wait for.
+    With ``key`` (a sealed save: :mod:`checkpoint.seal`), each block's MAC is computed
+    there too, and kept in the header beside its CRC.
     """
-    header = header_bytes(slots)
+    header = header_bytes(slots, sealed=key is not None)
     if len(header) - 8 > MAX_HEADER_BYTES:  # every load would refuse the file
         raise SaveRefusedError(
             f"{path}: a header of {len(header) - 8} bytes ({len(slots)} tensors), more than "
@@ -138,6 +150,7 @@ def write_file(
             return view[slots[i].begin : slots[i].end]
 
     pending = {}
+    pending_macs = {}
     ahead = None
     # The save's own new directory; O_NOFOLLOW all the same: never write through a link.
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
@@ -155,17 +168,20 @@ def write_file(
             if len(part) != s.end - s.begin:
                 raise ValueError(f"{s.key}: {len(part)} bytes for a slot of {s.end - s.begin}")
             pending[s.key] = hasher_pool.submit(block_crc32c, part, s.block_bytes)
+            if key is not None:
+                pending_macs[s.key] = hasher_pool.submit(seal.block_macs, part, s.block_bytes, key)
             write_all(fd, part)
             early.wrote(len(part))
         chunk_crc = {k: p.result() for k, p in pending.items()}
-        final = header_bytes(slots, chunk_crc)
+        macs = {k: p.result() for k, p in pending_macs.items()}
+        final = header_bytes(slots, chunk_crc, sealed=key is not None, macs=macs)
         if len(final) != len(header):  # the checksums' lengths come from the slots alone
             raise ValueError(f"{path}: the header grew from {len(header)} to {len(final)} bytes")
         pwrite_all(fd, final, 0)
         header = final
         os.fsync(fd)
     finally:
-        for p in pending.values():
+        for p in [*pending.values(), *pending_macs.values()]:
             p.cancel()
         if ahead is not None:
             ahead.cancel()

@@ -19,7 +19,7 @@ import shutil
 import stat
 from collections.abc import Callable
 
-from checkpoint import smallfile
+from checkpoint import seal, smallfile
 from checkpoint.errors import CheckpointError
 from checkpoint.manifest import (
     FILE_NAME_RE,
@@ -103,6 +103,7 @@ def commit_step(
     hook: Callable[[str], None] | None = None,
     commit: int | None = None,
     defer: Callable[[Callable[[], None]], None] | None = None,
+    key: bytes | None = None,
 ) -> None:
     """Commit the finished save in ``tmp`` (manifest written and fsynced) as ``step``:
     rename it to ``step-N`` (the commit point), switch `latest` to it, then apply retention.
@@ -128,7 +129,8 @@ def commit_step(
     aside to ``step-N.<token>.replaced.tmp``; should the writer die before its own rename,
     :func:`recover_replaced` puts it back, so a replaced step is never lost. ``hook(point)``
     is called at each named point (tests aim a SIGKILL at them). ``defer(func)``, if
-    given, runs the deletes (the step moved aside, retention) later, e.g. on a thread."""
+    given, runs the deletes (the step moved aside, retention) later, e.g. on a thread.
+    ``key``: the saver's seal key; retention then counts only steps sealed with it."""
     hook = hook or _nothing
     warn = warn or log or _nothing
     final = step_path(ckpt_dir, step)
@@ -175,7 +177,7 @@ def commit_step(
     def tidy() -> None:
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)
-        prune(ckpt_dir, keep=keep, log=log, hook=hook, trusted={step})  # we just wrote it
+        prune(ckpt_dir, keep=keep, log=log, hook=hook, trusted={step}, key=key)  # just written
 
     def tidy_warned() -> None:
         _warn_on_error(warn, f"checkpoint step {step} is committed, but retention", tidy)
@@ -244,11 +246,13 @@ def _manifest_json(path: str) -> object:
     return parse_json(data, path, max_bytes=MAX_MANIFEST_BYTES, error=CheckpointError)
 
 
-def commit_numbers(ckpt_dir: str) -> dict[int, int]:
+def commit_numbers(ckpt_dir: str, key: bytes | None = None) -> dict[int, int]:
     """Each committed step's commit number (0 when its manifest has none, is unreadable,
     fails its own checksum or names another step than its directory's: such a step is
     ordered by its step number below every numbered commit, and cannot head the lineage
-    with a number nobody sealed). A load checks the whole manifest."""
+    with a number nobody sealed). With ``key``, also 0 unless the manifest is sealed with
+    that key (:mod:`checkpoint.seal`): a planted step claims nothing. A load checks the
+    whole manifest."""
     out = {}
     seen: set[tuple[int, int]] = set()
     for step in committed_steps(ckpt_dir):
@@ -264,13 +268,14 @@ def commit_numbers(ckpt_dir: str) -> dict[int, int]:
                 # made every listing of the directory take a minute).
                 continue
             seen.add((st.st_dev, st.st_ino))
-            out[step] = _commit_number(path, step)
+            out[step] = _commit_number(path, step, key)
     return out
 
 
-_COMMIT_CACHE: dict[str, tuple[bytes, int, dict[str, int] | None]] = {}
+_COMMIT_CACHE: dict[str, tuple[bytes, int, dict[str, int] | None, str]] = {}
 """Manifest path -> (sha256 of the bytes read there, their commit number, the tensor
-files it lists with their sizes, when it is sealed): every commit
+files it lists with their sizes, when it is sealed, and the id of the key it was checked
+with, "" for none): every commit
 reads the commit numbers of all kept steps, and parsing a manifest under a load's bounds
 costs about 1.5 ms per 300 KB on the commit's critical path; hashing it, 0.2 ms. Keyed by
 the bytes themselves, so a manifest rewritten in place is parsed again."""
@@ -281,20 +286,25 @@ _COMMIT_CACHE_SIZE = 4096
 steps (it was 64: a directory of more steps was parsed whole at every commit)."""
 
 
-def _commit_number(path: str, step: int) -> int:
+def _commit_number(path: str, step: int, key: bytes | None = None) -> int:
     data = read_regular(path, max_bytes=MAX_MANIFEST_BYTES)
     digest = hashlib.sha256(data).digest()
     hit = _COMMIT_CACHE.get(path)
-    if hit is not None and hit[0] == digest:
+    if hit is not None and hit[0] == digest and hit[3] == _kid(key):
         return hit[1]
     raw = parse_json(data, path, max_bytes=MAX_MANIFEST_BYTES, error=CheckpointError)
     ok = isinstance(raw, dict) and raw.get("step") == step and checksum_matches(raw)
+    ok = ok and (key is None or not seal.seal_problem(raw, key))
     n = raw.get("commit", 0) if ok else 0
     n = n if type(n) is int and 0 <= n < INT_LIMIT else 0  # as a load reads it
     if len(_COMMIT_CACHE) >= _COMMIT_CACHE_SIZE:
         _COMMIT_CACHE.clear()
-    _COMMIT_CACHE[path] = (digest, n, _listed_files(raw) if ok else None)
+    _COMMIT_CACHE[path] = (digest, n, _listed_files(raw) if ok else None, _kid(key))
     return n
+
+
+def _kid(key: bytes | None) -> str:
+    return seal.key_id(key) if key is not None else ""
 
 
 def _listed_files(raw: dict) -> dict[str, int] | None:
@@ -313,11 +323,11 @@ def _listed_files(raw: dict) -> dict[str, int] | None:
     return out
 
 
-def next_commit(ckpt_dir: str) -> int:
+def next_commit(ckpt_dir: str, key: bytes | None = None) -> int:
     """1 + the highest commit number in ``ckpt_dir``. Raises :class:`CheckpointError`
     rather than number a commit past what a manifest may hold (a manifest there claiming
     the largest number: written by hand, or hostile), which no load would read."""
-    numbers = commit_numbers(ckpt_dir)
+    numbers = commit_numbers(ckpt_dir, key)
     n = 1 + max(numbers.values(), default=0)
     if n >= INT_LIMIT:
         step = max(numbers, key=lambda s: numbers[s])
@@ -382,11 +392,13 @@ def _read_json(path: str) -> object:
     return None if raw is None else smallfile.parse_json(raw, where=path)
 
 
-def mark_unloadable(ckpt_dir: str, step: int, error: str, *, commit: int | None = None) -> None:
+def mark_unloadable(
+    ckpt_dir: str, step: int, error: str, *, commit: int | None = None, key: bytes | None = None
+) -> None:
     """Record that ``step`` (its present commit, or commit number ``commit``) failed to
     load, or must not be loaded: retention deletes it before any step that loads, and a
     load tries it last. Saving the step again clears it (a new commit number)."""
-    numbers = commit_numbers(ckpt_dir)
+    numbers = commit_numbers(ckpt_dir, key)
     if step not in numbers:
         return
     if commit is not None:
@@ -419,13 +431,14 @@ def _failed(ckpt_dir: str, numbers: dict[int, int]) -> set[int]:
     return {s for s, n in read_unloadable(ckpt_dir).items() if numbers.get(s) == n}
 
 
-def load_order(ckpt_dir: str) -> list[int]:
+def load_order(ckpt_dir: str, key: bytes | None = None) -> list[int]:
     """Committed steps to try when resuming: the current lineage newest first, then the
     abandoned steps; a step that failed to load before comes after all the others.
 
     `latest` is not consulted: it is a hint for people and tools, and a writer killed
-    after its rename but before switching it leaves it naming an older step."""
-    numbers = commit_numbers(ckpt_dir)
+    after its rename but before switching it leaves it naming an older step. With
+    ``key``, steps not sealed with it count as commit 0 (:func:`commit_numbers`)."""
+    numbers = commit_numbers(ckpt_dir, key)
     failed = _failed(ckpt_dir, numbers)
     current, abandoned = lineage(ckpt_dir, numbers, failed)
     return current + abandoned + _newest_first(failed, numbers)
@@ -435,9 +448,10 @@ def _newest_first(steps: set[int], numbers: dict[int, int]) -> list[int]:
     return sorted(steps, key=lambda s: (numbers[s], s), reverse=True)
 
 
-def newest_job(ckpt_dir: str) -> str | None:
-    """The job named by the manifest of the newest commit, if any (read, not checked)."""
-    for step in load_order(ckpt_dir)[:1]:
+def newest_job(ckpt_dir: str, key: bytes | None = None) -> str | None:
+    """The job named by the manifest of the newest commit (with ``key``: of those sealed
+    with it), if any (read, not checked)."""
+    for step in load_order(ckpt_dir, key)[:1]:
         path = os.path.join(step_path(ckpt_dir, step), MANIFEST)
         with contextlib.suppress(CheckpointError):
             raw = _manifest_json(path)
@@ -558,6 +572,7 @@ def prune(
     log: Callable[[str], None] | None = None,
     hook: Callable[[str], None] | None = None,
     trusted: frozenset[int] | set[int] = frozenset(),
+    key: bytes | None = None,
 ) -> list[int]:
     """Keep the newest ``keep`` steps of the current lineage (of the steps that load:
     :func:`lineage`); delete the rest: abandoned steps first, then steps that failed to
@@ -572,11 +587,14 @@ def prune(
     prune --keep 1`` deleted them all and kept the plant: a security review). One that
     fails counts for nothing kept, and is not deleted here either (only a load's failure,
     recorded, makes it deletable); an I/O error while looking deletes nothing this time.
-    Commit numbers are still what a sealed manifest says (the seal is unkeyed): a plant
-    with copies of a real step's files still heads the lineage."""
+    Without ``key``, commit numbers are what a manifest with a matching checksum says
+    (anyone can recompute that): a plant with copies of a real step's files still heads
+    the lineage. With ``key`` (a sealed job), only a manifest sealed with it has a commit
+    number; any other step is ordered as commit 0, below every sealed one, so pruned as
+    abandoned or oldest once ``keep`` sealed steps are newer."""
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
-    numbers = commit_numbers(ckpt_dir)
+    numbers = commit_numbers(ckpt_dir, key)
     failed = _failed(ckpt_dir, numbers)
     spared: set[int] = set()
     while True:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import json
 import math
 import os
@@ -16,6 +17,7 @@ import crc32c
 from checkpoint.errors import CheckpointError, CorruptCheckpointError
 from checkpoint.manifest import TensorEntry, file_name, quoted, region_chunks
 from checkpoint.planner import SavedChunk, row_bytes
+from checkpoint.seal import TAG_BYTES, block_macs, header_macs
 from checkpoint.step import CheckpointFiles, read_header_checked
 from checkpoint.stfile import block_crc32c, fd_sha256, header_crcs, pread_into
 
@@ -44,6 +46,8 @@ class Problems(list):
 
 def verify(ckpt: CheckpointFiles) -> Problems:
     """Every problem found, checking every byte of every file (torch is not imported).
+    A step opened with a key (its manifest's seal checked then) has every block's MAC
+    checked too.
 
     Versions 2 and 3: each file is a regular file of its recorded size; its header matches
     its sha256, and its entries are exactly the manifest's chunks of that file and tile its
@@ -103,7 +107,8 @@ def _verify_file(ckpt, fd, size, path, meta, share, count, problems: Problems) -
         for c in region_chunks(tname, item) if version >= 4 else (item,):
             chunks[c.key] = (tname, entry, c)
     if version >= 2 and sound:
-        _verify_v2_data(fd, size, path, header, parsed, chunks, problems, in_manifest=version < 4)
+        _verify_v2_data(fd, size, path, header, parsed, chunks, problems, in_manifest=version < 4,
+                        ckpt_key=ckpt.key)  # fmt: skip
     for key, (tname, entry, c) in sorted(chunks.items()):
         info = parsed.get(key)
         want = {"dtype": entry.st_code, "shape": list(c.sizes)}
@@ -128,6 +133,7 @@ def _verify_v2_data(
     problems: Problems,
     *,
     in_manifest: bool,
+    ckpt_key: bytes | None = None,
 ) -> None:
     """Check the data of one file of format version 2 or later, whose header matches the
     manifest's checksum: its entries are ``chunks`` (by key), tile its data section, and
@@ -164,32 +170,52 @@ def _verify_v2_data(
             except CorruptCheckpointError as exc:
                 problems.add(str(exc))
                 continue
-        if _chunk_sums(fd, len(header) + begin, end - begin, block, buf, path) != crc:
+        mac = None
+        if ckpt_key is not None:
+            try:
+                mac = header_macs(parsed, key, entry.blocks(c), path)
+            except CorruptCheckpointError as exc:
+                problems.add(str(exc))
+                continue
+        sums, macs = _chunk_sums(fd, len(header) + begin, end - begin, block, buf, path, ckpt_key)
+        if sums != crc:
             problems.add(f"{path}: {quoted(key)}: checksum mismatch (corrupted data)")
+        elif mac is not None and not hmac.compare_digest(macs, mac):
+            problems.add(f"{path}: {quoted(key)}: MAC mismatch (changed after it was sealed)")
 
 
-def _chunk_sums(fd: int, at: int, nbytes: int, block: int, buf: memoryview, path: str) -> str:
-    """The block checksums of the ``nbytes`` at ``at`` (see :func:`block_crc32c`), read
-    into ``buf``: whole blocks per read when a block fits it, else each block's CRC carried
+def _chunk_sums(
+    fd: int, at: int, nbytes: int, block: int, buf: memoryview, path: str, key: bytes | None
+) -> tuple[str, str]:
+    """The block checksums of the ``nbytes`` at ``at`` (see :func:`block_crc32c`) and, with
+    ``key``, their MACs (:func:`checkpoint.seal.block_macs`; else ""), read into ``buf``:
+    whole blocks per read when a block fits it, else each block's CRC and MAC carried
     across reads (a version 2 chunk is one block, of any size)."""
     if not nbytes:
-        return block_crc32c(b"", block)
+        return block_crc32c(b"", block), block_macs(b"", block, key) if key else ""
+    sums, macs = [], []
     if block <= len(buf):
-        step, sums = len(buf) // block * block, []
+        step = len(buf) // block * block
         for lo in range(0, nbytes, step):
             part = buf[: min(step, nbytes - lo)]
             pread_into(fd, part, at + lo, path)
             sums.append(block_crc32c(part, block))
-        return "".join(sums)
-    sums = []
+            if key is not None:
+                macs.append(block_macs(part, block, key))
+        return "".join(sums), "".join(macs)
     for first in range(0, nbytes, block):
         last, value = min(first + block, nbytes), 0
+        mac = hmac.new(key, digestmod="sha256") if key is not None else None
         for lo in range(first, last, len(buf)):
             part = buf[: min(len(buf), last - lo)]
             pread_into(fd, part, at + lo, path)
             value = crc32c.crc32c(part, value)
+            if mac is not None:
+                mac.update(part)
         sums.append(f"{value & 0xFFFFFFFF:08x}")
-    return "".join(sums)
+        if mac is not None:
+            macs.append(mac.digest()[:TAG_BYTES].hex())
+    return "".join(sums), "".join(macs)
 
 
 def export(

@@ -139,6 +139,11 @@ class CheckpointConfig:
     memory_every: int = 1
     """restart.mode inprocess, ``memory_replicas`` > 0: refresh the copies every this many
     steps; a recovery from them loses at most this many steps (plus the one in flight)."""
+    key_file: str | None = None
+    """A secret key (made by ``elasticd ckpt keygen PATH``, mode 600, at this path on every
+    node) that seals each checkpoint: a resume then loads only steps sealed with it and
+    checks every block it reads, so a checkpoint changed or planted by anyone without the
+    key is refused (docs/checkpoint-format.md, "Sealed checkpoints")."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -242,7 +247,8 @@ class JobSpec:
         return _to_plain(self)
 
     def with_paths_resolved(self, base: str | os.PathLike[str]) -> JobSpec:
-        """Relative output_dir, checkpoint.dir and data.path made absolute against ``base``."""
+        """Relative output_dir, checkpoint.dir, checkpoint.key_file and data.path made
+        absolute against ``base``."""
 
         def absolute(p: str | None) -> str | None:
             return None if p is None else str((Path(base) / p).resolve())
@@ -250,7 +256,11 @@ class JobSpec:
         return dataclasses.replace(
             self,
             output_dir=absolute(self.out_dir),
-            checkpoint=dataclasses.replace(self.checkpoint, dir=absolute(self.ckpt_dir)),
+            checkpoint=dataclasses.replace(
+                self.checkpoint,
+                dir=absolute(self.ckpt_dir),
+                key_file=absolute(self.checkpoint.key_file),
+            ),
             data=dataclasses.replace(self.data, path=absolute(self.data.path)),
         )
 
@@ -539,6 +549,9 @@ def _check(job: JobSpec, where: str) -> None:
         )
     _check_dir(where, "output_dir", job.output_dir)
     _check_dir(where, "checkpoint.dir", job.checkpoint.dir)
+    key_file = job.checkpoint.key_file
+    if key_file is not None and (not isinstance(key_file, str) or not key_file.strip()):
+        raise JobSpecError(f"{where}: checkpoint.key_file: {key_file!r} is not a path")
     if job.command is None and t.dtype == "float16":
         # The trainer refused it only once running: every round failed, on every node.
         raise JobSpecError(

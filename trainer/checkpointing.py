@@ -114,6 +114,19 @@ def reseed_value(seed: int, step: int, dp_rank: int) -> int:
     return seed + RESEED_STRIDE * step + dp_rank
 
 
+def read_job_key(path: str | None) -> bytes | None:
+    """The key of ``checkpoint.key_file`` (None when unset); a file that is missing, open to
+    others or too short is the job's error (TrainerConfigError, one line)."""
+    if path is None:
+        return None
+    from checkpoint.seal import KeyFileError, read_key
+
+    try:
+        return read_key(path)
+    except KeyFileError as exc:
+        raise TrainerConfigError(f"checkpoint.key_file: {exc}") from None
+
+
 class Checkpointing:
     """Resume at start, save every ``checkpoint.every`` steps and after the last one."""
 
@@ -133,6 +146,8 @@ class Checkpointing:
         self.group = group
         self.dir = self.job.ckpt_dir
         cfg = self.job.checkpoint
+        self.key = read_job_key(cfg.key_file)
+        """The seal key (``checkpoint.key_file``), or None: checkpoints unsealed."""
         self.saver = Saver(
             self.dir,
             group=group,
@@ -144,6 +159,7 @@ class Checkpointing:
                 keep=cfg.keep,
                 job=self.job.name,
                 fence=fence_from_env(os.environ if env is None else env),
+                key=self.key,
             ),
         )
         self.last_saved: int | None = None
@@ -194,7 +210,7 @@ class Checkpointing:
                     self.dir,
                     job=self.job.name,
                     run_id=env.get("TORCHELASTIC_RUN_ID", ""),
-                    newest_job=lambda: store.newest_job(self.dir),
+                    newest_job=lambda: store.newest_job(self.dir, self.key),
                     warn=log.warning,
                     round_=_env_int(env, "ELASTICD_ROUND"),
                     restart=_env_int(env, "TORCHELASTIC_RESTART_COUNT"),
@@ -262,6 +278,7 @@ class Checkpointing:
             # Read (and checked) while the step is chosen: corrupted bytes there fall
             # back to an older step, as a corrupted parameter does.
             rank_tensors=self._rng_to_read,
+            key=self.key,
         )
         try:
             self._resume_from(ckpt)

@@ -163,7 +163,7 @@ def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any, job: Any, agreed
     if (
         result is not None
         and result.sources.get("from_extra")
-        and _checkpoint_is_newer(job, result.step, group)
+        and _checkpoint_is_newer(job, result.step, group, key=getattr(ckpt, "key", None))
     ):
         if ctx.rank == 0:
             print(f"in-process recovery: the replicas hold step {result.step}, the latest "
@@ -286,17 +286,25 @@ def _gather_records(ctx: Any, group: Any) -> list[dict]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def _checkpoint_is_newer(job: Any, step: int, group: Any) -> bool:
+def _checkpoint_is_newer(job: Any, step: int, group: Any, key: bytes | None = None) -> bool:
     """Whether every rank sees a committed checkpoint newer than ``step`` (collective: all
     ranks agree, or none moves): with ``memory_every`` above ``checkpoint.every`` the last
     replicated step can be older than the last checkpoint. Never with ``checkpoint.resume:
     false``: the resume would load nothing, and the run would start over (the same on every
-    rank: it is the job's)."""
+    rank: it is the job's). With the job's seal ``key``, the newest step sealed with it
+    (a planted step or `latest` hint does not turn the replicas' step down for an older
+    sealed one)."""
     from elasticd.agent.policy import latest_checkpoint_step
 
     if not job.checkpoint.resume:
         return False
-    on_disk = latest_checkpoint_step(job.ckpt_dir)
+    if key is not None:
+        from checkpoint.store import commit_numbers
+
+        sealed = [(n, s) for s, n in commit_numbers(job.ckpt_dir, key).items() if n > 0]
+        on_disk = max(sealed)[1] if sealed else None
+    else:
+        on_disk = latest_checkpoint_step(job.ckpt_dir)
     newer = torch.tensor([1 if on_disk is not None and on_disk > step else 0], dtype=torch.int32)
     if dist.is_initialized():
         comm.all_reduce(newer, group, op=dist.ReduceOp.MIN)

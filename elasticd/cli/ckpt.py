@@ -45,6 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         c.add_argument("--step", type=int, default=None, help="step (default: the newest commit)")
         if name == "inspect":
             c.add_argument("--json", action="store_true", help="print one JSON object")
+        _key_option(c)
         c.set_defaults(func=_guard(func))
 
     ex = cmds.add_parser("export", help="consolidated model weights as safetensors")
@@ -64,6 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=_size("5GB"),
         help="split into model-0000i-of-0000n files plus an index above this (default 5GB)",
     )
+    _key_option(ex)
     ex.set_defaults(func=_guard(run_export))
 
     pr = cmds.add_parser(
@@ -72,7 +74,52 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     pr.add_argument("dir", metavar="DIR")
     pr.add_argument("--keep", type=int, required=True, help="committed steps to keep")
+    _key_option(pr, "a sealed job's key: only steps sealed with it count as kept")
     pr.set_defaults(func=_guard(run_prune))
+
+    kg = cmds.add_parser(
+        "keygen",
+        help="make a new key for sealed checkpoints (checkpoint.key_file)",
+        description="Write a new random key to PATH (mode 600; never over an existing "
+        "file) and print its id. Copy it to the same path on every node.",
+    )
+    kg.add_argument("path", metavar="PATH")
+    kg.set_defaults(func=run_keygen)
+
+
+def _key_option(parser: argparse.ArgumentParser, text: str = "") -> None:
+    parser.add_argument(
+        "--key-file",
+        metavar="PATH",
+        default=None,
+        help=text
+        or "the job's checkpoint.key_file: take only a step sealed with it, and check every "
+        "block's MAC",
+    )
+
+
+def _key(args: argparse.Namespace) -> bytes | None:
+    """The key of ``--key-file`` (None without one); a bad key file is a one-line error."""
+    if getattr(args, "key_file", None) is None:
+        return None
+    from checkpoint.seal import KeyFileError, read_key
+
+    try:
+        return read_key(args.key_file)
+    except KeyFileError as exc:
+        raise UsageError(f"ckpt {args.ckpt_command}: {exc}") from exc
+
+
+def run_keygen(args: argparse.Namespace) -> int:
+    from checkpoint.seal import KeyFileError, write_new_key
+
+    try:
+        kid = write_new_key(args.path)
+    except KeyFileError as exc:
+        raise UsageError(f"ckpt keygen: {exc}") from exc
+    print(f"wrote a new checkpoint key to {args.path} (key id {kid}); set checkpoint.key_file "
+          "to it, with the file at that path on every node")  # fmt: skip
+    return 0
 
 
 def _size(text: str) -> int:
@@ -134,7 +181,7 @@ def _open(args: argparse.Namespace, *, tensors: bool = False):
             raise UsageError("--step cannot be used with a step directory")
     else:
         try:
-            path = step_to_open(args.dir, args.step)
+            path = step_to_open(args.dir, args.step, _key(args))
         except NoCheckpointError as exc:
             inner = os.path.join(args.dir, "ckpt")
             if args.step is None and committed_steps(inner):  # a job's output_dir
@@ -143,8 +190,8 @@ def _open(args: argparse.Namespace, *, tensors: bool = False):
     if tensors:
         from checkpoint.load import Checkpoint
 
-        return Checkpoint.open(path)
-    return CheckpointFiles.open(path)
+        return Checkpoint.open(path, key=_key(args))
+    return CheckpointFiles.open(path, key=_key(args))
 
 
 def _shown(value: Any) -> str:
@@ -180,6 +227,7 @@ def run_ls(args: argparse.Namespace) -> int:
                 files=len(m.files),
                 world=m.world,
                 consumed_samples=m.consumed_samples,
+                sealed=m.seal.get("key_id") if m.seal is not None else None,
             )
         except Exception as exc:  # one unreadable manifest must not hide the others
             row["error"] = str(exc)
@@ -204,6 +252,8 @@ def run_ls(args: argparse.Namespace) -> int:
             print(f"{r['step']:>10}  unreadable: {_shown(r['error'])}")
             continue
         mark = "  latest" if r["latest"] else ""
+        if r["sealed"] is not None:
+            mark += f"  sealed ({_shown(r['sealed'])})"
         print(
             f"{r['step']:>10}  {_mb(r['bytes']):>12}  {r['files']:>5}  {r['world']:>5}  {r['consumed_samples']:>10}{mark}"
         )
@@ -330,6 +380,13 @@ def run_verify(args: argparse.Namespace) -> int:
         )
     m = ckpt.manifest
     held = f"{len(m.files)} files, {len(m.tensors)} tensors, {_mb(m.total_bytes)}"
+    if m.seal is not None:
+        kid = m.seal.get("key_id", "?")
+        held += (
+            f"; sealed with key id {kid}, every MAC checked"
+            if ckpt.key is not None
+            else f"; sealed with key id {kid}, not checked (no --key-file)"
+        )
     print(_shown(f"{ckpt.path}: ok ({held})"))
     return 0
 
@@ -352,7 +409,7 @@ def _newer_unopenable(args: argparse.Namespace, verified: int) -> list[str]:
             continue
         path = step_path(args.dir, step)
         try:
-            CheckpointFiles.open(path).close()
+            CheckpointFiles.open(path, key=_key(args)).close()
         except CheckpointError as exc:
             if os.path.isdir(path):  # not a step pruned meanwhile (a live job's retention)
                 out.append(
@@ -398,7 +455,7 @@ def run_prune(args: argparse.Namespace) -> int:
                 f"ckpt prune: {args.dir} is in use by {describe_holder(holder)}; prune it "
                 "when that run has ended"
             )
-        removed = prune(args.dir, keep=args.keep)
+        removed = prune(args.dir, keep=args.keep, key=_key(args))
     print(
         f"removed {len(removed)} step(s)" + (f": {', '.join(map(str, removed))}" if removed else "")
     )

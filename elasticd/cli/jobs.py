@@ -197,9 +197,14 @@ def say_resume(job) -> None:
         return
     if not any(n.startswith("step-") and "." not in n for n in names):
         return  # nothing committed: no need to import the store (and torch)
+    from checkpoint.seal import KeyFileError, read_key
     from checkpoint.store import load_order, step_path
 
-    order = load_order(job.ckpt_dir)
+    key = None
+    if job.checkpoint.key_file:  # the step a sealed job's resume takes, when this user can tell
+        with contextlib.suppress(KeyFileError):
+            key = read_key(job.checkpoint.key_file)
+    order = load_order(job.ckpt_dir, key)
     if order:
         print(
             f"job {job.name} resumes from {step_path(job.ckpt_dir, order[0])} at step "

@@ -80,6 +80,13 @@ def run(args: argparse.Namespace) -> int:
                faults=faults, etcd_members=args.etcd_members,
                where=os.path.basename(args.job),
                steps=job.train.steps if job.command is None else None)  # fmt: skip
+    if job.checkpoint.key_file is not None:  # every local node reads this very file
+        from checkpoint.seal import KeyFileError, read_key
+
+        try:
+            read_key(job.checkpoint.key_file)
+        except KeyFileError as exc:
+            raise UsageError(f"{os.path.basename(args.job)}: checkpoint.key_file: {exc}") from None
     prepare_output_dir(job.out_dir, fresh=args.fresh)
     as_json = getattr(args, "json", False)
     progress = sys.stderr if as_json else sys.stdout

@@ -1,0 +1,307 @@
+"""Sealed checkpoints (``SaveOptions.key``, ``checkpoint.key_file``, ``--key-file``): with the
+key, a step changed by anyone without it is refused, even when every unkeyed checksum was
+recomputed (the manifest's sha256, a header's, and a block's CRC-32C, which the attacker
+keeps by a CRC-preserving change); a step planted without a seal is passed over and never
+heads retention; a key file open to others, or too short, is refused in one line."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import crc32c
+import pytest
+import torch
+
+from checkpoint import CorruptCheckpointError, SaveOptions, Saver, ShardInfo, load_latest, verify
+from checkpoint.seal import KeyFileError, SealError, key_id, read_key, write_new_key
+from checkpoint.step import CheckpointFiles
+from checkpoint.store import commit_numbers, load_order, prune, read_unloadable, step_path
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPE = (256, 64)  # 64 KiB of fp32: four 16 KiB verify blocks
+W = torch.arange(SHAPE[0] * SHAPE[1], dtype=torch.float32).reshape(SHAPE)
+
+
+@pytest.fixture
+def key(tmp_path) -> bytes:
+    path = tmp_path / "key"
+    write_new_key(str(path))
+    return read_key(str(path))
+
+
+def save(ckpt: str, step: int, key: bytes | None, w: torch.Tensor = W) -> None:
+    saver = Saver(ckpt, group=None, options=SaveOptions(async_=False, key=key, keep=10))
+    saver.save(step=step, consumed_samples=4 * step, model={"w": (w.clone(), whole())})
+    saver.close()
+
+
+def whole() -> ShardInfo:
+    return ShardInfo.whole("w", SHAPE)
+
+
+def load(ckpt: str, key: bytes | None, **kw) -> tuple[int, torch.Tensor]:
+    out = torch.zeros(SHAPE)
+    c = load_latest(ckpt, model={"w": (out, whole())}, key=key, **kw)
+    c.close()
+    return c.step, out
+
+
+def manifest_path(ckpt: str, step: int) -> Path:
+    return Path(step_path(ckpt, step)) / "manifest.json"
+
+
+def reseal_unkeyed(ckpt: str, step: int, raw: dict) -> None:
+    """What anyone can do: write ``raw`` with its checksum recomputed (no key)."""
+    raw.pop("checksum", None)
+    canon = json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()
+    raw["checksum"] = hashlib.sha256(canon).hexdigest()
+    manifest_path(ckpt, step).write_text(json.dumps(raw))
+
+
+def crc_preserving_delta(n: int) -> bytes:
+    """A nonzero ``n``-byte XOR mask that leaves every message's CRC-32C as it was: CRC is
+    affine over GF(2), so among 33 random masks some subset's linear parts cancel (found
+    by Gaussian elimination)."""
+    zero = crc32c.crc32c(bytes(n))
+    rng = random.Random(1)
+    basis: dict[int, tuple[int, int]] = {}
+    masks: list[int] = []
+    while True:
+        mask = rng.getrandbits(8 * n)
+        masks.append(mask)
+        v, combo = crc32c.crc32c(mask.to_bytes(n, "little")) ^ zero, 1 << (len(masks) - 1)
+        while v:
+            top = v.bit_length() - 1
+            if top not in basis:
+                basis[top] = (v, combo)
+                break
+            v, combo = v ^ basis[top][0], combo ^ basis[top][1]
+        if not v:
+            out = 0
+            for i, m in enumerate(masks):
+                if combo >> i & 1:
+                    out ^= m
+            if out:
+                return out.to_bytes(n, "little")
+
+
+def tamper_first_block(ckpt: str, step: int) -> None:
+    """Change the first 16 KiB block of ``w`` so that its CRC-32C stays: header, manifest
+    and every unkeyed checksum are then untouched and still match."""
+    (path,) = Path(step_path(ckpt, step)).glob("*.safetensors")
+    data = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    first = min((v["data_offsets"][0], k) for k, v in header.items() if k != "__metadata__")
+    assert first[0] == 0 and header["__metadata__"].get("mac:" + first[1])
+    begin = 8 + n
+    block = bytes(data[begin : begin + (16 << 10)])
+    changed = bytes(a ^ b for a, b in zip(block, crc_preserving_delta(len(block)), strict=True))
+    assert crc32c.crc32c(changed) == crc32c.crc32c(block) and changed != block
+    data[begin : begin + len(block)] = changed
+    path.write_bytes(bytes(data))
+
+
+def test_a_sealed_step_loads_with_its_key_and_a_reshard_reads_what_it_did_unsealed(tmp_path, key):
+    sealed, plain = str(tmp_path / "sealed"), str(tmp_path / "plain")
+    save(sealed, 3, key)
+    save(plain, 3, None)
+    raw = json.loads(manifest_path(sealed, 3).read_text())
+    assert raw["seal"]["alg"] == "hmac-sha256" and raw["seal"]["key_id"] == key_id(key)
+    assert "seal" not in json.loads(manifest_path(plain, 3).read_text())
+    step, got = load(sealed, key)
+    assert step == 3 and torch.equal(got, W)
+    assert torch.equal(load(sealed, None)[1], W)  # without the key: the CRCs, as ever
+    # A region of rows (a reshard): the same blocks are read with and without the key.
+    reads = []
+    for ckpt, k in ((sealed, key), (plain, None)):
+        part = torch.zeros(40, 64)
+        info = ShardInfo(name="w", global_shape=SHAPE, offsets=(100, 0), sizes=(40, 64))
+        c = load_latest(ckpt, model={"w": (part, info)}, key=k)
+        assert torch.equal(part, W[100:140])
+        reads.append(c.stats.bytes_read - sum(h.data_start for h in c._handles.values()))
+        c.close()
+    assert reads[0] == reads[1] < W.numel() * 4  # the blocks of rows 100-139, no more
+    with CheckpointFiles.open(step_path(sealed, 3), key=key) as f:
+        assert list(verify(f)) == []
+
+
+def test_a_block_changed_with_its_crc_kept_loads_without_the_key_and_is_refused_with_it(
+    tmp_path, key
+):
+    ckpt = str(tmp_path / "ckpt")
+    save(ckpt, 3, key)
+    save(ckpt, 6, key, W + 1)
+    tamper_first_block(ckpt, 6)
+    # Without the key, what an unkeyed checkpoint always was: the change goes unseen.
+    step, got = load(ckpt, None)
+    assert step == 6 and not torch.equal(got, W + 1)
+    # With it: refused at the block, and the load falls back to step 3, recorded.
+    warned: list[str] = []
+    step, got = load(ckpt, key, warn=warned.append)
+    assert step == 3 and torch.equal(got, W)
+    assert "MAC mismatch (changed after it was sealed)" in warned[0], warned
+    assert 6 in read_unloadable(ckpt)
+    with CheckpointFiles.open(step_path(ckpt, 6), key=key) as f:
+        problems = list(verify(f))
+    assert len(problems) == 1 and "MAC mismatch" in problems[0], problems
+    with CheckpointFiles.open(step_path(ckpt, 6)) as f:
+        assert list(verify(f)) == []  # no key: nothing to see
+
+
+def test_a_manifest_changed_and_resealed_without_the_key_is_refused(tmp_path, key):
+    ckpt = str(tmp_path / "ckpt")
+    save(ckpt, 3, key)
+    save(ckpt, 6, key)
+    raw = json.loads(manifest_path(ckpt, 6).read_text())
+    raw["consumed_samples"] = 10**6
+    reseal_unkeyed(ckpt, 6, raw)
+    with pytest.raises(CorruptCheckpointError, match="seal does not match its content"):
+        CheckpointFiles.open(step_path(ckpt, 6), key=key)
+    assert load(ckpt, key)[0] == 3
+    # Dropping the seal instead makes it an unsealed step: passed over, not recorded.
+    raw.pop("seal")
+    reseal_unkeyed(ckpt, 6, raw)
+    with pytest.raises(SealError, match="not sealed"):
+        CheckpointFiles.open(step_path(ckpt, 6), key=key)
+
+
+def test_a_planted_unsealed_step_is_passed_over_and_never_heads_retention(tmp_path, key):
+    ckpt, elsewhere = str(tmp_path / "ckpt"), str(tmp_path / "elsewhere")
+    save(ckpt, 3, key)
+    save(ckpt, 6, key)
+    save(elsewhere, 9, None, W * 0)
+    shutil.copytree(step_path(elsewhere, 9), step_path(ckpt, 9))
+    raw = json.loads(manifest_path(ckpt, 9).read_text())
+    raw["commit"] = 10**15  # claims to be the newest commit
+    reseal_unkeyed(ckpt, 9, raw)
+    assert load_order(ckpt)[0] == 9  # unkeyed, the plant heads the lineage
+    assert load_order(ckpt, key)[:2] == [6, 3] and commit_numbers(ckpt, key)[9] == 0
+    warned: list[str] = []
+    step, got = load(ckpt, key, warn=warned.append)
+    assert step == 6 and torch.equal(got, W) and not warned  # never tried before 6
+    assert prune(ckpt, keep=1, key=key) == [9, 3]  # the plant first, as abandoned
+    assert os.path.isdir(step_path(ckpt, 6))
+
+
+def test_a_key_on_a_directory_of_unsealed_steps_stops_with_a_hint_and_records_nothing(
+    tmp_path, key
+):
+    ckpt = str(tmp_path / "ckpt")
+    save(ckpt, 3, None)
+    save(ckpt, 6, None)
+    with pytest.raises(CorruptCheckpointError) as info:
+        load(ckpt, key)
+    text = str(info.value)
+    assert "not sealed (saved without a key)" in text and "none is sealed with the key" in text
+    assert read_unloadable(ckpt) == {}  # nothing recorded: they are good steps
+    assert load(ckpt, None)[0] == 6
+
+
+def test_another_keys_step_names_both_key_ids(tmp_path, key):
+    ckpt = str(tmp_path / "ckpt")
+    other = b"k" * 32
+    save(ckpt, 3, other)
+    with pytest.raises(SealError) as info:
+        CheckpointFiles.open(step_path(ckpt, 3), key=key)
+    assert key_id(other) in str(info.value) and key_id(key) in str(info.value)
+
+
+def test_key_files_open_to_others_short_or_missing_are_refused(tmp_path):
+    path = tmp_path / "key"
+    kid = write_new_key(str(path))
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert key_id(read_key(str(path))) == kid
+    with pytest.raises(KeyFileError, match="File exists"):
+        write_new_key(str(path))  # never over an existing key
+    os.chmod(path, 0o640)
+    with pytest.raises(KeyFileError, match="chmod 600"):
+        read_key(str(path))
+    short = tmp_path / "short"
+    short.write_text("too short\n")
+    os.chmod(short, 0o600)
+    with pytest.raises(KeyFileError, match="fewer than 32"):
+        read_key(str(short))
+    with pytest.raises(KeyFileError, match="No such file"):
+        read_key(str(tmp_path / "missing"))
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "elasticd", "ckpt", *args],
+        capture_output=True, text=True, cwd=REPO, timeout=120,
+    )  # fmt: skip
+
+
+def one_line_error(r: subprocess.CompletedProcess) -> str:
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    return lines[0]
+
+
+def test_the_cli_makes_keys_checks_seals_and_refuses_in_one_line(tmp_path):
+    path, ckpt = tmp_path / "key", str(tmp_path / "ckpt")
+    r = cli("keygen", str(path))
+    assert r.returncode == 0 and "key id" in r.stdout, r.stderr
+    assert "File exists" in one_line_error(cli("keygen", str(path)))
+    key = read_key(str(path))
+    save(ckpt, 3, key)
+    r = cli("verify", ckpt, "--key-file", str(path))
+    assert r.returncode == 0 and "every MAC checked" in r.stdout, r.stderr
+    r = cli("verify", ckpt)
+    assert r.returncode == 0 and "not checked (no --key-file)" in r.stdout, r.stderr
+    r = cli("ls", ckpt)
+    assert f"sealed ({key_id(key)})" in r.stdout, r.stdout
+    tamper_first_block(ckpt, 3)
+    assert "MAC mismatch" in one_line_error(cli("verify", ckpt, "--key-file", str(path)))
+    assert "MAC mismatch" in one_line_error(
+        cli("export", ckpt, str(tmp_path / "out"), "--key-file", str(path))
+    )
+    os.chmod(path, 0o644)
+    assert "chmod 600" in one_line_error(cli("verify", ckpt, "--key-file", str(path)))
+
+
+def test_the_trainer_seals_with_the_jobs_key_and_resumes_only_from_sealed_steps(tmp_path, capsys):
+    from trainer.__main__ import main as trainer_main
+
+    keyfile = tmp_path / "key"
+    write_new_key(str(keyfile))
+    out = tmp_path / "out"
+
+    def run(steps: int, *extra: str) -> int:
+        args = [str(REPO / "examples" / "tiny.yaml"), "--set", f"output_dir={out}",
+                "--set", f"train.steps={steps}", "--set", "checkpoint.every=2"]  # fmt: skip
+        for o in extra:
+            args += ["--set", o]
+        return trainer_main(args, env={"RANK": "0", "WORLD_SIZE": "1"})
+
+    # Unsealed steps, then the key: the resume stops in one line, nothing recorded.
+    assert run(2) == 0
+    capsys.readouterr()
+    assert run(4, f"checkpoint.key_file={keyfile}") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "none is sealed with the key" in err, err
+    assert read_unloadable(str(out / "ckpt")) == {}
+    # Started over with the key: sealed saves, and a resume from them.
+    shutil.rmtree(out)
+    assert run(2, f"checkpoint.key_file={keyfile}") == 0
+    raw = json.loads(manifest_path(str(out / "ckpt"), 2).read_text())
+    assert raw["seal"]["key_id"] == key_id(read_key(str(keyfile)))
+    capsys.readouterr()
+    assert run(4, f"checkpoint.key_file={keyfile}") == 0
+    assert "resum" in capsys.readouterr().out
+    assert json.loads(manifest_path(str(out / "ckpt"), 4).read_text())["seal"]
+    # A key file that others may read is the job's error, one line.
+    os.chmod(keyfile, 0o644)
+    assert run(6, f"checkpoint.key_file={keyfile}") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "chmod 600" in err, err
