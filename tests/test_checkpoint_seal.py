@@ -305,3 +305,38 @@ def test_the_trainer_seals_with_the_jobs_key_and_resumes_only_from_sealed_steps(
     assert run(6, f"checkpoint.key_file={keyfile}") == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "chmod 600" in err, err
+
+
+def _save_two_ranks(rank: int, world: int, store: str, ckpt: str, key: bytes) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    rows = SHAPE[0] // world
+    info = ShardInfo(name="w", global_shape=SHAPE, offsets=(rank * rows, 0), sizes=(rows, 64))
+    saver = Saver(ckpt, group=dist.group.WORLD, options=SaveOptions(async_=True, key=key))
+    saver.save(step=5, consumed_samples=20, model={"w": (W[rank * rows :][:rows].clone(), info)})
+    saver.close()
+    dist.destroy_process_group()
+
+
+def test_two_writers_seal_one_step_that_loads_whole_and_verifies_with_the_key(tmp_path, key):
+    import torch.multiprocessing as mp
+
+    ckpt = str(tmp_path / "ckpt")
+    mp.spawn(_save_two_ranks, args=(2, str(tmp_path / "store"), ckpt, key), nprocs=2, join=True)
+    files = sorted(Path(step_path(ckpt, 5)).glob("*.safetensors"))
+    assert len(files) == 2  # each rank wrote its rows, each file with its MACs
+    step, got = load(ckpt, key)
+    assert step == 5 and torch.equal(got, W)
+    with CheckpointFiles.open(step_path(ckpt, 5), key=key) as f:
+        assert list(verify(f)) == []
+    # The second writer's file changed with its CRCs kept: the block names it.
+    data = bytearray(files[1].read_bytes())
+    (n,) = struct.unpack("<Q", data[:8])
+    block = bytes(data[8 + n : 8 + n + (16 << 10)])
+    mask = crc_preserving_delta(len(block))
+    data[8 + n : 8 + n + len(block)] = bytes(a ^ b for a, b in zip(block, mask, strict=True))
+    files[1].write_bytes(bytes(data))
+    with CheckpointFiles.open(step_path(ckpt, 5), key=key) as f:
+        problems = list(verify(f))
+    assert len(problems) == 1 and files[1].name in problems[0] and "MAC" in problems[0], problems
