@@ -340,3 +340,24 @@ def test_two_writers_seal_one_step_that_loads_whole_and_verifies_with_the_key(tm
     with CheckpointFiles.open(step_path(ckpt, 5), key=key) as f:
         problems = list(verify(f))
     assert len(problems) == 1 and files[1].name in problems[0] and "MAC" in problems[0], problems
+
+
+def test_a_jobs_key_file_is_resolved_and_a_bad_one_stops_elasticd_run_in_one_line(tmp_path):
+    from elasticd.errors import JobSpecError
+    from elasticd.jobspec import load_job
+
+    job = load_job(str(REPO / "examples" / "tiny.yaml"), ["checkpoint.key_file=keys/k"])
+    assert job.with_paths_resolved(tmp_path).checkpoint.key_file == str(tmp_path / "keys" / "k")
+    with pytest.raises(JobSpecError, match=r"checkpoint\.key_file"):
+        load_job(str(REPO / "examples" / "tiny.yaml"), ['checkpoint.key_file=""'])
+    keyfile = tmp_path / "key"
+    write_new_key(str(keyfile))
+    os.chmod(keyfile, 0o604)
+    r = subprocess.run(
+        [sys.executable, "-m", "elasticd", "run", str(REPO / "examples" / "tiny.yaml"),
+         "--set", f"output_dir={tmp_path / 'out'}", "--set", f"checkpoint.key_file={keyfile}"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=120,
+    )  # fmt: skip
+    line = one_line_error(r)
+    assert "tiny.yaml: checkpoint.key_file:" in line and "chmod 600" in line, line
+    assert not (tmp_path / "out").exists()  # refused before anything started
