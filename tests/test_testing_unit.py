@@ -424,3 +424,43 @@ def test_the_marker_takes_only_a_timeout(monkeypatch):
     assert _timeout(Item(pytest.mark.elasticd(timeout=7).mark)) == 7.0
     with pytest.raises(pytest.UsageError, match=r"takes only timeout= \(got timout\)"):
         _timeout(Item(pytest.mark.elasticd(timout=7).mark))
+
+
+def test_a_script_jobs_fault_past_the_steps_it_names_is_refused_before_the_run(
+    tmp_path, monkeypatch
+):
+    """A script job's fault past train.steps was only found after the whole run (the
+    script trained its steps and exited 0, the fault unfired). Where the job names its
+    steps (script_job's steps=, a dict's or job file's train.steps) it is refused up front;
+    where it leaves them to the default, that says nothing of what the script trains."""
+    from elasticd import localcluster
+    from elasticd.jobspec import load_job
+    from elasticd.testing import Cluster
+
+    script = tmp_path / "train.py"
+    script.write_text("")
+    cluster = Cluster(base=str(tmp_path / "base"))
+    says = (r"^faults: kill-node=1@step=6: step 6 is past the job's last step \(train\.steps: "
+            r"4; a script that trains more steps than that: say how many, "
+            r"script_job\(\.\.\., steps=N\)\)$")  # fmt: skip
+    named = tmp_path / "named.yaml"
+    named.write_text(f"name: s\ncommand: [python, {script}]\ntrain: {{steps: 4}}\n")
+    for job in (cluster.script_job(script, steps=4), str(named)):
+        with pytest.raises(UsageError, match=says):
+            cluster.run(job, nodes=2, faults=["kill-worker=0@step=2", "kill-node=1@step=6"])
+    with pytest.raises(UsageError, match=r"^faults: kill-node=1@step=6: step 6 is past the "
+                       r"job's last step \(train\.steps: 4\)$"):  # fmt: skip
+        cluster.run(cluster.builtin_job(train={"steps": 4}), nodes=2, faults="kill-node=1@step=6")
+    assert cluster.runs == [] and not (tmp_path / "base").exists()
+
+    def fake_run_cluster(spec, **kw):  # what run() would start, captured (pure logic)
+        raise RuntimeError("not started")
+
+    monkeypatch.setattr(localcluster, "run_cluster", fake_run_cluster)
+    unnamed = tmp_path / "unnamed.yaml"
+    unnamed.write_text(f"name: s\ncommand: [python, {script}]\n")
+    for job, fault in ((str(unnamed), "kill-node=1@step=30"),  # the default's 20: unknown
+                       (load_job(str(named)), "kill-node=1@step=30"),  # a JobSpec cannot say
+                       (cluster.script_job(script, steps=4), "kill-node=1@step=4")):  # fmt: skip
+        with pytest.raises(RuntimeError, match="not started"):
+            cluster.run(job, nodes=2, faults=fault)

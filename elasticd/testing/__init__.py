@@ -385,6 +385,19 @@ def _job_dict(job: Any) -> dict[str, Any]:
     raise UsageError(f"job: expected a dict, a JobSpec or a path, not {type(job).__name__}")
 
 
+def _names_steps(job: Any) -> bool:
+    """Whether ``job`` as given names ``train.steps`` itself (a dict, or a job file that
+    writes it) rather than leaving it to the default: a script job's faults are checked
+    against it before the run. A JobSpec cannot say (its default looks like a choice)."""
+    from elasticd.jobspec import JobSpec, load_raw
+
+    if isinstance(job, JobSpec):
+        return False
+    raw = load_raw(os.fspath(job)) if isinstance(job, (str, os.PathLike)) else job
+    train = raw.get("train") if isinstance(raw, Mapping) else None
+    return isinstance(train, Mapping) and "steps" in train
+
+
 @dataclass(kw_only=True)
 class Cluster:
     """The ``elasticd_cluster`` fixture: runs jobs on fresh local clusters under ``base``."""
@@ -416,7 +429,8 @@ class Cluster:
         **overrides: Any,
     ) -> dict[str, Any]:
         """A job running ``python script args...`` on every rank; ``train.steps`` is
-        what the script should train (it reads it from ``ELASTICD_JOB_FILE`` if it wants)."""
+        what the script should train (it reads it from ``ELASTICD_JOB_FILE`` if it wants):
+        :meth:`run` refuses a fault past it."""
         path = os.path.abspath(os.fspath(script))
         if not os.path.isfile(path):
             where = "" if os.path.isabs(os.fspath(script)) else (
@@ -485,6 +499,16 @@ class Cluster:
                        steps=spec.train.steps if spec.command is None else None)  # fmt: skip
         except UsageError as exc:
             raise UsageError(str(exc).replace("--fault ", "faults: ", 1)) from None
+        if spec.command is not None and _names_steps(job):
+            # A script may train steps of its own, but this job says how many it trains: a
+            # fault past them would be found, unfired, only once the whole run is over.
+            for fault in parsed:
+                if fault.step > spec.train.steps:
+                    raise UsageError(
+                        f"faults: {fault}: step {fault.step} is past the job's last step "
+                        f"(train.steps: {spec.train.steps}; a script that trains more steps "
+                        "than that: say how many, script_job(..., steps=N))"
+                    )
         hang = spec.restart.hang_timeout
         for fault, text in zip(parsed, faults, strict=True):
             if fault.kind == "hang-worker" and hang >= limit:
