@@ -271,6 +271,21 @@ def _signal_same(pid: int, start: int | None, sig: int) -> bool:
     return True
 
 
+def _stop_tree(root: int) -> list[tuple[int, int | None]]:
+    """SIGSTOP ``root`` and every process under it; returns each one's (pid, start time)."""
+    stopped = [(root, _start_time(root))]
+    _signal(root, signal.SIGSTOP)  # first, so it starts no new worker meanwhile
+    # A worker may have been forking while we looked; look again until nothing is new.
+    for _ in range(5):
+        new = [p for p in descendants(root) if p not in {q for q, _ in stopped}]
+        if not new:
+            break
+        for pid in new:
+            stopped.append((pid, _start_time(pid)))
+            _signal(pid, signal.SIGSTOP)
+    return stopped
+
+
 class _Timer:
     """One long-lived thread that starts delayed actions (thaws, etcd restarts) when due,
     each on a thread of its own, so that an etcd member slow to come back does not hold
@@ -366,6 +381,9 @@ class LocalCluster:
     """Serialises starting and stopping etcd members (the timer's restarts, an outage)."""
     _closing: bool = False
     """Set by stop(): a pending restart must not start an etcd nobody will stop."""
+    kill_on_error: bool = False
+    """An exception out of the cluster's ``with`` block (a test's timeout, Ctrl-C) ends it
+    with ``stop(kill=True)``: nobody waits for that run's workers to save."""
 
     @property
     def endpoint(self) -> str:
@@ -519,16 +537,7 @@ class LocalCluster:
         with self.lock:
             if index in self._frozen:
                 raise UsageError(f"node {index} is frozen already")
-            frozen = [(agent.pid, _start_time(agent.pid))]
-            _signal(agent.pid, signal.SIGSTOP)  # first, so it starts no new worker meanwhile
-            # A worker may have been forking while we looked; look again until nothing is new.
-            for _ in range(5):
-                new = [p for p in descendants(agent.pid) if p not in {q for q, _ in frozen}]
-                if not new:
-                    break
-                for pid in new:
-                    frozen.append((pid, _start_time(pid)))
-                    _signal(pid, signal.SIGSTOP)
+            frozen = _stop_tree(agent.pid)
             self._frozen[index] = frozen
         pids = [pid for pid, _ in frozen]
         if not _await_stopped(pids):
@@ -670,11 +679,31 @@ class LocalCluster:
             raise UsageError(f"there is no node {index}")
         return index
 
-    def stop(self, grace: float = 20.0) -> None:
-        """Thaw frozen nodes, SIGTERM every agent, wait, SIGKILL stragglers, stop etcd."""
+    def stop(self, grace: float = 20.0, *, kill: bool = False) -> None:
+        """Thaw frozen nodes, SIGTERM every agent, wait, SIGKILL stragglers, stop etcd.
+
+        An agent's SIGTERM is a preemption: it gives its workers ``restart.grace_period``
+        (30 s) to save, and a script that trains on through it holds the stop for all of
+        ``grace``. ``kill``: SIGKILL every agent and every process under it at once
+        instead (a run given up on: its saves are of no use to anyone)."""
         with self._etcd_lock:
             self._closing = True
         self._timer.close()  # pending thaws run just below; pending etcd restarts are moot
+        if kill:
+            self._kill_agents()
+        else:
+            self._stop_agents(grace)
+        # Workers need no sweep: each carries a parent-death SIGKILL, which reaches even a
+        # SIGSTOPped one. (Killing pids from workers.json here could hit a reused pid.)
+        from elasticd.etcd import release_ports
+
+        release_ports(self._port_holds)
+        if self.etcd is not None:
+            with self._etcd_lock:
+                self.etcd.stop()
+            self.etcd = None
+
+    def _stop_agents(self, grace: float) -> None:
         with self.lock:
             frozen = list(self._frozen)
         for index in frozen:
@@ -689,21 +718,25 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 _signal(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=10)
-        # Workers need no sweep: each carries a parent-death SIGKILL, which reaches even a
-        # SIGSTOPped one. (Killing pids from workers.json here could hit a reused pid.)
-        from elasticd.etcd import release_ports
 
-        release_ports(self._port_holds)
-        if self.etcd is not None:
-            with self._etcd_lock:
-                self.etcd.stop()
-            self.etcd = None
+    def _kill_agents(self) -> None:
+        """Each live agent's whole tree stopped first (it starts nothing meanwhile), then
+        SIGKILLed: its workers, and what they started (which no parent-death signal of
+        theirs covers), go with it, frozen or not."""
+        for proc in self.agents:
+            if proc.poll() is None:
+                for pid, start in _stop_tree(proc.pid):
+                    _signal_same(pid, start, signal.SIGKILL)
+        with self.lock:
+            self._frozen.clear()
+        for proc in self.agents:
+            proc.wait(timeout=10)
 
     def __enter__(self) -> LocalCluster:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        self.stop(kill=self.kill_on_error and exc_type is not None)
 
 
 # -- metrics.jsonl ------------------------------------------------------------------------------
@@ -857,6 +890,7 @@ def run_cluster(
     env: Mapping[str, str] | None = None,
     progress: Any = None,
     metrics: bool = False,
+    kill_on_error: bool = False,
 ) -> dict[str, Any]:
     """Start the cluster, submit ``job``, inject ``faults`` (a list, fired by step or by
     the workers at a phase, or an object with ``due(RunView) -> list[Fault]`` and
@@ -865,6 +899,8 @@ def run_cluster(
     line (``show(record)``, ``say(text)`` for the lines above it, ``close()``; the CLI's
     on a terminal); without it, ``out`` gets a plain line per change. ``metrics``: each
     agent serves Prometheus metrics (and /healthz) on a free port, named in ``out``.
+    ``kill_on_error``: an exception that ends the run early (a test's timeout) SIGKILLs the
+    agents and all under them rather than waiting out their workers' preemption grace.
 
     Returns the job's final record as a dict, with ``faults`` (each injected fault's record,
     both ends of the timed ones) and ``metrics`` (the records this run appended).
@@ -887,7 +923,8 @@ def run_cluster(
     tail = MetricsTail.at_end(os.path.join(job.out_dir, "metrics.jsonl"))
     records: list[dict] = []
     cluster = LocalCluster(base_dir=base, nproc=job.nproc_per_node, etcd_members=etcd_members,
-                           env=agents_env, metrics=metrics)  # fmt: skip
+                           env=agents_env, metrics=metrics,
+                           kill_on_error=kill_on_error)  # fmt: skip
     record, timed_out, step, announced = None, False, 0, 0
     final_out = out
     if progress is not None:

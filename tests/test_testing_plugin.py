@@ -98,6 +98,52 @@ def test_a_test_that_times_out_leaves_no_process_and_no_directory_behind(pyteste
     nothing_left(pytester)
 
 
+STUBBORN = """
+import os, subprocess, sys, time
+from elasticd.worker import WorkerChannel
+
+channel = WorkerChannel.from_env()
+channel.install_preemption_handler()  # SIGTERM only sets a flag: this script never asks it
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+with open(sys.argv[1], "a") as fh:
+    fh.write(f"{os.getpid()} {child.pid}\\n")
+step = 0
+while True:
+    step += 1
+    time.sleep(0.2)
+    channel.record(step=step, loss=1.0)
+"""
+
+
+def test_a_test_that_times_out_is_torn_down_at_once_with_what_its_workers_started(pytester):
+    """A test's timeout stopped its cluster as a preemption: each agent gave its workers
+    restart.grace_period (30 s) to save, and a script that trains on through its SIGTERM
+    held the teardown for LocalCluster.stop's 20 s grace. Now the agents and all under
+    them are killed at once, the processes the script started too."""
+    script = pytester.path / "stubborn.py"
+    script.write_text(STUBBORN)
+    started = pytester.path / "started"
+    pytester.makepyfile(
+        test_stubborn=f"""
+        import pytest
+
+        @pytest.mark.timeout(30)
+        def test_never_ends_in_time(elasticd_cluster):
+            job = elasticd_cluster.script_job({str(script)!r}, {str(started)!r}, steps=100000)
+            elasticd_cluster.run(job, nodes=2)
+        """
+    )
+    res = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--durations=0")
+    res.assert_outcomes(failed=1)  # and no teardown error: nothing was left to kill
+    res.stdout.fnmatch_lines(["*Timeout*"])
+    pids = [int(p) for line in started.read_text().splitlines() for p in line.split()]
+    assert len(pids) == 4, "both workers and their children ran before the timeout"
+    (call,) = [float(line.split("s ")[0]) for line in res.stdout.lines
+               if line.endswith("call     test_stubborn.py::test_never_ends_in_time")]  # fmt: skip
+    assert call < 30 + 10, f"the teardown took {call - 30:.1f} s after the timeout"
+    nothing_left(pytester)
+
+
 def test_a_failure_whose_traceback_has_an_entry_without_a_line_is_reported(pytester):
     # A timeout's signal (pytest-timeout's, which the plugin arms for every cluster test)
     # can land on an instruction with no line number, such as an except clause's cleanup:

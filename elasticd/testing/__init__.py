@@ -521,8 +521,10 @@ class Cluster:
         out = io.StringIO()
         agents_env = {**os.environ, **self.env, **(env or {}), ENV_TEST_BASE: self.base}
         agents_env.setdefault("OMP_NUM_THREADS", "1")
-        final = run_cluster(spec, nodes=nodes, faults=parsed,
-                            timeout=limit, out=out, env=agents_env)  # fmt: skip
+        # A test's timeout (pytest-timeout) raises in here: SIGKILL, not a preemption that
+        # waits up to 20 s for workers to save what the teardown deletes.
+        final = run_cluster(spec, nodes=nodes, faults=parsed, timeout=limit, out=out,
+                            env=agents_env, kill_on_error=True)  # fmt: skip
         result = result_from(final, run_dir=spec.out_dir, output=out.getvalue())
         self.runs.append(result)
         if result.unfired and not allow_unfired:
