@@ -485,6 +485,28 @@ class LocalCluster:
         except (OSError, ValueError, KeyError):
             return {}
 
+    def running_workers(self) -> list[dict[str, Any]]:
+        """The workers of live agents that have not exited (stopped ones included), in
+        rank order: ``rank``, ``node`` (its index), ``pid``, ``log`` (the file its output
+        goes to, from /proc: a carried or warm worker logs on in the file it started with)
+        and ``size`` (the log's now; 0 and ``log`` None when it cannot be read)."""
+        out = []
+        for index, agent in enumerate(self.agents):
+            if agent.poll() is not None:
+                continue
+            for rank, pid in self.worker_pids(index).items():
+                fields = _stat(pid)
+                # Still the agent's child (workers.json outlives its round: a pid reused).
+                if fields is None or fields[0] in ("Z", "X") or fields[1] != str(agent.pid):
+                    continue
+                try:
+                    path = os.readlink(f"/proc/{pid}/fd/1")
+                    size = os.path.getsize(path)
+                except OSError:
+                    path, size = None, 0
+                out.append({"rank": rank, "node": index, "pid": pid, "log": path, "size": size})
+        return sorted(out, key=lambda w: w["rank"])
+
     # -- node and worker faults ---------------------------------------------------------------
 
     def dump_stacks(self, settle: float = 1.0) -> int:
@@ -903,7 +925,9 @@ def run_cluster(
     agents and all under them rather than waiting out their workers' preemption grace.
 
     Returns the job's final record as a dict, with ``faults`` (each injected fault's record,
-    both ends of the timed ones) and ``metrics`` (the records this run appended).
+    both ends of the timed ones) and ``metrics`` (the records this run appended); after a
+    timeout also ``timed_out`` (the seconds) and ``unfinished`` (the workers still running
+    then, :meth:`LocalCluster.running_workers`).
     """
     from elasticd.etcd import connect
     from elasticd.faultplan import ENV_PLAN, PlanSource, worker_side, write_plan
@@ -980,6 +1004,10 @@ def run_cluster(
                 if time.monotonic() > deadline:
                     timed_out = True
                     reason = f"timed out after {timeout:g} s"
+                    # Before the stacks: each log's size says what it printed until now.
+                    unfinished = cluster.running_workers()
+                    ranks = ", ".join(f"{w['rank']} (node-{w['node']})" for w in unfinished)
+                    out.write(f"ranks still running at the timeout: {ranks or 'none'}\n")
                     dumped = cluster.dump_stacks()
                     out.write(f"{dumped} agents and workers printed their stacks into their logs\n")
                     with contextlib.suppress(ElasticdError):
@@ -998,6 +1026,7 @@ def run_cluster(
     final = record.to_dict() if record is not None else {"name": job.name, "state": "unknown"}
     if timed_out:
         final["timed_out"] = timeout
+        final["unfinished"] = unfinished
     # A fault that never fired is said, never dropped: a fault test whose fault missed
     # (no step S, no rank reaching the phase) must not pass as if it had survived it.
     for fault, why in getattr(source, "unfired", lambda: [])():

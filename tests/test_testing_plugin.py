@@ -358,3 +358,47 @@ def test_the_docs_plain_script_leaves_at_a_preemption_and_loses_no_step(elasticd
     result.assert_losses_match(elasticd_cluster.reference(job, nodes=2))
     (recovery,) = result.recoveries
     assert (recovery.reason, recovery.source) == ("preempted", "checkpoint"), recovery
+
+
+STUCK = """
+import os, sys, time
+
+rank = int(os.environ["RANK"])
+for i in range(1, 9):
+    print(f"rank {rank} line {i}", flush=True)
+if rank == 0:
+    sys.exit(0)  # finished: not a rank to name
+print("x" * 500, flush=True)
+print("rank 1 waits for a lock that never comes", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.elasticd(timeout=200)
+def test_a_run_that_times_out_names_the_ranks_still_running_and_quotes_their_logs(
+    elasticd_cluster, tmp_path
+):
+    """A run that timed out said only "outcome timed_out": where it hung was in some
+    rank's log, somewhere in a run dir the teardown then deleted."""
+    from elasticd.testing import ElasticdAssertionError
+
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK)
+    job = elasticd_cluster.script_job(str(script), steps=5)
+    result = elasticd_cluster.run(job, nodes=1, nproc_per_node=2, timeout=30)
+    assert result.outcome == "timed_out", result.describe()
+    assert [w["rank"] for w in result.unfinished] == [1], result.unfinished
+    with pytest.raises(ElasticdAssertionError) as info:
+        result.assert_succeeded()
+    lines = str(info.value).splitlines()
+    head = "  rank 1 (node-0) had not finished; the last lines of its log (logs/"
+    (at,) = [i for i, line in enumerate(lines) if line.startswith(head)]
+    assert lines[at].endswith("/round-1/rank-1.log) before the timeout:"), lines[at]
+    assert lines[at + 1 : at + 6] == [  # the last five, a long one cut short
+        "    | rank 1 line 6",
+        "    | rank 1 line 7",
+        "    | rank 1 line 8",
+        "    | " + "x" * 157 + "...",
+        "    | rank 1 waits for a lock that never comes",
+    ], lines[at:]
+    assert "rank 0 (node-0)" not in str(info.value)

@@ -87,6 +87,13 @@ class ElasticdAssertionError(AssertionError):
 FAILURES_SHOWN = 3
 """The last failures :meth:`RunResult.describe` names (each a worker's own error line)."""
 
+UNFINISHED_SHOWN = 4
+"""The ranks still running at a timeout whose logs :meth:`RunResult.describe` quotes."""
+LOG_TAIL_LINES = 5
+"""How many of their last log lines it quotes (those printed before the timeout)."""
+LOG_TAIL_WIDTH = 160
+"""Characters of each quoted line (a longer one is cut)."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Recovery:
@@ -130,6 +137,10 @@ class RunResult:
     """The job's final status record, with its ``history``."""
     run_id: str = ""
     """The run's id: its worker logs are under ``logs/<run_id>/``."""
+    unfinished: list[dict[str, Any]] = field(default_factory=list)
+    """When the run timed out: the workers still running then, in rank order (``rank``,
+    ``node``, ``pid``, ``log``: the file its output went to, ``size``: that file's size
+    at the timeout)."""
 
     @property
     def unfired(self) -> list[dict[str, Any]]:
@@ -178,6 +189,8 @@ class RunResult:
         if not self.records:
             lines.append("  no step was recorded (a script reports each step with "
                          "channel.record; the built-in trainer does)")  # fmt: skip
+        if self.outcome == "timed_out":
+            lines += self._unfinished_lines()
         lines += [f"  fault {f.get('fault')}: {f.get('detail')}" for f in self.faults]
         lines += [f"  recovery round {r.round}: {r.reason}, {r.mode} from {r.source}, "
                   f"{r.seconds:.2f} s, lost {r.lost_steps}" for r in self.recoveries]  # fmt: skip
@@ -187,6 +200,28 @@ class RunResult:
         lines += [f"  failure round {e.get('round')} on {e.get('node')}: {e.get('reason')}: "
                   f"{e.get('detail', '')}" for e in failures[-FAILURES_SHOWN:]]  # fmt: skip
         return "\n".join(lines)
+
+    def _unfinished_lines(self) -> list[str]:
+        """Which ranks never finished, each with the last lines it printed before the
+        timeout (where it hung, without a look through the run dir)."""
+        if not self.unfinished:
+            return ["  no worker was running at the timeout (the agents' logs: "
+                    "cluster/agent-*.log)"]  # fmt: skip
+        lines = []
+        for w in self.unfinished[:UNFINISHED_SHOWN]:
+            path, size = w.get("log"), int(w.get("size") or 0)
+            tail, after = _log_tail(path, size)
+            name = os.path.relpath(path, self.run_dir) if path else "?"
+            lines.append(f"  rank {w['rank']} (node-{w['node']}) had not finished; the last "
+                         f"lines of its log ({name}) before the timeout:")  # fmt: skip
+            lines += [f"    | {line}" for line in tail] or ["    (it had printed nothing)"]
+            if after:
+                lines.append(f"    (the log goes on after the timeout: {after} bytes, the "
+                             "rank's stacks if it prints them)")  # fmt: skip
+        rest = [str(w["rank"]) for w in self.unfinished[UNFINISHED_SHOWN:]]
+        if rest:
+            lines.append(f"  ranks {', '.join(rest)} had not finished either")
+        return lines
 
     # -- assertions (each also a module-level function) --------------------------------------
 
@@ -276,6 +311,31 @@ class RunResult:
         return self
 
 
+def _log_tail(path: str | None, size: int) -> tuple[list[str], int]:
+    """The last :data:`LOG_TAIL_LINES` lines of the first ``size`` bytes of ``path``, each
+    cut to :data:`LOG_TAIL_WIDTH` characters, and how many bytes the file has beyond them;
+    an unreadable file is one line saying so."""
+    if not path:
+        return ["(its log could not be found)"], 0
+    try:
+        with open(path, "rb") as fh:
+            start = max(0, size - 64 * 1024)  # plenty for a few lines
+            fh.seek(start)
+            data = fh.read(size - start)
+            after = max(0, os.fstat(fh.fileno()).st_size - size)
+    except OSError as exc:
+        return [f"(its log cannot be read: {exc.strerror or exc})"], 0
+    text = data.decode("utf-8", errors="replace")
+    lines = [line.rstrip() for line in text.splitlines()]
+    if start:
+        lines = lines[1:]  # the first may be the end of a longer one
+    while lines and not lines[-1]:
+        lines.pop()
+    cut = LOG_TAIL_WIDTH - 3
+    return [line if len(line) <= LOG_TAIL_WIDTH else line[:cut] + "..."
+            for line in lines[-LOG_TAIL_LINES:]], after  # fmt: skip
+
+
 def _table(rows: list[tuple[int, str, Any, Any, float]], limit: int = 20) -> str:
     def fmt(v: Any) -> str:
         return "-" if v is None else f"{float(v):.8g}"
@@ -343,7 +403,7 @@ def result_from(final: Mapping[str, Any], *, run_dir: str, output: str) -> RunRe
         outcome=outcome, reason=str(final.get("reason", "")),
         records=[last[s] for s in sorted(last)], worlds=worlds, recoveries=recoveries,
         faults=list(final.get("faults", [])), run_dir=run_dir, output=output, status=status,
-        run_id=str(final.get("run_id") or ""),
+        run_id=str(final.get("run_id") or ""), unfinished=list(final.get("unfinished", [])),
     )  # fmt: skip
 
 
