@@ -388,13 +388,28 @@ def test_bf16_zero1_loses_a_node_and_the_dead_ranks_rows_come_from_its_replica(t
     assert [mb > 0 for mb in kept_mb(job)] == [True], f"{kept_mb(job)}\n{story(job)}"
 
 
-def test_without_replicas_a_lost_tp_shard_falls_back_to_the_checkpoint(tmp_path):
+@pytest.mark.parametrize("sealed", [False, True], ids=["unsealed", "sealed"])
+def test_without_replicas_a_lost_tp_shard_falls_back_to_the_checkpoint(tmp_path, sealed):
     """The same fault with ``memory_replicas: 0`` and a checkpoint every 4 steps: no live
-    holder of the lost shard, so every rank resumes in-process from the checkpoint."""
+    holder of the lost shard, so every rank resumes in-process from the checkpoint. Sealed
+    (``checkpoint.key_file``): every step is saved sealed, and the fall back loads one with
+    the key on every rank."""
+    ckpt = {"every": 4}
+    if sealed:
+        from checkpoint.seal import key_id, read_key, write_new_key
+
+        write_new_key(str(tmp_path / "key"))
+        ckpt["key_file"] = str(tmp_path / "key")
     job = make_job(tmp_path, "noreplica", steps=12, parallel={"tp": 2},
-                   nodes={"min": 2, "max": 3}, checkpoint={"every": 4})  # fmt: skip
+                   nodes={"min": 2, "max": 3}, checkpoint=ckpt)  # fmt: skip
     result = run(job, 3, ["kill-node=1@step=6"])
     check_inprocess(tmp_path, job, result, recoveries=1, source="checkpoint", lost=3)
+    if sealed:
+        kid = key_id(read_key(str(tmp_path / "key")))
+        manifests = glob.glob(os.path.join(job.ckpt_dir, "step-*", "manifest.json"))
+        assert manifests, story(job)
+        for m in manifests:
+            assert json.loads(Path(m).read_text())["seal"]["key_id"] == kid, m
 
 
 @pytest.mark.parametrize(
