@@ -617,8 +617,8 @@ def load_latest(
     if unsealed == len(failures):
         # Every step was saved without this key (or with another): say what to do.
         hint = (
-            "; none is sealed with the key: resume without the key to load them unsealed, "
-            "or start over"
+            "; none is sealed with the key: seal them (elasticd ckpt seal DIR --key-file "
+            "KEY), resume without the key, or start over"
         )
     raise CorruptCheckpointError(
         f"{ckpt_dir}: no committed checkpoint loads: " + "; ".join(failures) + hint

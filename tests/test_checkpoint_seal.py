@@ -213,6 +213,13 @@ def test_another_keys_step_names_both_key_ids(tmp_path, key):
     with pytest.raises(SealError) as info:
         CheckpointFiles.open(step_path(ckpt, 3), key=key)
     assert key_id(other) in str(info.value) and key_id(key) in str(info.value)
+    # A key rotation: ckpt seal checks it by its CRCs and seals it with the new key.
+    from checkpoint.sealstep import seal_step
+
+    assert seal_step(ckpt, 3, key) == "sealed"
+    assert load(ckpt, key)[0] == 3
+    with pytest.raises(SealError, match="another key"):
+        CheckpointFiles.open(step_path(ckpt, 3), key=other)
 
 
 def test_key_files_open_to_others_short_or_missing_are_refused(tmp_path):
@@ -361,3 +368,44 @@ def test_a_jobs_key_file_is_resolved_and_a_bad_one_stops_elasticd_run_in_one_lin
     line = one_line_error(r)
     assert "tiny.yaml: checkpoint.key_file:" in line and "chmod 600" in line, line
     assert not (tmp_path / "out").exists()  # refused before anything started
+
+
+def test_ckpt_seal_seals_saved_steps_in_place_keeping_their_order_and_leaves_a_bad_one(tmp_path):
+    from ckpt_versions import rewrite_as
+
+    keyfile, ckpt = tmp_path / "key", str(tmp_path / "ckpt")
+    write_new_key(str(keyfile))
+    key = read_key(str(keyfile))
+    for step in (3, 6, 9, 12):
+        save(ckpt, step, None, W + step)
+    before = commit_numbers(ckpt)
+    # Step 9 damaged (a flipped byte: its CRC says so); step 3 as version 3 wrote it.
+    (path,) = Path(step_path(ckpt, 9)).glob("*.safetensors")
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 1
+    path.write_bytes(bytes(data))
+    rewrite_as(step_path(ckpt, 3), 3)
+    r = cli("seal", ckpt, "--key-file", str(keyfile))
+    line = one_line_error(r)
+    assert line.startswith("elasticd: error: ckpt seal: 2 of 4 step(s) not sealed: step 3:")
+    assert "version 3" in line, line
+    assert "step 6: sealed" in r.stdout and "step 12: sealed" in r.stdout, r.stdout
+    assert "step 9: not sealed:" in r.stdout and "checksum mismatch" in r.stdout, r.stdout
+    # The commit order is as it was, for readers without the key too.
+    assert commit_numbers(ckpt) == before and load_order(ckpt)[0] == 12
+    assert {s for s, n in commit_numbers(ckpt, key).items() if n} == {6, 12}
+    for step in (6, 12):
+        with CheckpointFiles.open(step_path(ckpt, step), key=key) as f:
+            assert list(verify(f)) == []
+    step, got = load(ckpt, key)
+    assert step == 12 and torch.equal(got, W + 12)
+    assert not [n for n in os.listdir(ckpt) if n.endswith(".tmp")], os.listdir(ckpt)
+    # Again: a step sealed with the key is left alone.
+    r = cli("seal", ckpt, "--key-file", str(keyfile), "--step", "12")
+    assert r.returncode == 0 and "step 12: already sealed with this key" in r.stdout, r.stderr
+    # A step sealed with the key and changed since (its CRCs kept) is evidence, never resealed.
+    tamper_first_block(ckpt, 6)
+    line = one_line_error(cli("seal", ckpt, "--key-file", str(keyfile), "--step", "6"))
+    assert "changed since it was sealed with this key" in line, line
+    step, got = load(ckpt, key, warn=lambda _: None)
+    assert step == 12

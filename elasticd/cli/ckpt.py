@@ -77,6 +77,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     _key_option(pr, "a sealed job's key: only steps sealed with it count as kept")
     pr.set_defaults(func=_guard(run_prune))
 
+    se = cmds.add_parser(
+        "seal",
+        help="seal committed steps saved without the key (a job moving to checkpoint.key_file)",
+        description="Check each committed step whole (every byte against its CRC), then write "
+        "it anew sealed with the key (a MAC per block, one over the manifest), replacing it. "
+        "Seal a directory nobody without the key could write: the seal certifies the step as "
+        "it is now. Steps already sealed with the key are left as they are.",
+    )
+    se.add_argument("dir", metavar="DIR")
+    se.add_argument("--key-file", metavar="PATH", required=True, help="the job's key")
+    se.add_argument("--step", type=int, default=None, help="only this step (default: every one)")
+    se.set_defaults(func=_guard(run_seal))
+
     kg = cmds.add_parser(
         "keygen",
         help="make a new key for sealed checkpoints (checkpoint.key_file)",
@@ -108,6 +121,47 @@ def _key(args: argparse.Namespace) -> bytes | None:
         return read_key(args.key_file)
     except KeyFileError as exc:
         raise UsageError(f"ckpt {args.ckpt_command}: {exc}") from exc
+
+
+def run_seal(args: argparse.Namespace) -> int:
+    from checkpoint import committed_steps
+    from checkpoint.errors import CheckpointError
+    from checkpoint.owner import describe_holder, holding
+    from checkpoint.seal import key_id
+    from checkpoint.sealstep import seal_step
+    from checkpoint.store import recover_replaced
+
+    key = _key(args)
+    steps = committed_steps(args.dir)
+    if args.step is not None:
+        if args.step not in steps:
+            raise UsageError(f"ckpt seal: {args.dir} has no committed step {args.step}")
+        steps = [args.step]
+    if not steps:
+        print(_shown(f"{args.dir}: no committed checkpoints"))
+        return 0
+    failed = []
+    with holding(args.dir, what="elasticd ckpt seal") as holder:
+        if holder is not None:
+            raise UsageError(
+                f"ckpt seal: {args.dir} is in use by {describe_holder(holder)}; seal it when "
+                "that run has ended"
+            )
+        recover_replaced(args.dir)  # a step a save (or a seal) moved aside and then died
+        for step in steps:
+            try:
+                done = seal_step(args.dir, step, key)
+            except CheckpointError as exc:
+                failed.append(f"step {step}: {exc}")
+                print(_shown(f"step {step}: not sealed: {exc}"))
+                continue
+            said = "already sealed with this key" if done == "already" else "sealed"
+            print(f"step {step}: {said} (key id {key_id(key)})")
+    if failed:
+        raise UsageError(
+            f"ckpt seal: {len(failed)} of {len(steps)} step(s) not sealed: {failed[0]}"
+        )
+    return 0
 
 
 def run_keygen(args: argparse.Namespace) -> int:
