@@ -250,7 +250,7 @@ def commit_numbers(ckpt_dir: str, key: bytes | None = None) -> dict[int, int]:
     """Each committed step's commit number (0 when its manifest has none, is unreadable,
     fails its own checksum or names another step than its directory's: such a step is
     ordered by its step number below every numbered commit, and cannot head the lineage
-    with a number nobody sealed). With ``key``, also 0 unless the manifest is sealed with
+    with a number no checksum vouches for). With ``key``, also 0 unless the manifest is sealed with
     that key (:mod:`checkpoint.seal`): a planted step claims nothing. A load checks the
     whole manifest."""
     out = {}
@@ -274,7 +274,7 @@ def commit_numbers(ckpt_dir: str, key: bytes | None = None) -> dict[int, int]:
 
 _COMMIT_CACHE: dict[str, tuple[bytes, int, dict[str, int] | None, str]] = {}
 """Manifest path -> (sha256 of the bytes read there, their commit number, the tensor
-files it lists with their sizes, when it is sealed, and the id of the key it was checked
+files it lists with their sizes, when its checksum matches, and the id of the key it was checked
 with, "" for none): every commit
 reads the commit numbers of all kept steps, and parsing a manifest under a load's bounds
 costs about 1.5 ms per 300 KB on the commit's critical path; hashing it, 0.2 ms. Keyed by
@@ -580,9 +580,9 @@ def prune(
     to load is never kept in place of one that loads, and where no step loads nothing is
     deleted. Returns the steps deleted, in order.
 
-    A step to be kept must have its manifest sealed and its files there as the manifest
+    A step to be kept must have its manifest's checksum match and its files there as the manifest
     lists them (regular files of its sizes; stat only, nothing read; ``trusted``: steps
-    the caller just wrote, not looked at): a step planted with a re-sealed manifest
+    the caller just wrote, not looked at): a step planted with a re-checksummed manifest
     claiming the newest commit and no files made every step that loads "abandoned" (``ckpt
     prune --keep 1`` deleted them all and kept the plant: a security review). One that
     fails counts for nothing kept, and is not deleted here either (only a load's failure,
@@ -628,8 +628,8 @@ def prune(
 
 
 def _files_there(ckpt_dir: str, step: int) -> bool | None:
-    """Whether the committed ``step``'s manifest is sealed and lists files that are there,
-    regular files of the sizes it says (from :func:`commit_numbers`' cache: call that
+    """Whether the committed ``step``'s manifest's checksum matches (and, with a key, its
+    seal) and it lists files that are there, regular files of the sizes it says (from :func:`commit_numbers`' cache: call that
     first; stat only, nothing read). None when a stat failed for another reason than a
     missing file (the answer may change: too many open files, a stale NFS handle)."""
     directory = step_path(ckpt_dir, step)
