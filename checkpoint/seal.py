@@ -173,7 +173,9 @@ def seal_problem(raw: Mapping[str, Any], key: bytes) -> str:
         return f"sealed with another key (key id {shown}; this key's id is {mine})"
     mac = seal.get("mac")
     want = hmac.digest(key, _canonical_digest(raw), "sha256").hex()
-    if not isinstance(mac, str) or not hmac.compare_digest(mac, want):
+    # compare_digest raises TypeError on a str that is not ASCII (a planted "mac": "é..."
+    # crashed every listing of the directory with the key): such a one matches nothing.
+    if not isinstance(mac, str) or not mac.isascii() or not hmac.compare_digest(mac, want):
         return CHANGED
     return ""
 

@@ -409,3 +409,19 @@ def test_ckpt_seal_seals_saved_steps_in_place_keeping_their_order_and_leaves_a_b
     assert "changed since it was sealed with this key" in line, line
     step, got = load(ckpt, key, warn=lambda _: None)
     assert step == 12
+
+
+def test_a_seal_mac_that_is_not_ascii_is_a_changed_step_not_a_crash(tmp_path, key):
+    # hmac.compare_digest raises TypeError for a str that is not ASCII: a planted mac of
+    # "é" crashed every reader with the key (the store's listing, each load, retention).
+    ckpt = str(tmp_path / "ckpt")
+    save(ckpt, 3, key)
+    save(ckpt, 6, key)
+    raw = json.loads(manifest_path(ckpt, 6).read_text())
+    raw["seal"]["mac"] = "\u00e9" * 64
+    reseal_unkeyed(ckpt, 6, raw)
+    assert commit_numbers(ckpt, key)[6] == 0 and load_order(ckpt, key)[0] == 3
+    with pytest.raises(CorruptCheckpointError, match="seal does not match its content"):
+        CheckpointFiles.open(step_path(ckpt, 6), key=key)
+    assert load(ckpt, key)[0] == 3
+    assert prune(ckpt, keep=1, key=key) == [6]
