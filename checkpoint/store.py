@@ -254,28 +254,34 @@ def commit_numbers(ckpt_dir: str, key: bytes | None = None) -> dict[int, int]:
     that key (:mod:`checkpoint.seal`): a planted step claims nothing. A load checks the
     whole manifest."""
     out = {}
-    seen: set[tuple[int, int]] = set()
+    seen: dict[tuple[int, int], int | None] = {}  # (device, inode) -> the step it names
     for step in committed_steps(ckpt_dir):
         out[step] = 0
         path = os.path.join(step_path(ckpt_dir, step), MANIFEST)
         with contextlib.suppress(CheckpointError, OSError):
             st = os.stat(path, follow_symlinks=False)
+            ident = (st.st_dev, st.st_ino)
             # Only a file with several links: some file systems (FUSE, SMB noserverino)
             # give distinct files one inode number.
-            if st.st_nlink > 1 and (st.st_dev, st.st_ino) in seen:
-                # A hard link to a manifest read already: no save writes one, and each
-                # link of a large one cost a whole parse (40 links of a 63 MB manifest
-                # made every listing of the directory take a minute).
+            if st.st_nlink > 1 and ident in seen and seen[ident] != step:
+                # A hard link to a manifest read already, of another step: no save writes
+                # one, and each link of a large one cost a whole parse (40 links of a 63 MB
+                # manifest made every listing of the directory take a minute). Its own
+                # step's directory is read all the same: a link planted under a lower
+                # step number made the real step count as commit 0, so loads passed over
+                # it and retention deleted it (a security review).
                 continue
-            seen.add((st.st_dev, st.st_ino))
+            seen.setdefault(ident, None)
             out[step] = _commit_number(path, step, key)
+            if seen[ident] is None:
+                seen[ident] = _COMMIT_CACHE[path][4]
     return out
 
 
-_COMMIT_CACHE: dict[str, tuple[bytes, int, dict[str, int] | None, str]] = {}
+_COMMIT_CACHE: dict[str, tuple[bytes, int, dict[str, int] | None, str, int | None]] = {}
 """Manifest path -> (sha256 of the bytes read there, their commit number, the tensor
-files it lists with their sizes, when its checksum matches, and the id of the key it was checked
-with, "" for none): every commit
+files it lists with their sizes, when its checksum matches, the id of the key it was checked
+with, "" for none, and the step it names, None for none): every commit
 reads the commit numbers of all kept steps, and parsing a manifest under a load's bounds
 costs about 1.5 ms per 300 KB on the commit's critical path; hashing it, 0.2 ms. Keyed by
 the bytes themselves, so a manifest rewritten in place is parsed again."""
@@ -299,7 +305,9 @@ def _commit_number(path: str, step: int, key: bytes | None = None) -> int:
     n = n if type(n) is int and 0 <= n < INT_LIMIT else 0  # as a load reads it
     if len(_COMMIT_CACHE) >= _COMMIT_CACHE_SIZE:
         _COMMIT_CACHE.clear()
-    _COMMIT_CACHE[path] = (digest, n, _listed_files(raw) if ok else None, _kid(key))
+    named = raw.get("step") if isinstance(raw, dict) else None
+    named = named if type(named) is int else None
+    _COMMIT_CACHE[path] = (digest, n, _listed_files(raw) if ok else None, _kid(key), named)
     return n
 
 

@@ -425,3 +425,18 @@ def test_a_seal_mac_that_is_not_ascii_is_a_changed_step_not_a_crash(tmp_path, ke
         CheckpointFiles.open(step_path(ckpt, 6), key=key)
     assert load(ckpt, key)[0] == 3
     assert prune(ckpt, keep=1, key=key) == [6]
+
+
+def test_a_manifest_hard_linked_under_a_lower_step_does_not_demote_its_own_step(tmp_path, key):
+    # Manifests with several links are read once (a listing's cost); the link was read
+    # first, under step 1, and the real step 9 then counted as commit 0: a load with the
+    # key took step 6, and retention with the key deleted step 9, intact and sealed.
+    ckpt = str(tmp_path / "ckpt")
+    for step in (3, 6, 9):
+        save(ckpt, step, key)
+    os.mkdir(step_path(ckpt, 1))
+    os.link(manifest_path(ckpt, 9), manifest_path(ckpt, 1))
+    assert commit_numbers(ckpt, key) == {1: 0, 3: 1, 6: 2, 9: 3}
+    assert load_order(ckpt, key)[0] == 9 and load(ckpt, key)[0] == 9
+    assert prune(ckpt, keep=2, key=key) == [1, 3]
+    assert os.path.isdir(step_path(ckpt, 9))
