@@ -84,7 +84,14 @@ def read_key(path: str) -> bytes:
                 f"checkpoint key file {path}: mode {stat.S_IMODE(st.st_mode):04o} lets its "
                 f"group or others at it; chmod 600 {path}"
             )
-        data = os.read(fd, MAX_KEY_BYTES + 1)
+        data = b""
+        while len(data) <= MAX_KEY_BYTES:  # a read may return less than asked
+            part = os.read(fd, MAX_KEY_BYTES + 1 - len(data))
+            if not part:
+                break
+            data += part
+    except OSError as exc:  # EIO (a failing disk, /proc/self/mem): one line, no traceback
+        raise KeyFileError(f"checkpoint key file {path}: {exc.strerror}") from None
     finally:
         os.close(fd)
     if len(data) > MAX_KEY_BYTES:

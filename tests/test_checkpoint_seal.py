@@ -440,3 +440,25 @@ def test_a_manifest_hard_linked_under_a_lower_step_does_not_demote_its_own_step(
     assert load_order(ckpt, key)[0] == 9 and load(ckpt, key)[0] == 9
     assert prune(ckpt, keep=2, key=key) == [1, 3]
     assert os.path.isdir(step_path(ckpt, 9))
+
+
+def test_a_key_file_that_fails_to_read_is_refused_in_one_line(tmp_path, monkeypatch):
+    # An I/O error while reading (a failing disk; /proc/self/mem, a regular file of mode
+    # 600, gives EIO) was a bare OSError, a traceback; and a short read kept a short key.
+    import errno
+
+    from checkpoint import seal
+
+    path = tmp_path / "key"
+    write_new_key(str(path))
+    whole = read_key(str(path))
+    real = os.read
+    monkeypatch.setattr(seal.os, "read", lambda fd, n: real(fd, min(n, 7)))
+    assert read_key(str(path)) == whole  # read to the end, 7 bytes at a time
+
+    def fails(fd: int, n: int) -> bytes:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(seal.os, "read", fails)
+    with pytest.raises(KeyFileError, match="Input/output error"):
+        read_key(str(path))
