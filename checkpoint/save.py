@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -101,7 +101,7 @@ class SaveOptions:
     checksums fit the header a load reads (``checkpoint.saveplan.header_block_bytes``)."""
     fence: Fence | None = None
     """The run and round this saver commits for; None: commits are not fenced."""
-    key: bytes | None = None
+    key: bytes | None = field(default=None, repr=False)  # never in a log or a traceback
     """Seal each commit with this secret key (:mod:`checkpoint.seal`: a MAC per verify
     block and one over the manifest); retention then counts only steps sealed with it.
     None: unsealed, as before."""

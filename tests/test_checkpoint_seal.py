@@ -462,3 +462,10 @@ def test_a_key_file_that_fails_to_read_is_refused_in_one_line(tmp_path, monkeypa
     monkeypatch.setattr(seal.os, "read", fails)
     with pytest.raises(KeyFileError, match="Input/output error"):
         read_key(str(path))
+
+
+def test_save_options_never_show_the_key(key):
+    # A dataclass's repr shows every field: any log or error quoting the options (a
+    # debugging print, a traceback with locals) would have shown the key.
+    shown = repr(SaveOptions(key=key, job="j"))
+    assert "job='j'" in shown and repr(key) not in shown and key.decode() not in shown
