@@ -516,6 +516,7 @@ def load_latest(
     broadcast: bool = False,
     rank_tensors: Callable[[Manifest], Sequence[str]] | None = None,
     key: bytes | None = None,
+    job: str | None = None,
 ) -> Checkpoint:
     """Load the newest loadable committed checkpoint into the given tensors.
 
@@ -532,7 +533,9 @@ def load_latest(
 
     With ``key`` (:mod:`checkpoint.seal`), only a step sealed with it loads, every block
     read checked against its MAC; a step without a seal, or another key's, is fallen back
-    past and not recorded as unloadable.
+    past and not recorded as unloadable. With ``job`` too, so is a step sealed for another
+    job (its manifest's ``job``): one key shared by two jobs does not let a step of one,
+    copied into the other's directory, load there.
 
     Tries the steps in :func:`checkpoint.store.load_order` (newest commit of the current
     lineage first; `latest` is only a hint). A step that fails is recorded as unloadable
@@ -567,6 +570,11 @@ def load_latest(
         ckpt, error, kind = None, "", ""
         try:
             ckpt = Checkpoint.open(path, key=key)
+            if key is not None and job is not None and ckpt.manifest.job != job:
+                raise SealError(
+                    f"{path}: sealed by job {quoted(ckpt.manifest.job)}, not {quoted(job)} "
+                    "(the same key sealed another job's step)"
+                )
             ckpt.load_into(read_model, read_optimizer, verify=verify)
             for name in rank_tensors(ckpt.manifest) if rank_tensors else ():
                 if name in ckpt.manifest.tensors:

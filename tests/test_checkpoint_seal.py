@@ -469,3 +469,22 @@ def test_save_options_never_show_the_key(key):
     # debugging print, a traceback with locals) would have shown the key.
     shown = repr(SaveOptions(key=key, job="j"))
     assert "job='j'" in shown and repr(key) not in shown and key.decode() not in shown
+
+
+def test_a_step_sealed_by_another_job_with_the_same_key_is_passed_over_by_this_jobs_resume(
+    tmp_path, key
+):
+    mine, theirs = str(tmp_path / "mine"), str(tmp_path / "theirs")
+    for ckpt, job, step in ((mine, "a", 6), (theirs, "b", 9)):
+        saver = Saver(ckpt, group=None, options=SaveOptions(async_=False, key=key, job=job))
+        saver.save(step=step, consumed_samples=1, model={"w": ((W + step).clone(), whole())})
+        saver.close()
+    shutil.copytree(step_path(theirs, 9), step_path(mine, 9))
+    out = torch.zeros(SHAPE)
+    warned: list[str] = []
+    c = load_latest(mine, model={"w": (out, whole())}, key=key, job="a", warn=warned.append)
+    c.close()
+    assert c.step == 6 and torch.equal(out, W + 6)
+    assert "sealed by job b, not a" in warned[0], warned
+    assert read_unloadable(mine) == {}
+    assert load(mine, key)[0] == 9  # without the job: the key alone vouches for it

@@ -279,6 +279,7 @@ class Checkpointing:
             # back to an older step, as a corrupted parameter does.
             rank_tensors=self._rng_to_read,
             key=self.key,
+            job=self.job.name,
         )
         try:
             self._resume_from(ckpt)
