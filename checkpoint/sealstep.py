@@ -58,15 +58,14 @@ def seal_step(ckpt_dir: str, step: int, key: bytes) -> Outcome:
     except CheckpointError as exc:
         evidence = str(exc)  # this key's seal that does not match, or not sound at all
     with CheckpointFiles.open(path) as ck:
-        mine = ck.manifest.seal is not None and ck.manifest.seal.get("key_id") == key_id(key)
-    if mine and evidence:
-        # Sealed with this very key and not matching it now: a change made since, which
-        # the CRCs (anyone can keep those) would let through. Never certified again.
-        raise CorruptCheckpointError(
-            f"{path}: changed since it was sealed with this key ({evidence}); not resealed"
-        )
-    with CheckpointFiles.open(path) as ck:
         m = ck.manifest
+        if evidence and m.seal is not None and m.seal.get("key_id") == key_id(key):
+            # Sealed with this very key and not matching it now: a change made since,
+            # which the CRCs (anyone can keep those) would let through. Never certified
+            # again.
+            raise CorruptCheckpointError(
+                f"{path}: changed since it was sealed with this key ({evidence}); not resealed"
+            )
         if m.version < 4:
             raise CheckpointError(
                 f"{path}: format version {m.version}: only version 4 steps can be sealed "
