@@ -4,7 +4,9 @@ files that use ``elasticd_cluster``, with real etcd, agents and workers undernea
 from __future__ import annotations
 
 import glob
+import itertools
 import os
+import re
 
 import pytest
 
@@ -410,3 +412,35 @@ def test_a_run_that_times_out_names_the_ranks_still_running_and_quotes_their_log
         "    | rank 1 waits for a lock that never comes",
     ], lines[at:]
     assert "rank 0 (node-0)" not in str(info.value)
+
+
+@pytest.mark.elasticd(timeout=200)
+def test_a_timed_out_built_in_trainer_rank_has_its_main_threads_stack_quoted(elasticd_cluster):
+    """The built-in trainer prints its stacks into its log at a timeout, but the failure
+    message said only how many bytes the log grew by: where each rank was stuck was still
+    in a run dir the teardown deleted. Now the main thread's frames are quoted, innermost
+    first, a bounded few."""
+    from elasticd.testing import STACK_FRAMES, ElasticdAssertionError
+
+    job = elasticd_cluster.builtin_job(train={"steps": 1_000_000}, checkpoint={"every": 0})
+    result = elasticd_cluster.run(job, nodes=1, nproc_per_node=2, timeout=40)
+    assert result.outcome == "timed_out", result.describe()
+    assert [w["rank"] for w in result.unfinished] == [0, 1], result.unfinished
+    with pytest.raises(ElasticdAssertionError) as info:
+        result.assert_succeeded()
+    lines = str(info.value).splitlines()
+    said = "    its main thread's stack, printed after the timeout (innermost call first):"
+    starts = [i for i, line in enumerate(lines) if line == said]
+    assert len(starts) == 2, "\n".join(lines)  # one per rank still running
+    for at in starts:
+        head, *rest = lines[at + 1 :]
+        # faulthandler's header of a thread, then its frames, innermost first.
+        assert re.fullmatch(r"    \| (Current thread|Thread) 0x[0-9a-f]+ \(most recent call first\):",
+                            head), head  # fmt: skip
+        frames = list(itertools.takewhile(lambda ln: ln.startswith('    |   File "'), rest))
+        assert 1 <= len(frames) <= STACK_FRAMES, "\n".join(lines[at:])
+        more = (rest[len(frames) :] or [""])[0]
+        assert len(frames) < STACK_FRAMES or re.fullmatch(
+            r"    \|   \(\d+ outer frames more\)", more
+        ), more
+    assert "with no stack dump in them" not in str(info.value)

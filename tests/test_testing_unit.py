@@ -464,3 +464,22 @@ def test_a_script_jobs_fault_past_the_steps_it_names_is_refused_before_the_run(
                        (cluster.script_job(script, steps=4), "kill-node=1@step=4")):  # fmt: skip
         with pytest.raises(RuntimeError, match="not started"):
             cluster.run(job, nodes=2, faults=fault)
+
+
+def test_a_stack_dump_after_the_timeout_is_quoted_as_its_main_threads_innermost_frames(tmp_path):
+    """faulthandler lists the newest thread first, so the main thread is the dump's last
+    part; what the rank printed after the dump (and a second dump) is not quoted."""
+    from elasticd.testing import STACK_FRAMES, _main_stack
+
+    before = "step 1/9\nstep 2/9\n"
+    saver = ["Thread 0x00007f01 (most recent call first):", '  File "saver.py", line 3 in run', ""]
+    main = ["Current thread 0x00007f02 (most recent call first):"]
+    main += [f'  File "m{i}.py", line {i} in f{i}' for i in range(STACK_FRAMES + 5)]
+    log = tmp_path / "rank-0.log"
+    log.write_text(before + "step 3/9\n" + "\n".join([*saver, *main, ""]) + "cancelled\n"
+                   + "\n".join(main[:2]) + "\n")  # fmt: skip
+    quoted = _main_stack(str(log), len(before))
+    assert quoted == [main[0], *main[1 : STACK_FRAMES + 1], "  (5 outer frames more)",
+                      "  (1 other thread in the dump, in the log)"]  # fmt: skip
+    assert _main_stack(str(log), log.stat().st_size) is None
+    assert _main_stack(str(tmp_path / "gone.log"), 0) is None

@@ -93,6 +93,9 @@ LOG_TAIL_LINES = 5
 """How many of their last log lines it quotes (those printed before the timeout)."""
 LOG_TAIL_WIDTH = 160
 """Characters of each quoted line (a longer one is cut)."""
+STACK_FRAMES = 12
+"""How many frames of a rank's main thread, innermost first, it quotes from the stacks the
+rank printed after the timeout (the built-in trainer prints them on SIGUSR1)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -215,9 +218,14 @@ class RunResult:
             lines.append(f"  rank {w['rank']} (node-{w['node']}) had not finished; the last "
                          f"lines of its log ({name}) before the timeout:")  # fmt: skip
             lines += [f"    | {line}" for line in tail] or ["    (it had printed nothing)"]
-            if after:
-                lines.append(f"    (the log goes on after the timeout: {after} bytes, the "
-                             "rank's stacks if it prints them)")  # fmt: skip
+            stack = _main_stack(path, size) if after else None
+            if stack:
+                lines.append("    its main thread's stack, printed after the timeout "
+                             "(innermost call first):")  # fmt: skip
+                lines += [f"    | {line}" for line in stack]
+            elif after:
+                lines.append(f"    (the log goes on after the timeout: {after} bytes, "
+                             "with no stack dump in them)")  # fmt: skip
         rest = [str(w["rank"]) for w in self.unfinished[UNFINISHED_SHOWN:]]
         if rest:
             lines.append(f"  ranks {', '.join(rest)} had not finished either")
@@ -334,6 +342,47 @@ def _log_tail(path: str | None, size: int) -> tuple[list[str], int]:
     cut = LOG_TAIL_WIDTH - 3
     return [line if len(line) <= LOG_TAIL_WIDTH else line[:cut] + "..."
             for line in lines[-LOG_TAIL_LINES:]], after  # fmt: skip
+
+
+STACK_HEADS = ("Current thread 0x", "Thread 0x")
+"""How faulthandler starts each thread's part of a dump of all threads."""
+
+
+def _main_stack(path: str | None, size: int) -> list[str] | None:
+    """The main thread's part of the first stack dump (faulthandler's, of every thread)
+    that ``path`` got after its first ``size`` bytes: its header line, then at most
+    :data:`STACK_FRAMES` frames, innermost first, and a line counting the rest; each line
+    cut to :data:`LOG_TAIL_WIDTH` characters. None when there is no such dump.
+
+    faulthandler walks the interpreter's threads newest first, so the main thread (the
+    oldest) is the dump's last part, whichever thread took the signal."""
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(size)
+            data = fh.read(1024 * 1024)  # a dump of a few dozen threads is far less
+    except OSError:
+        return None
+    blocks: list[list[str]] = []
+    for line in data.decode("utf-8", errors="replace").splitlines():
+        if line.startswith(STACK_HEADS):
+            blocks.append([line.rstrip()])
+        elif blocks and line.startswith("  "):  # '  File "...", line N in f', '  <no Python frame>'
+            blocks[-1].append(line.rstrip())
+        elif blocks and line.strip():
+            break  # the dump is over: the rank printed something else after it
+    if not blocks:
+        return None
+    head, *frames = blocks[-1]
+    shown = frames[:STACK_FRAMES]
+    if len(frames) > len(shown):
+        shown.append(f"  ({len(frames) - len(shown)} outer frames more)")
+    if len(blocks) > 1:
+        others = len(blocks) - 1
+        shown.append(f"  ({others} other thread{'s' * (others > 1)} in the dump, in the log)")
+    cut = LOG_TAIL_WIDTH - 3
+    return [line if len(line) <= LOG_TAIL_WIDTH else line[:cut] + "..." for line in [head, *shown]]
 
 
 def _table(rows: list[tuple[int, str, Any, Any, float]], limit: int = 20) -> str:
