@@ -338,6 +338,54 @@ class _Timer:
         return dropped
 
 
+INTERRUPT_GRACE = 10.0
+"""Seconds a first Ctrl-C of `elasticd run` gives the agents to stop (their workers told to
+save their step and exit, as at a preemption) before everything left is SIGKILLed."""
+
+
+@dataclass(kw_only=True, slots=True)
+class CtrlC:
+    """Ctrl-C (SIGINT) of an interactive run (`elasticd run`), while its ``with`` block is
+    entered on the main thread. The first raises KeyboardInterrupt: the run unwinds, and its
+    cluster stops gracefully within ``grace`` seconds, saying so in one line on ``out``. A
+    second sets ``kill``: that stop SIGKILLs every agent and all under it at once.
+
+    The handler only raises or sets the event: writing to ``out`` from a signal handler could
+    land inside a write of the main thread's (a reentrant call on the same stream). Left
+    with a KeyboardInterrupt, the block keeps ignoring SIGINT: the process is about to exit
+    with 130 after saying so, and a late press must not turn that into a traceback."""
+
+    out: Any
+    """Where the one line goes (stderr)."""
+    grace: float = INTERRUPT_GRACE
+    kill: threading.Event = field(default_factory=threading.Event)
+    """Set by a second Ctrl-C."""
+    pressed: int = 0
+    _previous: Any = None
+
+    def _on_sigint(self, signum: int, frame: object) -> None:
+        self.pressed += 1
+        if self.pressed == 1:
+            raise KeyboardInterrupt
+        self.kill.set()
+
+    def say_stopping(self) -> None:
+        with contextlib.suppress(OSError, ValueError):  # a closed or broken stderr
+            self.out.write(f"stopping: the workers save their step, for {self.grace:g} s at "
+                           "most; Ctrl-C again to kill\n")  # fmt: skip
+            self.out.flush()
+
+    def __enter__(self) -> CtrlC:
+        self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is KeyboardInterrupt:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        else:
+            signal.signal(signal.SIGINT, self._previous)
+
+
 # -- the cluster ------------------------------------------------------------------------------
 
 
@@ -384,6 +432,9 @@ class LocalCluster:
     kill_on_error: bool = False
     """An exception out of the cluster's ``with`` block (a test's timeout, Ctrl-C) ends it
     with ``stop(kill=True)``: nobody waits for that run's workers to save."""
+    ctrl_c: CtrlC | None = None
+    """Ctrl-C handling of an interactive run: a KeyboardInterrupt out of the ``with`` block
+    stops the cluster gracefully within ``ctrl_c.grace`` s, or at once on a second Ctrl-C."""
 
     @property
     def endpoint(self) -> str:
@@ -701,20 +752,23 @@ class LocalCluster:
             raise UsageError(f"there is no node {index}")
         return index
 
-    def stop(self, grace: float = 20.0, *, kill: bool = False) -> None:
+    def stop(
+        self, grace: float = 20.0, *, kill: bool = False, kill_now: threading.Event | None = None
+    ) -> None:
         """Thaw frozen nodes, SIGTERM every agent, wait, SIGKILL stragglers, stop etcd.
 
         An agent's SIGTERM is a preemption: it gives its workers ``restart.grace_period``
         (30 s) to save, and a script that trains on through it holds the stop for all of
         ``grace``. ``kill``: SIGKILL every agent and every process under it at once
-        instead (a run given up on: its saves are of no use to anyone)."""
+        instead (a run given up on: its saves are of no use to anyone). ``kill_now``: once
+        set (a second Ctrl-C), the graceful stop turns into that kill."""
         with self._etcd_lock:
             self._closing = True
         self._timer.close()  # pending thaws run just below; pending etcd restarts are moot
-        if kill:
+        if kill or (kill_now is not None and kill_now.is_set()):
             self._kill_agents()
         else:
-            self._stop_agents(grace)
+            self._stop_agents(grace, kill_now)
         # Workers need no sweep: each carries a parent-death SIGKILL, which reaches even a
         # SIGSTOPped one. (Killing pids from workers.json here could hit a reused pid.)
         from elasticd.etcd import release_ports
@@ -725,7 +779,9 @@ class LocalCluster:
                 self.etcd.stop()
             self.etcd = None
 
-    def _stop_agents(self, grace: float) -> None:
+    def _stop_agents(self, grace: float, kill_now: threading.Event | None = None) -> None:
+        """SIGTERM every agent, wait up to ``grace`` (or until ``kill_now`` is set), then
+        kill the stragglers' whole trees."""
         with self.lock:
             frozen = list(self._frozen)
         for index in frozen:
@@ -735,11 +791,14 @@ class LocalCluster:
                 _signal(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
         for proc in self.agents:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                _signal(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=10)
+            while proc.poll() is None and (kill_now is None or not kill_now.is_set()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=left if kill_now is None else min(left, 0.05))
+        if any(proc.poll() is None for proc in self.agents):
+            self._kill_agents()
 
     def _kill_agents(self) -> None:
         """Each live agent's whole tree stopped first (it starts nothing meanwhile), then
@@ -758,6 +817,10 @@ class LocalCluster:
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is KeyboardInterrupt and self.ctrl_c is not None and not self.kill_on_error:
+            self.ctrl_c.say_stopping()
+            self.stop(self.ctrl_c.grace, kill_now=self.ctrl_c.kill)
+            return
         self.stop(kill=self.kill_on_error and exc_type is not None)
 
 
@@ -913,6 +976,7 @@ def run_cluster(
     progress: Any = None,
     metrics: bool = False,
     kill_on_error: bool = False,
+    ctrl_c: CtrlC | None = None,
 ) -> dict[str, Any]:
     """Start the cluster, submit ``job``, inject ``faults`` (a list, fired by step or by
     the workers at a phase, or an object with ``due(RunView) -> list[Fault]`` and
@@ -923,6 +987,8 @@ def run_cluster(
     agent serves Prometheus metrics (and /healthz) on a free port, named in ``out``.
     ``kill_on_error``: an exception that ends the run early (a test's timeout) SIGKILLs the
     agents and all under them rather than waiting out their workers' preemption grace.
+    ``ctrl_c``: the interactive run's :class:`CtrlC` (its KeyboardInterrupt stops the
+    cluster gracefully but bounded, a second Ctrl-C kills it at once); the exception goes on.
 
     Returns the job's final record as a dict, with ``faults`` (each injected fault's record,
     both ends of the timed ones) and ``metrics`` (the records this run appended); after a
@@ -948,7 +1014,7 @@ def run_cluster(
     records: list[dict] = []
     cluster = LocalCluster(base_dir=base, nproc=job.nproc_per_node, etcd_members=etcd_members,
                            env=agents_env, metrics=metrics,
-                           kill_on_error=kill_on_error)  # fmt: skip
+                           kill_on_error=kill_on_error, ctrl_c=ctrl_c)  # fmt: skip
     record, timed_out, step, announced = None, False, 0, 0
     final_out = out
     if progress is not None:

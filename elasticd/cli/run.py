@@ -13,7 +13,7 @@ import sys
 
 from elasticd.cli.jobs import Progress
 from elasticd.errors import UsageError
-from elasticd.localcluster import print_summary, run_cluster
+from elasticd.localcluster import INTERRUPT_GRACE, CtrlC, print_summary, run_cluster
 
 __all__ = ["print_summary", "register", "run", "run_cluster"]
 
@@ -26,6 +26,10 @@ FAULT_HELP = (
     "kill-etcd-member=M@step=S[:for=T] and kill-etcd-leader@step=S[:for=T] (SIGKILL one "
     "member, restart it after T s, default 5; need --etcd-members 3). Repeatable."
 )
+
+
+MAX_STOP_GRACE = 3600.0
+"""The longest --stop-grace: a Ctrl-C must end the run, however late."""
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -50,6 +54,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "resumes from its checkpoints)")  # fmt: skip
     p.add_argument("--timeout", type=float, default=1800.0, metavar="S",
                    help="give up after this many seconds (default 1800)")  # fmt: skip
+    p.add_argument("--stop-grace", type=float, default=INTERRUPT_GRACE, metavar="S",
+                   help="on Ctrl-C, give the workers this many seconds to save their step "
+                   f"before everything is killed (default {INTERRUPT_GRACE:g}); a second "
+                   "Ctrl-C kills at once")  # fmt: skip
     p.add_argument("--metrics", action="store_true",
                    help="each agent serves Prometheus metrics and /healthz on a free port "
                    "(named at the start), for a Prometheus or curl to scrape")  # fmt: skip
@@ -69,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--etcd-members: {args.etcd_members} must be 1, 3 or 5")
     if not args.timeout > 0:
         raise UsageError(f"--timeout: {args.timeout:g} must be > 0")
+    stop_grace = getattr(args, "stop_grace", INTERRUPT_GRACE)
+    if not 0 <= stop_grace <= MAX_STOP_GRACE:
+        raise UsageError(f"--stop-grace: {stop_grace:g} must be between 0 and {MAX_STOP_GRACE:g}")
     faults = [parse_fault(f) for f in args.fault]
     overrides = list(args.overrides)
     if args.nproc_per_node is not None:
@@ -93,9 +104,12 @@ def run(args: argparse.Namespace) -> int:
     # On a terminal one live line (step/total, loss, tokens/s, world, ETA) under the
     # fault and recovery lines; elsewhere (a log, a pipe) a plain line per change.
     live = Progress(progress) if progress.isatty() else None
-    result = run_cluster(job, nodes=args.nodes, faults=faults, timeout=args.timeout,
-                         out=progress, etcd_members=args.etcd_members, progress=live,
-                         metrics=args.metrics)  # fmt: skip
+    # Ctrl-C: the first stops the cluster gracefully (the workers save their step), within
+    # --stop-grace s, and says so; a second kills it at once. Either way: exit 130.
+    with CtrlC(out=sys.stderr, grace=stop_grace) as ctrl_c:
+        result = run_cluster(job, nodes=args.nodes, faults=faults, timeout=args.timeout,
+                             out=progress, etcd_members=args.etcd_members, progress=live,
+                             metrics=args.metrics, ctrl_c=ctrl_c)  # fmt: skip
     if as_json:
         print(json.dumps(result, sort_keys=True, default=str))
     else:
