@@ -56,6 +56,12 @@ def make_job(tmp_path, name, *, nproc=1, steps=16, parallel=None, model=None, ba
     return parse_job(raw).with_paths_resolved(tmp_path)
 
 
+FIRST_WORLD_SETTLE = 60.0
+"""rendezvous.settle of a test whose first world must hold all of its nodes, where
+nodes.min is fewer: the first round closes at nodes.max at once, or waits this long for a
+node whose agent is slow to join (a loaded box; re-forms skip settle)."""
+
+
 def round_pids(job) -> dict[int, set[int]]:
     """Round -> the pids of its workers, from every node's round files."""
     out: dict[int, set[int]] = {}
@@ -434,10 +440,19 @@ def test_a_preempted_node_leaves_and_the_survivors_go_on_in_process(
     # 20 steps: the fault fires when the cluster sees step 5, which a loaded CI run saw
     # only at step 10 of 12 (the ranks then stopped at the end, not before it).
     steps = 20
+    # The first world must hold every node: the checks below are of one recovery, from it.
+    # nodes.min is below the node count (the survivors must form a world without node 1),
+    # so with settle 2 s a node whose agent joined late on a loaded box (0.4 s after round
+    # 1 formed, once) missed it and came in by a scale-up: right, but a second recovery.
+    # nodes.max is the node count, so the first round closes as soon as all have joined;
+    # the long settle only waits for a late one. (A re-form skips settle: reform_grace.)
     job = make_job(tmp_path, "term", nproc=nproc, steps=steps, parallel=parallel,
                    nodes={"min": 1 if nproc > 1 else 2, "max": nodes},
-                   batch=8 if nproc > 1 else 12)  # fmt: skip
+                   batch=8 if nproc > 1 else 12,
+                   rendezvous={"ttl": 2, "settle": FIRST_WORLD_SETTLE, "reform_grace": 0.5})  # fmt: skip
     result = run(job, nodes, [f"term-node={node}@step=5"])
+    first_world = round_pids(job).get(1, set())
+    assert len(first_world) == nodes * nproc, f"round 1: {first_world}\n{story(job)}"
     records = check_inprocess(tmp_path, job, result, recoveries=1, source=source)
     logs = glob.glob(os.path.join(job.out_dir, "logs", "**", "*.log"), recursive=True)
     said = "".join(Path(p).read_text(encoding="utf-8", errors="replace") for p in logs)
