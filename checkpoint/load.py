@@ -549,7 +549,7 @@ def load_latest(
         store.recover_replaced(ckpt_dir)  # a step moved aside by a writer that then died
     # Rank 0's order is every rank's (they must try the same steps), so only it reads the
     # manifests' commit numbers.
-    order = store.load_order(ckpt_dir, key) if leader else None
+    order = store.load_order(ckpt_dir, key, job) if leader else None
     if distributed:
         order = broadcast_json(order, group)
     if not order:
@@ -613,7 +613,7 @@ def load_latest(
             # Retention must never keep it in place of a step that loads.
             try:
                 error = next(e for e, k in gathered if k == DAMAGED)
-                store.mark_unloadable(ckpt_dir, step, error, key=key)
+                store.mark_unloadable(ckpt_dir, step, error, key=key, job=job)
             except OSError as exc:
                 warn(f"cannot record that step {step} failed to load: {exc}")
         if i + 1 < len(order):  # else the error below says it, once

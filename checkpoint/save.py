@@ -103,8 +103,9 @@ class SaveOptions:
     """The run and round this saver commits for; None: commits are not fenced."""
     key: bytes | None = field(default=None, repr=False)  # never in a log or a traceback
     """Seal each commit with this secret key (:mod:`checkpoint.seal`: a MAC per verify
-    block and one over the manifest); retention then counts only steps sealed with it.
-    None: unsealed, as before."""
+    block and one over the manifest); retention then counts only steps sealed with it,
+    and for :attr:`job` when that is set (a step another job sealed with the same key
+    counts as commit 0). None: unsealed, as before."""
     hook: Callable[[str], None] | None = None
     """Called by group rank 0 at each named point of a commit (``before-rename``,
     ``replaced-moved-aside``, ``renamed``, ``latest-tmp-written``, ``latest-switched``,
@@ -607,7 +608,7 @@ class Saver:
             optimizer=head["scalars"],
             extra=head["extra"],
             created_unix=time.time(),
-            commit=store.next_commit(self.ckpt_dir, key=self.options.key),
+            commit=store.next_commit(self.ckpt_dir, key=self.options.key, job=self.options.job),
             writer=(
                 {"run_id": self.options.fence.run_id, "round": self.options.fence.round}
                 if self.options.fence is not None
@@ -662,6 +663,7 @@ class Saver:
             commit=manifest.commit,
             defer=self._defer,
             key=self.options.key,
+            job=self.options.job,
         )
 
 

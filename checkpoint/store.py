@@ -104,6 +104,7 @@ def commit_step(
     commit: int | None = None,
     defer: Callable[[Callable[[], None]], None] | None = None,
     key: bytes | None = None,
+    job: str | None = None,
 ) -> None:
     """Commit the finished save in ``tmp`` (manifest written and fsynced) as ``step``:
     rename it to ``step-N`` (the commit point), switch `latest` to it, then apply retention.
@@ -130,7 +131,8 @@ def commit_step(
     :func:`recover_replaced` puts it back, so a replaced step is never lost. ``hook(point)``
     is called at each named point (tests aim a SIGKILL at them). ``defer(func)``, if
     given, runs the deletes (the step moved aside, retention) later, e.g. on a thread.
-    ``key``: the saver's seal key; retention then counts only steps sealed with it."""
+    ``key``: the saver's seal key; retention then counts only steps sealed with it (and,
+    with ``job``, for that job: :func:`commit_numbers`)."""
     hook = hook or _nothing
     warn = warn or log or _nothing
     final = step_path(ckpt_dir, step)
@@ -177,7 +179,8 @@ def commit_step(
     def tidy() -> None:
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)
-        prune(ckpt_dir, keep=keep, log=log, hook=hook, trusted={step}, key=key)  # just written
+        prune(ckpt_dir, keep=keep, log=log, hook=hook, trusted={step}, key=key,
+              job=job)  # fmt: skip
 
     def tidy_warned() -> None:
         _warn_on_error(warn, f"checkpoint step {step} is committed, but retention", tidy)
@@ -246,13 +249,20 @@ def _manifest_json(path: str) -> object:
     return parse_json(data, path, max_bytes=MAX_MANIFEST_BYTES, error=CheckpointError)
 
 
-def commit_numbers(ckpt_dir: str, key: bytes | None = None) -> dict[int, int]:
+def commit_numbers(
+    ckpt_dir: str, key: bytes | None = None, job: str | None = None
+) -> dict[int, int]:
     """Each committed step's commit number (0 when its manifest has none, is unreadable,
     fails its own checksum or names another step than its directory's: such a step is
     ordered by its step number below every numbered commit, and cannot head the lineage
     with a number no checksum vouches for). With ``key``, also 0 unless the manifest is sealed with
-    that key (:mod:`checkpoint.seal`): a planted step claims nothing. A load checks the
-    whole manifest."""
+    that key (:mod:`checkpoint.seal`): a planted step claims nothing. With ``key`` and
+    ``job`` (the job whose directory it is: a trainer's saves and resumes, ``ckpt prune
+    --key-file``), also 0 unless the sealed manifest's ``job`` is ``job``: a step sealed
+    by another job with the same key and copied in neither heads the lineage nor makes
+    retention delete this job's newer steps. ``job`` is ignored without ``key`` (nothing
+    vouches for an unsealed manifest's ``job``). A load checks the whole manifest."""
+    job = job or None  # "": not known
     out = {}
     seen: dict[tuple[int, int], int | None] = {}  # (device, inode) -> the step it names
     for step in committed_steps(ckpt_dir):
@@ -272,16 +282,19 @@ def commit_numbers(ckpt_dir: str, key: bytes | None = None) -> dict[int, int]:
                 # it and retention deleted it (a security review).
                 continue
             seen.setdefault(ident, None)
-            out[step] = _commit_number(path, step, key)
+            out[step] = _commit_number(path, step, key, job)
             if seen[ident] is None:
                 seen[ident] = _COMMIT_CACHE[path][4]
     return out
 
 
-_COMMIT_CACHE: dict[str, tuple[bytes, int, dict[str, int] | None, str, int | None]] = {}
+_COMMIT_CACHE: dict[
+    str, tuple[bytes, int, dict[str, int] | None, tuple[str, str | None], int | None]
+] = {}
 """Manifest path -> (sha256 of the bytes read there, their commit number, the tensor
-files it lists with their sizes, when its checksum matches, the id of the key it was checked
-with, "" for none, and the step it names, None for none): every commit
+files it lists with their sizes, when its checksum matches, (the id of the key it was checked
+with, "" for none; the job it was checked for, None for none), and the step it names, None
+for none): every commit
 reads the commit numbers of all kept steps, and parsing a manifest under a load's bounds
 costs about 1.5 ms per 300 KB on the commit's critical path; hashing it, 0.2 ms. Keyed by
 the bytes themselves, so a manifest rewritten in place is parsed again."""
@@ -292,22 +305,26 @@ _COMMIT_CACHE_SIZE = 4096
 steps (it was 64: a directory of more steps was parsed whole at every commit)."""
 
 
-def _commit_number(path: str, step: int, key: bytes | None = None) -> int:
+def _commit_number(path: str, step: int, key: bytes | None = None, job: str | None = None) -> int:
     data = read_regular(path, max_bytes=MAX_MANIFEST_BYTES)
     digest = hashlib.sha256(data).digest()
     hit = _COMMIT_CACHE.get(path)
-    if hit is not None and hit[0] == digest and hit[3] == _kid(key):
+    scope = (_kid(key), job if key is not None else None)
+    if hit is not None and hit[0] == digest and hit[3] == scope:
         return hit[1]
     raw = parse_json(data, path, max_bytes=MAX_MANIFEST_BYTES, error=CheckpointError)
     ok = isinstance(raw, dict) and raw.get("step") == step and checksum_matches(raw)
     ok = ok and (key is None or not seal.seal_problem(raw, key))
+    # Sealed with the key, but by another job (the same key shared, the step copied in):
+    # counted like an unsealed step.
+    ok = ok and (scope[1] is None or raw.get("job") == scope[1])
     n = raw.get("commit", 0) if ok else 0
     n = n if type(n) is int and 0 <= n < INT_LIMIT else 0  # as a load reads it
     if len(_COMMIT_CACHE) >= _COMMIT_CACHE_SIZE:
         _COMMIT_CACHE.clear()
     named = raw.get("step") if isinstance(raw, dict) else None
     named = named if type(named) is int else None
-    _COMMIT_CACHE[path] = (digest, n, _listed_files(raw) if ok else None, _kid(key), named)
+    _COMMIT_CACHE[path] = (digest, n, _listed_files(raw) if ok else None, scope, named)
     return n
 
 
@@ -331,11 +348,11 @@ def _listed_files(raw: dict) -> dict[str, int] | None:
     return out
 
 
-def next_commit(ckpt_dir: str, key: bytes | None = None) -> int:
+def next_commit(ckpt_dir: str, key: bytes | None = None, job: str | None = None) -> int:
     """1 + the highest commit number in ``ckpt_dir``. Raises :class:`CheckpointError`
     rather than number a commit past what a manifest may hold (a manifest there claiming
     the largest number: written by hand, or hostile), which no load would read."""
-    numbers = commit_numbers(ckpt_dir, key)
+    numbers = commit_numbers(ckpt_dir, key, job)
     n = 1 + max(numbers.values(), default=0)
     if n >= INT_LIMIT:
         step = max(numbers, key=lambda s: numbers[s])
@@ -401,12 +418,18 @@ def _read_json(path: str) -> object:
 
 
 def mark_unloadable(
-    ckpt_dir: str, step: int, error: str, *, commit: int | None = None, key: bytes | None = None
+    ckpt_dir: str,
+    step: int,
+    error: str,
+    *,
+    commit: int | None = None,
+    key: bytes | None = None,
+    job: str | None = None,
 ) -> None:
     """Record that ``step`` (its present commit, or commit number ``commit``) failed to
     load, or must not be loaded: retention deletes it before any step that loads, and a
     load tries it last. Saving the step again clears it (a new commit number)."""
-    numbers = commit_numbers(ckpt_dir, key)
+    numbers = commit_numbers(ckpt_dir, key, job)
     if step not in numbers:
         return
     if commit is not None:
@@ -439,14 +462,15 @@ def _failed(ckpt_dir: str, numbers: dict[int, int]) -> set[int]:
     return {s for s, n in read_unloadable(ckpt_dir).items() if numbers.get(s) == n}
 
 
-def load_order(ckpt_dir: str, key: bytes | None = None) -> list[int]:
+def load_order(ckpt_dir: str, key: bytes | None = None, job: str | None = None) -> list[int]:
     """Committed steps to try when resuming: the current lineage newest first, then the
     abandoned steps; a step that failed to load before comes after all the others.
 
     `latest` is not consulted: it is a hint for people and tools, and a writer killed
     after its rename but before switching it leaves it naming an older step. With
-    ``key``, steps not sealed with it count as commit 0 (:func:`commit_numbers`)."""
-    numbers = commit_numbers(ckpt_dir, key)
+    ``key``, steps not sealed with it (with ``job`` too: for that job) count as commit 0
+    (:func:`commit_numbers`)."""
+    numbers = commit_numbers(ckpt_dir, key, job)
     failed = _failed(ckpt_dir, numbers)
     current, abandoned = lineage(ckpt_dir, numbers, failed)
     return current + abandoned + _newest_first(failed, numbers)
@@ -581,6 +605,7 @@ def prune(
     hook: Callable[[str], None] | None = None,
     trusted: frozenset[int] | set[int] = frozenset(),
     key: bytes | None = None,
+    job: str | None = None,
 ) -> list[int]:
     """Keep the newest ``keep`` steps of the current lineage (of the steps that load:
     :func:`lineage`); delete the rest: abandoned steps first, then steps that failed to
@@ -599,10 +624,11 @@ def prune(
     (anyone can recompute that): a plant with copies of a real step's files still heads
     the lineage. With ``key`` (a sealed job), only a manifest sealed with it has a commit
     number; any other step is ordered as commit 0, below every sealed one, so pruned as
-    abandoned or oldest once ``keep`` sealed steps are newer."""
+    abandoned or oldest once ``keep`` sealed steps are newer. With ``key`` and ``job``, a
+    step sealed with the key by another job counts so too."""
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
-    numbers = commit_numbers(ckpt_dir, key)
+    numbers = commit_numbers(ckpt_dir, key, job)
     failed = _failed(ckpt_dir, numbers)
     spared: set[int] = set()
     while True:

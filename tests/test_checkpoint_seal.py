@@ -488,3 +488,52 @@ def test_a_step_sealed_by_another_job_with_the_same_key_is_passed_over_by_this_j
     assert "sealed by job b, not a" in warned[0], warned
     assert read_unloadable(mine) == {}
     assert load(mine, key)[0] == 9  # without the job: the key alone vouches for it
+
+
+def save_for(ckpt: str, job: str, key: bytes, step: int, *, keep: int = 10) -> None:
+    saver = Saver(ckpt, group=None, options=SaveOptions(async_=False, key=key, job=job, keep=keep))
+    saver.save(step=step, consumed_samples=4 * step, model={"w": ((W + step).clone(), whole())})
+    saver.close()
+
+
+def test_another_jobs_sealed_step_copied_in_never_heads_this_jobs_lineage_or_retention(
+    tmp_path, key
+):
+    # The same key sealed job b's steps; b's step 9 (commit 5, above any of a's) copied
+    # into a's directory headed a's lineage with the key: a's next save, numbered after
+    # it, kept it and deleted a's own step 6, and `ckpt prune --key-file` did the same.
+    mine, theirs, again = (str(tmp_path / n) for n in ("mine", "theirs", "again"))
+    for ckpt in (mine, again):
+        for step in (3, 6):
+            save_for(ckpt, "a", key, step)
+    for step in (1, 2, 7, 8, 9):
+        save_for(theirs, "b", key, step)
+    for ckpt in (mine, again):
+        shutil.copytree(step_path(theirs, 9), step_path(ckpt, 9))
+    # a's next save is numbered after a's own commits, and its retention prunes the
+    # copied step first, as abandoned: a's steps 6 and 12 stay.
+    save_for(mine, "a", key, 12, keep=2)
+    assert sorted(commit_numbers(mine)) == [6, 12]
+    assert json.loads(manifest_path(mine, 12).read_text())["commit"] == 3
+    out = torch.zeros(SHAPE)
+    c = load_latest(mine, model={"w": (out, whole())}, key=key, job="a")
+    c.close()
+    assert c.step == 12 and torch.equal(out, W + 12)
+    # The store's ordering: the key alone vouches for the copy; with the job it is commit 0.
+    assert commit_numbers(again, key)[9] == 5
+    assert commit_numbers(again, key, job="a") == {3: 1, 6: 2, 9: 0}
+    assert load_order(again, key, job="a")[:2] == [6, 3]
+    # The CLI: --job names the job; without it, the owner record's job.
+    backup, keyfile = str(tmp_path / "backup"), tmp_path / "key"  # the fixture's key file
+    shutil.copytree(again, backup)
+    r = cli("prune", again, "--keep", "1", "--key-file", str(keyfile), "--job", "a")
+    assert r.returncode == 0 and "removed 2 step(s): 9, 3" in r.stdout, (r.stdout, r.stderr)
+    shutil.rmtree(again)
+    shutil.copytree(backup, again)
+    Path(again, "owner.json").write_text(json.dumps({"job": "a", "run_id": "a-0a1b2c3d"}))
+    r = cli("prune", again, "--keep", "1", "--key-file", str(keyfile))
+    assert r.returncode == 0 and "removed 2 step(s): 9, 3" in r.stdout, (r.stdout, r.stderr)
+    assert os.path.isdir(step_path(again, 6))
+    assert "--job takes effect only with --key-file" in one_line_error(
+        cli("prune", again, "--keep", "1", "--job", "a")
+    )

@@ -75,6 +75,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     pr.add_argument("dir", metavar="DIR")
     pr.add_argument("--keep", type=int, required=True, help="committed steps to keep")
     _key_option(pr, "a sealed job's key: only steps sealed with it count as kept")
+    pr.add_argument(
+        "--job",
+        metavar="NAME",
+        default=None,
+        help="with --key-file: the job whose directory it is (default: the job of its "
+        "owner.json); a step another job sealed with the same key counts as unsealed",
+    )
     pr.set_defaults(func=_guard(run_prune))
 
     se = cmds.add_parser(
@@ -494,10 +501,13 @@ def run_export(args: argparse.Namespace) -> int:
 
 def run_prune(args: argparse.Namespace) -> int:
     from checkpoint import committed_steps, prune
-    from checkpoint.owner import describe_holder, holding
+    from checkpoint.owner import describe_holder, holding, read_owner
 
     if args.keep < 1:
         raise UsageError(f"ckpt prune: --keep must be at least 1, got {args.keep}")
+    key = _key(args)
+    if args.job is not None and key is None:
+        raise UsageError("ckpt prune: --job takes effect only with --key-file")
     if not committed_steps(args.dir):  # not a checkpoint directory: leave no lock file there
         print("removed 0 step(s)")
         return 0
@@ -509,7 +519,14 @@ def run_prune(args: argparse.Namespace) -> int:
                 f"ckpt prune: {args.dir} is in use by {describe_holder(holder)}; prune it "
                 "when that run has ended"
             )
-        removed = prune(args.dir, keep=args.keep, key=_key(args))
+        # Whose directory it is: a step sealed with the key by another job (the key
+        # shared, the step copied in) must not head the lineage. Without --job, the job
+        # its runs recorded in owner.json; with neither, the key alone vouches.
+        job = args.job
+        if job is None and key is not None:
+            owner = read_owner(args.dir)
+            job = owner["job"] if owner is not None else None
+        removed = prune(args.dir, keep=args.keep, key=key, job=job)
     print(
         f"removed {len(removed)} step(s)" + (f": {', '.join(map(str, removed))}" if removed else "")
     )

@@ -204,7 +204,7 @@ def say_resume(job) -> None:
     if job.checkpoint.key_file:  # the step a sealed job's resume takes, when this user can tell
         with contextlib.suppress(KeyFileError):
             key = read_key(job.checkpoint.key_file)
-    order = load_order(job.ckpt_dir, key)
+    order = load_order(job.ckpt_dir, key, job.name)
     if order:
         print(
             f"job {job.name} resumes from {step_path(job.ckpt_dir, order[0])} at step "
