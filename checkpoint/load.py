@@ -483,11 +483,12 @@ def check_memory(nbytes: int, what: str) -> None:
 
 
 DAMAGED, MISMATCH, NEWER, UNREADABLE = "damaged", "mismatch", "newer", "unreadable"
-UNSEALED = "unsealed"
+UNSEALED, INCONSISTENT = "unsealed", "inconsistent"
 """How a step failed to load, as :func:`load_latest` acts on it: ``damaged`` (its content:
-fall back, and record it as unloadable), ``mismatch`` (the model does not fit it) and
-``unsealed`` (a load with a key: the step has no seal, or another key's): fall back,
-record nothing; ``newer`` (a format version of a newer build) and ``unreadable``
+fall back, and record it as unloadable), ``mismatch`` (the model does not fit it),
+``unsealed`` (a load with a key: the step has no seal, or another key's) and
+``inconsistent`` (the ranks opened different saves of the step: its directory was
+replaced during the load): fall back, record nothing; ``newer`` (a format version of a newer build) and ``unreadable``
 (permissions, I/O, memory, anything unforeseen): stop, record nothing."""
 
 
@@ -567,9 +568,10 @@ def load_latest(
     unsealed = 0
     for i, step in enumerate(order):
         path = store.step_path(ckpt_dir, step)
-        ckpt, error, kind = None, "", ""
+        ckpt, error, kind, opened = None, "", "", ""
         try:
             ckpt = Checkpoint.open(path, key=key)
+            opened = ckpt.manifest_sha256
             if key is not None and job is not None and ckpt.manifest.job != job:
                 raise SealError(
                     f"{path}: sealed by job {quoted(ckpt.manifest.job)}, not {quoted(job)} "
@@ -583,9 +585,25 @@ def load_latest(
             error = str(exc) if isinstance(exc, (CheckpointError, OSError)) else repr(exc)
             kind = _failure(exc)
         # One collective when every rank's message is short (it is, unless a load failed).
-        gathered = all_gather_json_small([error, kind], group)() if distributed else [[error, kind]]
-        errors = [e for e, _ in gathered if e]
-        stops = [(e, k) for e, k in gathered if k in (NEWER, UNREADABLE)]
+        # Each rank opened the step itself, so each says which save it opened (its
+        # manifest's sha256): a step directory replaced during the load by another save of
+        # the same step (sealed too, with the key) must not give ranks different states.
+        mine = [error, kind, opened]
+        gathered = all_gather_json_small(mine, group)() if distributed else [mine]
+        saves = sorted({o for e, _, o in gathered if not e})
+        if len(saves) > 1:
+            gathered = [
+                [
+                    f"the ranks opened {len(saves)} different saves of step {step} (its "
+                    "directory was replaced during the load; manifest sha256 "
+                    f"{', '.join(o[:16] for o in saves)})",
+                    INCONSISTENT,
+                    o,
+                ]
+                for _e, _k, o in gathered
+            ]
+        errors = [e for e, _, _ in gathered if e]
+        stops = [(e, k) for e, k, _ in gathered if k in (NEWER, UNREADABLE)]
         if stops:
             # Not the step's content: no fall back past it (the step would be abandoned
             # by the next commit and pruned), nothing recorded; every rank stops alike.
@@ -608,11 +626,11 @@ def load_latest(
         if isinstance(ckpt, Checkpoint):
             ckpt.close()
         failures.append(f"step {step}: {errors[0]}")
-        unsealed += any(k == UNSEALED for _, k in gathered)
-        if leader and any(k == DAMAGED for _, k in gathered):
+        unsealed += any(k == UNSEALED for _, k, _ in gathered)
+        if leader and any(k == DAMAGED for _, k, _ in gathered):
             # Retention must never keep it in place of a step that loads.
             try:
-                error = next(e for e, k in gathered if k == DAMAGED)
+                error = next(e for e, k, _ in gathered if k == DAMAGED)
                 store.mark_unloadable(ckpt_dir, step, error, key=key, job=job)
             except OSError as exc:
                 warn(f"cannot record that step {step} failed to load: {exc}")

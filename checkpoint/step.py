@@ -97,6 +97,10 @@ class CheckpointFiles:
         self._handles: dict[str, _OpenFile] = {}
         self._files: dict[tuple[int, int], str] = {}
         """(device, inode) -> the name it was opened as: each name is a file of its own."""
+        self.manifest_sha256 = ""
+        """sha256 (hex) of the manifest's bytes as read (:meth:`open`): which save of its
+        step this is. Two saves of one step differ at least in commit number and time, so
+        the ranks of a load compare it to be sure they all opened the same one."""
 
     @classmethod
     def open(cls, path: str, *, key: bytes | None = None) -> Self:
@@ -144,7 +148,9 @@ class CheckpointFiles:
         except BaseException:
             os.close(dir_fd)
             raise
-        return cls(path, manifest, dir_fd, key)
+        opened = cls(path, manifest, dir_fd, key)
+        opened.manifest_sha256 = hashlib.sha256(raw).hexdigest()
+        return opened
 
     def open_file(self, name: str) -> tuple[int, int]:
         """``(fd, size)`` of the tensor file ``name`` of the manifest, opened in the step

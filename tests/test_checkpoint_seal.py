@@ -537,3 +537,42 @@ def test_another_jobs_sealed_step_copied_in_never_heads_this_jobs_lineage_or_ret
     assert "--job takes effect only with --key-file" in one_line_error(
         cli("prune", again, "--keep", "1", "--job", "a")
     )
+
+
+def _load_two_ranks(rank: int, world: int, store: str, dirs: list[str], key: bytes, out: str):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    got = torch.zeros(SHAPE)
+    warned: list[str] = []
+    c = load_latest(dirs[rank], model={"w": (got, whole())}, group=dist.group.WORLD, key=key,
+                    job="a", warn=warned.append)  # fmt: skip
+    c.close()
+    steps = {str(s): torch.equal(got, W + s) for s in (3, 6, 60)}
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"step": c.step, "equal": steps,
+                                                         "warned": warned}))  # fmt: skip
+    dist.destroy_process_group()
+
+
+def test_ranks_that_open_different_sealed_saves_of_a_step_fall_back_together(tmp_path, key):
+    # Each rank of a load opens the step itself. Rank 1 here sees step 6 as it is after its
+    # directory was swapped for another sealed save of step 6 by the same job and key (a
+    # copy of the directory where step 6 was saved again): deterministic, no timing. Both
+    # opens pass every check, and the ranks loaded different states (6 and 60).
+    import torch.multiprocessing as mp
+
+    before, after = str(tmp_path / "before"), str(tmp_path / "after")
+    save_for(before, "a", key, 3)
+    save_for(before, "a", key, 6)
+    shutil.copytree(before, after)
+    saver = Saver(after, group=None, options=SaveOptions(async_=False, key=key, job="a"))
+    saver.save(step=6, consumed_samples=24, model={"w": ((W + 60).clone(), whole())})
+    saver.close()
+    assert manifest_path(before, 6).read_bytes() != manifest_path(after, 6).read_bytes()
+    args = (2, str(tmp_path / "store"), [before, after], key, str(tmp_path))
+    mp.spawn(_load_two_ranks, args=args, nprocs=2, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for r in results:
+        assert r["step"] == 3 and r["equal"]["3"], results  # step 3: the same save on both
+    assert "ranks opened 2 different saves of step 6" in results[0]["warned"][0], results
+    assert read_unloadable(before) == {}  # step 6 is not damaged: nothing recorded
