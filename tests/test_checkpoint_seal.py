@@ -576,3 +576,39 @@ def test_ranks_that_open_different_sealed_saves_of_a_step_fall_back_together(tmp
         assert r["step"] == 3 and r["equal"]["3"], results  # step 3: the same save on both
     assert "ranks opened 2 different saves of step 6" in results[0]["warned"][0], results
     assert read_unloadable(before) == {}  # step 6 is not damaged: nothing recorded
+
+
+@pytest.mark.parametrize("damage", ["blocks-found-by-a-load", "header"])
+def test_in_process_recovery_does_not_count_a_damaged_sealed_step_as_newer_than_the_replicas(
+    tmp_path, key, damage
+):
+    # The replicas hold step 6; sealed steps 4 and 8 are on disk, step 8 damaged. Counted
+    # newer, the recovery dropped the replicas for the checkpoint, whose load then fell
+    # back from 8 to 4: two steps older than what the replicas held.
+    from elasticd.jobspec import parse_job
+    from trainer.recovery import _checkpoint_is_newer
+
+    ckpt = str(tmp_path / "ckpt")
+    job = parse_job({"name": "sealedjob", "output_dir": str(tmp_path),
+                     "checkpoint": {"every": 4, "dir": ckpt, "key_file": str(tmp_path / "key")}})  # fmt: skip
+    for step in (4, 8):
+        save_for(ckpt, job.name, key, step)
+    assert _checkpoint_is_newer(job, 6, None, key=key)  # intact: step 8 is newer
+    if damage == "header":
+        # Not recorded anywhere yet: the file's header no longer matches the sealed
+        # manifest's header_sha256: one hex digit of a block's CRC in it changed.
+        (path,) = Path(step_path(ckpt, 8)).glob("*.safetensors")
+        data = bytearray(path.read_bytes())
+        (n,) = struct.unpack("<Q", data[:8])
+        at = data.index(b'"', data.index(b'"crc32c:', 8, 8 + n) + 1) + 3  # its value's 1st digit
+        assert at < 8 + n and chr(data[at]) in "0123456789abcdef"
+        data[at] = ord("1") if data[at] != ord("1") else ord("2")
+        path.write_bytes(bytes(data))
+    else:
+        # Blocks changed with their CRCs kept: only reading them (with the key) tells, and
+        # a load that does so falls back to step 4 and records step 8.
+        tamper_first_block(ckpt, 8)
+        assert load(ckpt, key, job=job.name, warn=lambda _: None)[0] == 4
+        assert 8 in read_unloadable(ckpt)
+    assert not _checkpoint_is_newer(job, 6, None, key=key)
+    assert _checkpoint_is_newer(job, 2, None, key=key)  # step 4 is newer than step 2
