@@ -63,6 +63,7 @@ from checkpoint.manifest import (
 from checkpoint.planner import relative
 from checkpoint.saveplan import FilePlan, LocalEntry, SavePlan, build_save_plan
 from checkpoint.shards import ShardInfo
+from checkpoint.smallfile import create_new
 from checkpoint.stfile import fsync_dir, tensor_bytes, write_all, write_file
 
 log = logging.getLogger("checkpoint.save")
@@ -107,7 +108,8 @@ class SaveOptions:
     and for :attr:`job` when that is set (a step another job sealed with the same key
     counts as commit 0). None: unsealed, as before."""
     hook: Callable[[str], None] | None = None
-    """Called by group rank 0 at each named point of a commit (``before-rename``,
+    """Called by group rank 0 at each named point of a commit (``manifest-writing``, right
+    before it creates the manifest in the save's directory, ``before-rename``,
     ``replaced-moved-aside``, ``renamed``, ``latest-tmp-written``, ``latest-switched``,
     ``pruning``): the crash tests kill the process there."""
 
@@ -643,7 +645,9 @@ class Saver:
             raise SaveRefusedError(str(exc)) from None
         tmp, token = head["tmp"], head["token"]
         path = os.path.join(tmp, MANIFEST)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        if self.options.hook:
+            self.options.hook("manifest-writing")
+        fd = create_new(path)  # never through a symlink planted at its name
         try:
             write_all(fd, body)
             os.fsync(fd)

@@ -31,6 +31,7 @@ from checkpoint import store
 from checkpoint.errors import CheckpointError, CorruptCheckpointError
 from checkpoint.manifest import MANIFEST, FileEntry
 from checkpoint.seal import SealError, key_id
+from checkpoint.smallfile import create_new
 from checkpoint.step import CheckpointFiles, read_header_checked
 from checkpoint.stfile import FileSlot, fsync_dir, header_crcs, read_exact, write_all, write_file
 from checkpoint.verify import verify
@@ -82,7 +83,7 @@ def seal_step(ckpt_dir: str, step: int, key: bytes) -> Outcome:
         try:
             files = _write_sealed_files(ck, tmp, key)
             sealed = dataclasses.replace(m, files=files)
-            fd = os.open(os.path.join(tmp, MANIFEST), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = create_new(os.path.join(tmp, MANIFEST))
             try:
                 write_all(fd, sealed.to_json(key=key))
                 os.fsync(fd)

@@ -257,6 +257,22 @@ def _not_json(constant: str) -> object:
     raise ValueError(f"{constant} is not a JSON value")
 
 
+def create_new(path: str, *, error: type[CheckpointError] = CheckpointError) -> int:
+    """``path`` created anew and opened for writing (``O_CREAT | O_EXCL | O_NOFOLLOW``), for
+    a file in a directory the writer itself just made (a save's ``step-N.<token>.tmp``,
+    where its manifest goes): anything already there under that name (a symlink planted to
+    a file elsewhere, a file) was put there by someone else, so the write is refused in
+    one line (``error``) and nothing is written through it. The caller closes the fd."""
+    try:
+        return os.open(path, _CREATE_FLAGS, 0o644)
+    except FileExistsError:
+        kind = "a symlink" if os.path.islink(path) else "something"
+        raise error(
+            f"{path}: {kind} is already there, in this writer's own new directory "
+            "(planted); not written through"
+        ) from None
+
+
 def create_temp(path: str) -> tuple[int, str]:
     """A new, empty file next to ``path`` named ``<name>.<16 hex>.tmp``, opened for writing
     with ``O_EXCL | O_NOFOLLOW``: returns ``(fd, tmp_path)``; the caller closes ``fd``."""

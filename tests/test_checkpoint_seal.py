@@ -612,3 +612,46 @@ def test_in_process_recovery_does_not_count_a_damaged_sealed_step_as_newer_than_
         assert 8 in read_unloadable(ckpt)
     assert not _checkpoint_is_newer(job, 6, None, key=key)
     assert _checkpoint_is_newer(job, 2, None, key=key)  # step 4 is newer than step 2
+
+
+def test_a_symlink_planted_where_the_saver_writes_its_manifest_is_never_written_through(
+    tmp_path, key
+):
+    # The manifest was opened with O_CREAT | O_TRUNC and no O_NOFOLLOW (the tensor files
+    # had it): a symlink at step-N.<token>.tmp/manifest.json made the save write the
+    # manifest into the file it points to, anywhere the trainer may write.
+    from checkpoint import SaveFailedError
+    from checkpoint.store import mark_unloadable
+
+    ckpt, outside = str(tmp_path / "ckpt"), tmp_path / "outside"
+    outside.write_text("precious\n")
+    # `latest` and unloadable.json planted as symlinks: replaced by a rename, never written
+    # through (their temporaries are new files under unpredictable names).
+    os.makedirs(ckpt)
+    os.symlink(outside, os.path.join(ckpt, "latest"))
+    os.symlink(outside, os.path.join(ckpt, "unloadable.json"))
+    save_for(ckpt, "a", key, 3)
+    save_for(ckpt, "a", key, 4)
+    mark_unloadable(ckpt, 4, "a test")
+    assert not os.path.islink(os.path.join(ckpt, "latest"))
+    assert not os.path.islink(os.path.join(ckpt, "unloadable.json"))
+    planted: list[str] = []
+
+    def plant(point: str) -> None:
+        if point == "manifest-writing":
+            (tmp,) = [n for n in os.listdir(ckpt) if n.startswith("step-000000006.")]
+            planted.append(os.path.join(ckpt, tmp, "manifest.json"))
+            os.symlink(outside, planted[-1])
+
+    opts = SaveOptions(async_=False, key=key, job="a", hook=plant)
+    saver = Saver(ckpt, group=None, options=opts)
+    with pytest.raises(SaveFailedError) as info:
+        saver.save(step=6, consumed_samples=24, model={"w": ((W + 6).clone(), whole())})
+    saver.close()
+    assert planted and outside.read_text() == "precious\n"
+    text = str(info.value)
+    assert len(text.splitlines()) == 1 and "a symlink is already there" in text, text
+    assert "checkpoint step 6 was not committed" in text, text
+    assert not os.path.lexists(step_path(ckpt, 6))  # nothing committed; its directory gone
+    assert not [n for n in os.listdir(ckpt) if n.endswith(".tmp")], os.listdir(ckpt)
+    assert load(ckpt, key)[0] == 3
