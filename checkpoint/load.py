@@ -488,8 +488,9 @@ UNSEALED, INCONSISTENT = "unsealed", "inconsistent"
 fall back, and record it as unloadable), ``mismatch`` (the model does not fit it),
 ``unsealed`` (a load with a key: the step has no seal, or another key's) and
 ``inconsistent`` (the ranks opened different saves of the step: its directory was
-replaced during the load): fall back, record nothing; ``newer`` (a format version of a newer build) and ``unreadable``
-(permissions, I/O, memory, anything unforeseen): stop, record nothing."""
+replaced during the load): fall back, record nothing; ``newer`` (a format version of a
+newer build) and ``unreadable`` (permissions, I/O, memory, anything unforeseen): stop,
+record nothing."""
 
 
 def _failure(exc: BaseException) -> str:
