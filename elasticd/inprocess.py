@@ -1781,6 +1781,8 @@ def run(
             env = control.next_round(round_)
             lived += 1
             continue
+        # Only the teardown and the process's exit are left: no hang_timeout for them.
+        ctx.channel.finished()
         _close_round(abort=False)
         if control is not None:
             control.left(round_)  # what the process does after run() is not the round's

@@ -256,6 +256,17 @@ class WorkerChannel:
         self._write()
         ring(self._doorbell)
 
+    def finished(self) -> None:
+        """The training function returned: this worker only tears down and exits now
+        (destroying its process group, the interpreter's exit). Its agent does not judge
+        it by restart.hang_timeout from here: a teardown slower than that on a loaded
+        node (or NCCL's destroy waiting on its peers) is no hang, and killing it restarted a
+        job whose every step was done. It is judged hung only after
+        ``FINISH_WAIT`` (elasticd.agent.policy). The mark keeps the heartbeat's mtime."""
+        with self._write_lock:
+            self._last["finished"] = {"t": self._clock()}
+        self._write(keep_mtime=True)
+
     def waiting(self, on: bool) -> None:
         """In-process restart: this rank has been blocked for a while in a collective or a
         transfer of its round, waiting on its peers (``on``; called again about every

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from elasticd.agent.policy import (
     ALONE_CRASH_LOOP_CAP,
     CRASH_LOOP_CAP,
+    FINISH_WAIT,
     WAITING_FRESH,
     WAITING_PATIENCE,
     Observation,
@@ -32,7 +33,7 @@ from elasticd.agent.policy import (
     worker_argv,
     worker_envs,
 )
-from elasticd.agent.workers import Staleness, waiting_now
+from elasticd.agent.workers import Staleness, finishing, waiting_now
 from elasticd.errors import UsageError
 from elasticd.jobs import JobState
 from elasticd.localcluster import parse_fault
@@ -223,6 +224,23 @@ def test_a_waiting_mark_counts_only_while_it_is_refreshed():
     assert not waiting_now({"waiting": {"t": 100.0}}, 100.1 + WAITING_FRESH)
     assert not waiting_now({}, 100.0) and not waiting_now({"waiting": {"t": "x"}}, 100.0)
     assert not waiting_now({"waiting": True}, 100.0)
+
+
+def test_a_finished_mark_spares_a_worker_the_hang_timeout_until_finish_wait(tmp_path):
+    """A worker whose training function returned only tears down: not judged by
+    hang_timeout, until FINISH_WAIT has passed (a teardown stuck for good). The mark is
+    written by the channel without moving the heartbeat's mtime (it is no progress)."""
+    path = tmp_path / "hb.json"
+    channel = WorkerChannel(path=str(path), clock=lambda: 100.0)
+    channel.progress(step=7)
+    os.utime(path, (50.0, 50.0))
+    channel.finished()
+    beat = read_heartbeat(str(path))
+    assert beat["step"] == 7 and beat["finished"] == {"t": 100.0}
+    assert os.stat(path).st_mtime == 50.0
+    assert finishing(beat, 100.0) and finishing(beat, 100.0 + FINISH_WAIT)
+    assert not finishing(beat, 100.1 + FINISH_WAIT)
+    assert not finishing({"step": 7}, 100.0) and not finishing({"finished": {"t": "x"}}, 100.0)
 
 
 @pytest.mark.parametrize("code", [126, 127])

@@ -602,6 +602,38 @@ def test_a_hung_rank_of_a_ddp_script_is_killed_alone_and_its_peers_go_on_in_proc
     assert len(first & second) == 1, story(job)  # rank 0's process went on
 
 
+def test_slow_teardown_after_the_last_step_is_no_hang_and_the_job_is_not_trained_again(
+    tmp_path,
+):
+    """Once ``ei.run`` returned, a rank only tears down and exits. A clean-clone run with
+    three pytest workers on 2 cores had both ranks of the DDP example take over
+    restart.hang_timeout (4 s) to do so after step 40: rank 0 was killed as hung, and the
+    job was trained again from step 0 (``[process, from none, lost steps 40]``). Here each
+    rank stays 10 s after ``ei.run`` returned, past twice hang_timeout: the job succeeds
+    with no failure, and every step is trained once."""
+    script = os.path.join(
+        os.path.dirname(os.path.dirname(__file__)), "examples", "ddp_inprocess.py"
+    )
+    wrapper = tmp_path / "slow_exit.py"
+    wrapper.write_text(
+        f"import runpy, time\nrunpy.run_path({script!r}, run_name='__main__')\ntime.sleep(10)\n"
+    )
+    steps = 12
+    job = make_job(tmp_path, "slowexit", steps=steps, command=[sys.executable, str(wrapper)],
+                   restart={"mode": "inprocess", "hang_timeout": 3})  # fmt: skip
+    os.environ["DDP_STEPS"] = str(steps)
+    try:
+        result = run(job, 2, [])
+    finally:
+        del os.environ["DDP_STEPS"]
+    assert result["state"] == "succeeded", f"{result['reason']}\n{story(job)}"
+    history = result["status"]["history"]
+    assert [e for e in history if e["kind"] in ("failure", "recovery")] == [], history
+    assert result["status"]["restarts"] == 0
+    records = [json.loads(line) for line in (tmp_path / "slowexit" / "metrics.jsonl").open()]
+    assert [rec["step"] for rec in records] == list(range(1, steps + 1))
+
+
 def run_example(tmp_path, name: str, script: str, steps: int, knobs: dict, faults: list[str]):
     """An example script alone (its reference losses, which it logs to the file named by
     ``<PREFIX>_LOG``, the knobs' prefix) and as a 3-node in-process job through

@@ -241,7 +241,9 @@ PEER_LOST_GRACE = 1.0
 CANCEL_GRACE = 3.0
 """Grace after SIGTERM on cancel."""
 FINISH_WAIT = 120.0
-"""How long workers may take to exit after the job succeeded elsewhere."""
+"""How long workers may take to exit after the job succeeded elsewhere, and how long a
+worker whose training function returned (its heartbeat's ``finished`` mark) may take to
+tear down and exit before it counts as hung (restart.hang_timeout does not apply to it)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

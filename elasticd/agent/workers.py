@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from elasticd.agent.policy import WAITING_FRESH, hang_bound
+from elasticd.agent.policy import FINISH_WAIT, WAITING_FRESH, hang_bound
 from elasticd.worker import ENV_HEARTBEAT, PREEMPTED_EXIT_CODE, read_heartbeat
 
 
@@ -433,10 +433,27 @@ class WorkerGroup:
                 age = now - os.stat(w.heartbeat_path).st_mtime
             except OSError:
                 continue
+            if finishing(beat, now):
+                continue
             seen = Staleness(w, age, waiting_now(beat, now))
             if worst is None or seen.share > worst.share:
                 worst = seen
         return worst
+
+
+def finishing(beat: Mapping, now: float) -> bool:
+    """Whether a heartbeat says its worker's training function returned (``finished``:
+    it only tears down and exits now) less than ``FINISH_WAIT`` seconds ago. Such a worker
+    is not judged by restart.hang_timeout: a job whose every step was done was restarted
+    from nothing when a loaded node's teardown took longer. Past ``FINISH_WAIT`` it is
+    judged as any other (a teardown stuck for good)."""
+    mark = beat.get("finished")
+    if not isinstance(mark, dict):
+        return False
+    try:
+        return now - float(mark.get("t", 0.0)) <= FINISH_WAIT
+    except (TypeError, ValueError):
+        return False
 
 
 def waiting_now(beat: Mapping, now: float) -> bool:
