@@ -44,10 +44,15 @@ VERIFY_TIMEOUT = 2.0
 """Seconds a closer's check that a joined member's probe port answers may take."""
 REPROBE = 0.03
 """Seconds between probes of a member that answered, while a re-form waits for it."""
-VERIFY_WAIT = 0.1
+VERIFY_WAIT = 0.5
 """Seconds a round ready to close waits for checks still in flight (a loopback or LAN
 connect takes a millisecond or so; the last joiner's check starts as the round becomes
-ready): past it, an unchecked member carries no probe in this world."""
+ready): past it, an unchecked member carries no probe in this world. A check that
+completes ends the wait at once, so this costs a round only when the connect hangs (a
+firewall dropping the probe port). It was 0.1 s: on a 2-core box at a load of 9 the check's
+thread was not run within it, and a node that then died whole was waited for the whole
+reform_grace instead of being excused at its refused probe (tests/test_ports.py, a
+clean-clone run with three pytest workers)."""
 
 # ``wait(deadline, predicate, cap=0.0)``: wait on the mirror until ``predicate`` holds.
 Wait = Callable[..., None]
