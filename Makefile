@@ -7,7 +7,9 @@ STAMP := $(VENV)/.installed-torch-$(TORCH_VERSION)
 PYTEST_ARGS ?=
 # pytest-xdist workers: one per core, at most 8 (a cluster test runs an etcd, agents and
 # torch workers: many at once would take the memory, not the cores); each test has its own
-# ports, etcd and directories. PYTEST_WORKERS=0 runs the suite in one process.
+# ports, etcd and directories. PYTEST_WORKERS=0 runs the suite in one process. More workers
+# than cores gain nothing: 3 on the 2-core box took as long as 2 (23 min 14 s), every core
+# already busy with the tests' agents and torch workers.
 # --dist load, not worksteal: a clean-clone run hung for good at its end with worksteal
 # (pytest-xdist 3.8.0: both workers idle waiting for tests, the controller waiting for
 # them; pytest-xdist issue 884 describes such a race in its steal).

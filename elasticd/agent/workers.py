@@ -447,23 +447,22 @@ def finishing(beat: Mapping, now: float) -> bool:
     is not judged by restart.hang_timeout: a job whose every step was done was restarted
     from nothing when a loaded node's teardown took longer. Past ``FINISH_WAIT`` it is
     judged as any other (a teardown stuck for good)."""
-    mark = beat.get("finished")
-    if not isinstance(mark, dict):
-        return False
-    try:
-        return now - float(mark.get("t", 0.0)) <= FINISH_WAIT
-    except (TypeError, ValueError):
-        return False
+    return _marked_within(beat, "finished", now, FINISH_WAIT)
 
 
 def waiting_now(beat: Mapping, now: float) -> bool:
     """Whether a heartbeat's ``waiting`` mark (the worker waits on its peers in a
     collective) was refreshed within WAITING_FRESH seconds."""
-    mark = beat.get("waiting")
+    return _marked_within(beat, "waiting", now, WAITING_FRESH)
+
+
+def _marked_within(beat: Mapping, name: str, now: float, seconds: float) -> bool:
+    """Whether the heartbeat's mark ``name`` (``{"t": when}``) is at most ``seconds`` old."""
+    mark = beat.get(name)
     if not isinstance(mark, dict):
         return False
     try:
-        return now - float(mark.get("t", 0.0)) <= WAITING_FRESH
+        return now - float(mark.get("t", 0.0)) <= seconds
     except (TypeError, ValueError):
         return False
 
