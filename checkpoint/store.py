@@ -458,7 +458,9 @@ def clear_unloadable(ckpt_dir: str, step: int) -> None:
             write_atomic(path, json.dumps(raw, sort_keys=True).encode())
 
 
-def _failed(ckpt_dir: str, numbers: dict[int, int]) -> set[int]:
+def failed_steps(ckpt_dir: str, numbers: dict[int, int]) -> set[int]:
+    """The steps recorded as unloadable (:func:`read_unloadable`) at their present commit
+    number (``numbers``: :func:`commit_numbers`); a step saved again since is not one."""
     return {s for s, n in read_unloadable(ckpt_dir).items() if numbers.get(s) == n}
 
 
@@ -471,7 +473,7 @@ def load_order(ckpt_dir: str, key: bytes | None = None, job: str | None = None) 
     ``key``, steps not sealed with it (with ``job`` too: for that job) count as commit 0
     (:func:`commit_numbers`)."""
     numbers = commit_numbers(ckpt_dir, key, job)
-    failed = _failed(ckpt_dir, numbers)
+    failed = failed_steps(ckpt_dir, numbers)
     current, abandoned = lineage(ckpt_dir, numbers, failed)
     return current + abandoned + _newest_first(failed, numbers)
 
@@ -629,7 +631,7 @@ def prune(
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
     numbers = commit_numbers(ckpt_dir, key, job)
-    failed = _failed(ckpt_dir, numbers)
+    failed = failed_steps(ckpt_dir, numbers)
     spared: set[int] = set()
     while True:
         current, abandoned = lineage(ckpt_dir, numbers, failed | spared)

@@ -327,13 +327,14 @@ def _sealed_step_to_resume(ckpt_dir: str, key: bytes, job_name: str) -> int | No
     from an older step than the replicas held)."""
     from checkpoint.errors import CheckpointError
     from checkpoint.step import CheckpointFiles
-    from checkpoint.store import commit_numbers, load_order, read_unloadable, step_path
+    from checkpoint.store import commit_numbers, failed_steps, lineage, step_path
 
+    # A resume's order (load_order) less the steps recorded as failed, which it tries last.
     numbers = commit_numbers(ckpt_dir, key, job_name)
-    failed = {s for s, n in read_unloadable(ckpt_dir).items() if numbers.get(s) == n}
-    for step in load_order(ckpt_dir, key, job_name):
-        if numbers.get(step, 0) == 0 or step in failed:
-            continue  # not sealed for this job (a resume falls back past it), or failed
+    current, abandoned = lineage(ckpt_dir, numbers, failed_steps(ckpt_dir, numbers))
+    for step in current + abandoned:
+        if numbers.get(step, 0) == 0:
+            continue  # not sealed for this job: a resume falls back past it
         try:
             with CheckpointFiles.open(step_path(ckpt_dir, step), key=key) as files:
                 if files.manifest.job != job_name:
