@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from elasticd.agent.forkserver import ForkServer, is_pending
 from elasticd.agent.policy import WorkerEnvInputs, scrub_env, worker_argv, worker_envs
 from elasticd.agent.workers import WorkerGroup
 from elasticd.inprocess import (
@@ -206,6 +207,7 @@ def launch(
     clock: Callable[[], float],
     devices: list[str] | None = None,
     keep: WorkerGroup | None = None,
+    forks: ForkServer | None = None,
 ) -> Round:
     """Plan the layout for ``world``, fence the checkpoint dir for its round, write the
     round's files and start our workers on ``devices`` (None: no device accounting).
@@ -257,6 +259,7 @@ def launch(
         cwd=os.getcwd(),
         clock=clock,
         before_spawn=hand_over,
+        forks=forks,
     )
     pids = workers.pids()
     write_json(os.path.join(run_dir, "workers.json"), {str(r): p for r, p in pids.items()})
@@ -286,6 +289,7 @@ def warm_workers(
     env: Mapping[str, str],
     clock: Callable[[], float],
     devices: list[str] | None = None,
+    forks: ForkServer | None = None,
 ) -> WorkerGroup | None:
     """Start warm workers for ``local_ranks`` before the next round forms (in-process jobs
     of the built-in trainer): each imports torch and the trainer, then waits for the
@@ -297,7 +301,7 @@ def warm_workers(
         return None
     names = {i: f"local-{i}" for i in local_ranks}
     return _spawn_warm(job=job, run_id=run_id, node=node, names=names, env=env, clock=clock,
-                       devices=devices)  # fmt: skip
+                       devices=devices, forks=forks)  # fmt: skip
 
 
 _standbys = itertools.count()
@@ -312,6 +316,7 @@ def standby_workers(
     env: Mapping[str, str],
     clock: Callable[[], float],
     devices: list[str] | None = None,
+    forks: ForkServer | None = None,
 ) -> WorkerGroup | None:
     """Start ``count`` standby workers (``restart.standby``): warm workers for no rank in
     particular, kept ready while a round trains so that when one of this node's workers
@@ -322,7 +327,7 @@ def standby_workers(
         return None
     names = {-1 - k: f"standby-{next(_standbys)}" for k in range(count)}
     return _spawn_warm(job=job, run_id=run_id, node=node, names=names, env=env, clock=clock,
-                       devices=devices, standby=True)  # fmt: skip
+                       devices=devices, standby=True, forks=forks)  # fmt: skip
 
 
 def _spawn_warm(
@@ -335,6 +340,7 @@ def _spawn_warm(
     clock: Callable[[], float],
     devices: list[str] | None,
     standby: bool = False,
+    forks: ForkServer | None = None,
 ) -> WorkerGroup | None:
     """Warm workers keyed by local rank (negative for standbys), named ``names[i]`` in
     their log and ready files."""
@@ -361,7 +367,7 @@ def _spawn_warm(
     return WorkerGroup.spawn_warm(
         argv=worker_argv(job.command, job_path, node.python), envs=envs, names=names,
         log_dir=os.path.join(job.logs_dir(run_id), "warm", node.node_id), cwd=os.getcwd(),
-        clock=clock, standby=standby,
+        clock=clock, standby=standby, forks=forks,
     )  # fmt: skip
 
 
@@ -369,12 +375,16 @@ def kept_pids(keep: WorkerGroup | None, nproc: int) -> dict[str, str]:
     """The control file's ``pids`` of a round: pid -> local rank of every live worker the
     round keeps. A standby waits under local rank -1 and learns its rank from this; it is
     written in every round, not only the one that adopted it, so a standby still importing
-    when that round ended finds its rank in the next."""
+    when that round ended finds its rank in the next. A warm worker for a local rank that
+    its fork server has not started yet is left out (it goes by its local rank), so the
+    round is not held for the server's imports; a standby is waited for (its pid is how
+    it learns its rank)."""
     return {
         str(w.proc.pid): str(w.local_rank)
         for w in (keep.workers if keep is not None else [])
         if 0 <= w.local_rank < nproc and w.proc.poll() is None
-    }
+        and (w.standby or not is_pending(w.proc))
+    }  # fmt: skip
 
 
 def warm_ready(group: WorkerGroup) -> bool:

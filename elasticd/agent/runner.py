@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from elasticd.agent.forkserver import pid_now
 from elasticd.agent.launch import NodeInfo, Round, control_path, launch, write_control
 from elasticd.agent.policy import (
     FINISH_WAIT,
@@ -220,6 +221,8 @@ class JobRunner:
         self._closed_run = False
         self._kept: Any = None
         """restart.mode inprocess: the live workers carried into the next round."""
+        self._forks: Any = None
+        """This run's fork server on this node (``run`` starts it), or None."""
         self._standby: Any = None
         """restart.standby: warm workers kept ready for no rank while a round trains."""
         self._standby_failures = 0
@@ -309,6 +312,7 @@ class JobRunner:
         with contextlib.suppress(OSError):
             os.makedirs(jobs_dir, exist_ok=True)
         self._doorbell = Doorbell(os.path.join(jobs_dir, "doorbell"))
+        self._forks = self._start_fork_server()
         try:
             while not self._preempt.is_set() and not self._over():
                 joined_at = self._clock()
@@ -346,8 +350,37 @@ class JobRunner:
             if self._preempt.is_set() and self.outcome is None:
                 self.outcome = Outcome.PREEMPTED
         finally:
-            self._finish(handler)
+            try:
+                self._finish(handler)
+            finally:
+                forks, self._forks = self._forks, None
+                if forks is not None:  # after every worker of ours stopped
+                    forks.close()
         return self.outcome
+
+    def _start_fork_server(self) -> Any:
+        """The built-in trainer's workers of this run on this node are forked from one
+        process that imports torch and the trainer once (:mod:`elasticd.agent.forkserver`),
+        started now so that its imports overlap the rendezvous. None for a job's own
+        ``command`` (a script may set up its environment before it imports torch), when
+        ``ELASTICD_FORK_SERVER=0``, or when it cannot start (workers are then exec'd)."""
+        from elasticd.agent import forkserver
+        from elasticd.agent.policy import scrub_env
+
+        if self.job.command or not forkserver.enabled():
+            return None
+        env = scrub_env(self._worker_env())
+        env.setdefault("OMP_NUM_THREADS", "1")  # as every worker's (policy.worker_envs)
+        log_path = os.path.join(self.job.logs_dir(self.record.run_id), "forkserver",
+                                f"{self._node.node_id}.log")  # fmt: skip
+        try:
+            return forkserver.ForkServer(python=self._node.python,
+                                         preload=forkserver.PRELOAD_TRAINER, env=env,
+                                         cwd=os.getcwd(), log_path=log_path)  # fmt: skip
+        except OSError as exc:
+            log.warning("fork server not started; workers are exec'd",
+                        **kv(job=self.name, error=str(exc)))  # fmt: skip
+            return None
 
     def _mark_leaving(self, handler: Any) -> None:
         try:
@@ -433,7 +466,7 @@ class JobRunner:
             if adopted.workers:
                 log.info("standby workers adopted",
                          **kv(job=self.name, local_ranks=[w.local_rank for w in adopted.workers],
-                              pids=[w.proc.pid for w in adopted.workers]))  # fmt: skip
+                              pids=[pid_now(w.proc) for w in adopted.workers]))  # fmt: skip
                 self._keep(adopted)
                 missing = missing[len(adopted.workers) :]
         warm = None
@@ -441,7 +474,7 @@ class JobRunner:
             try:
                 warm = warm_workers(job=self.job, run_id=self.record.run_id, node=self._node,
                                     local_ranks=missing, env=self._worker_env(), clock=self._clock,
-                                    devices=self.devices)  # fmt: skip
+                                    devices=self.devices, forks=self._forks)  # fmt: skip
             except OSError as exc:  # the round starts them the usual way
                 log.warning("warm workers not started", **kv(job=self.name, error=str(exc)))
             if warm is not None:
@@ -485,14 +518,15 @@ class JobRunner:
         try:
             fresh = standby_workers(job=self.job, run_id=self.record.run_id, node=self._node,
                                     count=want - have, env=self._worker_env(), clock=self._clock,
-                                    devices=self.devices)  # fmt: skip
+                                    devices=self.devices, forks=self._forks)  # fmt: skip
         except OSError as exc:  # a replacement then starts cold, as without standbys
             log.warning("standby worker not started", **kv(job=self.name, error=str(exc)))
             return
         if fresh is None:
             return
         log.info(
-            "standby workers started", **kv(job=self.name, pids=[w.proc.pid for w in fresh.workers])
+            "standby workers started",
+            **kv(job=self.name, pids=[pid_now(w.proc) for w in fresh.workers]),
         )
         if self._standby is None:
             self._standby = fresh
@@ -580,7 +614,7 @@ class JobRunner:
                 job=self.job, run_id=self.record.run_id, world=world, node=self._node,
                 restarts=int(status.status.get("restarts", 0)) if status else 0,
                 resume_step=resume_step, env=self._worker_env(), clock=self._clock,
-                devices=self.devices, keep=keep,
+                devices=self.devices, keep=keep, forks=self._forks,
             )  # fmt: skip
         except BaseException:
             if keep is not None:

@@ -28,8 +28,9 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+from elasticd.agent.forkserver import ForkedProcess, ForkServer, module_of, signal_group
 from elasticd.agent.policy import FINISH_WAIT, WAITING_FRESH, hang_bound
 from elasticd.worker import ENV_HEARTBEAT, PREEMPTED_EXIT_CODE, read_heartbeat
 
@@ -60,8 +61,9 @@ class Worker:
     """Index on this node."""
     rank: int
     """Global rank."""
-    proc: subprocess.Popen
-    """The process."""
+    proc: Any
+    """The process: a ``subprocess.Popen``, or a :class:`ForkedProcess` (the same
+    interface)."""
     log_path: str
     """Its combined stdout/stderr."""
     heartbeat_path: str
@@ -141,11 +143,25 @@ per process group the process made (so twice after an in-process round: ``[rank0
 
 
 def _start(
-    argv: Sequence[str], env: Mapping[str, str], cwd: str | None, log_path: str
-) -> subprocess.Popen:
+    argv: Sequence[str],
+    env: Mapping[str, str],
+    cwd: str | None,
+    log_path: str,
+    forks: ForkServer | None = None,
+) -> Any:
     """One worker process: its own session, dying with the agent, output appended to
     ``log_path``, unbuffered unless the job says otherwise (a SIGKILLed worker's last
-    lines are the ones that explain it)."""
+    lines are the ones that explain it). Forked from ``forks`` when it can run ``argv``
+    (:mod:`elasticd.agent.forkserver`), else exec'd."""
+    if forks is not None and forks.usable() and module_of(argv, forks.python) is not None:
+        return ForkedProcess(forks, argv, env, cwd, log_path, exec_start=_exec)
+    return _exec(argv, env, cwd, log_path)
+
+
+def _exec(
+    argv: Sequence[str], env: Mapping[str, str], cwd: str | None, log_path: str
+) -> subprocess.Popen:
+    """:func:`_start` by exec."""
     env = {"PYTHONUNBUFFERED": "1", **env}
     with open(log_path, "ab") as log:
         return subprocess.Popen(
@@ -171,10 +187,11 @@ class WorkerGroup:
         run_dir: str,
         cwd: str | None = None,
         clock: Callable[[], float] = time.time,
+        forks: ForkServer | None = None,
     ) -> WorkerGroup:
         """Start one process per env (local rank order); ``envs[i]['RANK']`` names its log."""
         return cls.carry(None, argv=argv, envs=envs, log_dir=log_dir, run_dir=run_dir,
-                         cwd=cwd, clock=clock)  # fmt: skip
+                         cwd=cwd, clock=clock, forks=forks)  # fmt: skip
 
     @staticmethod
     def round_env(base_env: Mapping[str, str], run_dir: str, local_rank: int) -> dict[str, str]:
@@ -199,12 +216,13 @@ class WorkerGroup:
         cwd: str | None = None,
         clock: Callable[[], float] = time.time,
         before_spawn: Callable[[], None] | None = None,
+        forks: ForkServer | None = None,
     ) -> WorkerGroup:
         """The workers of a new round: ``kept``'s live processes go on under their new
         ranks (in-process restart; ``envs`` must already be :meth:`round_env`'s), and a
         process is started for every other local rank. ``before_spawn()`` runs between
         the two (the agent hands the survivors their new round there, so they set up while
-        the newcomers start)."""
+        the newcomers start). ``forks``: the job's fork server, if it has one."""
         os.makedirs(run_dir, exist_ok=True)
         alive = {w.local_rank: w for w in (kept.workers if kept else []) if w.proc.poll() is None}
         group = cls()
@@ -235,7 +253,7 @@ class WorkerGroup:
                     base_env, run_dir, local_rank
                 )  # fmt: skip
                 log_path = os.path.join(log_dir, f"rank-{rank}.log")
-                proc = _start(argv, env, cwd, log_path)
+                proc = _start(argv, env, cwd, log_path, forks)
                 group.workers.append(
                     Worker(
                         local_rank=local_rank,
@@ -264,6 +282,7 @@ class WorkerGroup:
         cwd: str | None = None,
         clock: Callable[[], float] = time.time,
         standby: bool = False,
+        forks: ForkServer | None = None,
     ) -> WorkerGroup:
         """Start a warm worker for each local rank in ``envs``: it imports what it needs,
         then waits for a round through the control file (``ELASTICD_WARM_AFTER``). Its log
@@ -274,7 +293,7 @@ class WorkerGroup:
             for local_rank, env in sorted(envs.items()):
                 name = (names or {}).get(local_rank, f"local-{local_rank}")
                 log_path = os.path.join(log_dir, f"{name}.log")
-                proc = _start(argv, env, cwd, log_path)
+                proc = _start(argv, env, cwd, log_path, forks)
                 worker = Worker(local_rank=local_rank, rank=-1, proc=proc, log_path=log_path,
                                 heartbeat_path="", error_path="", started=clock(), warm=True,
                                 env_ready=env.get("ELASTICD_WARM_READY", ""),
@@ -346,8 +365,7 @@ class WorkerGroup:
         for w in self.workers:
             if w.proc.poll() is None:
                 w.stopping = True
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(w.proc.pid, signum)
+                signal_group(w.proc, signum)
 
     def wait(self, timeout: float) -> bool:
         """Wait until all exited or ``timeout`` passed; returns whether all exited."""
@@ -481,6 +499,11 @@ class Staleness(NamedTuple):
         return self.age / hang_bound(1.0, waiting=self.waiting)
 
 
+_OURS = (b"elasticd", b"trainer", b"elasticd.agent.forkserver")
+"""What follows ``-m`` in the command line of a process of ours (a forked worker keeps its
+fork server's)."""
+
+
 def prints_stacks(pid: int) -> bool:
     """Whether ``pid`` runs ``-m elasticd`` or ``-m trainer`` and already catches SIGUSR1:
     they print their stacks on it (``elasticd.log.dump_stacks_on_sigusr1``). Nothing else
@@ -491,7 +514,7 @@ def prints_stacks(pid: int) -> bool:
             argv = fh.read().split(b"\0")
     except OSError:
         return False
-    ours = any(a == b"-m" and b in (b"elasticd", b"trainer") for a, b in itertools.pairwise(argv))
+    ours = any(a == b"-m" and b in _OURS for a, b in itertools.pairwise(argv))
     return ours and catches(pid, signal.SIGUSR1)
 
 

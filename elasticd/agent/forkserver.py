@@ -1,0 +1,544 @@
+"""A per-job fork server: one process per node imports torch and the trainer once, and
+every worker of the job on that node is a ``fork()`` of it.
+
+Why: a worker of the built-in trainer spends about 3.5 s of CPU importing torch, the
+trainer and ``torch._dynamo`` (which the first optimizer step imports) before it does
+anything. A node that runs nproc workers, a warm worker per rank, standbys and every
+replacement after a fault paid it for each process. Forked from a process that imported
+them already, a worker starts in milliseconds and shares those pages with its siblings.
+
+The protocol (a Unix socket pair; one JSON object per line):
+
+- the server imports ``preload`` and then sends ``{"ready": PID}`` (or ``{"failed":
+  WHY}`` and exits);
+- the agent sends ``{"id": N, "argv": [...], "env": {...}, "cwd": DIR, "log": PATH}``; the
+  server forks and answers ``{"id": N, "pid": PID}`` (or ``{"id": N, "error": WHY}``);
+- when a child exits the server reaps it and sends ``{"exit": PID, "code": CODE}``, the
+  code as ``subprocess`` gives it (negative: killed by that signal);
+- the server exits when the agent's end of the socket closes. Every child has
+  ``PR_SET_PDEATHSIG = SIGKILL`` towards the server, and the server towards the agent, so
+  workers never outlive their agent, as exec'd workers never did.
+
+Its log (``<output_dir>/logs/<run_id>/forkserver/<node>.log``) has a line per fork
+(``forked PID: LOG``) and per exit (``exited PID: CODE``).
+
+The child becomes the worker the way ``python -m MODULE ARGS`` would: its own session,
+stdin from /dev/null, stdout and stderr appended to its log, the request's environment
+and directory, ``sys.argv`` and ``sys.path[0]`` as the interpreter sets them, then
+``runpy`` runs the module as ``__main__``. An exception or ``SystemExit`` ends it as it
+ends ``python``. What cannot be the same after a fork is checked, and such a request is
+exec'd in the child instead (the worker is then as correct as before, only not faster):
+an environment that differs from the server's in a variable read when the interpreter,
+torch or its libraries start (``PYTHON*``, ``OMP_*``, ``TORCH*``, ``LD_*``, ...: see
+:func:`startup_env`), a command that is not ``<the server's python> -m MODULE ...``, and
+a server with a Python thread besides its main one (none is started; the check is a
+guard).
+
+Fork safety: the server never runs a tensor operation, so no OpenMP pool exists to be
+lost in the child (GNU libgomp hangs a child whose parent used it), never initialises
+CUDA, and starts no thread. OpenBLAS's idle threads (numpy, when OMP_NUM_THREADS is
+unset) shut down and restart across a fork by their own handlers.
+
+What a user sees: every worker's ``/proc/PID/cmdline`` is the server's (``python -m
+elasticd.agent.forkserver ...``). ``ELASTICD_FORK_SERVER=0`` in the agent's environment
+turns it off (every worker exec'd, as before).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+ENV_SWITCH = "ELASTICD_FORK_SERVER"
+"""``0`` in the agent's environment: no fork server; every worker is exec'd."""
+
+READY_WAIT = 120.0
+"""Seconds a spawn that needs its pid waits for the server's imports before it starts the
+worker by exec instead (a server that cannot import is told at once)."""
+
+REPLY_WAIT = 30.0
+"""Seconds the agent waits for the server's answer to one fork."""
+
+PRELOAD_TRAINER = ("torch", "torch.distributed", "torch._dynamo", "trainer.train",
+                   "trainer.__main__", "elasticd.inprocess")  # fmt: skip
+"""What the server of a built-in trainer job imports before it forks."""
+
+_STARTUP_PREFIXES = ("PYTHON", "LD_", "OMP_", "MKL_", "OPENBLAS_", "GOTO", "KMP_", "GOMP_",
+                     "MALLOC_", "TORCH", "PYTORCH", "NUMEXPR_")  # fmt: skip
+_LAZY = ("TORCHELASTIC_",)
+"""``TORCHELASTIC_*`` are per round and read when used (torch's error file, its restart
+count), never at import."""
+
+_PR_SET_PDEATHSIG = 1
+
+
+def enabled(env: Mapping[str, str] | None = None) -> bool:
+    """Whether the agent forks its built-in trainer workers (``ELASTICD_FORK_SERVER``)."""
+    env = os.environ if env is None else env
+    return env.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def startup_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The variables of ``env`` that the interpreter, torch or the libraries under it read
+    when they start or load (not when first used): a forked child keeps the server's view
+    of those, so a request whose values differ is exec'd instead."""
+    return {k: v for k, v in env.items()
+            if k.startswith(_STARTUP_PREFIXES) and not k.startswith(_LAZY)}  # fmt: skip
+
+
+def module_of(argv: Sequence[str], python: str) -> str | None:
+    """The module of ``argv`` when it is ``python -m MODULE [ARG]...`` with the server's
+    interpreter, else None (then the child execs it)."""
+    if len(argv) < 3 or argv[0] != python or argv[1] != "-m":
+        return None
+    return argv[2] if all(p.isidentifier() for p in argv[2].split(".")) else None
+
+
+def pid_now(proc: Any) -> int | None:
+    """``proc``'s pid, or None for a forked worker that has not started yet (never waits:
+    for log lines)."""
+    if isinstance(proc, ForkedProcess):
+        return proc.known_pid
+    return proc.pid
+
+
+# -- the agent's side -----------------------------------------------------------------------
+
+
+class ForkServer:
+    """The agent's handle on one fork server (one per job run on a node)."""
+
+    def __init__(self, *, python: str, preload: Sequence[str], env: Mapping[str, str],
+                 cwd: str | None, log_path: str) -> None:  # fmt: skip
+        from elasticd.agent.workers import with_pdeathsig
+
+        self.python = python
+        self._lock = threading.RLock()
+        self._buf = b""
+        self._ids = 0
+        self._replies: dict[int, dict[str, Any]] = {}
+        self._exits: dict[int, int] = {}
+        self.ready = False
+        self.failed: str | None = None
+        self.pid: int | None = None
+        os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            argv = [python, "-m", "elasticd.agent.forkserver", str(theirs.fileno()), *preload]
+            with open(log_path, "ab") as log:
+                self.proc = subprocess.Popen(
+                    with_pdeathsig(argv), env={"PYTHONUNBUFFERED": "1", **env}, cwd=cwd,
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    start_new_session=True, pass_fds=(theirs.fileno(),),
+                )  # fmt: skip
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+        ours.setblocking(False)
+        self._sock = ours
+        self._startup = startup_env({"PYTHONUNBUFFERED": "1", **env})
+
+    # Reading the server's messages.
+
+    def _pump(self, wait: float = 0.0) -> None:
+        """Read whatever the server sent (waiting up to ``wait`` s for the first bytes)."""
+        with self._lock:
+            if self._sock.fileno() < 0:
+                return
+            if wait > 0:
+                select.select([self._sock], [], [], wait)
+            while True:
+                try:
+                    data = self._sock.recv(1 << 16)
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError as exc:
+                    self._lost(f"socket: {exc}")
+                    break
+                if not data:
+                    self._lost("it exited")
+                    break
+                self._buf += data
+            *lines, self._buf = self._buf.split(b"\n")
+            for line in lines:
+                if line.strip():
+                    self._on(json.loads(line))
+
+    def _on(self, msg: dict[str, Any]) -> None:
+        if "ready" in msg:
+            self.ready, self.pid = True, int(msg["ready"])
+        elif "failed" in msg:
+            self.failed = str(msg["failed"])
+        elif "exit" in msg:
+            self._exits[int(msg["exit"])] = int(msg["code"])
+        elif "id" in msg:
+            self._replies[int(msg["id"])] = msg
+
+    def _lost(self, why: str) -> None:
+        if self.failed is None:
+            self.failed = f"the fork server stopped: {why}"
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+    def usable(self) -> bool:
+        """Whether the server runs (ready or still importing)."""
+        self._pump()
+        return self.failed is None and self.proc.poll() is None
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the server's imports; returns whether it is ready."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._pump()
+            if self.ready or not self.usable():
+                return self.ready and self.usable()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._pump(wait=min(left, 0.1))
+
+    def exit_code(self, pid: int) -> int | None:
+        """The exit code the server reported for its child ``pid``, or None."""
+        self._pump()
+        return self._exits.get(pid)
+
+    def can_fork(self, argv: Sequence[str], env: Mapping[str, str]) -> bool:
+        """Whether a fork of this server runs ``argv`` under ``env`` as an exec would."""
+        return (
+            module_of(argv, self.python) is not None
+            and startup_env({"PYTHONUNBUFFERED": "1", **env}) == self._startup
+        )
+
+    def fork(self, argv: Sequence[str], env: Mapping[str, str], cwd: str | None,
+             log_path: str) -> int:  # fmt: skip
+        """Fork one worker (the server must be ready); returns its pid. Raises OSError."""
+        with open(log_path, "ab"):  # there when the pid is, as an exec'd worker's
+            pass
+        with self._lock:
+            self._ids += 1
+            rid = self._ids
+            req = {"id": rid, "argv": list(argv), "env": dict(env), "cwd": cwd or os.getcwd(),
+                   "log": log_path}  # fmt: skip
+            data = json.dumps(req).encode() + b"\n"
+            try:
+                self._sock.setblocking(True)
+                self._sock.sendall(data)
+            except OSError as exc:
+                self._lost(f"socket: {exc}")
+                raise OSError(errno.EPIPE, self.failed) from exc
+            finally:
+                with contextlib.suppress(OSError):
+                    self._sock.setblocking(False)
+            deadline = time.monotonic() + REPLY_WAIT
+            while rid not in self._replies:
+                if self.failed is not None or time.monotonic() > deadline:
+                    raise OSError(errno.EIO, self.failed or "the fork server did not answer")
+                self._pump(wait=0.05)
+            reply = self._replies.pop(rid)
+        if "pid" not in reply:
+            raise OSError(errno.EIO, f"the fork server could not fork: {reply.get('error')}")
+        return int(reply["pid"])
+
+    def close(self) -> None:
+        """Stop the server (its remaining children get SIGKILL from their parent's death)."""
+        with self._lock, contextlib.suppress(OSError):
+            self._sock.close()
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=10)
+
+
+class ForkedProcess:
+    """A worker started through a :class:`ForkServer`, with the part of
+    ``subprocess.Popen``'s interface the agent uses (``pid``, ``poll``, ``wait``,
+    ``kill``, ``send_signal``, ``returncode``).
+
+    Until the server is ready the process is *pending*: it counts as running, a signal
+    cancels it (it then never starts, and reads as killed by that signal), and ``pid``
+    waits for the server (at most :data:`READY_WAIT`). A server that fails, or cannot fork
+    this request, is replaced by an exec of the same command (``subprocess.Popen``), so a
+    worker always starts."""
+
+    def __init__(self, server: ForkServer, argv: Sequence[str], env: Mapping[str, str],
+                 cwd: str | None, log_path: str, exec_start: Any) -> None:  # fmt: skip
+        self._server = server
+        self._request = (list(argv), dict(env), cwd, log_path)
+        self._exec_start = exec_start
+        self._pid: int | None = None
+        self._popen: subprocess.Popen | None = None
+        self.returncode: int | None = None
+        self.args = list(argv)
+        self._pidfd: int | None = None
+        self._start(wait=0.0)
+
+    @property
+    def pending(self) -> bool:
+        """Not started yet: the server is still importing."""
+        return self._pid is None and self._popen is None and self.returncode is None
+
+    def _start(self, wait: float) -> None:
+        """Start the process if it is pending and the server is ready (waiting up to
+        ``wait`` s), or by exec if the server cannot."""
+        if not self.pending:
+            return
+        server = self._server
+        ready = server.wait_ready(wait) if wait > 0 else (server.usable() and server.ready)
+        if not ready and server.usable():
+            return  # still importing: stays pending
+        argv, env, cwd, log_path = self._request
+        if ready and server.can_fork(argv, env):
+            try:
+                self._pid = server.fork(argv, env, cwd, log_path)
+            except OSError:
+                pass  # exec'd below
+            else:
+                with contextlib.suppress(OSError, AttributeError):
+                    self._pidfd = os.pidfd_open(self._pid)
+                return
+        self._popen = self._exec_start(argv, env, cwd, log_path)
+
+    @property
+    def known_pid(self) -> int | None:
+        """The pid if the process started, else None (never waits)."""
+        return self._popen.pid if self._popen is not None else self._pid
+
+    @property
+    def pid(self) -> int:
+        """The pid; a pending process is started first (waiting for its server at most
+        :data:`READY_WAIT`, then by exec). Raises ProcessLookupError for one cancelled
+        before it started: it has no pid, and no number may stand for one (0 and -1 name
+        the agent's own group, or every process, to ``kill``)."""
+        self._start(wait=READY_WAIT)
+        if self.pending:  # the server still imports after READY_WAIT: exec it
+            self._popen = self._exec_start(*self._request)
+        pid = self.known_pid
+        if pid is None:
+            raise ProcessLookupError("a worker cancelled before it started has no pid")
+        return pid
+
+    def poll(self) -> int | None:
+        if self.returncode is not None:
+            return self.returncode
+        self._start(wait=0.0)
+        if self._popen is not None:
+            self.returncode = self._popen.poll()
+        elif self._pid is not None:
+            code = self._server.exit_code(self._pid)
+            if code is None and not self._server.usable() and self._gone():
+                code = -signal.SIGKILL  # its server died; its parent-death signal killed it
+            self.returncode = code
+        return self.returncode
+
+    def _gone(self) -> bool:
+        """Whether the started process has exited (its server no longer reports it)."""
+        if self._pidfd is not None:
+            return bool(select.select([self._pidfd], [], [], 0)[0])
+        try:
+            os.kill(self._pid or 0, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+            time.sleep(0.02)
+        return self.returncode  # type: ignore[return-value]
+
+    def send_signal(self, sig: int, *, group: bool = False) -> None:
+        """Send ``sig`` (to the process group it leads, with ``group``); a pending process
+        is cancelled instead."""
+        if self.poll() is not None:
+            return
+        if self.pending:
+            self.returncode = -sig
+            return
+        pid = self._popen.pid if self._popen is not None else self._pid
+        with contextlib.suppress(ProcessLookupError):
+            (os.killpg if group else os.kill)(pid, sig)  # type: ignore[arg-type]
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def __del__(self) -> None:
+        if self._pidfd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._pidfd)
+
+
+def signal_group(proc: Any, sig: int) -> None:
+    """Send ``sig`` to the process group ``proc`` leads (a pending forked one is
+    cancelled)."""
+    if isinstance(proc, ForkedProcess):
+        proc.send_signal(sig, group=True)
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)
+
+
+def is_pending(proc: Any) -> bool:
+    """Whether ``proc`` is a forked worker that has not started yet."""
+    return isinstance(proc, ForkedProcess) and proc.pending
+
+
+# -- the server -------------------------------------------------------------------------------
+
+
+def _send(sock: socket.socket, msg: Mapping[str, Any]) -> None:
+    sock.sendall(json.dumps(msg).encode() + b"\n")
+
+
+def _serve(sock: socket.socket, preload: Sequence[str]) -> dict[str, Any] | None:
+    """Import ``preload``, then fork on request until the agent goes; returns the request
+    in a forked child (which then becomes its worker), None in the server when it ends."""
+    import importlib
+
+    try:
+        for name in preload:
+            importlib.import_module(name)
+    except BaseException as exc:  # told to the agent, which execs instead
+        why = f"import {name}: {type(exc).__name__}: {exc}"
+        print(f"failed: {why}; the agent execs its workers", flush=True)
+        _send(sock, {"failed": why})
+        return None
+    import gc
+
+    gc.collect()
+    gc.freeze()  # the imports' objects: never touched by a collection, so pages stay shared
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    print(f"ready: pid {os.getpid()}, imported {' '.join(preload)}", flush=True)
+    _send(sock, {"ready": os.getpid()})
+    buf = b""
+    me = os.getpid()
+    while True:
+        _reap(sock)
+        try:
+            readable, _, _ = select.select([sock, wake_r], [], [], 5.0)
+        except InterruptedError:
+            continue
+        if wake_r in readable:
+            with contextlib.suppress(BlockingIOError):
+                os.read(wake_r, 4096)
+        if sock not in readable:
+            continue
+        data = sock.recv(1 << 20)
+        if not data:
+            return None  # the agent closed its end
+        buf += data
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            if not line.strip():
+                continue
+            req = json.loads(line)
+            if threading.active_count() != 1:
+                _send(sock, {"id": req["id"], "error": "the server runs a thread"})
+                continue
+            try:
+                pid = os.fork()
+            except OSError as exc:
+                _send(sock, {"id": req["id"], "error": str(exc)})
+                continue
+            if pid == 0:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                for fd in (wake_r, wake_w):
+                    os.close(fd)
+                sock.close()
+                req["server"] = me
+                return req
+            print(f"forked {pid}: {req.get('log')}", flush=True)
+            _send(sock, {"id": req["id"], "pid": pid})
+
+
+def _reap(sock: socket.socket) -> None:
+    """Tell the agent of every child that exited."""
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        code = os.waitstatus_to_exitcode(status)
+        print(f"exited {pid}: {code}", flush=True)
+        _send(sock, {"exit": pid, "code": code})
+
+
+def _become(req: Mapping[str, Any]) -> None:
+    """In the forked child: become ``req``'s worker, as ``python -m MODULE ARGS`` would."""
+    os.setsid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != req["server"]:
+        os._exit(1)  # the server died before the parent-death signal was set
+    log_fd = os.open(req["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    null_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(null_fd, 0)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    os.close(null_fd)
+    argv, env = list(req["argv"]), dict(req["env"])
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    os.chdir(req["cwd"])
+    os.environ.clear()
+    os.environ.update(env)
+    module = module_of(argv, sys.executable)
+    if module is None or startup_env(env) != _server_startup:
+        os.execve(argv[0], argv, env)  # the agent checks first; this is the guard
+    import runpy
+    import tempfile
+
+    tempfile.tempdir = None  # TMPDIR is the request's
+    sys.argv = ["-m", *argv[3:]]
+    sys.path[0] = os.getcwd()
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+
+
+_server_startup: dict[str, str] = {}
+
+
+def main(argv: list[str]) -> int:
+    global _server_startup
+    if not argv or not argv[0].isdigit():
+        print("usage: python -m elasticd.agent.forkserver FD [MODULE]...", file=sys.stderr)
+        return 2
+    _server_startup = startup_env(os.environ)
+    sock = socket.socket(fileno=int(argv[0]))
+    req = _serve(sock, argv[1:])
+    if req is None:
+        return 0
+    _become(req)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,238 @@
+"""The fork server (elasticd.agent.forkserver), with real processes: a forked worker must
+be what an exec'd ``python -m MODULE ARGS`` would be, except faster; and whatever cannot
+be forked is exec'd."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from elasticd.agent.forkserver import ForkedProcess, ForkServer, signal_group
+from elasticd.agent.workers import _exec, _start
+
+PROBE = textwrap.dedent(
+    """
+    import json, os, random, sys, time
+    info = {"argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0],
+            "rank": os.environ.get("RANK"), "pid": os.getpid(), "ppid": os.getppid(),
+            "sid": os.getsid(0), "pgid": os.getpgid(0), "torch": "torch" in sys.modules,
+            "name": __name__, "fds": sorted(int(f) for f in os.listdir("/proc/self/fd")),
+            "stdin": os.readlink("/proc/self/fd/0"), "random": random.random(),
+            "main": sys.modules["__main__"].__dict__.get("MARK")}
+    MARK = 1
+    print(json.dumps(info), flush=True)
+    print("to stderr", file=sys.stderr, flush=True)
+    what = sys.argv[1] if len(sys.argv) > 1 else ""
+    if what == "raise":
+        raise ValueError("boom")
+    if what == "sleep":
+        time.sleep(120)
+    if what == "child":  # a process of its own, in its group
+        import subprocess
+        c = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        print(json.dumps({"grandchild": c.pid}), flush=True)
+        time.sleep(120)
+    sys.exit(int(what) if what.isdigit() else 0)
+    """
+)
+
+
+@pytest.fixture
+def box(tmp_path, monkeypatch):
+    (tmp_path / "fsprobe.py").write_text(PROBE)
+    monkeypatch.chdir(tmp_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    servers = []
+
+    def server(preload=("torch",)):
+        s = ForkServer(python=sys.executable, preload=preload, env=env, cwd=str(tmp_path),
+                       log_path=str(tmp_path / "server.log"))  # fmt: skip
+        servers.append(s)
+        return s
+
+    yield tmp_path, env, server
+    for s in servers:
+        s.close()
+
+
+def argv(*args):
+    return [sys.executable, "-m", "fsprobe", *args]
+
+
+def info(path):
+    return json.loads(path.read_text().splitlines()[0])
+
+
+def wait_for(pred, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_forked_worker_is_what_python_dash_m_would_be(box):
+    tmp, env, server = box
+    s = server()
+    assert s.wait_ready(120)
+    procs = []
+    for i in range(2):
+        p = _start(argv("3"), {**env, "RANK": str(i)}, str(tmp), str(tmp / f"w{i}.log"), s)
+        assert isinstance(p, ForkedProcess) and not p.pending
+        procs.append(p)
+    assert [p.wait(60) for p in procs] == [3, 3]
+    seen = [info(tmp / f"w{i}.log") for i in range(2)]
+    exec_ = _exec(argv("3"), env, str(tmp), str(tmp / "exec.log"))
+    assert exec_.wait(60) == 3
+    ref = info(tmp / "exec.log")
+    for i, got in enumerate(seen):
+        assert got["ppid"] == s.pid and got["torch"]  # forked from the server
+        assert got["rank"] == str(i)
+        for key in ("argv", "cwd", "path0", "name", "fds", "stdin", "main"):
+            assert got[key] == ref[key], key
+        assert got["sid"] == got["pgid"] == got["pid"]  # its own session, as exec'd ones
+        assert (tmp / f"w{i}.log").read_text().splitlines()[1] == "to stderr"
+    assert not ref["torch"]
+    assert seen[0]["random"] != seen[1]["random"]  # each child reseeded
+    log = (tmp / "server.log").read_text()
+    assert f"forked {seen[0]['pid']}" in log and f"exited {seen[1]['pid']}: 3" in log
+
+
+def test_an_exception_and_a_signal_end_a_forked_worker_as_they_end_python(box):
+    tmp, env, server = box
+    s = server()
+    assert s.wait_ready(120)
+    p = _start(argv("raise"), env, str(tmp), str(tmp / "raise.log"), s)
+    assert p.wait(60) == 1
+    assert (tmp / "raise.log").read_text().strip().splitlines()[-1] == "ValueError: boom"
+    p = _start(argv("child"), env, str(tmp), str(tmp / "child.log"), s)
+    wait_for(lambda: "grandchild" in (tmp / "child.log").read_text())
+    grandchild = json.loads((tmp / "child.log").read_text().splitlines()[-1])["grandchild"]
+    signal_group(p, signal.SIGKILL)  # as the agent stops a worker: its whole group
+    assert p.wait(30) == -signal.SIGKILL
+    wait_for(lambda: not alive(grandchild))
+
+
+def test_a_worker_asked_for_before_the_imports_are_done_waits_or_is_cancelled(box):
+    tmp, env, server = box
+    s = server()
+    early = _start(argv("0"), env, str(tmp), str(tmp / "early.log"), s)
+    cancelled = _start(argv("0"), env, str(tmp), str(tmp / "cancelled.log"), s)
+    assert early.pending and cancelled.pending and early.poll() is None
+    signal_group(cancelled, signal.SIGTERM)
+    assert cancelled.poll() == -signal.SIGTERM
+    with pytest.raises(ProcessLookupError):
+        _ = cancelled.pid  # no pid, never 0 or -1
+    assert early.pid > 0  # waits for the server, then forks
+    assert early.wait(60) == 0 and info(tmp / "early.log")["torch"]
+    assert s.ready and not (tmp / "cancelled.log").exists()
+
+
+def test_what_a_fork_cannot_keep_the_same_is_execd(box):
+    tmp, env, server = box
+    s = server()
+    assert s.wait_ready(120)
+    # OMP_NUM_THREADS is read when torch's OpenMP loads, in the server: a worker that
+    # wants another value is exec'd.
+    p = _start(argv("0"), {**env, "OMP_NUM_THREADS": "2"}, str(tmp), str(tmp / "omp.log"), s)
+    assert isinstance(p, ForkedProcess) and p.wait(60) == 0
+    assert not info(tmp / "omp.log")["torch"]
+    # Not `python -m MODULE`: exec'd straight away.
+    plain = _start([sys.executable, "fsprobe.py", "0"], env, str(tmp), str(tmp / "p.log"), s)
+    assert isinstance(plain, subprocess.Popen) and plain.wait(60) == 0
+
+
+def test_a_server_that_cannot_import_has_its_workers_execd(box):
+    tmp, env, server = box
+    s = server(preload=("no_such_module_here",))
+    p = _start(argv("5"), env, str(tmp), str(tmp / "w.log"), s)
+    assert p.wait(60) == 5
+    assert not info(tmp / "w.log")["torch"]
+    assert "no_such_module_here" in (s.failed or "")
+    assert "failed: import no_such_module_here" in (tmp / "server.log").read_text()
+
+
+def test_workers_die_with_their_server_and_the_server_with_its_agent(box):
+    tmp, env, server = box
+    s = server()
+    assert s.wait_ready(120)
+    p = _start(argv("sleep"), env, str(tmp), str(tmp / "w.log"), s)
+    wait_for(lambda: (tmp / "w.log").exists() and (tmp / "w.log").read_text())
+    s.close()
+    assert p.wait(30) == -signal.SIGKILL
+    # An agent SIGKILLed: its server goes, and the worker with it.
+    agent = textwrap.dedent(
+        f"""
+        import sys, time
+        sys.path[:0] = {sys.path!r}
+        from elasticd.agent.forkserver import ForkServer
+        from elasticd.agent.workers import _start
+        s = ForkServer(python=sys.executable, preload=("json",), env={env!r}, cwd={str(tmp)!r},
+                       log_path={str(tmp / "agent-server.log")!r})
+        assert s.wait_ready(60)
+        p = _start({argv("sleep")!r}, {env!r}, {str(tmp)!r}, {str(tmp / "w2.log")!r}, s)
+        print(s.pid, p.pid, flush=True)
+        time.sleep(120)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", agent], stdout=subprocess.PIPE, text=True)
+    server_pid, worker_pid = map(int, proc.stdout.readline().split())
+    assert alive(server_pid) and alive(worker_pid)
+    proc.kill()
+    proc.wait()
+    wait_for(lambda: not alive(server_pid) and not alive(worker_pid))
+
+
+def forked_pids(job) -> set[int]:
+    """Every worker pid the job's fork servers forked, from their logs."""
+    import glob
+    import re
+
+    out: set[int] = set()
+    for path in glob.glob(os.path.join(job.out_dir, "logs", "*", "forkserver", "*.log")):
+        with open(path, encoding="utf-8") as fh:
+            out.update(int(m) for m in re.findall(r"^forked (\d+):", fh.read(), re.M))
+    return out
+
+
+@pytest.mark.parametrize("switch", ["on", "off"])
+def test_every_worker_of_a_restarted_job_is_forked_and_the_switch_turns_it_off(
+    tmp_path, monkeypatch, switch
+):
+    """A killed worker restarts every process (restart.mode process): the workers of both
+    rounds come from the nodes' fork servers, and the resumed losses equal one process's.
+    ``ELASTICD_FORK_SERVER=0``: no server, every worker exec'd, the same result."""
+    from test_agent_trainer import make_job, reference_losses, run
+    from test_inprocess import round_pids
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    if switch == "off":
+        monkeypatch.setenv("ELASTICD_FORK_SERVER", "0")
+    job = make_job(tmp_path, "forked", nproc=2, steps=10)
+    result = run(job, 1, ["kill-worker=1@step=5"])
+    assert result["state"] == "succeeded", result["reason"]
+    reference = reference_losses(tmp_path, job)
+    for rec in result["metrics"]:
+        assert rec["loss"] == pytest.approx(reference[rec["step"]], rel=1e-4), rec["step"]
+    rounds = round_pids(job)
+    assert len(rounds) == 2, rounds
+    workers = set().union(*rounds.values())
+    assert len(workers) == 4  # every process restarted
+    if switch == "on":
+        assert workers <= forked_pids(job)
+    else:
+        assert not forked_pids(job)
