@@ -45,6 +45,10 @@ under torchrun of the smaller world). One run measures, side by side:
 - ``inproc-pp``: in-process, 4 nodes × 1 worker, pp2 × dp2 → pp2 × dp1 + 1 spare, the node
   of rank 0 (stage 0) killed: the surviving stage-0 and stage-1 ranks send activations and
   gradients to each other point to point, which no timed wait can abandon.
+- ``process-exec`` and ``replace-cold-exec``: ``process`` and ``replace-cold`` with the
+  agents' ``ELASTICD_FORK_SERVER=0``: every worker is exec'd and imports torch itself,
+  instead of being forked from the node's fork server (docs/agent.md, "Workers are
+  forked, not started").
 - ``inproc-term`` and ``process-term``: the dp3 → dp2 job of ``inproc-dp`` and ``process``,
   its node *preempted* instead of killed: SIGTERM of its agent once step S completed. Every
   rank stops at the same step and commits it (the emergency checkpoint); in-process the
@@ -87,8 +91,8 @@ from elasticd.localcluster import descendants
 JOB = "bench"
 CASES = ("inproc-dp", "inproc-move", "inproc-move-plain", "inproc-ckpt", "inproc-replica", "process", "torchrun",
          "newcomer", "replace-standby", "replace-cold", "inproc-pp", "inproc-term",
-         "process-term")  # fmt: skip
-WORKER_CASES = {"replace-standby", "replace-cold"}
+         "process-term", "process-exec", "replace-cold-exec")  # fmt: skip
+WORKER_CASES = {"replace-standby", "replace-cold", "replace-cold-exec"}
 """Cases that kill one worker process, not its node."""
 REPLICA_CASES = {"inproc-replica"}
 """Cases run with ``checkpoint.memory_replicas: 1`` (``memory_every: 1``)."""
@@ -108,7 +112,11 @@ SETUPS: dict[str, tuple[int, int, dict, str, int]] = {
     "inproc-pp": (4, 1, {"pp": 2}, "inprocess", 0),
     "inproc-term": (3, 1, {}, "inprocess", 1),
     "process-term": (3, 1, {}, "process", 1),
+    "process-exec": (3, 1, {}, "process", 1),
+    "replace-cold-exec": (2, 1, {}, "inprocess", 1),
 }
+EXEC_CASES = {"process-exec", "replace-cold-exec"}
+"""Cases whose agents run with ``ELASTICD_FORK_SERVER=0``: every worker exec'd."""
 TERM_CASES = {"inproc-term", "process-term"}
 """Cases that preempt a node (SIGTERM of its agent) instead of killing it."""
 PARTS = ("detect", "abort", "stop", "rendezvous", "spawn", "pg_init", "state_transfer",
@@ -218,7 +226,7 @@ def run_elasticd(base: str, case: str, *, steps: int, kill_step: int, limit: flo
         steps = max(steps, 100_000)  # outlasts the standby's start; cancelled once measured
     job = parse_job(job_dict(out, steps, nodes=nodes, nproc=nproc, parallel=parallel, mode=mode,
                              spare_room=case == "newcomer", replicas=case in REPLICA_CASES,
-                             standby=0 if case == "replace-cold" else 1,
+                             standby=0 if case.startswith("replace-cold") else 1,
                              reform_grace=reform_grace))  # fmt: skip
     metrics = os.path.join(out, "metrics.jsonl")
     world = nodes * nproc
@@ -226,6 +234,8 @@ def run_elasticd(base: str, case: str, *, steps: int, kill_step: int, limit: flo
     env = dict(os.environ)
     if case == "inproc-move-plain":
         env["ELASTICD_KEEP_SHARDS"] = "0"  # the rendezvous's plain order: every shard moves
+    if case in EXEC_CASES:
+        env["ELASTICD_FORK_SERVER"] = "0"  # no fork server: every worker exec'd
     with LocalCluster(base_dir=os.path.join(base, "cluster"), nproc=nproc, env=env) as cluster:
         cluster.start(nodes)
         with connect(cluster.etcd.client_config()) as client:
@@ -510,6 +520,10 @@ def main() -> int:
     if med.get("replace-standby") and med.get("replace-cold"):
         print(f"\nkilled worker replaced: standby {med['replace-standby']:.2f} s vs cold start "
               f"{med['replace-cold']:.2f} s = {med['replace-cold'] / med['replace-standby']:.1f}x")  # fmt: skip
+    for forked, execd in (("process", "process-exec"), ("replace-cold", "replace-cold-exec")):
+        if med.get(forked) and med.get(execd):
+            print(f"{forked}: workers forked {med[forked]:.2f} s vs exec'd {med[execd]:.2f} s "
+                  f"= {med[execd] / med[forked]:.2f}x")  # fmt: skip
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             json.dump({"args": vars(args), "runs": results, "summary": rows}, fh, indent=1)

@@ -39,6 +39,9 @@ PROBE = textwrap.dedent(
         c = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
         print(json.dumps({"grandchild": c.pid}), flush=True)
         time.sleep(120)
+    if what == "cuda":  # the server imported torch; CUDA starts here, in the child
+        import torch
+        print(json.dumps({"cuda": torch.ones(4, device="cuda").sum().item()}), flush=True)
     sys.exit(int(what) if what.isdigit() else 0)
     """
 )
@@ -236,3 +239,24 @@ def test_every_worker_of_a_restarted_job_is_forked_and_the_switch_turns_it_off(
         assert workers <= forked_pids(job)
     else:
         assert not forked_pids(job)
+
+
+@pytest.mark.gpu
+def test_a_forked_worker_of_the_trainers_server_uses_cuda(box):
+    """The server imports what the built-in trainer's does and never starts CUDA (its
+    driver loaded by the imports would make it refuse to fork): the child starts it."""
+    import torch
+
+    from elasticd.agent.forkserver import PRELOAD_TRAINER
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    tmp, env, server = box
+    s = server(preload=PRELOAD_TRAINER)
+    assert s.wait_ready(300), s.failed
+    p = _start(argv("cuda"), env, str(tmp), str(tmp / "cuda.log"), s)
+    assert isinstance(p, ForkedProcess)
+    assert p.wait(120) == 0, (tmp / "cuda.log").read_text()
+    lines = (tmp / "cuda.log").read_text().splitlines()
+    assert info(tmp / "cuda.log")["ppid"] == s.pid
+    assert json.loads(lines[-1]) == {"cuda": 4.0}

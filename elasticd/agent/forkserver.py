@@ -424,6 +424,12 @@ def _serve(sock: socket.socket, preload: Sequence[str]) -> dict[str, Any] | None
         print(f"failed: {why}; the agent execs its workers", flush=True)
         _send(sock, {"failed": why})
         return None
+    cuda = _cuda_driver_loaded()
+    if cuda:
+        why = f"the imports loaded the CUDA driver ({cuda}): a forked worker could not use CUDA"
+        print(f"failed: {why}; the agent execs its workers", flush=True)
+        _send(sock, {"failed": why})
+        return None
     import gc
 
     gc.collect()
@@ -474,6 +480,22 @@ def _serve(sock: socket.socket, preload: Sequence[str]) -> dict[str, Any] | None
                 return req
             print(f"forked {pid}: {req.get('log')}", flush=True)
             _send(sock, {"id": req["id"], "pid": pid})
+
+
+def _cuda_driver_loaded() -> str:
+    """The CUDA driver library mapped into this process, or "". ``import torch`` never
+    loads it (CUDA starts lazily); anything that asked for a device count did, and after
+    that a forked child's first CUDA call fails ("initialization error"), so the server
+    refuses to fork and its workers are exec'd."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                name = line.rsplit("/", 1)[-1].strip()
+                if name.startswith("libcuda.so"):
+                    return name
+    except OSError:
+        return ""
+    return ""
 
 
 def _reap(sock: socket.socket) -> None:

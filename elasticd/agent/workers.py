@@ -30,7 +30,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from elasticd.agent.forkserver import ForkedProcess, ForkServer, module_of, signal_group
+from elasticd.agent.forkserver import (
+    ForkedProcess,
+    ForkServer,
+    module_of,
+    pid_now,
+    signal_group,
+)
 from elasticd.agent.policy import FINISH_WAIT, WAITING_FRESH, hang_bound
 from elasticd.worker import ENV_HEARTBEAT, PREEMPTED_EXIT_CODE, read_heartbeat
 
@@ -389,9 +395,10 @@ class WorkerGroup:
         is now; returns how many were asked."""
         asked = 0
         for w in self.workers:
-            if w.proc.poll() is None and prints_stacks(w.proc.pid):
+            pid = pid_now(w.proc)  # one its fork server has not started has no stack
+            if pid is not None and w.proc.poll() is None and prints_stacks(pid):
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(w.proc.pid, signal.SIGUSR1)
+                    os.kill(pid, signal.SIGUSR1)
                     asked += 1
         return asked
 
