@@ -212,9 +212,11 @@ class ForkServer:
             self._pump(wait=min(left, 0.1))
 
     def exit_code(self, pid: int) -> int | None:
-        """The exit code the server reported for its child ``pid``, or None."""
+        """The exit code the server reported for its child ``pid``, or None (taken: the
+        caller keeps it)."""
         self._pump()
-        return self._exits.get(pid)
+        with self._lock:
+            return self._exits.pop(pid, None)
 
     def can_fork(self, argv: Sequence[str], env: Mapping[str, str]) -> bool:
         """Whether a fork of this server runs ``argv`` under ``env`` as an exec would."""
