@@ -545,11 +545,17 @@ class LocalCluster:
         for index, agent in enumerate(self.agents):
             if agent.poll() is not None:
                 continue
+            mine = None
             for rank, pid in self.worker_pids(index).items():
                 fields = _stat(pid)
-                # Still the agent's child (workers.json outlives its round: a pid reused).
-                if fields is None or fields[0] in ("Z", "X") or fields[1] != str(agent.pid):
+                # Still the agent's (workers.json outlives its round: a pid reused): its
+                # child, or its fork server's (docs/agent.md, "Workers are forked").
+                if fields is None or fields[0] in ("Z", "X"):
                     continue
+                if fields[1] != str(agent.pid):
+                    mine = set(descendants(agent.pid)) if mine is None else mine
+                    if pid not in mine:
+                        continue
                 try:
                     path = os.readlink(f"/proc/{pid}/fd/1")
                     size = os.path.getsize(path)

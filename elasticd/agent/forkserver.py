@@ -535,7 +535,7 @@ def _become(req: Mapping[str, Any]) -> None:
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(env)
-    module = module_of(argv, sys.executable)
+    module = module_of(argv, argv[0])  # the agent checked the interpreter is the server's
     if module is None or startup_env(env) != _server_startup:
         os.execve(argv[0], argv, env)  # the agent checks first; this is the guard
     import runpy
