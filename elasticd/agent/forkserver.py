@@ -444,44 +444,46 @@ def _serve(sock: socket.socket, preload: Sequence[str]) -> dict[str, Any] | None
     _send(sock, {"ready": os.getpid()})
     buf = b""
     me = os.getpid()
-    while True:
-        _reap(sock)
-        try:
-            readable, _, _ = select.select([sock, wake_r], [], [], 5.0)
-        except InterruptedError:
-            continue
-        if wake_r in readable:
-            with contextlib.suppress(BlockingIOError):
-                os.read(wake_r, 4096)
-        if sock not in readable:
-            continue
-        data = sock.recv(1 << 20)
-        if not data:
-            return None  # the agent closed its end
-        buf += data
-        *lines, buf = buf.split(b"\n")
-        for line in lines:
-            if not line.strip():
-                continue
-            req = json.loads(line)
-            if threading.active_count() != 1:
-                _send(sock, {"id": req["id"], "error": "the server runs a thread"})
-                continue
+    try:
+        while True:
+            _reap(sock)
             try:
-                pid = os.fork()
-            except OSError as exc:
-                _send(sock, {"id": req["id"], "error": str(exc)})
+                readable, _, _ = select.select([sock, wake_r], [], [], 5.0)
+            except InterruptedError:
                 continue
-            if pid == 0:
-                signal.set_wakeup_fd(-1)
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                for fd in (wake_r, wake_w):
-                    os.close(fd)
-                sock.close()
-                req["server"] = me
-                return req
-            print(f"forked {pid}: {req.get('log')}", flush=True)
-            _send(sock, {"id": req["id"], "pid": pid})
+            if wake_r in readable:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wake_r, 4096)
+            if sock not in readable:
+                continue
+            data = sock.recv(1 << 20)
+            if not data:
+                return None  # the agent closed its end
+            buf += data
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                if not line.strip():
+                    continue
+                req = json.loads(line)
+                if threading.active_count() != 1:
+                    _send(sock, {"id": req["id"], "error": "the server runs a thread"})
+                    continue
+                try:
+                    pid = os.fork()
+                except OSError as exc:
+                    _send(sock, {"id": req["id"], "error": str(exc)})
+                    continue
+                if pid == 0:  # nothing here raises: a child must never go on serving
+                    signal.set_wakeup_fd(-1)
+                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                    for fd in (wake_r, wake_w, sock.detach()):
+                        with contextlib.suppress(OSError):
+                            os.close(fd)
+                    return {**req, "server": me}
+                print(f"forked {pid}: {req.get('log')}", flush=True)
+                _send(sock, {"id": req["id"], "pid": pid})
+    except OSError:  # the agent is gone (its end reset): so are we, and our children
+        return None
 
 
 def _cuda_driver_loaded() -> str:
