@@ -177,6 +177,14 @@ class RestartConfig:
     ready (torch imported, no rank, no device memory) while a round trains; a worker that
     dies is replaced by one at the next round instead of by a cold start. 0 turns them
     off; at most ``nproc_per_node``. Ignored otherwise."""
+    fork: bool | None = None
+    """Whether each node's workers are forked from one process of the job that imported
+    torch once (docs/agent.md, "Workers are forked, not started"). Unset: the built-in
+    trainer's are, a job's own ``command`` is exec'd. ``true``: a ``command`` of the form
+    ``python -m MODULE ...`` or ``python SCRIPT.py ...`` is forked too (the script then
+    finds torch imported before its first line runs: one that sets OMP_NUM_THREADS or
+    another variable torch reads as it loads must set it in the agent's environment
+    instead). ``false``: every worker is exec'd."""
 
     def __post_init__(self) -> None:
         if self.scale_up is None:

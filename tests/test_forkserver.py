@@ -25,7 +25,8 @@ PROBE = textwrap.dedent(
             "sid": os.getsid(0), "pgid": os.getpgid(0), "torch": "torch" in sys.modules,
             "name": __name__, "fds": sorted(int(f) for f in os.listdir("/proc/self/fd")),
             "stdin": os.readlink("/proc/self/fd/0"), "random": random.random(),
-            "main": sys.modules["__main__"].__dict__.get("MARK")}
+            "main": sys.modules["__main__"].__dict__.get("MARK"),
+            "file": __file__, "spec": repr(__spec__)}
     MARK = 1
     print(json.dumps(info), flush=True)
     print("to stderr", file=sys.stderr, flush=True)
@@ -115,6 +116,31 @@ def test_a_forked_worker_is_what_python_dash_m_would_be(box):
     assert f"forked {seen[0]['pid']}" in log and f"exited {seen[1]['pid']}: 3" in log
 
 
+def test_a_forked_script_is_what_python_script_would_be(box):
+    """``python SCRIPT.py ARGS`` (a job's own command under ``restart.fork: true``)."""
+    tmp, env, server = box
+    s = server()
+    assert s.wait_ready(120)
+    (tmp / "sub").mkdir()
+    (tmp / "sub" / "probe.py").write_text(PROBE)
+    os.symlink(tmp / "sub" / "probe.py", tmp / "link.py")  # python resolves sys.path[0]
+    for script in ("sub/probe.py", str(tmp / "link.py")):
+        cmd = [sys.executable, script, "4"]
+        p = _start(cmd, env, str(tmp), str(tmp / "forked.log"), s)
+        assert isinstance(p, ForkedProcess) and p.wait(60) == 4
+        assert _exec(cmd, env, str(tmp), str(tmp / "exec.log")).wait(60) == 4
+        got, ref = info(tmp / "forked.log"), info(tmp / "exec.log")
+        assert got["ppid"] == s.pid and got["torch"] and not ref["torch"]
+        for key in ("argv", "cwd", "path0", "name", "fds", "file", "spec", "main"):
+            assert got[key] == ref[key], key
+        for log in ("forked.log", "exec.log"):
+            (tmp / log).unlink()
+    # A script that is not there: python's line and exit code 2, as exec'd.
+    p = _start([sys.executable, "missing.py"], env, str(tmp), str(tmp / "missing.log"), s)
+    assert isinstance(p, ForkedProcess) and p.wait(60) == 2
+    assert "can't open file" in (tmp / "missing.log").read_text()
+
+
 def test_an_exception_and_a_signal_end_a_forked_worker_as_they_end_python(box):
     tmp, env, server = box
     s = server()
@@ -154,9 +180,11 @@ def test_what_a_fork_cannot_keep_the_same_is_execd(box):
     p = _start(argv("0"), {**env, "OMP_NUM_THREADS": "2"}, str(tmp), str(tmp / "omp.log"), s)
     assert isinstance(p, ForkedProcess) and p.wait(60) == 0
     assert not info(tmp / "omp.log")["torch"]
-    # Not `python -m MODULE`: exec'd straight away.
-    plain = _start([sys.executable, "fsprobe.py", "0"], env, str(tmp), str(tmp / "p.log"), s)
-    assert isinstance(plain, subprocess.Popen) and plain.wait(60) == 0
+    # Not `python -m MODULE` or `python SCRIPT.py`: exec'd straight away.
+    for cmd in ([sys.executable, "-u", "fsprobe.py", "0"], [sys.executable, "-c", "pass"],
+                ["/bin/true"]):  # fmt: skip
+        plain = _start(cmd, env, str(tmp), str(tmp / "p.log"), s)
+        assert isinstance(plain, subprocess.Popen) and plain.wait(60) == 0
 
 
 def test_a_server_that_cannot_import_has_its_workers_execd(box):
@@ -260,3 +288,56 @@ def test_a_forked_worker_of_the_trainers_server_uses_cuda(box):
     lines = (tmp / "cuda.log").read_text().splitlines()
     assert info(tmp / "cuda.log")["ppid"] == s.pid
     assert json.loads(lines[-1]) == {"cuda": 4.0}
+
+
+def test_a_scripts_job_with_fork_true_has_its_workers_forked_and_trains_the_same(tmp_path):
+    """examples/ddp_inprocess.py under ``restart.fork: true``: a killed node and then a
+    killed worker, whose replacement is forked too; every step once, each loss equal to
+    the script alone's (tests/test_inprocess.py's run_example)."""
+    from test_inprocess import round_pids, run_example
+
+    job, result = run_example(tmp_path, "ddpfork", "ddp_inprocess.py", 60,
+                              {"DDP_STEPS": "60", "DDP_STEP_SLEEP": "0.02"},
+                              ["kill-node=1@step=10", "kill-worker=1@step=35"],
+                              restart={"mode": "inprocess", "scale_up": "immediate",
+                                       "fork": True})  # fmt: skip
+    recs = [e for e in result["status"]["history"] if e["kind"] == "recovery"]
+    assert [e["mode"] for e in recs] == ["inprocess", "inprocess"], recs
+    pids = round_pids(job)
+    workers = set().union(*pids.values())
+    assert len(pids) >= 3 and workers <= forked_pids(job), (pids, forked_pids(job))
+
+
+def test_which_jobs_get_a_fork_server(tmp_path, monkeypatch):
+    """The built-in trainer's unless ``restart.fork: false`` or the agent's
+    ``ELASTICD_FORK_SERVER=0``; a job's own command only with ``fork: true`` and only a
+    ``python -m``/``python SCRIPT.py`` one."""
+    from types import SimpleNamespace
+
+    from elasticd.agent.launch import NodeInfo
+    from elasticd.agent.runner import JobRunner
+    from elasticd.jobspec import parse_job
+
+    def server_for(monkeypatch, command=None, fork=None):
+        raw = {"name": "j", "output_dir": str(tmp_path / "out"), "restart": {"fork": fork}}
+        if command:
+            raw["command"] = command
+        r = object.__new__(JobRunner)
+        r.job = parse_job(raw).with_paths_resolved(tmp_path)
+        r.name, r._doorbell = "j", None
+        r.record = SimpleNamespace(run_id="j-1")
+        r._node = NodeInfo(node_id="n0", addr="127.0.0.1", state_dir=str(tmp_path / "s"))
+        s = r._start_fork_server()
+        if s is not None:
+            s.close()
+        return s
+
+    monkeypatch.delenv("ELASTICD_FORK_SERVER", raising=False)
+    assert server_for(monkeypatch) is not None
+    assert server_for(monkeypatch, fork=False) is None
+    assert server_for(monkeypatch, ["python", "train.py"]) is None
+    assert server_for(monkeypatch, ["python", "train.py"], fork=True) is not None
+    assert server_for(monkeypatch, ["python", "-m", "mytrain"], fork=True) is not None
+    assert server_for(monkeypatch, ["bash", "run.sh"], fork=True) is None
+    monkeypatch.setenv("ELASTICD_FORK_SERVER", "0")
+    assert server_for(monkeypatch) is None

@@ -634,11 +634,12 @@ def test_slow_teardown_after_the_last_step_is_no_hang_and_the_job_is_not_trained
     assert [rec["step"] for rec in records] == list(range(1, steps + 1))
 
 
-def run_example(tmp_path, name: str, script: str, steps: int, knobs: dict, faults: list[str]):
+def run_example(tmp_path, name: str, script: str, steps: int, knobs: dict, faults: list[str],
+                **extra):  # fmt: skip
     """An example script alone (its reference losses, which it logs to the file named by
     ``<PREFIX>_LOG``, the knobs' prefix) and as a 3-node in-process job through
-    ``faults``; the job's result, once it succeeded with every step recorded once, each
-    loss equal to the script alone's within fp32 round-off."""
+    ``faults`` (``extra``: more of the job's keys); the job's result, once it succeeded with
+    every step recorded once, each loss equal to the script alone's within fp32 round-off."""
     script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples", script)
     ref_log = tmp_path / "ref.jsonl"
     log_var = next(iter(knobs)).split("_")[0] + "_LOG"
@@ -650,7 +651,7 @@ def run_example(tmp_path, name: str, script: str, steps: int, knobs: dict, fault
         rec["step"]: rec["loss"] for rec in map(json.loads, ref_log.read_text().splitlines())
     }
     assert sorted(reference) == list(range(1, steps + 1))
-    job = make_job(tmp_path, name, steps=steps, command=[sys.executable, script])
+    job = make_job(tmp_path, name, steps=steps, command=[sys.executable, script], **extra)
     os.environ.update(knobs)  # the agents' environment reaches the workers
     try:
         result = run(job, 3, faults)

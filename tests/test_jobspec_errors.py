@@ -34,6 +34,8 @@ BAD_SPECS = [
      "job.yaml: restart.max_restarts: -1 must be >= 0"),
     ("bad scale-up policy", "name: t\nrestart: {scale_up: later}\n",
      "job.yaml: restart.scale_up: 'later' is not one of 'immediate', 'checkpoint'"),
+    ("fork not a boolean", "name: t\nrestart: {fork: sometimes}\n",
+     "job.yaml: restart.fork: 'sometimes' is not true or false or null"),
     ("batch not a multiple of micro", "name: t\ntrain: {global_batch: 10, micro_batch: 4}\n",
      "job.yaml: train.global_batch: 10 is not a multiple of train.micro_batch (4)"),
     ("file source without path", "name: t\ndata: {source: file}\n",

@@ -75,6 +75,9 @@ PRELOAD_TRAINER = ("torch", "torch.distributed", "torch._dynamo", "trainer.train
                    "trainer.__main__", "elasticd.inprocess")  # fmt: skip
 """What the server of a built-in trainer job imports before it forks."""
 
+PRELOAD_COMMAND = ("torch", "torch.distributed", "torch._dynamo", "elasticd.inprocess")
+"""What the server of a job's own Python command (``restart.fork: true``) imports."""
+
 _STARTUP_PREFIXES = ("PYTHON", "LD_", "OMP_", "MKL_", "OPENBLAS_", "GOTO", "KMP_", "GOMP_",
                      "MALLOC_", "TORCH", "PYTORCH", "NUMEXPR_")  # fmt: skip
 _LAZY = ("TORCHELASTIC_",)
@@ -98,12 +101,20 @@ def startup_env(env: Mapping[str, str]) -> dict[str, str]:
             if k.startswith(_STARTUP_PREFIXES) and not k.startswith(_LAZY)}  # fmt: skip
 
 
-def module_of(argv: Sequence[str], python: str) -> str | None:
-    """The module of ``argv`` when it is ``python -m MODULE [ARG]...`` with the server's
-    interpreter, else None (then the child execs it)."""
-    if len(argv) < 3 or argv[0] != python or argv[1] != "-m":
+def target_of(argv: Sequence[str], python: str) -> tuple[str, str] | None:
+    """What ``argv`` runs when it is ``python -m MODULE [ARG]...`` (``("module", MODULE)``)
+    or ``python SCRIPT.py [ARG]...`` (``("script", SCRIPT.py)``) with the server's
+    interpreter, else None (it is exec'd: another interpreter, interpreter options, a
+    directory or a zip file to run, anything not Python)."""
+    if len(argv) < 2 or argv[0] != python:
         return None
-    return argv[2] if all(p.isidentifier() for p in argv[2].split(".")) else None
+    if argv[1] == "-m":
+        if len(argv) >= 3 and all(p.isidentifier() for p in argv[2].split(".")):
+            return ("module", argv[2])
+        return None
+    if argv[1].endswith(".py") and not argv[1].startswith("-"):
+        return ("script", argv[1])
+    return None
 
 
 def pid_now(proc: Any) -> int | None:
@@ -221,7 +232,7 @@ class ForkServer:
     def can_fork(self, argv: Sequence[str], env: Mapping[str, str]) -> bool:
         """Whether a fork of this server runs ``argv`` under ``env`` as an exec would."""
         return (
-            module_of(argv, self.python) is not None
+            target_of(argv, self.python) is not None
             and startup_env({"PYTHONUNBUFFERED": "1", **env}) == self._startup
         )
 
@@ -537,16 +548,37 @@ def _become(req: Mapping[str, Any]) -> None:
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(env)
-    module = module_of(argv, argv[0])  # the agent checked the interpreter is the server's
-    if module is None or startup_env(env) != _server_startup:
+    target = target_of(argv, argv[0])  # the agent checked the interpreter is the server's
+    if target is None or startup_env(env) != _server_startup:
         os.execve(argv[0], argv, env)  # the agent checks first; this is the guard
+    import builtins
+    import importlib.machinery
+    import io
     import runpy
     import tempfile
+    import types
 
     tempfile.tempdir = None  # TMPDIR is the request's
-    sys.argv = ["-m", *argv[3:]]
-    sys.path[0] = os.getcwd()
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    kind, name = target
+    if kind == "module":
+        sys.argv = ["-m", *argv[3:]]  # run_module puts the module's file first
+        sys.path[0] = os.getcwd()
+        runpy.run_module(name, run_name="__main__", alter_sys=True)
+        return
+    if not os.path.isfile(name):  # as python says it (exit code 2)
+        print(f"{argv[0]}: can't open file {os.path.abspath(name)!r}: [Errno 2] No such file "
+              "or directory", file=sys.stderr, flush=True)  # fmt: skip
+        raise SystemExit(2)
+    sys.argv = [name, *argv[2:]]  # as given; __file__ absolute, sys.path[0] resolved
+    sys.path[0] = os.path.dirname(os.path.realpath(name))
+    path = os.path.abspath(name)
+    with io.open_code(path) as fh:
+        code = compile(fh.read(), path, "exec", dont_inherit=True)
+    main = types.ModuleType("__main__")
+    main.__dict__.update(__file__=path, __spec__=None, __package__=None, __builtins__=builtins,
+                         __loader__=importlib.machinery.SourceFileLoader("__main__", path))  # fmt: skip
+    sys.modules["__main__"] = main
+    exec(code, main.__dict__)
 
 
 _server_startup: dict[str, str] = {}

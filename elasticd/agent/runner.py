@@ -359,23 +359,31 @@ class JobRunner:
         return self.outcome
 
     def _start_fork_server(self) -> Any:
-        """The built-in trainer's workers of this run on this node are forked from one
-        process that imports torch and the trainer once (:mod:`elasticd.agent.forkserver`),
-        started now so that its imports overlap the rendezvous. None for a job's own
-        ``command`` (a script may set up its environment before it imports torch), when
-        ``ELASTICD_FORK_SERVER=0``, or when it cannot start (workers are then exec'd)."""
+        """This run's workers on this node are forked from one process that imports torch
+        (and the built-in trainer) once (:mod:`elasticd.agent.forkserver`), started now so
+        that its imports overlap the rendezvous. None (workers exec'd) for a job's own
+        ``command`` unless ``restart.fork: true``, with ``restart.fork: false`` or the
+        agent's ``ELASTICD_FORK_SERVER=0``, or when it cannot start."""
         from elasticd.agent import forkserver
-        from elasticd.agent.policy import scrub_env
+        from elasticd.agent.policy import scrub_env, worker_argv
 
-        if self.job.command or not forkserver.enabled():
+        fork = self.job.restart.fork
+        if fork is False or not forkserver.enabled() or (self.job.command and not fork):
             return None
+        if self.job.command:
+            argv = worker_argv(self.job.command, "", self._node.python)
+            if forkserver.target_of(argv, self._node.python) is None:
+                log.warning("restart.fork: the command is not `python -m MODULE ...` or "
+                            "`python SCRIPT.py ...` with the agent's interpreter; its workers "
+                            "are exec'd", **kv(job=self.name, command=argv[:2]))  # fmt: skip
+                return None
         env = scrub_env(self._worker_env())
         env.setdefault("OMP_NUM_THREADS", "1")  # as every worker's (policy.worker_envs)
         log_path = os.path.join(self.job.logs_dir(self.record.run_id), "forkserver",
                                 f"{self._node.node_id}.log")  # fmt: skip
+        preload = forkserver.PRELOAD_COMMAND if self.job.command else forkserver.PRELOAD_TRAINER
         try:
-            return forkserver.ForkServer(python=self._node.python,
-                                         preload=forkserver.PRELOAD_TRAINER, env=env,
+            return forkserver.ForkServer(python=self._node.python, preload=preload, env=env,
                                          cwd=os.getcwd(), log_path=log_path)  # fmt: skip
         except OSError as exc:
             log.warning("fork server not started; workers are exec'd",

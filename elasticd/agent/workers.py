@@ -33,9 +33,9 @@ from typing import Any, NamedTuple
 from elasticd.agent.forkserver import (
     ForkedProcess,
     ForkServer,
-    module_of,
     pid_now,
     signal_group,
+    target_of,
 )
 from elasticd.agent.policy import FINISH_WAIT, WAITING_FRESH, hang_bound
 from elasticd.worker import ENV_HEARTBEAT, PREEMPTED_EXIT_CODE, read_heartbeat
@@ -159,7 +159,7 @@ def _start(
     ``log_path``, unbuffered unless the job says otherwise (a SIGKILLed worker's last
     lines are the ones that explain it). Forked from ``forks`` when it can run ``argv``
     (:mod:`elasticd.agent.forkserver`), else exec'd."""
-    if forks is not None and forks.usable() and module_of(argv, forks.python) is not None:
+    if forks is not None and forks.usable() and target_of(argv, forks.python) is not None:
         return ForkedProcess(forks, argv, env, cwd, log_path, exec_start=_exec)
     return _exec(argv, env, cwd, log_path)
 
