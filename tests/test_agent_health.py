@@ -77,6 +77,12 @@ def test_a_real_agent_tells_systemd_it_is_ready_feeds_the_watchdog_and_says_when
     state = tmp_path / "state"
     env = {**os.environ, "NOTIFY_SOCKET": where, "WATCHDOG_USEC": "400000"}
     env.pop("WATCHDOG_PID", None)
+    # A symlink planted where the agent wrote its info file's temporary copy: never
+    # written through (it was opened with a plain open()).
+    state.mkdir()
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not the agent's")
+    os.symlink(outside, state / "agent.json.tmp")
     hold = reserve_port()  # held until the agent listens on it (SO_REUSEADDR on both)
     agent = subprocess.Popen(
         [sys.executable, "-m", "elasticd", "agent", "--etcd", etcd_server.endpoint,
@@ -88,6 +94,7 @@ def test_a_real_agent_tells_systemd_it_is_ready_feeds_the_watchdog_and_says_when
         assert sock.recv(64) == b"READY=1"  # only once registered: its record is there
         info = json.loads((state / "agent.json").read_text())
         assert info["pid"] == agent.pid
+        assert outside.read_text() == "not the agent's"
         assert get(info["metrics_port"], "/healthz") == (200, "ok\n")
         pings = [sock.recv(64) for _ in range(3)]
         assert pings == [b"WATCHDOG=1"] * 3

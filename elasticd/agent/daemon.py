@@ -685,10 +685,11 @@ class Agent:
 
     def _write_info(self, metrics_port: int) -> None:
         info = {"node": self.config.node_id, "pid": os.getpid(), "metrics_port": metrics_port}
-        path = os.path.join(self.config.state_dir, "agent.json")
-        with open(path + ".tmp", "w", encoding="utf-8") as fh:
-            json.dump(info, fh)
-        os.replace(path + ".tmp", path)
+        from elasticd.agent.launch import write_json
+
+        # Through a new file of an unpredictable name, never through a symlink planted at a
+        # fixed one (agent.json.tmp was opened with a plain open()).
+        write_json(os.path.join(self.config.state_dir, "agent.json"), info)
 
     def _shutdown(self) -> None:
         self.preempt.set()
