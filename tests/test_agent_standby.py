@@ -50,7 +50,7 @@ def runner(monkeypatch, tmp_path: Path):
     r = object.__new__(JobRunner)
     r._clock = clock
     r._standby, r._standby_failures, r._standby_next = None, 0, 0.0
-    r._forks = None
+    r._forks, r._fork_restarts = None, 0
     r.job = SimpleNamespace(restart=SimpleNamespace(standby=1))
     r.record = SimpleNamespace(run_id="run-1")
     r._node, r.devices, r.name = None, None, "job"

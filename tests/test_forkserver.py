@@ -4,6 +4,7 @@ be forked is exec'd."""
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -26,7 +28,9 @@ PROBE = textwrap.dedent(
             "name": __name__, "fds": sorted(int(f) for f in os.listdir("/proc/self/fd")),
             "stdin": os.readlink("/proc/self/fd/0"), "random": random.random(),
             "main": sys.modules["__main__"].__dict__.get("MARK"),
-            "file": __file__, "spec": repr(__spec__)}
+            "file": __file__, "spec": repr(__spec__),
+            "np": int(sys.modules["numpy"].random.randint(1 << 30)) if "numpy" in sys.modules else None,
+            "authkey": __import__("multiprocessing").current_process().authkey.hex()}
     MARK = 1
     print(json.dumps(info), flush=True)
     print("to stderr", file=sys.stderr, flush=True)
@@ -34,6 +38,11 @@ PROBE = textwrap.dedent(
     if what == "raise":
         raise ValueError("boom")
     if what == "sleep":
+        time.sleep(120)
+    if what == "usr1":  # a handler of its own, as Lightning's
+        import signal
+        signal.signal(signal.SIGUSR1, lambda *_: print("usr1", flush=True))
+        print("handler", flush=True)
         time.sleep(120)
     if what == "child":  # a process of its own, in its group
         import subprocess
@@ -111,7 +120,12 @@ def test_a_forked_worker_is_what_python_dash_m_would_be(box):
         assert got["sid"] == got["pgid"] == got["pid"]  # its own session, as exec'd ones
         assert (tmp / f"w{i}.log").read_text().splitlines()[1] == "to stderr"
     assert not ref["torch"]
-    assert seen[0]["random"] != seen[1]["random"]  # each child reseeded
+    # What a new process draws afresh, each child has of its own: Python's and numpy's
+    # random states (numpy's is the server's, imported with torch, unless reseeded) and
+    # multiprocessing's key.
+    for key in ("random", "np", "authkey"):
+        assert seen[0][key] != seen[1][key], key
+    assert seen[0]["np"] is not None
     log = (tmp / "server.log").read_text()
     assert f"forked {seen[0]['pid']}" in log and f"exited {seen[1]['pid']}: 3" in log
 
@@ -265,6 +279,9 @@ def test_every_worker_of_a_restarted_job_is_forked_and_the_switch_turns_it_off(
     assert len(workers) == 4  # every process restarted
     if switch == "on":
         assert workers <= forked_pids(job)
+        # runpy warned in every worker when the server had imported trainer.__main__.
+        logs = glob.glob(os.path.join(job.out_dir, "logs", "*", "round-*", "*.log"))
+        assert logs and not [p for p in logs if "RuntimeWarning" in Path(p).read_text()]
     else:
         assert not forked_pids(job)
 
@@ -341,3 +358,77 @@ def test_which_jobs_get_a_fork_server(tmp_path, monkeypatch):
     assert server_for(monkeypatch, ["bash", "run.sh"], fork=True) is None
     monkeypatch.setenv("ELASTICD_FORK_SERVER", "0")
     assert server_for(monkeypatch) is None
+
+
+def test_a_signal_right_after_the_fork_reaches_the_worker(box):
+    """The pid comes back once the child leads its group: a stop sent at once is not lost
+    (it was in 29 of 40 tries, sent before the child's setsid)."""
+    tmp, env, server = box
+    s = server(preload=("json",))
+    assert s.wait_ready(60)
+    for i in range(20):
+        p = _start(argv("sleep"), env, str(tmp), str(tmp / f"w{i}.log"), s)
+        signal_group(p, signal.SIGKILL)
+        assert p.wait(30) == -signal.SIGKILL, i
+
+
+def test_a_stop_cancels_a_pending_worker_even_once_the_server_is_ready(box):
+    tmp, env, server = box
+    s = server(preload=("json",))
+    p = _start(argv("sleep"), env, str(tmp), str(tmp / "w.log"), s)
+    assert p.pending
+    assert s.wait_ready(60)  # ready now; the worker was not asked for since
+    signal_group(p, signal.SIGTERM)
+    assert p.poll() == -signal.SIGTERM and not (tmp / "w.log").exists()
+    assert "forked" not in (tmp / "server.log").read_text()
+
+
+def test_a_server_whose_imports_hang_is_given_up_once_for_all_its_workers(box, monkeypatch):
+    """READY_WAIT is the server's deadline, not each worker's: four workers asked for
+    while it hangs in its imports wait for it once, then are exec'd."""
+    from elasticd.agent import forkserver
+
+    tmp, env, server = box
+    (tmp / "hangs_on_import.py").write_text("import time\ntime.sleep(300)\n")
+    monkeypatch.setattr(forkserver, "READY_WAIT", 2.0)
+    s = server(preload=("hangs_on_import",))
+    procs = [_start(argv("0"), env, str(tmp), str(tmp / f"w{i}.log"), s) for i in range(4)]
+    assert all(p.pending for p in procs)
+    began = time.monotonic()
+    pids = [p.pid for p in procs]
+    waited = time.monotonic() - began
+    assert waited < 6.0, waited  # one deadline (2 s), not one per worker (8 s)
+    assert "longer than 2 s" in (s.failed or "") and s.proc.wait(10) is not None
+    assert all(p.wait(60) == 0 for p in procs) and len(set(pids)) == 4
+    assert not any(info(tmp / f"w{i}.log")["torch"] for i in range(4))  # exec'd
+
+
+def test_a_server_killed_under_its_workers_is_lost_and_they_die_with_it(box):
+    tmp, env, server = box
+    s = server(preload=("json",))
+    assert s.wait_ready(60)
+    p = _start(argv("sleep"), env, str(tmp), str(tmp / "w.log"), s)
+    assert p.pid > 0
+    s.proc.kill()
+    assert p.wait(30) == -signal.SIGKILL
+    assert not s.usable() and s.lost
+    later = _start(argv("0"), env, str(tmp), str(tmp / "later.log"), s)
+    assert isinstance(later, subprocess.Popen) and later.wait(60) == 0
+
+
+def test_only_the_trainers_forked_workers_are_sent_sigusr1_for_their_stacks(box):
+    """A forked worker's command line is its server's: the built-in trainer's server
+    (it preloads trainer.train) marks its workers as ours; a job's own script forked
+    under restart.fork: true may mean something else by SIGUSR1 (Lightning requeues a
+    Slurm job) and never gets it."""
+    from elasticd.agent.workers import prints_stacks
+
+    tmp, env, server = box
+    for preload, ours in ((("json",), False), (("trainer.train",), True)):
+        s = server(preload=preload)
+        assert s.wait_ready(120)
+        p = _start(argv("usr1"), env, str(tmp), str(tmp / f"{ours}.log"), s)
+        wait_for(lambda o=ours: "handler" in (tmp / f"{o}.log").read_text())
+        assert prints_stacks(p.pid) is ours
+        p.kill()
+        s.close()

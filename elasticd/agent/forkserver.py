@@ -50,6 +50,7 @@ import contextlib
 import ctypes
 import errno
 import json
+import logging
 import os
 import select
 import signal
@@ -61,19 +62,26 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+log = logging.getLogger("elasticd.agent")
+
 ENV_SWITCH = "ELASTICD_FORK_SERVER"
 """``0`` in the agent's environment: no fork server; every worker is exec'd."""
 
-READY_WAIT = 120.0
-"""Seconds a spawn that needs its pid waits for the server's imports before it starts the
-worker by exec instead (a server that cannot import is told at once)."""
+READY_WAIT = 60.0
+"""Seconds from the server's start that its imports may take. A worker whose pid is needed
+before then waits for them, never past this deadline (one for the server, not one per
+worker); past it the server is given up (stopped), and every worker still waiting for it
+is exec'd. A server that cannot import is told at once."""
 
 REPLY_WAIT = 30.0
 """Seconds the agent waits for the server's answer to one fork."""
 
 PRELOAD_TRAINER = ("torch", "torch.distributed", "torch._dynamo", "trainer.train",
-                   "trainer.__main__", "elasticd.inprocess")  # fmt: skip
-"""What the server of a built-in trainer job imports before it forks."""
+                   "trainer.recovery", "trainer.checkpointing", "trainer.data",
+                   "elasticd.inprocess")  # fmt: skip
+"""What the server of a built-in trainer job imports before it forks (what ``python -m
+trainer`` imports, but not ``trainer.__main__`` itself: ``runpy`` runs that as
+``__main__``, and warns when it is imported already)."""
 
 PRELOAD_COMMAND = ("torch", "torch.distributed", "torch._dynamo", "elasticd.inprocess")
 """What the server of a job's own Python command (``restart.fork: true``) imports."""
@@ -136,6 +144,7 @@ class ForkServer:
         from elasticd.agent.workers import with_pdeathsig
 
         self.python = python
+        self.log_path = log_path
         self._lock = threading.RLock()
         self._buf = b""
         self._ids = 0
@@ -143,7 +152,11 @@ class ForkServer:
         self._exits: dict[int, int] = {}
         self.ready = False
         self.failed: str | None = None
+        """Why the server cannot fork (its imports failed, it was given up, or it stopped)."""
+        self.lost = False
+        """It stopped after it was ready (killed, crashed): its children died with it."""
         self.pid: int | None = None
+        self._deadline = time.monotonic() + READY_WAIT
         os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -198,29 +211,54 @@ class ForkServer:
             self._exits[int(msg["exit"])] = int(msg["code"])
         elif "id" in msg:
             self._replies[int(msg["id"])] = msg
+            if "pid" in msg:  # an exit of an earlier process of that pid is stale now
+                self._exits.pop(int(msg["pid"]), None)
 
     def _lost(self, why: str) -> None:
         if self.failed is None:
             self.failed = f"the fork server stopped: {why}"
+            if self.ready:
+                self.lost = True
+                log.warning("the fork server stopped; its workers died with it, and workers "
+                            "are exec'd from now on: %s (log %s)", why, self.log_path)  # fmt: skip
         with contextlib.suppress(OSError):
             self._sock.close()
 
     def usable(self) -> bool:
         """Whether the server runs (ready or still importing)."""
         self._pump()
-        return self.failed is None and self.proc.poll() is None
+        if self.failed is None and self.proc.poll() is not None:
+            self._pump(wait=0.01)  # its end of the socket closed as it exited
+            if self.failed is None:
+                self._lost(f"it exited with {self.proc.returncode}")
+        return self.failed is None
 
     def wait_ready(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` s for the server's imports; returns whether it is ready."""
-        deadline = time.monotonic() + timeout
+        """Wait up to ``timeout`` s, and never past the server's :data:`READY_WAIT`
+        deadline, for its imports; returns whether it is ready. At the deadline the server
+        is given up."""
+        deadline = min(time.monotonic() + timeout, self._deadline)
         while True:
             self._pump()
             if self.ready or not self.usable():
                 return self.ready and self.usable()
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left <= 0 or timeout <= 0:
+                if time.monotonic() >= self._deadline:
+                    self._give_up(f"its imports took longer than {READY_WAIT:g} s")
                 return False
             self._pump(wait=min(left, 0.1))
+
+    def _give_up(self, why: str) -> None:
+        with self._lock:
+            if self.failed is None:
+                self.failed = why
+                log.warning("fork server given up; workers are exec'd: %s (log %s)", why,
+                            self.log_path)  # fmt: skip
+            with contextlib.suppress(OSError):
+                self._sock.close()
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.kill()
 
     def exit_code(self, pid: int) -> int | None:
         """The exit code the server reported for its child ``pid``, or None (taken: the
@@ -311,11 +349,14 @@ class ForkedProcess:
         if not self.pending:
             return
         server = self._server
-        ready = server.wait_ready(wait) if wait > 0 else (server.usable() and server.ready)
+        argv, env, cwd, log_path = self._request
+        if not server.can_fork(argv, env):  # never forkable: no reason to wait
+            self._popen = self._exec_start(argv, env, cwd, log_path)
+            return
+        ready = server.wait_ready(wait)  # wait 0: a look (past the deadline, it gives up)
         if not ready and server.usable():
             return  # still importing: stays pending
-        argv, env, cwd, log_path = self._request
-        if ready and server.can_fork(argv, env):
+        if ready:
             try:
                 self._pid = server.fork(argv, env, cwd, log_path)
             except OSError:
@@ -381,14 +422,20 @@ class ForkedProcess:
     def send_signal(self, sig: int, *, group: bool = False) -> None:
         """Send ``sig`` (to the process group it leads, with ``group``); a pending process
         is cancelled instead."""
-        if self.poll() is not None:
-            return
-        if self.pending:
+        if self.pending:  # before poll(), which would start it now the server is ready
             self.returncode = -sig
             return
-        pid = self._popen.pid if self._popen is not None else self._pid
+        if self.poll() is not None:
+            return
+        pid = self.known_pid
+        if group:
+            try:
+                os.killpg(pid, sig)  # type: ignore[arg-type]
+                return
+            except ProcessLookupError:
+                pass  # not its own group (yet): the process itself
         with contextlib.suppress(ProcessLookupError):
-            (os.killpg if group else os.kill)(pid, sig)  # type: ignore[arg-type]
+            os.kill(pid, sig)  # type: ignore[arg-type]
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
@@ -480,6 +527,7 @@ def _serve(sock: socket.socket, preload: Sequence[str]) -> dict[str, Any] | None
                     _send(sock, {"id": req["id"], "error": "the server runs a thread"})
                     continue
                 try:
+                    set_r, set_w = os.pipe()
                     pid = os.fork()
                 except OSError as exc:
                     _send(sock, {"id": req["id"], "error": str(exc)})
@@ -487,11 +535,18 @@ def _serve(sock: socket.socket, preload: Sequence[str]) -> dict[str, Any] | None
                 if pid == 0:  # nothing here raises: a child must never go on serving
                     signal.set_wakeup_fd(-1)
                     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                    for fd in (wake_r, wake_w, sock.detach()):
+                    for fd in (wake_r, wake_w, set_r, sock.detach()):
                         with contextlib.suppress(OSError):
                             os.close(fd)
-                    return {**req, "server": me}
-                print(f"forked {pid}: {req.get('log')}", flush=True)
+                    return {**req, "server": me, "set_up": set_w}
+                os.close(set_w)
+                # The pid goes out once the child leads its own group and has its parent-
+                # death signal (or died): a signal to its group then reaches it, as a
+                # Popen'd process's does (its pid comes back after the exec).
+                with contextlib.suppress(OSError):
+                    os.read(set_r, 1)
+                os.close(set_r)
+                print(f"forked {pid}: {' '.join(req['argv'][1:3])} {req.get('log')}", flush=True)
                 _send(sock, {"id": req["id"], "pid": pid})
     except OSError:  # the agent is gone (its end reset): so are we, and our children
         return None
@@ -534,6 +589,9 @@ def _become(req: Mapping[str, Any]) -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != req["server"]:
         os._exit(1)  # the server died before the parent-death signal was set
+    with contextlib.suppress(OSError):
+        os.write(req["set_up"], b"1")
+        os.close(req["set_up"])
     log_fd = os.open(req["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
     null_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
     sys.stdout.flush()
@@ -550,7 +608,10 @@ def _become(req: Mapping[str, Any]) -> None:
     os.environ.update(env)
     target = target_of(argv, argv[0])  # the agent checked the interpreter is the server's
     if target is None or startup_env(env) != _server_startup:
-        os.execve(argv[0], argv, env)  # the agent checks first; this is the guard
+        from elasticd.agent.pdeathsig import exec_or_exit
+
+        os._exit(exec_or_exit(argv))  # the agent checks first; this is the guard
+    _fresh_process_state()
     import builtins
     import importlib.machinery
     import io
@@ -562,7 +623,8 @@ def _become(req: Mapping[str, Any]) -> None:
     kind, name = target
     if kind == "module":
         sys.argv = ["-m", *argv[3:]]  # run_module puts the module's file first
-        sys.path[0] = os.getcwd()
+        if not sys.flags.safe_path:  # PYTHONSAFEPATH: python puts no directory first
+            sys.path[0] = os.getcwd()
         runpy.run_module(name, run_name="__main__", alter_sys=True)
         return
     if not os.path.isfile(name):  # as python says it (exit code 2)
@@ -570,7 +632,8 @@ def _become(req: Mapping[str, Any]) -> None:
               "or directory", file=sys.stderr, flush=True)  # fmt: skip
         raise SystemExit(2)
     sys.argv = [name, *argv[2:]]  # as given; __file__ absolute, sys.path[0] resolved
-    sys.path[0] = os.path.dirname(os.path.realpath(name))
+    if not sys.flags.safe_path:
+        sys.path[0] = os.path.dirname(os.path.realpath(name))
     path = os.path.abspath(name)
     with io.open_code(path) as fh:
         code = compile(fh.read(), path, "exec", dont_inherit=True)
@@ -579,6 +642,20 @@ def _become(req: Mapping[str, Any]) -> None:
                          __loader__=importlib.machinery.SourceFileLoader("__main__", path))  # fmt: skip
     sys.modules["__main__"] = main
     exec(code, main.__dict__)
+
+
+def _fresh_process_state() -> None:
+    """What a new process draws afresh and a fork would share with its siblings: numpy's
+    global random state (seeded from the OS at its import, in the server; Python's
+    ``random`` reseeds itself in a forked child) and multiprocessing's authentication key."""
+    np = sys.modules.get("numpy")
+    if np is not None:
+        with contextlib.suppress(Exception):
+            np.random.seed()
+    mp = sys.modules.get("multiprocessing")
+    if mp is not None:
+        with contextlib.suppress(Exception):
+            mp.current_process().authkey = os.urandom(32)
 
 
 _server_startup: dict[str, str] = {}

@@ -31,10 +31,18 @@ def main(argv: list[str]) -> int:
     # The parent may have died before prctl took effect; then no signal would ever come.
     if os.getppid() != parent:
         return 1
+    return exec_or_exit(cmd)
+
+
+def exec_or_exit(cmd: list[str]) -> int:
+    """Exec ``cmd`` (looked up on PATH) in this process; if that fails, say so in one line
+    and return the exit code a shell would give (the caller exits with it; a forked worker
+    that cannot be run by a fork is exec'd the same way)."""
     try:
         os.execvp(cmd[0], cmd)
     except OSError as exc:  # one line the agent's failure record carries, as a shell would
-        print(f"elasticd: cannot run {cmd[0]}: {exc.strerror or exc}", file=sys.stderr)
+        print(f"elasticd: cannot run {cmd[0]}: {exc.strerror or exc}", file=sys.stderr,
+              flush=True)  # fmt: skip
         # A shell's codes for what no retry mends (not found, not executable): in the
         # job's first world the agent fails the job on them at once, later it counts
         # them as this node's crash (elasticd.agent.policy.CANNOT_RUN_EXIT_CODES). What

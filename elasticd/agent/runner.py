@@ -68,6 +68,9 @@ from elasticd.worker import ENV_DOORBELL, PREEMPTED_EXIT_CODE, Doorbell
 
 log = logging.getLogger("elasticd.agent")
 
+FORK_SERVER_RESTARTS = 3
+"""How many times a run's fork server that stopped after it was ready is started again on
+a node; past that its workers are exec'd."""
 TICK = 0.05
 """Seconds between supervision ticks: worker exits and pushed changes act this fast."""
 STATUS_EVERY = 3.0
@@ -223,6 +226,7 @@ class JobRunner:
         """restart.mode inprocess: the live workers carried into the next round."""
         self._forks: Any = None
         """This run's fork server on this node (``run`` starts it), or None."""
+        self._fork_restarts = 0
         self._standby: Any = None
         """restart.standby: warm workers kept ready for no rank while a round trains."""
         self._standby_failures = 0
@@ -358,6 +362,20 @@ class JobRunner:
                     forks.close()
         return self.outcome
 
+    def _live_forks(self) -> Any:
+        """The run's fork server, started again if it stopped after it was ready (killed or
+        crashed: its workers died with it, a fault the round handles as any), at most
+        :data:`FORK_SERVER_RESTARTS` times a run; None once it cannot serve."""
+        forks = self._forks
+        if (forks is not None and not forks.usable() and forks.lost
+                and self._fork_restarts < FORK_SERVER_RESTARTS):  # fmt: skip
+            self._fork_restarts += 1
+            forks.close()
+            log.warning("fork server stopped; starting it again",
+                        **kv(job=self.name, restart=self._fork_restarts))  # fmt: skip
+            self._forks = forks = self._start_fork_server()
+        return forks
+
     def _start_fork_server(self) -> Any:
         """This run's workers on this node are forked from one process that imports torch
         (and the built-in trainer) once (:mod:`elasticd.agent.forkserver`), started now so
@@ -482,7 +500,7 @@ class JobRunner:
             try:
                 warm = warm_workers(job=self.job, run_id=self.record.run_id, node=self._node,
                                     local_ranks=missing, env=self._worker_env(), clock=self._clock,
-                                    devices=self.devices, forks=self._forks)  # fmt: skip
+                                    devices=self.devices, forks=self._live_forks())  # fmt: skip
             except OSError as exc:  # the round starts them the usual way
                 log.warning("warm workers not started", **kv(job=self.name, error=str(exc)))
             if warm is not None:
@@ -526,7 +544,7 @@ class JobRunner:
         try:
             fresh = standby_workers(job=self.job, run_id=self.record.run_id, node=self._node,
                                     count=want - have, env=self._worker_env(), clock=self._clock,
-                                    devices=self.devices, forks=self._forks)  # fmt: skip
+                                    devices=self.devices, forks=self._live_forks())  # fmt: skip
         except OSError as exc:  # a replacement then starts cold, as without standbys
             log.warning("standby worker not started", **kv(job=self.name, error=str(exc)))
             return
@@ -622,7 +640,7 @@ class JobRunner:
                 job=self.job, run_id=self.record.run_id, world=world, node=self._node,
                 restarts=int(status.status.get("restarts", 0)) if status else 0,
                 resume_step=resume_step, env=self._worker_env(), clock=self._clock,
-                devices=self.devices, keep=keep, forks=self._forks,
+                devices=self.devices, keep=keep, forks=self._live_forks(),
             )  # fmt: skip
         except BaseException:
             if keep is not None:

@@ -506,9 +506,12 @@ class Staleness(NamedTuple):
         return self.age / hang_bound(1.0, waiting=self.waiting)
 
 
-_OURS = (b"elasticd", b"trainer", b"elasticd.agent.forkserver")
-"""What follows ``-m`` in the command line of a process of ours (a forked worker keeps its
-fork server's)."""
+_OURS = (b"elasticd", b"trainer")
+"""What follows ``-m`` in the command line of a process of ours."""
+_TRAINERS_SERVER = b"elasticd.agent.forkserver"
+"""A forked worker keeps its fork server's command line: ours when the server is the
+built-in trainer's (it preloads ``trainer.train``). A job's own command forked under
+``restart.fork: true`` has a server without it, and is not sent SIGUSR1."""
 
 
 def prints_stacks(pid: int) -> bool:
@@ -521,7 +524,8 @@ def prints_stacks(pid: int) -> bool:
             argv = fh.read().split(b"\0")
     except OSError:
         return False
-    ours = any(a == b"-m" and b in _OURS for a, b in itertools.pairwise(argv))
+    ours = any(a == b"-m" and (b in _OURS or (b == _TRAINERS_SERVER and b"trainer.train" in argv))
+               for a, b in itertools.pairwise(argv))  # fmt: skip
     return ours and catches(pid, signal.SIGUSR1)
 
 
