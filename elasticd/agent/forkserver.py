@@ -20,7 +20,7 @@ The protocol (a Unix socket pair; one JSON object per line):
   workers never outlive their agent, as exec'd workers never did.
 
 Its log (``<output_dir>/logs/<run_id>/forkserver/<node>.log``) has a line per fork
-(``forked PID: LOG``) and per exit (``exited PID: CODE``).
+(``forked PID: -m MODULE LOG``) and per exit (``exited PID: CODE``).
 
 The child becomes the worker the way ``python -m MODULE ARGS`` would: its own session,
 stdin from /dev/null, stdout and stderr appended to its log, the request's environment
