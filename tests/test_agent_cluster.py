@@ -92,6 +92,22 @@ def test_a_killed_node_is_dropped_and_training_resumes_on_the_survivors(tmp_path
     assert set(recovery[-1]["parts"]) >= {"rendezvous", "spawn", "pg_init", "first_step"}
 
 
+def test_a_killed_nodes_lease_is_not_waited_for_when_its_rendezvous_refuses(tmp_path, fast_steps):
+    """restart.mode process, a lease TTL of 30 s: the survivors' re-form does not wait for
+    the killed node's lease. Its agent is gone, so its rendezvous's probe port refuses,
+    and the closer excuses it (docs/rendezvous.md); the re-form took the TTL before."""
+    job = make_job(tmp_path, steps=12, rendezvous={"ttl": 30})
+    result = run(job, 3, ["kill-node=1@step=5"], timeout=240)
+    assert result["state"] == "succeeded", result["reason"]
+    worlds = [r["world"] for r in result["metrics"]]
+    assert worlds[0] == 3 and worlds[-1] == 2
+    assert_resumed_exactly(result, 12)
+    (recovery,) = [e for e in result["status"]["history"] if e["kind"] == "recovery"]
+    assert recovery["parts"]["rendezvous"] < 15, recovery  # well inside the 30 s lease
+    said = "".join(p.read_text() for p in (tmp_path / "out" / "cluster").glob("agent-*.log"))
+    assert "member gone: its rendezvous refuses connections" in said
+
+
 def test_a_killed_worker_is_restarted_and_counted(tmp_path, fast_steps):
     job = make_job(tmp_path, steps=10, nodes=(2, 2))
     result = run(job, 2, ["kill-worker=1@step=4"])

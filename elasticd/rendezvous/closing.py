@@ -44,6 +44,9 @@ VERIFY_TIMEOUT = 2.0
 """Seconds a closer's check that a joined member's probe port answers may take."""
 REPROBE = 0.03
 """Seconds between probes of a member that answered, while a re-form waits for it."""
+PROBE_TIMEOUT = 0.5
+"""Seconds a probe may take without ``reform_grace`` (process restarts): a refusal comes
+back within a round trip; a probe that takes longer reads as an answer (wait on)."""
 VERIFY_WAIT = 0.5
 """Seconds a round ready to close waits for checks still in flight (a loopback or LAN
 connect takes a millisecond or so; the last joiner's check starts as the round becomes
@@ -153,11 +156,11 @@ class RoundCloser:
         # whose refusal proves a member dead whoever brought it.
         since_evidence = m.since_evidence(round_, previous.nodes if previous else ())
         probing = False
-        if pend and previous is not None and s.reform_grace is not None:
+        if pend and previous is not None and s.probes:
             if m.since_evidence(round_, None) is not None:
                 probing = self._probe(previous, [n for n in previous.nodes if n in live_old])
         joins = m.joins(round_)
-        if s.reform_grace is not None:
+        if s.probes:
             self._verify(joins)
         count = len(m.joined_nodes(round_))
         delay = close_delay(
@@ -232,7 +235,7 @@ class RoundCloser:
         """Probe each member of ``previous`` we wait for that has a probe port, each on a
         thread of its own (the mirror lock is held), again REPROBE seconds after its last
         answer: a refusal marks it gone and wakes the planner. Whether any has a port."""
-        timeout = max(0.05, float(self._settings.reform_grace or 0.0))
+        timeout = max(0.05, float(self._settings.reform_grace or PROBE_TIMEOUT))
         now = self._clock()
         self._probed = {k: t for k, t in self._probed.items() if k[0] >= previous.round}
         any_port = False

@@ -251,9 +251,10 @@ class EtcdRendezvous:
             node=self.node_id,
             addr=self.addr,
             port=self._reserve_port(),
-            # Probes serve fast re-forms only (reform_grace: in-process jobs); elsewhere
-            # no port is opened and no closer connects (elasticd/rendezvous/probe.py).
-            probe=self._probe_port() if s.reform_grace is not None else 0,
+            # Probes serve fast re-forms (reform_grace: in-process jobs) and excuse a dead
+            # member (excuse_refused: every job's); with neither no port is opened and no
+            # closer connects (elasticd/rendezvous/probe.py).
+            probe=self._probe_port() if s.probes else 0,
             evidence=self._evidence,
             incarnation=self.incarnation,
         )

@@ -49,6 +49,13 @@ class RendezvousSettings:
     failed on a closed socket, or a local worker died), wait at most this many seconds for
     previous members that have not re-joined, instead of until their leases expire. A
     member wrongly left out can only come back as a newcomer: rounds are fenced."""
+    excuse_refused: bool = False
+    """Without ``reform_grace`` (process restarts): members still probe each other
+    (elasticd/rendezvous/probe.py), and once a joiner brought evidence of a fault, a
+    previous member whose rendezvous refuses connections (its agent is gone, and its
+    workers with it) is not waited for; every other one is, as before (a live one until it
+    re-joins, a frozen one until its lease expires), and ``settle`` still applies. A re-form
+    after a killed node waited for its lease: about ``ttl`` of every process restart."""
     arrange: Callable[[Sequence[str], Sequence[str]], Sequence[str]] | None = field(
         default=None, compare=False, repr=False
     )
@@ -73,6 +80,11 @@ class RendezvousSettings:
                 raise UsageError(f"rendezvous {name}: {value} must be positive")
         if self.ttl < 1:
             raise UsageError(f"rendezvous ttl: {self.ttl} is below etcd's 1 s lease granularity")
+
+    @property
+    def probes(self) -> bool:
+        """Whether members open a probe port and closers probe them."""
+        return self.reform_grace is not None or self.excuse_refused
 
     @property
     def keepalive(self) -> float:

@@ -87,6 +87,7 @@ def settings_from_job(
         settle=r.settle,
         join_timeout=r.join_timeout,
         reform_grace=r.reform_grace if job.restart.mode == "inprocess" else None,  # type: ignore[attr-defined]
+        excuse_refused=True,
     )
 
 
