@@ -432,3 +432,44 @@ def test_only_the_trainers_forked_workers_are_sent_sigusr1_for_their_stacks(box)
         assert prints_stacks(p.pid) is ours
         p.kill()
         s.close()
+
+
+def test_a_runs_server_that_died_is_started_again_a_bounded_number_of_times(tmp_path, monkeypatch):
+    """A server killed after it was ready (its workers died with it) is replaced for the
+    next round, FORK_SERVER_RESTARTS times a run; past that the run's workers are exec'd.
+    One that never became ready (a failed import) is not retried."""
+    from types import SimpleNamespace
+
+    from elasticd.agent import forkserver
+    from elasticd.agent.launch import NodeInfo
+    from elasticd.agent.runner import FORK_SERVER_RESTARTS, JobRunner
+    from elasticd.jobspec import parse_job
+
+    monkeypatch.delenv("ELASTICD_FORK_SERVER", raising=False)
+    monkeypatch.setattr(forkserver, "PRELOAD_TRAINER", ("json",))
+    r = object.__new__(JobRunner)
+    r.job = parse_job({"name": "j", "output_dir": str(tmp_path / "out")})
+    r.job = r.job.with_paths_resolved(tmp_path)
+    r.name, r._doorbell, r._fork_restarts = "j", None, 0
+    r.record = SimpleNamespace(run_id="j-1")
+    r._node = NodeInfo(node_id="n0", addr="127.0.0.1", state_dir=str(tmp_path / "s"))
+    r._forks = first = r._start_fork_server()
+    try:
+        assert r._live_forks() is first  # alive: kept
+        seen = [first]
+        for _ in range(FORK_SERVER_RESTARTS):
+            assert seen[-1].wait_ready(60)
+            seen[-1].proc.kill()
+            seen[-1].proc.wait()
+            seen.append(r._live_forks())
+            assert seen[-1] is not seen[-2] and seen[-1].usable()
+        assert seen[-1].wait_ready(60)
+        seen[-1].proc.kill()
+        seen[-1].proc.wait()
+        assert r._live_forks() is seen[-1] and not seen[-1].usable()  # no more
+        p = _start(argv("0"), {**os.environ, "OMP_NUM_THREADS": "1"}, str(tmp_path),
+                   str(tmp_path / "w.log"), r._live_forks())  # fmt: skip
+        assert isinstance(p, subprocess.Popen)  # exec'd
+        p.wait(60)
+    finally:
+        r._forks.close()
