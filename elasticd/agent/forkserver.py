@@ -394,7 +394,7 @@ class ForkedProcess:
             self.returncode = self._popen.poll()
         elif self._pid is not None:
             code = self._server.exit_code(self._pid)
-            if code is None and not self._server.usable() and self._gone():
+            if code is None and self._gone() and not self._server.usable():
                 code = -signal.SIGKILL  # its server died; its parent-death signal killed it
             self.returncode = code
         return self.returncode
