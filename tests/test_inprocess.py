@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import io
 import json
 import os
 import re
@@ -27,6 +28,7 @@ from test_agent_trainer import reference_losses, run
 
 from checkpoint.manifest import step_dirname
 from elasticd.jobspec import parse_job
+from elasticd.localcluster import run_cluster
 
 
 @pytest.fixture(autouse=True)
@@ -416,6 +418,90 @@ def test_without_replicas_a_lost_tp_shard_falls_back_to_the_checkpoint(tmp_path,
         assert manifests, story(job)
         for m in manifests:
             assert json.loads(Path(m).read_text())["seal"]["key_id"] == kid, m
+
+
+def flip_a_data_byte(step_dir: str) -> str:
+    """Flip one byte in the middle of the tensor data of the step's largest safetensors
+    file (its header and size unchanged: only a block's CRC and MAC can tell); returns
+    the file's name."""
+    files = glob.glob(os.path.join(step_dir, "*.safetensors"))
+    path = max(files, key=os.path.getsize)
+    with open(path, "r+b") as fh:
+        header = int.from_bytes(fh.read(8), "little")
+        where = 8 + header + (os.path.getsize(path) - 8 - header) // 2
+        fh.seek(where)
+        byte = fh.read(1)
+        fh.seek(where)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    return os.path.basename(path)
+
+
+class DamageTheNewestStepThenKill:
+    """A fault source for ``run_cluster``: once step ``at`` is trained and the newest
+    committed step is at least ``at - 4`` (an async save may still be in flight), flip a
+    byte of that step's data, then SIGKILL node 1 at once."""
+
+    def __init__(self, ckpt_dir: str, at: int) -> None:
+        self.ckpt_dir, self.at = ckpt_dir, at
+        self.damaged: int | None = None
+
+    def due(self, view: Any) -> list[Any]:
+        from checkpoint.store import committed_steps
+        from elasticd.localcluster import parse_fault
+
+        if self.damaged is not None or view.step < self.at:
+            return []
+        steps = committed_steps(self.ckpt_dir)
+        if not steps or max(steps) < self.at - 4:
+            return []
+        self.damaged = max(steps)
+        flip_a_data_byte(os.path.join(self.ckpt_dir, step_dirname(self.damaged)))
+        return [parse_fault(f"kill-node=1@step={view.step}")]
+
+
+def test_a_damaged_sealed_checkpoint_in_an_in_process_fall_back_is_passed_over(tmp_path):
+    """The checkpoint fall back of the test above, with the newest sealed step damaged on
+    disk (one data byte flipped after its commit) just before node 1 is SIGKILLed: every
+    rank finds the block's MAC wrong, all of them fall back together to the step before it,
+    in their own processes, and train on to the same losses as one process. The damaged
+    step is recorded as unloadable, saved again when the run trains it again, and every
+    step left on disk verifies."""
+    from checkpoint.seal import read_key, write_new_key
+    from checkpoint.store import commit_numbers, committed_steps, read_unloadable
+
+    key = str(tmp_path / "key")
+    write_new_key(key)
+    job = make_job(tmp_path, "damaged", steps=16, parallel={"tp": 2},
+                   nodes={"min": 2, "max": 3}, checkpoint={"every": 4, "key_file": key})  # fmt: skip
+    source = DamageTheNewestStepThenKill(job.ckpt_dir, at=9)
+    out = io.StringIO()
+    result = run_cluster(job, nodes=3, faults=source, timeout=240, out=out)
+    print(out.getvalue())
+    assert source.damaged is not None and source.damaged >= 8, (source.damaged, story(job))
+    resumed = source.damaged - job.checkpoint.every
+    # Lost: the steps after the step it resumed from, up to the one the survivors finished.
+    check_inprocess(tmp_path, job, result, recoveries=1, source="checkpoint",
+                    lost=job.train.steps - resumed)  # fmt: skip
+    (rec,) = [e for e in result["status"]["history"] if e["kind"] == "recovery"]
+    assert rec["lost_steps"] >= source.damaged - resumed, f"{rec}\n{story(job)}"
+    said = "\n".join(Path(p).read_text(encoding="utf-8", errors="replace")
+                     for p in glob.glob(os.path.join(job.out_dir, "logs", "**", "*.log"),
+                                        recursive=True))  # fmt: skip
+    assert re.search(rf"step {source.damaged}\b.*(MAC|CRC|damaged|corrupt)", said), story(job)
+    # Saved again on the retrained timeline; every step kept verifies with the key.
+    steps = committed_steps(job.ckpt_dir)
+    assert source.damaged in steps and job.train.steps in steps, steps
+    failed = read_unloadable(job.ckpt_dir)  # the damaged commit, not the one saved again
+    commits = commit_numbers(job.ckpt_dir, read_key(key), job.name)
+    assert source.damaged in failed and failed[source.damaged] < commits[source.damaged], (
+        failed, commits)  # fmt: skip
+    for step in steps:
+        r = subprocess.run(
+            [sys.executable, "-m", "elasticd", "ckpt", "verify", job.ckpt_dir,
+             "--step", str(step), "--key-file", key],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert r.returncode == 0, (step, r.stdout, r.stderr)
 
 
 @pytest.mark.parametrize(
