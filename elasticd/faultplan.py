@@ -10,10 +10,14 @@ plan** (``ELASTICD_FAULT_PLAN``, a JSON file the local cluster writes before the
 start; they pass it on to their workers).
 
 - ``step`` in a phase fault is the step *in progress* (1-based, as ``progress`` reports it
-  once done); for ``checkpoint-save`` it is the step being saved.
+  once done); for ``checkpoint-save`` it is the step being saved; for ``recover`` the
+  step the state is recovered at (the newest step any rank of the new world completed).
 - Phases: ``forward``, ``backward``, ``optimizer``, ``update`` (every collective before
   the step's optimizer update done, the update not applied; under ZeRO-1 the parameters'
-  all-gather comes after it), ``step-end``, ``checkpoint-save``.
+  all-gather comes after it), ``step-end``, ``checkpoint-save``, ``recover`` (an
+  in-process recovery: the world re-formed, its process groups made, the step agreed,
+  the state not yet moved from the survivors' memory; the built-in trainer and
+  ``Context.sync_state``). A node fault there is a second fault during a recovery.
 - Who fires: the target rank for kill-worker, hang-worker, raise-error and fail-collective
   (it SIGKILLs or SIGSTOPs itself, or raises :class:`InjectedFault` or
   :class:`InjectedCollectiveFault`); for the node faults (kill-node, term-node,
@@ -53,7 +57,9 @@ ENV_PLAN = "ELASTICD_FAULT_PLAN"
 """Path of the run's fault plan (set by the local cluster on its agents)."""
 ENV_NODE = "ELASTICD_NODE_ID"
 """The node id of the agent that started this worker (set by the local cluster)."""
-PHASES = ("forward", "backward", "optimizer", "update", "step-end", "checkpoint-save")
+PHASES = (
+    "forward", "backward", "optimizer", "update", "step-end", "checkpoint-save", "recover",
+)  # fmt: skip
 SELF_KINDS = frozenset({"kill-worker", "hang-worker", "raise-error", "fail-collective"})
 """Faults a worker carries out on itself."""
 RAISING_KINDS = frozenset({"raise-error", "fail-collective"})

@@ -273,6 +273,7 @@ class Context:
             wait_collective(work, group)
         if int(newest) < 0:
             return None
+        self.channel.phase("recover", int(newest))  # a fault planned there fires (faultplan)
         held = None
         if isinstance(tensors, StateTensors):
             tensors.complete(step, group)

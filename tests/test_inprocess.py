@@ -504,6 +504,53 @@ def test_a_damaged_sealed_checkpoint_in_an_in_process_fall_back_is_passed_over(t
         assert r.returncode == 0, (step, r.stdout, r.stderr)
 
 
+def test_a_second_node_killed_during_the_in_process_recovery_is_survived_in_process(tmp_path):
+    """dp3: node 1 SIGKILLed at the end of step 5; node 2 SIGKILLed by its own rank as it
+    enters the recovery from it (``phase=recover``: the world re-formed, the step agreed,
+    no state moved yet). Node 0's rank is then inside that recovery with a peer gone: it
+    leaves it, the world re-forms once more, and it goes on alone in its own process with
+    its own state: no worker restarted, every step once, the same losses as one process."""
+    job = make_job(tmp_path, "twice", steps=20)
+    result = run(job, 3, ["kill-node=1@step=5:phase=step-end", "kill-node=2@step=5:phase=recover"])
+    history = result["status"]["history"]
+    recs = [e for e in history if e["kind"] == "recovery"]
+    records = check_inprocess(tmp_path, job, result, recoveries=len(recs))
+    fired = [f["fault"] for f in result["faults"]]
+    assert len(fired) == 2, (fired, story(job))
+    # The second fault landed in round 2's recovery: a third round formed.
+    pids = round_pids(job)
+    assert len(pids) == 3 and 1 <= len(recs) <= 2, f"{pids}\n{history}\n{story(job)}"
+    assert result["status"]["restarts"] == 0, f"{history}\n{story(job)}"
+    assert records[-1]["world"] == 1, records[-1]
+    first, second, third = (pids[r] for r in sorted(pids))
+    assert len(third) == 1 and third < second < first, f"{pids}\n{story(job)}"
+
+
+def test_a_tp_shards_last_holder_killed_during_the_in_process_recovery_falls_back_to_the_checkpoint(
+    tmp_path,
+):
+    """tp2×dp2 on four nodes, a checkpoint every 4 steps: node 1 (tp shard 1 of one
+    replica) SIGKILLed at the end of step 6; node 3, the last holder of that shard, SIGKILLed
+    as it enters the recovery that was to send it. No live rank holds shard 1 any more:
+    every rank falls back to the step-4 checkpoint together, in its own process, and trains
+    on to the same losses as one process."""
+    job = make_job(tmp_path, "lastholder", steps=12, parallel={"tp": 2},
+                   nodes={"min": 2, "max": 4}, checkpoint={"every": 4},
+                   rendezvous={"ttl": 2, "settle": FIRST_WORLD_SETTLE, "reform_grace": 0.5})  # fmt: skip
+    result = run(job, 4, ["kill-node=1@step=6:phase=step-end", "kill-node=3@step=6:phase=recover"])
+    history = result["status"]["history"]
+    recs = [e for e in history if e["kind"] == "recovery"]
+    assert len(result["faults"]) == 2, (result["faults"], story(job))
+    # The recovery that completed took the checkpoint: steps 5 and 6 trained again.
+    check_inprocess(tmp_path, job, result, recoveries=len(recs), source="checkpoint", lost=2)
+    assert recs and recs[-1]["lost_steps"] == 2, f"{history}\n{story(job)}"
+    assert result["status"]["restarts"] == 0, f"{history}\n{story(job)}"
+    pids = round_pids(job)
+    assert len(pids) == 3, f"{pids}\n{story(job)}"
+    first, second, third = (pids[r] for r in sorted(pids))
+    assert len(first) == 4 and len(third) == 2 and third < second < first, f"{pids}\n{story(job)}"
+
+
 @pytest.mark.parametrize(
     ("nodes", "nproc", "parallel", "node", "source"),
     [(3, 1, {}, 1, "peers"), (3, 1, {}, 0, "peers"), (2, 2, {}, 1, "peers"),

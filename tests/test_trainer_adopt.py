@@ -200,6 +200,9 @@ class _Channel:
     def mark(self, name: str) -> None:
         pass
 
+    def phase(self, name: str, step: int) -> None:
+        pass
+
 
 def _ranked_trainer(job, rank: int, *, adopt=None, init: bool = True):
     """``(Trainer, ProcessGroups)`` of ``rank`` in the job's layout for the current world,

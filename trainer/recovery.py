@@ -152,6 +152,9 @@ def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any, job: Any, agreed
     source = "none"
     result = None
     if newest >= 0:
+        # A fault planned for the recovery fires here (elasticd/faultplan.py): a second
+        # fault while the state is about to move.
+        channel.phase("recover", newest)
         result = recover_from_peers(
             have=have, have_step=have_step,
             have_consumed=old.state.consumed_samples if old is not None else None,
