@@ -58,7 +58,7 @@ FAULT_SYNTAX = (
     "hang-worker=RANK, "
     "raise-error=RANK, fail-collective=RANK, kill-etcd-member=I[:for=T] (each @step=S), or "
     "add-node@step=S, etcd-outage@step=S[:for=T], kill-etcd-leader@step=S[:for=T]; any of "
-    "them [:phase=forward|backward|optimizer|update|step-end|checkpoint-save]"
+    "them [:phase=forward|backward|optimizer|update|step-end|checkpoint-save|recover]"
 )
 _FAULT_RE = re.compile(
     r"^(?P<kind>[a-z-]+)(?:=(?P<target>\d+))?@step=(?P<step>\d+)(?P<opts>(?::[a-z]+=[^:@=]+)*)$"
