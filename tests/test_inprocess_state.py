@@ -371,3 +371,36 @@ def test_the_digest_of_device_tensors_is_computed_in_place_and_tells_contents_ap
     # A conjugate view is digested as its values.
     c = torch.randn(5, dtype=torch.complex64, generator=torch.Generator().manual_seed(2))
     assert ei._digest(c.conj()) == ei._digest(c.conj().resolve_conj())
+
+
+def _recover_phase_worker(rank: int, store: str, plan: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    env = {"ELASTICD_FAULT_PLAN": plan, "RANK": "0"}
+    ctx = ei.Context(round=2, rank=0, world_size=1, local_rank=0, env=env, state={})
+    model = torch.nn.Linear(3, 2)
+    said = []
+    for step in (None, 4, 7):  # nothing held: no recovery; then two held steps
+        try:
+            said.append(["returned", ctx.sync_state(ei.state_tensors(model), step=step)])
+        except Exception as exc:
+            said.append([type(exc).__name__, str(exc)])
+    dist.destroy_process_group()
+    Path(out).write_text(json.dumps(said))
+    os._exit(0)
+
+
+def test_sync_state_enters_the_recover_fault_phase_at_the_agreed_step(tmp_path):
+    """``phase=recover`` faults fire inside ``Context.sync_state`` once the step is agreed,
+    before any state moves (a second fault during a recovery, in a user's script): here a
+    planned raise-error at step 7 fires in the sync of step 7 only, and a sync with
+    nothing held anywhere (a fresh start) is no recovery and enters no phase."""
+    from elasticd.faultplan import write_plan
+    from elasticd.localcluster import parse_fault
+
+    plan = write_plan(str(tmp_path / "plan"), [parse_fault("raise-error=0@step=7:phase=recover")])
+    out = tmp_path / "said.json"
+    mp.spawn(_recover_phase_worker, args=(str(tmp_path / "store"), plan, str(out)),
+             nprocs=1, join=True)  # fmt: skip
+    said = json.loads(out.read_text())
+    assert said[0] == ["returned", None] and said[1] == ["returned", 4], said
+    assert said[2][0] == "InjectedFault" and "step 7 recover" in said[2][1], said
