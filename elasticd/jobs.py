@@ -227,9 +227,11 @@ def brief(detail: str, limit: int = 160) -> str:
     return detail if len(detail) <= limit else detail[: limit - 3] + "..."
 
 
-RECOVERY_PARTS = ("stop", "abort", "rendezvous", "spawn", "pg_init", "ckpt_load",
-                  "state_transfer", "first_step")  # fmt: skip
-"""The parts of a recovery record (``parts``), in the order they happen."""
+RECOVERY_PARTS = ("failed_attempts", "stop", "abort", "rendezvous", "spawn", "pg_init",
+                  "ckpt_load", "state_transfer", "first_step")  # fmt: skip
+"""The parts of a recovery record (``parts``), in the order they happen.
+``failed_attempts``: only after a recovery that failed before its first step (a second
+fault during it): from the first fault's detection to the last one's."""
 
 
 def last_recovery(status: dict[str, Any]) -> dict[str, Any] | None:

@@ -741,7 +741,9 @@ def test_a_hung_workers_failure_is_claimed_and_counted_before_the_kill_even_if_t
         dump_stacks=lambda: 0, kill=lambda: None,
         stalest_progress=lambda now: SimpleNamespace(worker=hung, age=60.0, waiting=False),
     )  # fmt: skip
-    rnd = SimpleNamespace(number=5, carried=0, first_step_seen=True, workers=workers, stuck=[])
+    rnd = SimpleNamespace(
+        number=5, carried=0, first_step_seen=True, workers=workers, stuck=[], recovery=None
+    )
 
     a = agent_of(reg, job, "node-a")
     a._start_round = lambda world, joined_at: rnd
@@ -803,7 +805,7 @@ def test_the_history_names_the_killed_worker_whichever_agent_claimed_first(etcd_
     reg, job = registered(etcd_client, f"cause-{first}", {})
     metrics = CollectorRegistry()
     a, b = agent_of(reg, job, "node-a", metrics), agent_of(reg, job, "node-b")
-    rnd = SimpleNamespace(number=5)
+    rnd = SimpleNamespace(number=5, first_step_seen=True, recovery=None)
     killed = "rank 1: signal 9 (log /x/local-1.log)"
     records = [(a, Outcome.WORKER_FAILED, GLOO_CLOSED), (b, Outcome.WORKER_FAILED, killed)]
     for agent, outcome, detail in records if first == "peer" else records[::-1]:
@@ -836,7 +838,7 @@ def test_a_lost_node_still_beats_a_noted_cause(etcd_client):
     reg, job = registered(etcd_client, "cause-lost", {})
     reg.update_status(job.name, lambda s: s.update(nodes=["node-a", "node-b", "node-c"]))
     a, b = agent_of(reg, job, "node-a"), agent_of(reg, job, "node-b")
-    rnd = SimpleNamespace(number=5)
+    rnd = SimpleNamespace(number=5, first_step_seen=True, recovery=None)
     a._record_failure(rnd, Outcome.WORKER_FAILED, GLOO_CLOSED, 100.0, 100.2)
     b._record_failure(rnd, Outcome.WORKER_FAILED, "rank 1: signal 9", 100.0, 100.2)
     lost = a._report.reattribute(SimpleNamespace(round=6, nodes=["node-a", "node-b"]))
@@ -870,3 +872,26 @@ def test_a_local_worker_killed_by_a_signal_is_our_cause_even_when_a_peer_moved_o
     (an SRE review, one kill in two). A signal that can be the peer's doing (NCCL's abort)
     or a plain error exit stays a symptom of the loss."""
     assert decide(Observation(lost=("n1",), exit_codes=(code, None))) == want
+
+
+def test_a_round_that_failed_before_its_first_step_carries_its_outage_into_the_next(etcd_client):
+    """A recovery that failed before its first step (a second fault during it) is one
+    outage with the recovery after it: the next pending recovery keeps the first failure's
+    detection and counts the attempts; a round that trained starts a new outage."""
+    from elasticd.agent.policy import Outcome
+
+    reg, job = registered(etcd_client, "outage", {"mode": "inprocess"})
+    a = agent_of(reg, job, "node-a")
+    first = {"reason": "peer_lost", "detected_at": 90.0, "stopped_at": 90.1}
+    rnd = SimpleNamespace(number=5, first_step_seen=False, recovery=first)
+    a._record_failure(rnd, Outcome.COLLECTIVE_FAILED, GLOO_CLOSED, 100.0, 100.2)
+    pending = a._pending_recovery
+    assert (pending["detected_at"], pending["outage_from"], pending["attempts"]) == (100.0, 90.0, 2)
+    # A third attempt fails too: still from the first failure.
+    rnd = SimpleNamespace(number=6, first_step_seen=False, recovery=pending)
+    a._record_failure(rnd, Outcome.COLLECTIVE_FAILED, GLOO_CLOSED, 110.0, 110.2)
+    assert (a._pending_recovery["outage_from"], a._pending_recovery["attempts"]) == (90.0, 3)
+    # A round that completed a step: its failure is a new outage.
+    rnd = SimpleNamespace(number=7, first_step_seen=True, recovery=a._pending_recovery)
+    a._record_failure(rnd, Outcome.COLLECTIVE_FAILED, GLOO_CLOSED, 120.0, 120.2)
+    assert "outage_from" not in a._pending_recovery and "attempts" not in a._pending_recovery

@@ -524,6 +524,13 @@ def test_a_second_node_killed_during_the_in_process_recovery_is_survived_in_proc
     assert records[-1]["world"] == 1, records[-1]
     first, second, third = (pids[r] for r in sorted(pids))
     assert len(third) == 1 and third < second < first, f"{pids}\n{story(job)}"
+    # One outage: the recovery that completed counts from the first fault's detection,
+    # the failed attempt a part of it.
+    (rec,) = recs
+    assert rec["attempts"] == 2 and rec["parts"]["failed_attempts"] > 0, rec
+    assert rec["seconds"] == pytest.approx(sum(rec["parts"].values()), abs=0.01), rec
+    first_kill = min(f["t"] for f in result["faults"])
+    assert first_kill <= rec["detected_at"] < first_kill + 5, (first_kill, rec)
 
 
 def test_a_tp_shards_last_holder_killed_during_the_in_process_recovery_falls_back_to_the_checkpoint(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from prometheus_client import CollectorRegistry
 
 from elasticd.agent.report import JobReporter
@@ -46,6 +47,34 @@ def test_the_recovery_histogram_starts_at_0_for_every_recovery_counter_series():
     # A finished job leaves with every one of them.
     m.drop_job("j")
     assert _value(reg, "elasticd_recovery_seconds_count", **done) is None
+
+
+def test_a_recovery_after_a_failed_attempt_counts_from_the_first_failure():
+    """A second fault during a recovery ends that round before its first step; the
+    recovery that completes is one outage from the first failure: one observation of its
+    whole length, the failed attempt a part of its own, the attempts counted."""
+    reg = CollectorRegistry()
+    m = AgentMetrics(reg)
+    m.init_job("j", "inprocess")
+    events = []
+    registry = _Registry()
+    registry.add_event = lambda name, event, fence=None: events.append(event)
+    reporter = JobReporter(name="j", registry=registry, metrics=m)
+    rec = {"detected_at": 100.6, "outage_from": 100.0, "attempts": 2, "reason": "peer_lost"}
+    marks = [("abort", 100.7), ("rendezvous", 101.0), ("pg_init", 101.1),
+             ("state_transfer", 101.2), ("first_step", 101.5)]  # fmt: skip
+    reporter.recovered(round_=3, rec=rec, marks=marks, now=101.5, first_step=6, write=True,
+                       mode="inprocess", source="peers")  # fmt: skip
+    (event,) = events
+    assert event["seconds"] == 1.5 and event["detected_at"] == 100.0 and event["attempts"] == 2
+    assert list(event["parts"]) == ["failed_attempts", "abort", "rendezvous", "pg_init",
+                                    "state_transfer", "first_step"]  # fmt: skip
+    assert event["parts"]["failed_attempts"] == 0.6
+    assert sum(event["parts"].values()) == pytest.approx(1.5)
+    done = {"mode": "inprocess", "source": "peers"}
+    assert _value(reg, "elasticd_recovery_seconds_count", **done) == 1
+    assert _value(reg, "elasticd_recovery_seconds_sum", **done) == pytest.approx(1.5)
+    assert _value(reg, "elasticd_job_last_recovery_seconds") == pytest.approx(1.5)
 
 
 def test_a_node_that_took_a_job_and_is_in_no_world_yet_exports_0_in_world():

@@ -346,7 +346,12 @@ class JobReporter:
         over); ``lost_steps``: completed steps that had to be trained again."""
         t0 = float(rec["detected_at"])
         parts = recovery_parts(t0, marks)
-        total = round(now - t0, 3)
+        # After failed attempts (a second fault during the recovery): from the first fault's
+        # detection, the time until this attempt's fault first.
+        start = min(t0, float(rec.get("outage_from", t0)))
+        if start < t0:
+            parts = {"failed_attempts": round(t0 - start, 3), **parts}
+        total = round(now - start, 3)
         reason = str(rec.get("reason", "unknown"))
         m = self._metrics
         if write:  # node rank 0 only: each recovery is counted once
@@ -363,9 +368,10 @@ class JobReporter:
         )  # fmt: skip
         if not write:
             return
-        event = {"kind": "recovery", "round": round_, "reason": reason, "detected_at": t0,
+        event = {"kind": "recovery", "round": round_, "reason": reason, "detected_at": start,
                  "seconds": total, "parts": parts, "first_step": first_step, "mode": mode,
-                 "source": source, "lost_steps": lost_steps}  # fmt: skip
+                 "source": source, "lost_steps": lost_steps,
+                 "attempts": int(rec.get("attempts", 1))}  # fmt: skip
         self._event(event)
         try:
             self._registry.add_event(self.name, event, fence=self.fence)

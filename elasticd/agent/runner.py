@@ -1216,6 +1216,16 @@ class JobRunner:
             "detected_at": min(float(claim.get("detected_at", detected)), detected),
             "stopped_at": stopped,
         }
+        # A round that ended before its first step was a recovery that failed (a second
+        # fault in it, a crash before training): the job has not trained since the
+        # earlier fault, so the recovery that completes counts from that one.
+        prior = rnd.recovery if not rnd.first_step_seen else None
+        if isinstance(prior, dict) and isinstance(prior.get("detected_at"), int | float):
+            first = float(prior.get("outage_from", prior["detected_at"]))
+            self._pending_recovery["outage_from"] = min(
+                first, self._pending_recovery["detected_at"]
+            )
+            self._pending_recovery["attempts"] = int(prior.get("attempts", 1)) + 1
         self._registry.set_state(
             self.name, JobState.RECOVERING, f"{claim.get('reason')}: {claim.get('detail', '')}",
             fence=fence,
