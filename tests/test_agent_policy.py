@@ -805,7 +805,7 @@ def test_the_history_names_the_killed_worker_whichever_agent_claimed_first(etcd_
     reg, job = registered(etcd_client, f"cause-{first}", {})
     metrics = CollectorRegistry()
     a, b = agent_of(reg, job, "node-a", metrics), agent_of(reg, job, "node-b")
-    rnd = SimpleNamespace(number=5, first_step_seen=True, recovery=None)
+    rnd = SimpleNamespace(number=5, first_step_seen=True, recovery=None, workers=None)
     killed = "rank 1: signal 9 (log /x/local-1.log)"
     records = [(a, Outcome.WORKER_FAILED, GLOO_CLOSED), (b, Outcome.WORKER_FAILED, killed)]
     for agent, outcome, detail in records if first == "peer" else records[::-1]:
@@ -838,7 +838,7 @@ def test_a_lost_node_still_beats_a_noted_cause(etcd_client):
     reg, job = registered(etcd_client, "cause-lost", {})
     reg.update_status(job.name, lambda s: s.update(nodes=["node-a", "node-b", "node-c"]))
     a, b = agent_of(reg, job, "node-a"), agent_of(reg, job, "node-b")
-    rnd = SimpleNamespace(number=5, first_step_seen=True, recovery=None)
+    rnd = SimpleNamespace(number=5, first_step_seen=True, recovery=None, workers=None)
     a._record_failure(rnd, Outcome.WORKER_FAILED, GLOO_CLOSED, 100.0, 100.2)
     b._record_failure(rnd, Outcome.WORKER_FAILED, "rank 1: signal 9", 100.0, 100.2)
     lost = a._report.reattribute(SimpleNamespace(round=6, nodes=["node-a", "node-b"]))
@@ -877,21 +877,36 @@ def test_a_local_worker_killed_by_a_signal_is_our_cause_even_when_a_peer_moved_o
 def test_a_round_that_failed_before_its_first_step_carries_its_outage_into_the_next(etcd_client):
     """A recovery that failed before its first step (a second fault during it) is one
     outage with the recovery after it: the next pending recovery keeps the first failure's
-    detection and counts the attempts; a round that trained starts a new outage."""
+    detection and counts the attempts; a round that trained starts a new outage, and so
+    does any round of a node whose local rank 0 is a spare (it never sees a step)."""
     from elasticd.agent.policy import Outcome
+    from elasticd.jobspec import parse_job
+    from elasticd.layout import plan
 
     reg, job = registered(etcd_client, "outage", {"mode": "inprocess"})
     a = agent_of(reg, job, "node-a")
+
+    def round_(number, *, trained, recovery, rank=0):
+        workers = SimpleNamespace(workers=[SimpleNamespace(local_rank=0, rank=rank)])
+        return SimpleNamespace(number=number, first_step_seen=trained, recovery=recovery,
+                               layout=plan(3, tp2), workers=workers)  # fmt: skip
+
+    tp2 = parse_job({"name": "tp2", "parallel": {"tp": 2}, "nodes": {"min": 2, "max": 3}})
     first = {"reason": "peer_lost", "detected_at": 90.0, "stopped_at": 90.1}
-    rnd = SimpleNamespace(number=5, first_step_seen=False, recovery=first)
-    a._record_failure(rnd, Outcome.COLLECTIVE_FAILED, GLOO_CLOSED, 100.0, 100.2)
+    a._record_failure(round_(5, trained=False, recovery=first), Outcome.COLLECTIVE_FAILED,
+                      GLOO_CLOSED, 100.0, 100.2)  # fmt: skip
     pending = a._pending_recovery
     assert (pending["detected_at"], pending["outage_from"], pending["attempts"]) == (100.0, 90.0, 2)
     # A third attempt fails too: still from the first failure.
-    rnd = SimpleNamespace(number=6, first_step_seen=False, recovery=pending)
-    a._record_failure(rnd, Outcome.COLLECTIVE_FAILED, GLOO_CLOSED, 110.0, 110.2)
+    a._record_failure(round_(6, trained=False, recovery=pending), Outcome.COLLECTIVE_FAILED,
+                      GLOO_CLOSED, 110.0, 110.2)  # fmt: skip
     assert (a._pending_recovery["outage_from"], a._pending_recovery["attempts"]) == (90.0, 3)
     # A round that completed a step: its failure is a new outage.
-    rnd = SimpleNamespace(number=7, first_step_seen=True, recovery=a._pending_recovery)
-    a._record_failure(rnd, Outcome.COLLECTIVE_FAILED, GLOO_CLOSED, 120.0, 120.2)
+    a._record_failure(round_(7, trained=True, recovery=a._pending_recovery),
+                      Outcome.COLLECTIVE_FAILED, GLOO_CLOSED, 120.0, 120.2)  # fmt: skip
     assert "outage_from" not in a._pending_recovery and "attempts" not in a._pending_recovery
+    # Our only worker is rank 2 of tp2 on three ranks, a spare: it never reports a step,
+    # so "no step seen" says nothing about the round (it may have trained for hours).
+    a._record_failure(round_(8, trained=False, recovery=first, rank=2),
+                      Outcome.COLLECTIVE_FAILED, GLOO_CLOSED, 130.0, 130.2)  # fmt: skip
+    assert "outage_from" not in a._pending_recovery

@@ -168,6 +168,12 @@ def placement(job: JobSpec) -> Callable[[tuple[str, ...], tuple[str, ...]], list
     return arrange
 
 
+def _lead_trains(rnd: Round) -> bool:
+    """Whether this node's local rank 0, whose heartbeat says when the round's first step
+    completed (``first_step_seen``), is an active rank of the round, not a spare."""
+    return any(w.local_rank == 0 and not rnd.layout.is_spare(w.rank) for w in rnd.workers.workers)
+
+
 class JobRunner:
     """Runs one job (one submission, ``record.run_id``) on this node until it ends here."""
 
@@ -1219,7 +1225,9 @@ class JobRunner:
         # A round that ended before its first step was a recovery that failed (a second
         # fault in it, a crash before training): the job has not trained since the
         # earlier fault, so the recovery that completes counts from that one.
-        prior = rnd.recovery if not rnd.first_step_seen else None
+        # Only a node whose local rank 0 trains sees the round's steps: a spare's never
+        # reports one, and its round never "saw a first step" however long it trained.
+        prior = rnd.recovery if not rnd.first_step_seen and _lead_trains(rnd) else None
         if isinstance(prior, dict) and isinstance(prior.get("detected_at"), int | float):
             first = float(prior.get("outage_from", prior["detected_at"]))
             self._pending_recovery["outage_from"] = min(
