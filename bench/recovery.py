@@ -119,7 +119,7 @@ EXEC_CASES = {"process-exec", "replace-cold-exec"}
 """Cases whose agents run with ``ELASTICD_FORK_SERVER=0``: every worker exec'd."""
 TERM_CASES = {"inproc-term", "process-term"}
 """Cases that preempt a node (SIGTERM of its agent) instead of killing it."""
-PARTS = ("detect", "abort", "stop", "rendezvous", "spawn", "pg_init", "state_transfer",
+PARTS = ("detect", "failed_attempts", "abort", "stop", "rendezvous", "spawn", "pg_init", "state_transfer",
          "ckpt_load", "first_step", "rest")  # fmt: skip
 
 

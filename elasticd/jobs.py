@@ -250,9 +250,12 @@ def recovery_text(event: dict[str, Any]) -> str:
     how = f"{event.get('mode', '?')} from {event.get('source', '?')}"
     seconds = _number(event.get("seconds"))
     took = f"{seconds:.2f} s" if seconds is not None else "? s"
+    attempts = event.get("attempts")
+    tries = f" in {attempts} attempts" if type(attempts) is int and attempts > 1 else ""
+    since = "the first failure's detection" if tries else "detection"
     return (f"into round {event.get('round')} ({event.get('reason')}), {how}, "
-            f"{event.get('lost_steps', '?')} steps lost, {took} from detection to its first step"
-            + (f" ({timed})" if timed else ""))  # fmt: skip
+            f"{event.get('lost_steps', '?')} steps lost, {took}{tries} from {since} to its "
+            "first step" + (f" ({timed})" if timed else ""))  # fmt: skip
 
 
 def _trouble_time(entry: Any) -> float:

@@ -80,7 +80,8 @@ class Fault:
     """Seconds until the fault ends by itself (thaw, etcd restarted); timed kinds only."""
     phase: str | None = None
     """With a phase the workers fire it themselves, inside step ``step`` (the step in
-    progress; for checkpoint-save the step being saved) as that phase begins
+    progress; for checkpoint-save the step being saved; for recover, an in-process
+    recovery's, the step the state is recovered at) as that phase begins
     (elasticd/faultplan.py); without one the cluster fires it once step ``step``
     completed."""
 
@@ -145,6 +146,7 @@ def check_plan(
     etcd_members: int,
     where: str = "job.yaml",
     steps: int | None = None,
+    restart_mode: str | None = None,
 ) -> None:
     """Refuse, before anything starts, a local cluster that can never run the job or
     faults that can never apply (one-line UsageErrors).
@@ -164,6 +166,11 @@ def check_plan(
         )
     most = nodes + sum(f.kind == "add-node" for f in faults)
     for f in faults:
+        if f.phase == "recover" and restart_mode == "process":  # it would never fire
+            raise UsageError(
+                f"--fault {f}: the recover phase is inside an in-process recovery, and "
+                f"{where} restarts every process (restart.mode: process)"
+            )
         if steps is not None and f.step > steps:  # it ran, never fired, and exited 0
             raise UsageError(
                 f"--fault {f}: step {f.step} is past the job's last step (train.steps: {steps})"

@@ -877,36 +877,44 @@ def test_a_local_worker_killed_by_a_signal_is_our_cause_even_when_a_peer_moved_o
 def test_a_round_that_failed_before_its_first_step_carries_its_outage_into_the_next(etcd_client):
     """A recovery that failed before its first step (a second fault during it) is one
     outage with the recovery after it: the next pending recovery keeps the first failure's
-    detection and counts the attempts; a round that trained starts a new outage, and so
-    does any round of a node whose local rank 0 is a spare (it never sees a step)."""
+    detection and counts the attempts, and the failure's claim carries them to the nodes
+    that cannot tell (a newcomer, a spare). A round that trained starts a new outage, as
+    does a round of a node whose local rank 0 is a spare (it never sees a step) or that
+    sat rounds out (its record is older)."""
     from elasticd.agent.policy import Outcome
     from elasticd.jobspec import parse_job
     from elasticd.layout import plan
 
     reg, job = registered(etcd_client, "outage", {"mode": "inprocess"})
-    a = agent_of(reg, job, "node-a")
+    a, b = agent_of(reg, job, "node-a"), agent_of(reg, job, "node-b")
+    tp2 = parse_job({"name": "tp2", "parallel": {"tp": 2}, "nodes": {"min": 2, "max": 3}})
 
     def round_(number, *, trained, recovery, rank=0):
         workers = SimpleNamespace(workers=[SimpleNamespace(local_rank=0, rank=rank)])
         return SimpleNamespace(number=number, first_step_seen=trained, recovery=recovery,
                                layout=plan(3, tp2), workers=workers)  # fmt: skip
 
-    tp2 = parse_job({"name": "tp2", "parallel": {"tp": 2}, "nodes": {"min": 2, "max": 3}})
-    first = {"reason": "peer_lost", "detected_at": 90.0, "stopped_at": 90.1}
-    a._record_failure(round_(5, trained=False, recovery=first), Outcome.COLLECTIVE_FAILED,
-                      GLOO_CLOSED, 100.0, 100.2)  # fmt: skip
-    pending = a._pending_recovery
+    def fail(agent, rnd, at):
+        agent._record_failure(rnd, Outcome.COLLECTIVE_FAILED, GLOO_CLOSED, at, at + 0.2)
+        return agent._pending_recovery
+
+    first = {"reason": "peer_lost", "detected_at": 90.0, "stopped_at": 90.1, "after_round": 4}
+    pending = fail(a, round_(5, trained=False, recovery=first), 100.0)
     assert (pending["detected_at"], pending["outage_from"], pending["attempts"]) == (100.0, 90.0, 2)
+    # Node b, a spare in round 5 (rank 2 of tp2 on three ranks), cannot tell by itself:
+    # the claim node a wrote tells it.
+    assert reg.claim_of(job.name, 5)["outage_from"] == 90.0
+    told = fail(b, round_(5, trained=False, recovery=None, rank=2), 100.0)
+    assert (told["outage_from"], told["attempts"]) == (90.0, 2)
     # A third attempt fails too: still from the first failure.
-    a._record_failure(round_(6, trained=False, recovery=pending), Outcome.COLLECTIVE_FAILED,
-                      GLOO_CLOSED, 110.0, 110.2)  # fmt: skip
-    assert (a._pending_recovery["outage_from"], a._pending_recovery["attempts"]) == (90.0, 3)
+    pending = fail(a, round_(6, trained=False, recovery=pending), 110.0)
+    assert (pending["outage_from"], pending["attempts"]) == (90.0, 3)
     # A round that completed a step: its failure is a new outage.
-    a._record_failure(round_(7, trained=True, recovery=a._pending_recovery),
-                      Outcome.COLLECTIVE_FAILED, GLOO_CLOSED, 120.0, 120.2)  # fmt: skip
-    assert "outage_from" not in a._pending_recovery and "attempts" not in a._pending_recovery
-    # Our only worker is rank 2 of tp2 on three ranks, a spare: it never reports a step,
-    # so "no step seen" says nothing about the round (it may have trained for hours).
-    a._record_failure(round_(8, trained=False, recovery=first, rank=2),
-                      Outcome.COLLECTIVE_FAILED, GLOO_CLOSED, 130.0, 130.2)  # fmt: skip
-    assert "outage_from" not in a._pending_recovery
+    pending = fail(a, round_(7, trained=True, recovery=pending), 120.0)
+    assert "outage_from" not in pending and "attempts" not in pending
+    # Our only worker is a spare: "no step seen" says nothing about the round.
+    pending = fail(a, round_(8, trained=False, recovery=first | {"after_round": 7}, rank=2), 130.0)
+    assert "outage_from" not in pending
+    # We sat rounds 5..8 out (a crash loop's back-off): our record is of round 4's end.
+    pending = fail(a, round_(9, trained=False, recovery=first), 140.0)
+    assert "outage_from" not in pending

@@ -128,6 +128,12 @@ def test_troubles_count_in_a_row_stay_bounded_and_clear(tmp_path, etcd_client):
     assert recovery_text({"parts": {"stop": "x", "abort": 0.5}, "seconds": None}).endswith(
         "? s from detection to its first step (abort 0.50)"
     )
+    # A recovery after failed attempts: timed from the first failure, and says so.
+    two = {"parts": {"failed_attempts": 0.4, "abort": 0.1}, "seconds": 0.9, "attempts": 2}
+    assert recovery_text(two).endswith(
+        "0.90 s in 2 attempts from the first failure's detection to its first step "
+        "(failed_attempts 0.40, abort 0.10)"
+    )
 
 
 def test_notes_and_clears_are_written_in_order_and_never_by_the_caller():

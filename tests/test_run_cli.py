@@ -86,6 +86,18 @@ def test_a_fault_past_the_built_in_trainers_last_step_is_refused(in_tmp, capsys)
     assert not (in_tmp / "runs").exists()
 
 
+def test_a_recover_phase_fault_under_process_restarts_is_refused(in_tmp, capsys):
+    """The recover phase is inside an in-process recovery: a job that restarts every
+    process never enters it, and the fault would be reported as never fired at the end."""
+    argv = (os.path.join(EXAMPLES, "elastic.yaml"), "--nodes", "3", "--set",
+            "restart.mode=process", "--fault", "kill-node=2@step=5:phase=recover")  # fmt: skip
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2 and err.count("\n") == 1, err
+    assert "kill-node=2@step=5:phase=recover: the recover phase is inside an in-process" in err
+    assert "(restart.mode: process)" in err
+    assert not (in_tmp / "runs").exists()
+
+
 def test_a_member_index_beyond_the_etcd_cluster_is_refused(in_tmp, capsys):
     job = write_job(in_tmp / "job.yaml")
     argv = (job, "--etcd-members", "3", "--fault", "kill-etcd-member=3@step=2")

@@ -161,7 +161,8 @@ class Trainer:
         self.on_phase: Callable[[str, int], None] | None = None
         """Told ``(phase, step)`` as each phase of a step begins (forward, backward,
         optimizer, update, step-end, checkpoint-save): ``WorkerChannel.phase``, where
-        faults keyed to a phase fire (elasticd.testing)."""
+        faults keyed to a phase fire (elasticd.testing). The ``recover`` phase is entered
+        by ``trainer.recovery.recover``, not here."""
         self.on_updated: Callable[[StepResult], None] | None = None
         """Told each step's result as soon as its update is applied, before the ZeRO-1
         all-gather and the checkpoint save, which a fault can stop (``step_s`` then does not

@@ -168,6 +168,35 @@ def placement(job: JobSpec) -> Callable[[tuple[str, ...], tuple[str, ...]], list
     return arrange
 
 
+def _carried_outage(rnd: Round) -> dict[str, Any] | None:
+    """``{"outage_from", "attempts"}`` when the round that ends was itself a recovery that
+    failed before its first step (a second fault during it, a crash loop, a re-form for a
+    scale-up): the job has not trained since the failure before it, and the recovery
+    that completes counts from that one (docs/inprocess.md). None otherwise, and when this
+    node cannot tell: its local rank 0 is a spare (it never reports a step, however long
+    the round trained), or it was not in the round just before this one (its recovery
+    record is older: it sat rounds out)."""
+    prior = rnd.recovery
+    if rnd.first_step_seen or not isinstance(prior, dict) or not _lead_trains(rnd):
+        return None
+    detected, after = prior.get("detected_at"), prior.get("after_round")
+    if not isinstance(detected, int | float) or after != rnd.number - 1:
+        return None
+    first = prior.get("outage_from", detected)
+    return {"outage_from": float(first if isinstance(first, int | float) else detected),
+            "attempts": int(prior.get("attempts", 1)) + 1}  # fmt: skip
+
+
+def _outage_of(claim: Any) -> dict[str, Any] | None:
+    """The outage a failure claim carries (:func:`_carried_outage` of its claimer)."""
+    if not isinstance(claim, dict):
+        return None
+    first, attempts = claim.get("outage_from"), claim.get("attempts")
+    if not isinstance(first, int | float) or type(attempts) is not int or attempts < 2:
+        return None
+    return {"outage_from": float(first), "attempts": attempts}
+
+
 def _lead_trains(rnd: Round) -> bool:
     """Whether this node's local rank 0, whose heartbeat says when the round's first step
     completed (``first_step_seen``), is an active rank of the round, not a spare."""
@@ -702,7 +731,7 @@ class JobRunner:
         if not isinstance(detected, int | float):
             return None
         return {"reason": str(claim["reason"]), "detected_at": float(detected), "stopped_at": None,
-                "newcomer": True}  # fmt: skip
+                "newcomer": True, "after_round": previous, **(_outage_of(claim) or {})}  # fmt: skip
 
     @property
     def in_round(self) -> bool:
@@ -1145,6 +1174,8 @@ class JobRunner:
         info = {"reason": str(outcome), "node": self._node.node_id, "detail": detail,
                 "detected_at": detected, "step": self._furthest_step,
                 "by_peer": failed_on_a_peer(outcome, detail)}  # fmt: skip
+        # Whoever records the recovery (a newcomer at node rank 0 too) learns the outage.
+        info.update(_carried_outage(rnd) or {})
         fence = self._report.fence
         claim, ours = self._registry.claim_failure(self.name, rnd.number, info, fence=fence)
         if ours or info["by_peer"]:
@@ -1221,19 +1252,14 @@ class JobRunner:
             "reason": claim.get("reason", str(outcome)),
             "detected_at": min(float(claim.get("detected_at", detected)), detected),
             "stopped_at": stopped,
+            "after_round": rnd.number,
         }
-        # A round that ended before its first step was a recovery that failed (a second
-        # fault in it, a crash before training): the job has not trained since the
-        # earlier fault, so the recovery that completes counts from that one.
-        # Only a node whose local rank 0 trains sees the round's steps: a spare's never
-        # reports one, and its round never "saw a first step" however long it trained.
-        prior = rnd.recovery if not rnd.first_step_seen and _lead_trains(rnd) else None
-        if isinstance(prior, dict) and isinstance(prior.get("detected_at"), int | float):
-            first = float(prior.get("outage_from", prior["detected_at"]))
-            self._pending_recovery["outage_from"] = min(
-                first, self._pending_recovery["detected_at"]
-            )
-            self._pending_recovery["attempts"] = int(prior.get("attempts", 1)) + 1
+        # The same outage as an earlier failure (ours, else the claimer's): from its start.
+        carried = _carried_outage(rnd) or _outage_of(claim)
+        if carried is not None:
+            carried["outage_from"] = min(carried["outage_from"],
+                                         self._pending_recovery["detected_at"])  # fmt: skip
+            self._pending_recovery.update(carried)
         self._registry.set_state(
             self.name, JobState.RECOVERING, f"{claim.get('reason')}: {claim.get('detail', '')}",
             fence=fence,

@@ -90,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
     check_plan(nodes_min=job.nodes.min, nproc=job.nproc_per_node, nodes=args.nodes,
                faults=faults, etcd_members=args.etcd_members,
                where=os.path.basename(args.job),
-               steps=job.train.steps if job.command is None else None)  # fmt: skip
+               steps=job.train.steps if job.command is None else None,
+               restart_mode=job.restart.mode)  # fmt: skip
     if job.checkpoint.key_file is not None:  # every local node reads this very file
         from checkpoint.seal import KeyFileError, read_key
 

@@ -112,8 +112,14 @@ class Recovery:
     lost_steps: int
     """Completed steps that had to be trained again."""
     seconds: float
+    """From the failure's detection to rank 0's next step; after attempts that failed
+    before their first step (a second fault during the recovery), from the first one's."""
     parts: Mapping[str, float]
-    """The recovery's time split into its parts (abort or stop, rendezvous, ...)."""
+    """The recovery's time split into its parts (failed_attempts, abort or stop,
+    rendezvous, ...)."""
+    attempts: int = 1
+    """Recoveries this one took: 2 or more when earlier ones failed before their first
+    step (they are not recoveries of their own)."""
 
 
 @dataclass(kw_only=True)
@@ -444,7 +450,7 @@ def result_from(final: Mapping[str, Any], *, run_dir: str, output: str) -> RunRe
         Recovery(round=int(e.get("round", 0)), reason=str(e.get("reason", "")),
                  mode=str(e.get("mode", "process")), source=str(e.get("source", "")),
                  lost_steps=int(e.get("lost_steps") or 0), seconds=float(e.get("seconds", 0.0)),
-                 parts=dict(e.get("parts") or {}))
+                 parts=dict(e.get("parts") or {}), attempts=int(e.get("attempts") or 1))
         for e in history if e.get("kind") == "recovery"
     ]  # fmt: skip
     outcome = "timed_out" if final.get("timed_out") else str(final.get("state", "unknown"))
@@ -605,7 +611,8 @@ class Cluster:
             parsed = [parse_fault(f) for f in faults]
             check_plan(nodes_min=spec.nodes.min, nproc=spec.nproc_per_node, nodes=nodes,
                        faults=parsed, etcd_members=1, where=f"job {raw['name']}",
-                       steps=spec.train.steps if spec.command is None else None)  # fmt: skip
+                       steps=spec.train.steps if spec.command is None else None,
+                       restart_mode=spec.restart.mode)  # fmt: skip
         except UsageError as exc:
             raise UsageError(str(exc).replace("--fault ", "faults: ", 1)) from None
         if spec.command is not None and _names_steps(job):
