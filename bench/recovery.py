@@ -119,8 +119,8 @@ EXEC_CASES = {"process-exec", "replace-cold-exec"}
 """Cases whose agents run with ``ELASTICD_FORK_SERVER=0``: every worker exec'd."""
 TERM_CASES = {"inproc-term", "process-term"}
 """Cases that preempt a node (SIGTERM of its agent) instead of killing it."""
-PARTS = ("detect", "failed_attempts", "abort", "stop", "rendezvous", "spawn", "pg_init", "state_transfer",
-         "ckpt_load", "first_step", "rest")  # fmt: skip
+PARTS = ("detect", "failed_attempts", "abort", "stop", "rendezvous", "spawn", "pg_init",
+         "state_transfer", "ckpt_load", "first_step", "rest")  # fmt: skip
 
 
 def job_dict(out: str, steps: int, *, nodes: int, nproc: int, parallel: dict, mode: str,

@@ -185,10 +185,10 @@ class WorkerChannel:
         step's math and collectives done, its metrics record not yet written; checkpoint-save;
         recover: an in-process recovery, the world re-formed and the step agreed, no state
         moved yet) of step ``step`` (the step in progress, 1-based; for checkpoint-save the
-        step being saved; for recover the step the state is recovered at). A fault planned for that phase fires here (elasticd/faultplan.py): the call
-        may SIGKILL or stop this process, raise ``InjectedFault`` or
-        ``InjectedCollectiveFault``, or wait while the cluster
-        kills, stops or preempts this node. Without a plan it costs one attribute check."""
+        step being saved; for recover the step the state is recovered at). A fault planned
+        for that phase fires here (elasticd/faultplan.py): the call may SIGKILL or stop this
+        process, raise ``InjectedFault`` or ``InjectedCollectiveFault``, or wait while the
+        cluster kills, stops or preempts this node. Without a plan it costs one attribute check."""
         self._at(name, step)
 
     def _at(self, name: str | None, step: int) -> None:
