@@ -1586,28 +1586,35 @@ def abort_nccl_communicators() -> int:
 
 
 def check_results(group: Any = None) -> None:
-    """Raise :class:`RoundAborted` if ``group`` (None: the default group) is an NCCL
-    group of an in-process round that has ended. An NCCL collective aborted mid-flight
-    (:func:`abort_nccl_communicators`, by the control watcher when the round ends) does
-    not fail: it returns whatever its buffers held. The watcher marks the round ended
-    before it aborts, and nothing else aborts (:data:`NCCL_INPROCESS_ENV`), so a value
-    read back (a host synchronisation) and checked here afterwards is one no abort
-    touched. Call it after such a read and before the state is changed with it (the
-    trainer: after the gradient norm and the loss, before the optimizer step). On gloo an
-    interrupted collective raises: nothing to check."""
+    """Raise :class:`RoundAborted` if the in-process round under way has ended. Call it
+    once per step, after a value of the step's collectives over ``group`` (None: the
+    default group) was read back to the host and before the state is changed with it (the
+    trainer: after the gradient norm and the loss, before the optimizer step).
+
+    On NCCL, a collective aborted mid-flight (:func:`abort_nccl_communicators`, by the
+    control watcher when the round ends) does not fail: it returns whatever its buffers
+    held. The watcher marks the round ended before it aborts, and nothing else aborts
+    (:data:`NCCL_INPROCESS_ENV`), so a value read back (a host synchronisation) and
+    checked here afterwards is one no abort touched.
+
+    On gloo an interrupted collective raises by itself, but a round whose collectives all
+    completed goes on until the next one fails, and a world of one process has no peer
+    whose socket could fail one: without this check it trains on alone past its round's
+    end (a scale-up), its records and saves fenced off, while the newcomer waits."""
     control = _current
     if control is None or not control._begun:
         return
+    since = control.ended_for(control.round)
+    if since is None:
+        return
     import torch.distributed as dist
 
-    if not dist.is_initialized() or "nccl" not in str(dist.get_backend(group)):
-        return
-    since = control.ended_for(control.round)
-    if since is not None:
+    if dist.is_initialized() and "nccl" in str(dist.get_backend(group)):
         raise RoundAborted(
             f"round {control.round} ended {since:.1f} s ago, during or before a read of "
             "an NCCL collective's result (an aborted collective's output is not trusted)"
         )
+    raise RoundAborted(f"round {control.round} ended {since:.1f} s ago")
 
 
 ABORT_WAIT = 3.0

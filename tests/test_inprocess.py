@@ -527,6 +527,40 @@ def test_a_second_node_killed_during_the_in_process_recovery_is_survived_in_proc
     check_one_outage(result, fired)
 
 
+def test_a_node_frozen_during_the_in_process_recovery_is_left_behind_in_process(tmp_path):
+    """dp3: node 1 SIGKILLed at the end of step 5; node 2 frozen (SIGSTOP of its agent
+    and workers) as its rank enters the recovery from it, thawed 5 s later. Node 0's rank
+    is then inside that recovery, waiting on a peer that neither answers nor closes its
+    sockets, until node 2's lease expires. It leaves the recovery in its own process (not
+    blocked until a stuck worker is killed, which would lose its state), re-forms alone
+    with the state it holds and trains on. Node 2, thawed, finds the world moved on and
+    joins again as a newcomer, in the same process, and is given the survivor's state.
+    Every step once, the same losses as one process.
+
+    A world of one process has no socket whose shutdown could end a step: before the
+    trainer checked its round after each step, node 0 trained on alone past the scale-up
+    that ended it (43 steps whose records were fenced off) until its final save failed
+    its fence."""
+    job = make_job(tmp_path, "frozenrecover", steps=150)
+    result = run(job, 3, ["kill-node=1@step=5:phase=step-end",
+                          "freeze-node=2@step=5:phase=recover:for=5"])  # fmt: skip
+    history = result["status"]["history"]
+    fired = [f for f in result["faults"] if not f.get("skipped") and f.get("t") is not None]
+    assert len(fired) == 2, (result["faults"], story(job))
+    # The recovery into the world of node 0 alone, then node 2's return.
+    records = check_inprocess(tmp_path, job, result, recoveries=2)
+    assert result["status"]["restarts"] == 0, f"{history}\n{story(job)}"
+    assert records[-1]["world"] == 2, f"{records[-1]}\n{story(job)}"
+    pids = round_pids(job)
+    assert sorted(pids) == [1, 2, 3, 4], f"{pids}\n{story(job)}"
+    first, second, third, fourth = (pids[r] for r in sorted(pids))
+    # Node 0's worker went through every round; node 2's came back in its own process.
+    assert len(third) == 1 and third < second < first, f"{pids}\n{story(job)}"
+    assert fourth == second, f"{pids}\n{story(job)}"
+    first_rec, newcomer = (e for e in history if e["kind"] == "recovery")
+    assert first_rec["attempts"] == 2 and newcomer["reason"] == "scale_up", history
+
+
 def check_one_outage(result, fired) -> None:
     """The recovery that completed counts from the first fault's detection, the failed
     attempt a part of it."""
@@ -833,6 +867,28 @@ def test_the_ddp_example_survives_a_killed_node_in_process_and_matches_one_proce
     assert second < first and len(second) == 2
     # The killed worker's replacement is a new process beside rank 0's, which went on.
     assert len(later[-1]) == 2 and len(later[-1] & second) == 1, pids
+
+
+def test_the_ddp_example_left_alone_leaves_its_round_when_a_thawed_node_joins(tmp_path):
+    """examples/ddp_inprocess.py, dp3: node 1 killed, then node 2 frozen for 4 s. Node 0
+    trains alone (a world of one process, whose collectives touch no socket) until node 2
+    thaws and joins again: the scale-up ends node 0's round, and the script's
+    ``ei.check_results()`` leaves it at its next step, where before it trained on alone to
+    the end while the newcomer waited, its records fenced off. Node 2 comes back in its own
+    process and trains the last steps beside it."""
+    job, result = run_example(tmp_path, "ddpalone", "ddp_inprocess.py", 200,
+                              {"DDP_STEPS": "200", "DDP_STEP_SLEEP": "0.02"},
+                              ["kill-node=1@step=10", "freeze-node=2@step=30:for=4"])  # fmt: skip
+    recs = [e for e in result["status"]["history"] if e["kind"] == "recovery"]
+    assert [e["mode"] for e in recs] == ["inprocess"] * 3, recs
+    assert recs[-1]["reason"] == "scale_up", recs
+    pids = round_pids(job)
+    rounds = sorted(pids)
+    assert len(rounds) == 4, f"{pids}\n{story(job)}"
+    records = [json.loads(line) for line in (tmp_path / "ddpalone" / "metrics.jsonl").open()]
+    assert 1 in {r["world"] for r in records} and records[-1]["world"] == 2, story(job)
+    # Node 2's worker went through rounds 1, 2 and 4 in one process, node 0's through all.
+    assert pids[rounds[3]] == pids[rounds[1]] and len(pids[rounds[2]]) == 1, pids
 
 
 def test_the_fsdp2_example_survives_a_killed_node_and_worker_in_process_and_matches_one_process(
