@@ -527,6 +527,31 @@ def test_a_second_node_killed_during_the_in_process_recovery_is_survived_in_proc
     check_one_outage(result, fired)
 
 
+def test_a_worker_killed_during_the_in_process_recovery_is_replaced_and_given_the_state(tmp_path):
+    """dp3: node 1 SIGKILLed at the end of step 5; then the worker of node 2 (rank 1 of
+    the re-formed world) SIGKILLed alone as it enters the recovery. Its agent replaces it
+    with its standby (a new process, torch imported already), which holds nothing: node 0
+    gives it the state of step 5 in the next round. One recovery, one outage from the
+    first fault, no step lost, one worker restart counted; node 0's worker is the same
+    process throughout."""
+    job = make_job(tmp_path, "workerrecover", steps=30)
+    result = run(job, 3, ["kill-node=1@step=5:phase=step-end",
+                          "kill-worker=1@step=5:phase=recover"])  # fmt: skip
+    history = result["status"]["history"]
+    fired = [f for f in result["faults"] if not f.get("skipped") and f.get("t") is not None]
+    assert len(fired) == 2, (result["faults"], story(job))
+    records = check_inprocess(tmp_path, job, result, recoveries=1)
+    assert result["status"]["restarts"] == 1, f"{history}\n{story(job)}"
+    assert records[-1]["world"] == 2, records[-1]
+    pids = round_pids(job)
+    assert sorted(pids) == [1, 2, 3], f"{pids}\n{story(job)}"
+    first, second, third = (pids[r] for r in sorted(pids))
+    # Node 0's worker throughout; node 2's replaced after round 2.
+    assert len(second) == len(third) == 2 and len(second & third) == 1, pids
+    assert (second & third) < first and not (third - second) & first, pids
+    check_one_outage(result, fired)
+
+
 def test_a_node_frozen_during_the_in_process_recovery_is_left_behind_in_process(tmp_path):
     """dp3: node 1 SIGKILLed at the end of step 5; node 2 frozen (SIGSTOP of its agent
     and workers) as its rank enters the recovery from it, thawed 5 s later. Node 0's rank
