@@ -10,8 +10,11 @@ plan** (``ELASTICD_FAULT_PLAN``, a JSON file the local cluster writes before the
 start; they pass it on to their workers).
 
 - ``step`` in a phase fault is the step *in progress* (1-based, as ``progress`` reports it
-  once done); for ``checkpoint-save`` it is the step being saved; for ``recover`` the
-  step the state is recovered at (the newest step any rank of the new world completed).
+  once done); for ``checkpoint-save`` it is the step being saved. For ``recover`` it is
+  the first in-process recovery at that step *or a later one*, the step being the one the
+  state is recovered at (the newest step any rank of the new world completed): which
+  step a recovery agrees on depends on where the fault before it landed (a plain
+  ``kill-node=1@step=10`` lands in step 11 or 12), so an exact step could miss it.
 - Phases: ``forward``, ``backward``, ``optimizer``, ``update`` (every collective before
   the step's optimizer update done, the update not applied; under ZeRO-1 the parameters'
   all-gather comes after it), ``step-end``, ``checkpoint-save``, ``recover`` (an
@@ -130,8 +133,10 @@ class WorkerFaults:
         ``preempted``: whether this worker's SIGTERM arrived (a term-node fault waits for
         it, so the preemption lands in this phase, not a step later)."""
         for entry in self.entries:
-            if entry["step"] == step and entry["phase"] == phase and self._mine(entry):
-                self._fire(entry, preempted)
+            if entry["phase"] != phase or not self._mine(entry):
+                continue
+            if entry["step"] == step or (phase == "recover" and step > entry["step"]):
+                self._fire(entry, preempted, step)
 
     def _mine(self, entry: Mapping[str, Any]) -> bool:
         kind = entry["kind"]
@@ -180,7 +185,9 @@ class WorkerFaults:
                 return
             time.sleep(0.005)
 
-    def _fire(self, entry: Mapping[str, Any], preempted: Callable[[], bool] | None) -> None:
+    def _fire(
+        self, entry: Mapping[str, Any], preempted: Callable[[], bool] | None, step: int
+    ) -> None:
         name = os.path.join(self.dir, f"fired-{entry['id']}")
         if entry["kind"] in NODE_KINDS:
             self._gather_node(entry, name)
@@ -191,12 +198,12 @@ class WorkerFaults:
         except OSError:
             return  # the run's directory is gone: nobody is listening
         record = {"rank": self.rank, "pid": os.getpid(), "node": self.node, "t": time.time(),
-                  "round": self.round}  # fmt: skip
+                  "round": self.round, "step": step}  # fmt: skip
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             json.dump(record, fh)
         kind, where = (
             entry["kind"],
-            f"step {entry['step']}" + (f" {entry['phase']}" if entry["phase"] else " done"),
+            f"step {step}" + (f" {entry['phase']}" if entry["phase"] else " done"),
         )
         if kind == "kill-worker":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -256,7 +263,8 @@ class PlanSource:
                 who = f"no rank of node {fault.target} reached"
             else:
                 who = "rank 0 never reached"
-            out.append((fault, f"{who} {where} of step {fault.step}"))
+            which = f"step {fault.step}" + (" or later" if fault.phase == "recover" else "")
+            out.append((fault, f"{who} {where} of {which}"))
         return out + self.outside.unfired()
 
     def due(self, view: Any) -> list[Any]:
@@ -275,9 +283,10 @@ class PlanSource:
                         "raise-error": "raised InjectedFault",
                         "fail-collective": "raised InjectedCollectiveFault"}[fault.kind]  # fmt: skip
                 phase = f" in {fault.phase}" if fault.phase else " after it"
+                at = fired.get("step", fault.step)  # a recover fault's: the step it hit
                 record = {"fault": str(fault), "kind": fault.kind, "t": fired.get("t"),
-                          "end": None, "step": fault.step, "pid": fired.get("pid"),
-                          "detail": f"rank {fired.get('rank')} {verb} at step {fault.step}{phase}"}  # fmt: skip
+                          "end": None, "step": at, "pid": fired.get("pid"),
+                          "detail": f"rank {fired.get('rank')} {verb} at step {at}{phase}"}  # fmt: skip
                 with view.cluster.lock:
                     view.cluster.fault_log.append(record)
                 continue

@@ -80,8 +80,9 @@ class Fault:
     """Seconds until the fault ends by itself (thaw, etcd restarted); timed kinds only."""
     phase: str | None = None
     """With a phase the workers fire it themselves, inside step ``step`` (the step in
-    progress; for checkpoint-save the step being saved; for recover, an in-process
-    recovery's, the step the state is recovered at) as that phase begins
+    progress; for checkpoint-save the step being saved; for recover, the first in-process
+    recovery at this step or a later one, the step the state is recovered at) as that
+    phase begins
     (elasticd/faultplan.py); without one the cluster fires it once step ``step``
     completed."""
 

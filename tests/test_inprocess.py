@@ -916,6 +916,26 @@ def test_the_ddp_example_left_alone_leaves_its_round_when_a_thawed_node_joins(tm
     assert pids[rounds[3]] == pids[rounds[1]] and len(pids[rounds[2]]) == 1, pids
 
 
+def test_the_ddp_example_survives_a_second_node_killed_during_its_recovery(tmp_path):
+    """examples/ddp_inprocess.py, dp3: node 1 killed once step 10 is done (it lands in step
+    11 or 12), then node 2 killed as its rank enters the recovery that follows, inside
+    ``ctx.sync_state`` (``phase=recover`` fires at the first recovery at step 10 or later:
+    the step the survivors agree on depends on where the first kill landed). Node 0 leaves
+    that recovery and goes on alone in its own process: one outage, no step lost."""
+    job, result = run_example(tmp_path, "ddprecover", "ddp_inprocess.py", 40,
+                              {"DDP_STEPS": "40", "DDP_STEP_SLEEP": "0.02"},
+                              ["kill-node=1@step=10", "kill-node=2@step=10:phase=recover"])  # fmt: skip
+    fired = [f for f in result["faults"] if not f.get("skipped") and f.get("t") is not None]
+    assert len(fired) == 2, (result["faults"], story(job))
+    (rec,) = [e for e in result["status"]["history"] if e["kind"] == "recovery"]
+    assert (rec["mode"], rec["source"], rec["lost_steps"]) == ("inprocess", "peers", 0), rec
+    check_one_outage(result, fired)
+    pids = round_pids(job)
+    assert sorted(pids) == [1, 2, 3], f"{pids}\n{story(job)}"
+    first, second, third = (pids[r] for r in sorted(pids))
+    assert len(third) == 1 and third < second < first, f"{pids}\n{story(job)}"
+
+
 def test_the_fsdp2_example_survives_a_killed_node_and_worker_in_process_and_matches_one_process(
     tmp_path,
 ):

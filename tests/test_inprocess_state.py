@@ -379,7 +379,7 @@ def _recover_phase_worker(rank: int, store: str, plan: str, out: str) -> None:
     ctx = ei.Context(round=2, rank=0, world_size=1, local_rank=0, env=env, state={})
     model = torch.nn.Linear(3, 2)
     said = []
-    for step in (None, 4, 7):  # nothing held: no recovery; then two held steps
+    for step in (None, 4, 7, 9):  # nothing held: no recovery; then three held steps
         try:
             said.append(["returned", ctx.sync_state(ei.state_tensors(model), step=step)])
         except Exception as exc:
@@ -392,15 +392,17 @@ def _recover_phase_worker(rank: int, store: str, plan: str, out: str) -> None:
 def test_sync_state_enters_the_recover_fault_phase_at_the_agreed_step(tmp_path):
     """``phase=recover`` faults fire inside ``Context.sync_state`` once the step is agreed,
     before any state moves (a second fault during a recovery, in a user's script): here a
-    planned raise-error at step 7 fires in the sync of step 7 only, and a sync with
-    nothing held anywhere (a fresh start) is no recovery and enters no phase."""
+    planned raise-error at step 5 fires in the first sync at step 5 or later (step 7),
+    once; a sync of an earlier step does not fire it, and a sync with nothing held
+    anywhere (a fresh start) is no recovery and enters no phase."""
     from elasticd.faultplan import write_plan
     from elasticd.localcluster import parse_fault
 
-    plan = write_plan(str(tmp_path / "plan"), [parse_fault("raise-error=0@step=7:phase=recover")])
+    plan = write_plan(str(tmp_path / "plan"), [parse_fault("raise-error=0@step=5:phase=recover")])
     out = tmp_path / "said.json"
     mp.spawn(_recover_phase_worker, args=(str(tmp_path / "store"), plan, str(out)),
              nprocs=1, join=True)  # fmt: skip
     said = json.loads(out.read_text())
     assert said[0] == ["returned", None] and said[1] == ["returned", 4], said
     assert said[2][0] == "InjectedFault" and "step 7 recover" in said[2][1], said
+    assert said[3] == ["returned", 9], said  # a fault fires once
