@@ -14,7 +14,9 @@ start; they pass it on to their workers).
   the first in-process recovery at that step *or a later one*, the step being the one the
   state is recovered at (the newest step any rank of the new world completed): which
   step a recovery agrees on depends on where the fault before it landed (a plain
-  ``kill-node=1@step=10`` lands in step 11 or 12), so an exact step could miss it.
+  ``kill-node=1@step=10`` lands in some later step), so an exact step could miss it. Any
+  in-process re-form with state held enters the phase (after a fault, a scale-up, a
+  preemption): the first such one at that step or later fires it.
 - Phases: ``forward``, ``backward``, ``optimizer``, ``update`` (every collective before
   the step's optimizer update done, the update not applied; under ZeRO-1 the parameters'
   all-gather comes after it), ``step-end``, ``checkpoint-save``, ``recover`` (an

@@ -273,6 +273,9 @@ class Context:
             wait_collective(work, group)
         if int(newest) < 0:
             return None
+        # Judged by restart.hang_timeout from here until state_loaded, as a step is
+        # (elasticd.agent.workers.recovering): a rank stopped in the transfer is killed.
+        self.channel.mark("recovering")
         self.channel.phase("recover", int(newest))  # a fault planned there fires (faultplan)
         held = None
         if isinstance(tensors, StateTensors):
@@ -1585,11 +1588,14 @@ def abort_nccl_communicators() -> int:
     return len(backends)
 
 
-def check_results(group: Any = None) -> None:
+def check_results(group: Any = None, *, gloo: bool = True) -> None:
     """Raise :class:`RoundAborted` if the in-process round under way has ended. Call it
-    once per step, after a value of the step's collectives over ``group`` (None: the
-    default group) was read back to the host and before the state is changed with it (the
-    trainer: after the gradient norm and the loss, before the optimizer step).
+    at least once per step, after a value of the step's collectives over ``group`` (None:
+    the default group) was read back to the host and before the state is changed with it
+    (the trainer: after the gradient norm and the loss, before the optimizer step).
+    ``gloo=False``: only where the value cannot be trusted (NCCL), for a caller that keeps
+    a value gloo gave before it leaves (the trainer's gradient norm, with which a
+    recovery can complete the step: ``Trainer.pending_norm``).
 
     On NCCL, a collective aborted mid-flight (:func:`abort_nccl_communicators`, by the
     control watcher when the round ends) does not fail: it returns whatever its buffers
@@ -1614,7 +1620,8 @@ def check_results(group: Any = None) -> None:
             f"round {control.round} ended {since:.1f} s ago, during or before a read of "
             "an NCCL collective's result (an aborted collective's output is not trusted)"
         )
-    raise RoundAborted(f"round {control.round} ended {since:.1f} s ago")
+    if gloo:
+        raise RoundAborted(f"round {control.round} ended {since:.1f} s ago")
 
 
 ABORT_WAIT = 3.0

@@ -56,7 +56,7 @@ def train(ctx: ei.Context) -> None:  # elasticd: was main(); the process group e
         mean = loss.detach().clone()
         dist.all_reduce(mean)  # before the optimizer step: a step is all or nothing
         mean = float(mean) / world  # waits for this and the gradients' all-reduces
-        ei.check_results()  # elasticd: on NCCL an aborted all-reduce gives garbage, not an error
+        ei.check_results()  # elasticd: leave an ended round (on NCCL: garbage, not an error)
         opt.step()
         sched.step()
         time.sleep(STEP_SLEEP)

@@ -12,6 +12,8 @@ the lines marked ``# elasticd`` are what it takes:
   record a test compares with a reference run.
 - ``channel.phase(...)``: where faults keyed to a phase land.
 - ``preempt_agreed()``: on SIGTERM (a preempted node) every rank saves and exits 75.
+- ``ctx.check()`` after each step: leaves a round its agent ended (a node joined). A
+  world of one process has no collective that the end could fail.
 
 The data of step s is the same whatever the world size (a global batch of 12 split over
 the ranks, each rank's gradient a mean DDP averages), so a run that changes size mid-way
@@ -115,6 +117,7 @@ def train(ctx: ei.Context) -> None:  # elasticd: the process group exists
         if channel.preempt_agreed():  # elasticd: SIGTERM on any rank: save, then leave
             save(ckpt, step, model, opt)
             sys.exit(PREEMPTED_EXIT_CODE)
+        ctx.check()  # elasticd: leave an ended round (alone, no collective would fail)
 
 
 if __name__ == "__main__":

@@ -76,6 +76,7 @@ def train(ctx: ei.Context) -> None:
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         mean = float(mean) / world
+        ei.check_results()  # leave an ended round (alone, no collective would fail)
         opt.step()
         # The whole copy: gathered (a collective) and *copied*. Loaded as it comes, the
         # copy's AdamW ``step`` tensors would be the sharded optimizer's own (torch's

@@ -33,7 +33,14 @@ from elasticd.agent.policy import (
     worker_argv,
     worker_envs,
 )
-from elasticd.agent.workers import Staleness, finishing, waiting_now
+from elasticd.agent.workers import (
+    Staleness,
+    Worker,
+    WorkerGroup,
+    finishing,
+    recovering,
+    waiting_now,
+)
 from elasticd.errors import UsageError
 from elasticd.jobs import JobState
 from elasticd.localcluster import parse_fault
@@ -241,6 +248,48 @@ def test_a_finished_mark_spares_a_worker_the_hang_timeout_until_finish_wait(tmp_
     assert finishing(beat, 100.0) and finishing(beat, 100.0 + FINISH_WAIT)
     assert not finishing(beat, 100.1 + FINISH_WAIT)
     assert not finishing({"step": 7}, 100.0) and not finishing({"finished": {"t": "x"}}, 100.0)
+
+
+def test_a_worker_inside_an_in_process_recovery_is_judged_by_the_hang_timeout(tmp_path):
+    """A worker with no step in its round is not judged (it may be importing, building
+    its model or compiling its first step), unless it marked ``recovering``: then the age
+    of its heartbeat counts from that mark, as a step's does, until ``state_loaded`` or
+    ``ckpt_loaded``. A stopped worker there was never judged, and its peers waited on it
+    for the process group's 10-minute timeout. One waiting on its peers meanwhile gets
+    the longer bound (the stopped one is killed first)."""
+
+    def worker(i):
+        path = tmp_path / f"hb-{i}.json"
+        return Worker(local_rank=i, rank=i, proc=SimpleNamespace(poll=lambda: None),
+                      log_path="", heartbeat_path=str(path), error_path="", started=0.0), path  # fmt: skip
+
+    (w0, p0), (w1, p1) = worker(0), worker(1)
+    group = WorkerGroup()
+    group.workers = [w0, w1]
+    c0 = WorkerChannel(path=str(p0), clock=lambda: 100.0)
+    c1 = WorkerChannel(path=str(p1), clock=lambda: 100.0)
+    c0.mark("pg_ready")
+    c1.mark("pg_ready")
+    os.utime(p0, (10.0, 10.0))
+    os.utime(p1, (10.0, 10.0))
+    assert group.stalest_progress(100.0) is None  # set-up, not judged
+    c1.mark("recovering")
+    os.utime(p1, (40.0, 40.0))
+    seen = group.stalest_progress(100.0)
+    assert seen.worker is w1 and seen.age == 60.0 and not seen.waiting
+    assert recovering(read_heartbeat(str(p1))) and not recovering(read_heartbeat(str(p0)))
+    # Its peer in the same recovery, waiting in the transfer: judged, with the longer bound.
+    c0.mark("recovering")
+    c0.waiting(True)
+    os.utime(p0, (30.0, 30.0))
+    seen = group.stalest_progress(100.0)
+    assert seen.worker is w1 and seen.share == 60.0  # 70 s waiting is a share of 35
+    for done in ("state_loaded", "ckpt_loaded"):
+        c1._phases.pop("state_loaded", None)
+        c1.mark(done)
+        assert not recovering(read_heartbeat(str(p1)))
+    assert not recovering({"phases": {"recovering": 1.0, "state_loaded": 2.0}})
+    assert not recovering({"phases": "x"}) and not recovering({})
 
 
 @pytest.mark.parametrize("code", [126, 127])

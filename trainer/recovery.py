@@ -152,6 +152,10 @@ def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any, job: Any, agreed
     source = "none"
     result = None
     if newest >= 0:
+        # From here until state_loaded the agent judges this worker by hang_timeout
+        # (elasticd.agent.workers.recovering): one stopped in the transfer is killed,
+        # not waited on for the group's timeout.
+        channel.mark("recovering")
         # A fault planned for the recovery fires here (elasticd/faultplan.py): a second
         # fault while the state is about to move.
         channel.phase("recover", newest)
@@ -181,6 +185,8 @@ def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any, job: Any, agreed
         ctx.state.pop("peer_records", None)
         ctx.state["replicator"] = replicator  # the old copies go now
         release_stale_pinned(*sizes)
+        if newest >= 0:
+            channel.mark("state_loaded")  # no longer recovering: a spare idles now
         return "peers" if result is not None else "none"
     if result is not None:
         source = "replica" if result.sources.get("from_extra") else "peers"

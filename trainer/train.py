@@ -425,8 +425,10 @@ class Trainer:
             sync_tied_grads([self.main.grad_of(q) for q in tied], group=self.pipeline.embedding)
         norm = self.main.grad_norm(groups=self.model_groups)
         # An NCCL collective aborted by the round's end returns garbage, not an error: the
-        # norm (read back from the device) is trusted only if the round had not ended.
-        check_results()
+        # norm (read back from the device) is trusted only if the round had not ended. On
+        # gloo it is: kept (pending_norm) before this rank leaves at the check below, so
+        # that a recovery can still complete this step with it.
+        check_results(gloo=False)
         # From here this rank holds all its update needs: a fault in the collectives below
         # (a peer that completed them applies the step) leaves it for recovery to complete.
         self.pending_norm = norm

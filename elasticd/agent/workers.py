@@ -444,15 +444,16 @@ class WorkerGroup:
         whether it waits on its peers (a waiting worker's age counts against
         :func:`hang_bound`'s longer bound: compared by age over bound).
 
-        Only workers that reported a completed step are judged: a command that never calls
-        the heartbeat, and a spare rank that idles without steps, are not declared hung
+        Only workers that reported a completed step are judged, or that are inside an
+        in-process recovery (:func:`recovering`): a command that never calls the
+        heartbeat, and a spare rank that idles without steps, are not declared hung
         (docs/agent.md)."""
         worst: Staleness | None = None
         for w in self.workers:
             if w.proc.poll() is not None:
                 continue
             beat = read_heartbeat(w.heartbeat_path)
-            if beat is None or "step" not in beat:
+            if beat is None or ("step" not in beat and not recovering(beat)):
                 continue
             try:
                 age = now - os.stat(w.heartbeat_path).st_mtime
@@ -464,6 +465,22 @@ class WorkerGroup:
             if worst is None or seen.share > worst.share:
                 worst = seen
         return worst
+
+
+def recovering(beat: Mapping) -> bool:
+    """Whether a heartbeat says its worker is inside an in-process recovery: it marked
+    ``recovering`` (the world re-formed and the step agreed; its state about to move from
+    its peers, or the fall back's checkpoint load) and not yet ``state_loaded`` or
+    ``ckpt_loaded``. Such a worker is judged by restart.hang_timeout from that mark, as a
+    step is: before, a worker stopped there (SIGSTOP, a paused container) was never
+    judged, and its peers, waiting on it in the transfer, held the world for the process
+    group's 10-minute timeout. They are marked ``waiting`` meanwhile (the control watcher
+    sees them idle in a collective), so the stopped one is killed first and they recover
+    in-process."""
+    phases = beat.get("phases")
+    if not isinstance(phases, dict) or "recovering" not in phases:
+        return False
+    return "state_loaded" not in phases and "ckpt_loaded" not in phases
 
 
 def finishing(beat: Mapping, now: float) -> bool:

@@ -299,7 +299,7 @@ class MoE(nn.Module):
             # all-to-all aborted when its in-process round ended returns whatever its
             # buffer held: not sizes to allocate or index with (check_results raises).
             sent_h, got_h = torch.stack((counts, recv_counts)).tolist()
-            check_results(ep.group)
+            check_results(ep.group, gloo=False)  # gloo's counts are right: the step goes on
             per_rank = range(ep.size)
             send = [sum(sent_h[r * self.local : (r + 1) * self.local]) for r in per_rank]
             recv = [sum(got_h[r * self.local : (r + 1) * self.local]) for r in per_rank]
