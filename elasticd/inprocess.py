@@ -292,6 +292,8 @@ class Context:
             have=have if step is not None else None, have_step=step,
             have_consumed=0 if step is not None else None, need=boxes, group=group,
             refused=why.append,
+            # Every rank has arrived and the plan is made: the hang bound counts from here.
+            before_write=lambda _step: self.channel.mark("recovering"),
             # Claimed whole and replicated: a key is sent only where its holders agree.
             digests={k: _digest(t) for k, (t, _info) in have.items() if k not in unchecked}
             if step is not None else None,

@@ -253,8 +253,8 @@ def test_a_finished_mark_spares_a_worker_the_hang_timeout_until_finish_wait(tmp_
 def test_a_worker_inside_an_in_process_recovery_is_judged_by_the_hang_timeout(tmp_path):
     """A worker with no step in its round is not judged (it may be importing, building
     its model or compiling its first step), unless it marked ``recovering``: then the age
-    of its heartbeat counts from that mark, as a step's does, until ``state_loaded`` or
-    ``ckpt_loaded``. A stopped worker there was never judged, and its peers waited on it
+    of its heartbeat counts from that mark, as a step's does, until ``state_loaded``,
+    ``ckpt_loaded`` or a fall back's ``ckpt_loading``. A stopped worker there was never judged, and its peers waited on it
     for the process group's 10-minute timeout. One waiting on its peers meanwhile gets
     the longer bound (the stopped one is killed first)."""
 
@@ -284,10 +284,12 @@ def test_a_worker_inside_an_in_process_recovery_is_judged_by_the_hang_timeout(tm
     os.utime(p0, (30.0, 30.0))
     seen = group.stalest_progress(100.0)
     assert seen.worker is w1 and seen.share == 60.0  # 70 s waiting is a share of 35
-    for done in ("state_loaded", "ckpt_loaded"):
-        c1._phases.pop("state_loaded", None)
-        c1.mark(done)
-        assert not recovering(read_heartbeat(str(p1)))
+    for done in ("state_loaded", "ckpt_loaded", "ckpt_loading"):  # loaded, or a fall back
+        assert recovering({"phases": {"recovering": 1.0}})
+        assert not recovering({"phases": {"recovering": 1.0, done: 2.0}})
+    c1.mark("state_loaded")
+    assert not recovering(read_heartbeat(str(p1)))
+    assert group.stalest_progress(100.0).worker is w0
     assert not recovering({"phases": {"recovering": 1.0, "state_loaded": 2.0}})
     assert not recovering({"phases": "x"}) and not recovering({})
 

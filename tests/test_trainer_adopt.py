@@ -178,11 +178,13 @@ def test_adopting_needs_a_trainer_not_drawn():
 
 
 class _Ctx:
-    """The part of ``elasticd.inprocess.Context`` the recovery reads: rank and state."""
+    """The part of ``elasticd.inprocess.Context`` the recovery reads: rank, state and the
+    channel (``agree`` marks ``recovering`` there)."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.state: dict = {}
+        self.channel = _Channel()
 
 
 class _Channel:

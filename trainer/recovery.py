@@ -92,6 +92,12 @@ def agree(ctx: Any) -> Agreed:
     if dist.is_initialized():
         comm.all_reduce(newest_t, group, op=dist.ReduceOp.MAX)
     newest = int(newest_t)
+    if newest >= 0:
+        # A recovery: from here until state_loaded the agent judges this rank by
+        # restart.hang_timeout (elasticd.agent.workers.recovering), every rank of the world
+        # from this same collective; one stopped in its set-up or the transfer is killed,
+        # not waited on for the group's 10-minute timeout.
+        ctx.channel.mark("recovering")
     if old is not None and old.complete_pending(newest):
         print(f"rank {ctx.rank}: in-process recovery: completed step {newest}'s update "
               "(the fault stopped this rank after its gradient norm)", flush=True)  # fmt: skip
@@ -134,6 +140,8 @@ def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any, job: Any, agreed
     have_step = old.state.step if old is not None else None
 
     def before_write(step: int) -> None:
+        # Every rank has arrived and the plan is made: the hang bound counts from here.
+        channel.mark("recovering")
         # Adopted tensors are written only at a step other than the old trainer's own (a
         # region held at its step is the same memory, never copied): it is not offered again.
         if adopted and step != have_step:
@@ -152,10 +160,7 @@ def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any, job: Any, agreed
     source = "none"
     result = None
     if newest >= 0:
-        # From here until state_loaded the agent judges this worker by hang_timeout
-        # (elasticd.agent.workers.recovering): one stopped in the transfer is killed,
-        # not waited on for the group's timeout.
-        channel.mark("recovering")
+        channel.mark("recovering")  # the set-up done (agree marked it first)
         # A fault planned for the recovery fires here (elasticd/faultplan.py): a second
         # fault while the state is about to move.
         channel.phase("recover", newest)
@@ -209,6 +214,9 @@ def recover(ctx: Any, trainer: Any, ckpt: Any, *, channel: Any, job: Any, agreed
                   flush=True)  # fmt: skip
         if adopted:  # the load (or the draws) writes into the previous trainer's memory
             _drop_previous(ctx)
+        # A checkpoint load is not judged by hang_timeout (nor is a process restart's):
+        # it may take longer, and it waits on the filesystem, not on a peer.
+        channel.mark("ckpt_loading")
         if ckpt.resume():
             source = "checkpoint"
     if source not in ("peers", "replica"):  # steps after a checkpoint are trained again

@@ -467,20 +467,27 @@ class WorkerGroup:
         return worst
 
 
+RECOVERY_ENDS = ("state_loaded", "ckpt_loaded", "ckpt_loading")
+"""Heartbeat phases that end a worker's judged recovery: its state is loaded, or it
+falls back to a checkpoint load (not judged, as a process restart's is not)."""
+
+
 def recovering(beat: Mapping) -> bool:
-    """Whether a heartbeat says its worker is inside an in-process recovery: it marked
-    ``recovering`` (the world re-formed and the step agreed; its state about to move from
-    its peers, or the fall back's checkpoint load) and not yet ``state_loaded`` or
-    ``ckpt_loaded``. Such a worker is judged by restart.hang_timeout from that mark, as a
-    step is: before, a worker stopped there (SIGSTOP, a paused container) was never
-    judged, and its peers, waiting on it in the transfer, held the world for the process
-    group's 10-minute timeout. They are marked ``waiting`` meanwhile (the control watcher
-    sees them idle in a collective), so the stopped one is killed first and they recover
+    """Whether a heartbeat says its worker is inside an in-process recovery from its
+    peers: it marked ``recovering`` and none of :data:`RECOVERY_ENDS` yet. Every rank of
+    the world marks it as the step to recover at is agreed (the built-in trainer's
+    ``agree``, a script's ``Context.sync_state``), the trainer again once its set-up is
+    done, and both again when every rank has arrived at the transfer's plan; each mark
+    moves the heartbeat's mtime, from which restart.hang_timeout counts, as for a step.
+    Before, a worker with no step in its round was never judged: one stopped there
+    (SIGSTOP, a paused container) held the world for the process group's 10-minute
+    timeout. Its peers, idle in a collective waiting on it, are marked ``waiting``
+    meanwhile (the control watcher), so the stopped one is killed first and they recover
     in-process."""
     phases = beat.get("phases")
     if not isinstance(phases, dict) or "recovering" not in phases:
         return False
-    return "state_loaded" not in phases and "ckpt_loaded" not in phases
+    return not any(p in phases for p in RECOVERY_ENDS)
 
 
 def finishing(beat: Mapping, now: float) -> bool:
