@@ -161,7 +161,9 @@ class RestartConfig:
     (docs/inprocess.md). The worker must support it (the built-in trainer does; scripts
     use ``elasticd.inprocess``)."""
     hang_timeout: float = 300.0
-    """Seconds without a step heartbeat before a worker counts as hung."""
+    """Seconds without a step heartbeat before a worker counts as hung; in-process, also
+    the bound on each part of a recovery from peers (its set-up, its transfer:
+    docs/agent.md)."""
     grace_period: float = 30.0
     """Seconds workers get to save an emergency checkpoint when the node is preempted."""
     scale_up: Literal["immediate", "checkpoint"] | None = None
