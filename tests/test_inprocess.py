@@ -557,12 +557,16 @@ def test_a_worker_killed_during_the_in_process_recovery_is_replaced_and_given_th
     assert result["status"]["restarts"] == 1, f"{history}\n{story(job)}"
     assert records[-1]["world"] == 2, records[-1]
     by_node = node_pids(job)
-    assert sorted(by_node[0]) == [1, 2, 3] and sorted(by_node[2]) == [1, 2, 3], by_node
-    # Node 0's worker throughout; node 2's replaced after round 2 by a new process.
-    assert by_node[0][1] == by_node[0][2] == by_node[0][3], by_node
-    assert by_node[2][1] == by_node[2][2] != by_node[2][3], by_node
-    assert by_node[2][3] not in (by_node[0][1], by_node[1][1]), by_node
-    check_one_outage(result, fired)
+    # Node 0's worker throughout; node 2's replaced after round 2 by a new process. On a
+    # loaded box node 2 may sit a round out while it replaces its worker (CI: rounds 1, 2
+    # and 4, node 0 alone in round 3): the same outage, one attempt more.
+    assert len(set(by_node[0].values())) == 1 and 1 in by_node[0], by_node
+    assert by_node[2][1] == by_node[2][2], by_node
+    last = by_node[2][max(by_node[2])]
+    assert max(by_node[2]) > 2 and last != by_node[2][1], by_node
+    assert last not in (by_node[0][1], by_node[1][1]), by_node
+    (rec,) = [e for e in result["status"]["history"] if e["kind"] == "recovery"]
+    assert rec["attempts"] >= 2 and rec["parts"]["failed_attempts"] > 0, rec
 
 
 def test_a_worker_stopped_during_the_in_process_recovery_is_killed_at_the_hang_timeout(tmp_path):
