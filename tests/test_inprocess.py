@@ -526,8 +526,7 @@ def test_a_second_node_killed_during_the_in_process_recovery_is_survived_in_proc
     job = make_job(tmp_path, "twice", steps=20)
     result = run(job, 3, ["kill-node=1@step=5:phase=step-end", "kill-node=2@step=5:phase=recover"])
     history = result["status"]["history"]
-    fired = [f for f in result["faults"] if not f.get("skipped") and f.get("t") is not None]
-    assert len(fired) == 2, (result["faults"], story(job))
+    fired = fired_faults(job, result, 2)
     # One recovery, the one that completed (round 2's failed before its first step).
     records = check_inprocess(tmp_path, job, result, recoveries=1)
     # The second fault landed in round 2's recovery: a third round formed.
@@ -551,8 +550,7 @@ def test_a_worker_killed_during_the_in_process_recovery_is_replaced_and_given_th
     result = run(job, 3, ["kill-node=1@step=5:phase=step-end",
                           "kill-worker=1@step=5:phase=recover"])  # fmt: skip
     history = result["status"]["history"]
-    fired = [f for f in result["faults"] if not f.get("skipped") and f.get("t") is not None]
-    assert len(fired) == 2, (result["faults"], story(job))
+    fired_faults(job, result, 2)
     records = check_inprocess(tmp_path, job, result, recoveries=1)
     assert result["status"]["restarts"] == 1, f"{history}\n{story(job)}"
     assert records[-1]["world"] == 2, records[-1]
@@ -583,8 +581,7 @@ def test_a_worker_stopped_during_the_in_process_recovery_is_killed_at_the_hang_t
     result = run(job, 3, ["kill-node=1@step=5:phase=step-end",
                           "hang-worker=1@step=5:phase=recover"])  # fmt: skip
     history = result["status"]["history"]
-    fired = [f for f in result["faults"] if not f.get("skipped") and f.get("t") is not None]
-    assert len(fired) == 2, (result["faults"], story(job))
+    fired = fired_faults(job, result, 2)
     check_inprocess(tmp_path, job, result, recoveries=1)
     (rec,) = [e for e in history if e["kind"] == "recovery"]
     assert rec["reason"] == "worker_hung" and rec["attempts"] == 2, rec
@@ -617,8 +614,7 @@ def test_a_node_frozen_during_the_in_process_recovery_is_left_behind_in_process(
     result = run(job, 3, ["kill-node=1@step=5:phase=step-end",
                           "freeze-node=2@step=5:phase=recover:for=5"])  # fmt: skip
     history = result["status"]["history"]
-    fired = [f for f in result["faults"] if not f.get("skipped") and f.get("t") is not None]
-    assert len(fired) == 2, (result["faults"], story(job))
+    fired_faults(job, result, 2)
     # The recovery into the world of node 0 alone, then node 2's return.
     records = check_inprocess(tmp_path, job, result, recoveries=2)
     assert result["status"]["restarts"] == 0, f"{history}\n{story(job)}"
@@ -631,6 +627,13 @@ def test_a_node_frozen_during_the_in_process_recovery_is_left_behind_in_process(
     assert fourth == second, f"{pids}\n{story(job)}"
     first_rec, newcomer = (e for e in history if e["kind"] == "recovery")
     assert first_rec["attempts"] == 2 and newcomer["reason"] == "scale_up", history
+
+
+def fired_faults(job, result, count: int) -> list[dict]:
+    """The faults of ``result`` that fired (not skipped, a time), asserted ``count``."""
+    fired = [f for f in result["faults"] if not f.get("skipped") and f.get("t") is not None]
+    assert len(fired) == count, (result["faults"], story(job))
+    return fired
 
 
 def check_one_outage(result, fired) -> None:
@@ -656,8 +659,7 @@ def test_a_tp_shards_last_holder_killed_during_the_in_process_recovery_falls_bac
                    rendezvous={"ttl": 2, "settle": FIRST_WORLD_SETTLE, "reform_grace": 0.5})  # fmt: skip
     result = run(job, 4, ["kill-node=1@step=6:phase=step-end", "kill-node=3@step=6:phase=recover"])
     history = result["status"]["history"]
-    fired = [f for f in result["faults"] if not f.get("skipped") and f.get("t") is not None]
-    assert len(fired) == 2, (result["faults"], story(job))
+    fired = fired_faults(job, result, 2)
     # The recovery that completed took the checkpoint: steps 5 and 6 trained again.
     check_inprocess(tmp_path, job, result, recoveries=1, source="checkpoint", lost=2)
     (rec,) = [e for e in history if e["kind"] == "recovery"]
@@ -973,8 +975,7 @@ def test_the_ddp_example_survives_a_second_node_killed_during_its_recovery(tmp_p
     job, result = run_example(tmp_path, "ddprecover", "ddp_inprocess.py", 100,
                               {"DDP_STEPS": "100", "DDP_STEP_SLEEP": "0.02"},
                               ["kill-node=1@step=10", "kill-node=2@step=10:phase=recover"])  # fmt: skip
-    fired = [f for f in result["faults"] if not f.get("skipped") and f.get("t") is not None]
-    assert len(fired) == 2, (result["faults"], story(job))
+    fired = fired_faults(job, result, 2)
     (rec,) = [e for e in result["status"]["history"] if e["kind"] == "recovery"]
     assert (rec["mode"], rec["source"], rec["lost_steps"]) == ("inprocess", "peers", 0), rec
     check_one_outage(result, fired)
