@@ -40,6 +40,12 @@ class NodesConfig:
     """Fewest nodes the job trains on; fewer and it waits."""
     max: int = 1
     """Most nodes the job uses; more become spares at the agent level."""
+    start: int | None = None
+    """Nodes the job's first world waits for (null: ``min``). A job given four nodes can
+    start on all four and still train on as few as ``min`` after a fault: with ``start:
+    4`` it does not begin on the first ``min`` nodes that join ``rendezvous.settle``
+    apart. Later worlds need only ``min``. Until that many nodes have room, the job stays
+    queued and says so."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -476,6 +482,11 @@ def _check(job: JobSpec, where: str) -> None:
         _positive(where, path, value, zero_ok=True)
     if n.max < n.min:
         raise JobSpecError(f"{where}: nodes.max: {n.max} is less than nodes.min ({n.min})")
+    if n.start is not None and not n.min <= n.start <= n.max:
+        raise JobSpecError(
+            f"{where}: nodes.start: {n.start} is not between nodes.min ({n.min}) and "
+            f"nodes.max ({n.max})"
+        )
     if job.checkpoint.memory_replicas and job.restart.mode != "inprocess":
         raise JobSpecError(
             f"{where}: checkpoint.memory_replicas: {job.checkpoint.memory_replicas} needs "

@@ -14,6 +14,7 @@ injected them carries on meanwhile; :attr:`LocalCluster.fault_log` records both 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import heapq
 import itertools
 import json
@@ -148,6 +149,7 @@ def check_plan(
     where: str = "job.yaml",
     steps: int | None = None,
     restart_mode: str | None = None,
+    nodes_start: int | None = None,
 ) -> None:
     """Refuse, before anything starts, a local cluster that can never run the job or
     faults that can never apply (one-line UsageErrors).
@@ -164,6 +166,11 @@ def check_plan(
             f"{where}: nodes.min: the job needs {nodes_min} nodes to start, but this local "
             f"cluster starts {nodes} (--nodes); it could never start (add-node faults fire only "
             "after a step)"
+        )
+    if nodes_start is not None and nodes < nodes_start:
+        raise UsageError(
+            f"{where}: nodes.start: the job's first world waits for {nodes_start} nodes, but "
+            f"this local cluster starts {nodes} (--nodes); it could never start"
         )
     most = nodes + sum(f.kind == "add-node" for f in faults)
     for f in faults:
@@ -1013,6 +1020,7 @@ def run_cluster(
     from elasticd.faultplan import ENV_PLAN, PlanSource, worker_side, write_plan
     from elasticd.jobs import JobRegistry, JobState
 
+    job = starting_on(job, nodes)
     base = os.path.join(job.out_dir, "cluster")
     agents_env = dict(os.environ if env is None else env)
     if isinstance(faults, Sequence):
@@ -1162,6 +1170,20 @@ def _announce_ends(cluster: LocalCluster, announced: int, out: Any) -> int:
                   f"({f['end']['t'] - f['t']:.2f}s after it began)\n")  # fmt: skip
         announced += 1
     return announced
+
+
+def starting_on(job: Any, nodes: int) -> Any:
+    """``job`` with ``nodes.start`` set to the ``nodes`` agents this cluster starts
+    (within ``nodes.min``..``nodes.max``) when the job leaves it unset.
+
+    Without it the first world closed once ``nodes.min`` agents had joined and nobody
+    joined for ``rendezvous.settle``: on a loaded machine an agent that took longer to
+    see the job was left out of it, and joined as a scale-up a moment later (a flaky
+    first world for every test and demo that counts its nodes)."""
+    if job.nodes.start is not None:
+        return job
+    start = min(max(nodes, job.nodes.min), job.nodes.max)
+    return dataclasses.replace(job, nodes=dataclasses.replace(job.nodes, start=start))
 
 
 def _wait_for_agents(client: Any, cluster: LocalCluster, nodes: int, *, timeout: float) -> None:

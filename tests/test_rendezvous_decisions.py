@@ -150,11 +150,20 @@ def test_join_keys_parse_back_to_round_and_node():
         dict(min_nodes=0),
         dict(min_nodes=3, max_nodes=2),
         dict(ttl=0.5),
+        dict(min_nodes=2, max_nodes=4, start_nodes=1),
+        dict(min_nodes=1, max_nodes=2, start_nodes=3),
     ],
 )
 def test_impossible_settings_are_usage_errors(kw):
     with pytest.raises(UsageError):
         RendezvousSettings(**{"run_id": "r", **kw})
+
+
+def test_start_nodes_count_for_the_first_round_only():
+    s = RendezvousSettings(run_id="r", min_nodes=1, max_nodes=4, start_nodes=3)
+    assert (s.needed(first=True), s.needed(first=False)) == (3, 1)
+    plain = RendezvousSettings(run_id="r", min_nodes=2, max_nodes=4)
+    assert (plain.needed(first=True), plain.needed(first=False)) == (2, 2)
 
 
 def test_keepalive_defaults_to_a_third_of_the_ttl():

@@ -153,6 +153,33 @@ def test_max_nodes_caps_the_world_and_the_extra_node_waits_until_a_member_leaves
             h.close()
 
 
+def test_the_first_world_waits_for_start_nodes_and_a_later_one_closes_at_min(etcd_config):
+    a, b = _handlers(etcd_config, fresh_run_id(), 2, min_nodes=1, max_nodes=3, start_nodes=2,
+                     settle=0.1)  # fmt: skip
+    out: dict = {}
+
+    def form(h):
+        out[h.node_id] = h.next_world()
+
+    try:
+        threading.Thread(target=form, args=(a,), daemon=True).start()
+        # Alone at min_nodes for ten times the settle: without start_nodes it had closed.
+        assert not until(lambda: out, 1.0)
+        threading.Thread(target=form, args=(b,), daemon=True).start()
+        assert until(lambda: len(out) == 2, 20)
+        assert {w.nodes for w in out.values()} == {("n0", "n1")}
+        assert {w.round for w in out.values()} == {1}
+        # The next world is not the first: it closes at min_nodes, without b.
+        b.leave()
+        out.clear()
+        threading.Thread(target=form, args=(a,), daemon=True).start()
+        assert until(lambda: out, 20)
+        assert out["n0"].nodes == ("n0",) and out["n0"].round == 2
+    finally:
+        a.close()
+        b.close()
+
+
 def test_min_nodes_not_reached_times_out_with_a_timeout_error(etcd_config, etcd_client):
     (alone,) = _handlers(etcd_config, fresh_run_id(), 1, min_nodes=2, max_nodes=2, join_timeout=1.0)
     try:

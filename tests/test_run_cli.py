@@ -121,6 +121,26 @@ def test_a_job_needing_more_nodes_than_the_cluster_starts_fails_fast_naming_node
     assert not (in_tmp / "runs").exists()
 
 
+def test_a_first_world_larger_than_the_cluster_is_refused_naming_nodes_start(in_tmp, capsys):
+    argv = (os.path.join(EXAMPLES, "elastic.yaml"), "--nodes", "2", "--set", "nodes.start=3")
+    code, _, err = run_cli(capsys, *argv)
+    assert code == 2 and err.count("\n") == 1
+    assert "elastic.yaml: nodes.start: the job's first world waits for 3 nodes" in err
+    assert "starts 2" in err
+
+
+def test_a_local_cluster_starts_the_job_on_every_agent_it_starts():
+    from elasticd.jobspec import parse_job
+    from elasticd.localcluster import starting_on
+
+    job = parse_job({"name": "t", "nodes": {"min": 1, "max": 4}})
+    assert starting_on(job, 3).nodes.start == 3
+    assert starting_on(job, 6).nodes.start == 4  # the rest are spares
+    pinned = parse_job({"name": "t", "nodes": {"min": 1, "max": 4, "start": 2}})
+    assert starting_on(pinned, 3).nodes.start == 2  # the job's own word stands
+    assert starting_on(job, 3).nodes.min == 1  # later worlds still need only nodes.min
+
+
 def test_an_add_node_fault_does_not_make_a_job_startable(in_tmp, capsys):
     # Faults fire after a step; a job that cannot start never gets one.
     argv = (write_job(in_tmp / "job.yaml", nodes={"min": 3, "max": 3}), "--nodes", "2",

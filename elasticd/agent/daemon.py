@@ -645,7 +645,8 @@ class Agent:
 
     def _explain(self, record: JobRecord, nodes: dict[str, dict]) -> None:
         job = record.job()
-        reason = queue_reason(job=record.name, nproc=job.nproc_per_node, min_nodes=job.nodes.min,
+        first = job.nodes.min if job.nodes.start is None else job.nodes.start
+        reason = queue_reason(job=record.name, nproc=job.nproc_per_node, min_nodes=first,
                               command=job.command, nodes=nodes)  # fmt: skip
         registry = self._registry
         assert registry is not None

@@ -91,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
                faults=faults, etcd_members=args.etcd_members,
                where=os.path.basename(args.job),
                steps=job.train.steps if job.command is None else None,
-               restart_mode=job.restart.mode)  # fmt: skip
+               restart_mode=job.restart.mode,
+               nodes_start=job.nodes.start)  # fmt: skip
     if job.checkpoint.key_file is not None:  # every local node reads this very file
         from checkpoint.seal import KeyFileError, read_key
 

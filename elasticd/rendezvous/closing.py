@@ -166,7 +166,7 @@ class RoundCloser:
         delay = close_delay(
             joined=count,
             pending_previous=pend,
-            min_nodes=s.min_nodes,
+            min_nodes=s.needed(first=previous is None),
             max_nodes=s.max_nodes,
             since_last_join=m.since_last_join(round_),
             settle=s.settle,
@@ -301,7 +301,8 @@ class RoundCloser:
         if pending:
             m.wake_when = lambda: False
         else:
-            threshold = s.max_nodes if count >= s.min_nodes else s.min_nodes
+            needed = s.needed(first=self._mirror.world is None)
+            threshold = s.max_nodes if count >= needed else needed
             m.wake_when = lambda: len(m.joined_nodes(round_)) >= threshold
         try:
             m.cond.wait(max(0.0, min(timeout, 1.0)))

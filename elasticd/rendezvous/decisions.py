@@ -32,6 +32,10 @@ class RendezvousSettings:
     """A round may close once this many nodes joined and ``settle`` passed."""
     max_nodes: int = 1
     """A round closes at once when this many joined; later joiners wait for the next."""
+    start_nodes: int | None = None
+    """The run's first round (no world before it) takes this many in place of
+    ``min_nodes`` (None: ``min_nodes``): a job started on N nodes begins on all N, however
+    far apart they join, and later worlds still need only ``min_nodes``."""
     ttl: float = 3.0
     """Lease TTL of a node's membership in seconds; a dead node is known after about this."""
     keepalive_interval: float | None = None
@@ -72,6 +76,12 @@ class RendezvousSettings:
             raise UsageError(
                 f"rendezvous nodes: need 1 <= min ({self.min_nodes}) <= max ({self.max_nodes})"
             )
+        start = self.start_nodes
+        if start is not None and not self.min_nodes <= start <= self.max_nodes:
+            raise UsageError(
+                f"rendezvous start nodes: need min ({self.min_nodes}) <= start ({start}) <= "
+                f"max ({self.max_nodes})"
+            )
         if self.reform_grace is not None and self.reform_grace < 0:
             raise UsageError(f"rendezvous reform_grace: {self.reform_grace} must be >= 0")
         for name in ("ttl", "settle", "join_timeout"):
@@ -80,6 +90,13 @@ class RendezvousSettings:
                 raise UsageError(f"rendezvous {name}: {value} must be positive")
         if self.ttl < 1:
             raise UsageError(f"rendezvous ttl: {self.ttl} is below etcd's 1 s lease granularity")
+
+    def needed(self, first: bool) -> int:
+        """Nodes a round needs before it may close: ``start_nodes`` for the run's
+        ``first`` round, else ``min_nodes``."""
+        if first and self.start_nodes is not None:
+            return self.start_nodes
+        return self.min_nodes
 
     @property
     def probes(self) -> bool:

@@ -612,7 +612,8 @@ class Cluster:
             check_plan(nodes_min=spec.nodes.min, nproc=spec.nproc_per_node, nodes=nodes,
                        faults=parsed, etcd_members=1, where=f"job {raw['name']}",
                        steps=spec.train.steps if spec.command is None else None,
-                       restart_mode=spec.restart.mode)  # fmt: skip
+                       restart_mode=spec.restart.mode,
+                       nodes_start=spec.nodes.start)  # fmt: skip
         except UsageError as exc:
             raise UsageError(str(exc).replace("--fault ", "faults: ", 1)) from None
         if spec.command is not None and _names_steps(job):
