@@ -159,7 +159,10 @@ def check_plan(
     the start (an add-node fault cannot help it start), and a fault that removes a node
     for good (kill-node, term-node) must leave ``nodes.min`` of them, counting the
     add-node faults of the same step (one set for a later step never fires while the job
-    stands still).
+    stands still). A node fault's target must exist by its step (an add-node of a later
+    step has not started it yet) and not be gone by then (killed or preempted, unless a
+    restart-node brought it back). A fault the cluster fires (no phase) at the job's last
+    step would hit a finished job; it is refused.
     """
     if nodes < nodes_min:
         raise UsageError(
@@ -183,8 +186,14 @@ def check_plan(
             raise UsageError(
                 f"--fault {f}: step {f.step} is past the job's last step (train.steps: {steps})"
             )
-        if f.kind in NODE_FAULTS and f.target >= most:  # type: ignore[operator]
-            raise UsageError(f"--fault {f}: there is no node {f.target} (nodes 0..{most - 1})")
+        if steps is not None and f.step == steps and f.phase is None:
+            # Fired once that step completed: the job is done by then, and a fault that
+            # hits a finished job proves nothing.
+            raise UsageError(
+                f"--fault {f}: step {f.step} is the job's last step (train.steps: {steps}); "
+                "the cluster fires a fault once its step completed, when nothing is left "
+                "to recover: pick an earlier step, or a phase inside it (:phase=forward)"
+            )
         if f.kind in RANK_FAULTS and f.target >= most * nproc:  # type: ignore[operator]
             raise UsageError(
                 f"--fault {f}: there is no rank {f.target} (ranks 0..{most * nproc - 1})"
@@ -195,15 +204,29 @@ def check_plan(
             raise UsageError(
                 f"--fault {f}: there is no etcd member {f.target} (members 0..{etcd_members - 1})"
             )
-    alive, gone = nodes, set()
-    for _, group in itertools.groupby(sorted(faults, key=lambda f: f.step), lambda f: f.step):
+    alive, started, gone = nodes, nodes, set()
+    by_step = itertools.groupby(sorted(faults, key=lambda f: f.step), lambda f: f.step)
+    for _, group in by_step:
+        group = list(group)
+        # An add-node of this step may come first; one of a later step has not happened.
+        started += sum(f.kind == "add-node" for f in group)
         removal = None
         for f in group:
+            if f.kind in NODE_FAULTS and f.target >= started:  # type: ignore[operator]
+                raise UsageError(
+                    f"--fault {f}: there is no node {f.target} by step {f.step} "
+                    f"(nodes 0..{started - 1})"
+                )
+            if f.kind in NODE_FAULTS - {"restart-node"} and f.target in gone:
+                raise UsageError(f"--fault {f}: node {f.target} is gone by step {f.step}")
             if f.kind == "add-node":
                 alive += 1
-            elif f.kind in ("kill-node", "term-node") and f.target not in gone:
+            elif f.kind in ("kill-node", "term-node"):
                 gone.add(f.target)
                 alive, removal = alive - 1, f
+            elif f.kind == "restart-node" and f.target in gone:
+                gone.discard(f.target)  # its agent starts again
+                alive += 1
         if removal is not None and alive < nodes_min:
             raise UsageError(
                 f"--fault {removal}: leaves {alive} node{'s' * (alive != 1)}, fewer than "
@@ -596,12 +619,14 @@ class LocalCluster:
         return len(asked)
 
     def kill_node(self, index: int) -> None:
-        """SIGKILL the agent and its workers, as a machine dying would."""
-        pids = self.worker_pids(index)
-        _signal(self.agents[index].pid, signal.SIGKILL)
-        for pid in pids.values():
+        """SIGKILL the agent and every process under it, as a machine dying would."""
+        agent = self.agents[index]
+        # Its processes, read while it lives (a workers.json pid may be reused by now).
+        pids = descendants(agent.pid) if agent.poll() is None else []
+        _signal(agent.pid, signal.SIGKILL)
+        for pid in pids:
             _signal(pid, signal.SIGKILL)
-        self.agents[index].wait(timeout=10)
+        agent.wait(timeout=10)
 
     def term_node(self, index: int) -> None:
         """SIGTERM the agent: a preemption (systemd stop, Kubernetes eviction)."""
@@ -711,6 +736,9 @@ class LocalCluster:
             raise UsageError(f"{fault}: only the workers can raise (run_cluster's fault plan)")
         if kind in NODE_FAULTS:
             index = self._node(fault)
+            if kind != "restart-node" and self.agents[index].poll() is not None:
+                # kill -9 of a dead agent "succeeds"; it proves nothing.
+                raise UsageError(f"node {index} is not running (its agent exited)")
             if kind == "kill-node":
                 self.kill_node(index)
                 return f"node {index}: agent and workers SIGKILLed"

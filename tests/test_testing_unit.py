@@ -121,7 +121,78 @@ def test_records_are_the_last_per_step_and_worlds_and_recoveries_come_from_the_h
     assert r.recoveries == [Recovery(round=2, reason="peer_lost", mode="inprocess",
                                      source="peers", lost_steps=0, seconds=0.6,
                                      parts={"abort": 0.1})]  # fmt: skip
-    r.assert_worlds([3, 2, 3]).assert_recovered_within(1.0).assert_no_lost_steps()
+    r.assert_worlds([3, 2, 3]).assert_recovered_within(1.0)
+    # Step 2 was recorded twice: trained again, whatever the recovery said.
+    assert r.retrained == [2]
+    with pytest.raises(ElasticdAssertionError, match=r"steps trained again \(recorded twice"):
+        r.assert_no_lost_steps()
+
+
+def test_a_recovery_that_could_not_tell_its_lost_steps_is_judged_by_metrics_jsonl():
+    """A restarted agent that saw no step records lost_steps None: it was read as 0, and
+    assert_no_lost_steps passed a run that trained steps again."""
+    unknown = {"kind": "recovery", "round": 2, "reason": "peer_lost", "mode": "process",
+               "source": "checkpoint", "lost_steps": None, "seconds": 3.0}  # fmt: skip
+    again = _result([{"step": s, "loss": 1.0} for s in (1, 2, 3, 4, 3, 4, 5)], history=[unknown])
+    assert again.recoveries[0].lost_steps is None and again.retrained == [3, 4]
+    with pytest.raises(ElasticdAssertionError, match=r"(?s)trained again.*3-4.*lost unknown"):
+        again.assert_no_lost_steps()
+    clean = _result([{"step": s, "loss": 1.0} for s in (1, 2, 3)], history=[unknown])
+    clean.assert_no_lost_steps()  # nobody said, and no step was trained twice
+
+
+def test_a_fault_that_could_not_be_applied_counts_as_unfired():
+    final = {"state": "succeeded", "reason": "", "metrics": [], "status": {},
+             "faults": [{"fault": "kill-node=1@step=3", "kind": "kill-node", "skipped": True,
+                         "detail": "not injected: node 1 is not running (its agent exited)"},
+                        {"fault": "kill-node=0@step=2", "kind": "kill-node", "detail": ""}]}  # fmt: skip
+    r = result_from(final, run_dir="/nowhere", output="")
+    assert [f["fault"] for f in r.unfired] == ["kill-node=1@step=3"]
+
+
+def _dead(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_dead_nodes_kill_is_not_injected_and_a_kill_takes_every_process_of_the_node(tmp_path):
+    """kill -9 of an agent that had exited "succeeded" (ProcessLookupError swallowed) and
+    counted as fired; and the kill read its workers from workers.json, whose pids may have
+    been reused."""
+    import subprocess
+    import sys
+
+    from elasticd.localcluster import Fault
+
+    cluster = LocalCluster(base_dir=str(tmp_path), nproc=1)
+    # An "agent" with a child of its own, as an agent has its workers.
+    agent = subprocess.Popen([sys.executable, "-c",
+                              "import subprocess, sys, time; "
+                              "subprocess.Popen([sys.executable, '-c', 'import time; "
+                              "time.sleep(60)']); print('up', flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE)  # fmt: skip
+    try:
+        assert agent.stdout.readline() == b"up\n"
+        from elasticd.localcluster import descendants
+
+        (child,) = descendants(agent.pid)
+        cluster.agents.append(agent)
+        kill = Fault(kind="kill-node", target=0, step=1)
+        assert not cluster.inject(kill).get("skipped")
+        assert agent.poll() is not None
+        from polling import until
+
+        assert until(lambda: _dead(child), 10)
+        again = cluster.inject(kill)
+        assert again["skipped"] and "node 0 is not running" in again["detail"]
+        frozen = cluster.inject(Fault(kind="freeze-node", target=0, step=2))
+        assert frozen["skipped"]
+    finally:
+        agent.kill()
+        agent.wait()
 
 
 def test_a_loss_mismatch_is_a_table_of_the_differing_steps():
@@ -461,7 +532,7 @@ def test_a_script_jobs_fault_past_the_steps_it_names_is_refused_before_the_run(
     unnamed.write_text(f"name: s\ncommand: [python, {script}]\n")
     for job, fault in ((str(unnamed), "kill-node=1@step=30"),  # the default's 20: unknown
                        (load_job(str(named)), "kill-node=1@step=30"),  # a JobSpec cannot say
-                       (cluster.script_job(script, steps=4), "kill-node=1@step=4")):  # fmt: skip
+                       (cluster.script_job(script, steps=4), "kill-node=1@step=3")):  # fmt: skip
         with pytest.raises(RuntimeError, match="not started"):
             cluster.run(job, nodes=2, faults=fault)
 
@@ -483,3 +554,131 @@ def test_a_stack_dump_after_the_timeout_is_quoted_as_its_main_threads_innermost_
                       "  (1 other thread in the dump, in the log)"]  # fmt: skip
     assert _main_stack(str(log), log.stat().st_size) is None
     assert _main_stack(str(tmp_path / "gone.log"), 0) is None
+
+
+def test_faults_that_could_only_hit_a_finished_job_or_no_node_are_refused(tmp_path):
+    """The cluster fires a phase-less fault once its step completed: at the last step the
+    job is over and the fault "fires" on nothing. A node fault's target must exist by its
+    step and not be gone by then."""
+    from elasticd.localcluster import check_plan
+
+    def check(*faults, nodes=2, steps=10):
+        check_plan(nodes_min=1, nproc=1, nodes=nodes, faults=[parse_fault(f) for f in faults],
+                   etcd_members=1, steps=steps)  # fmt: skip
+
+    with pytest.raises(UsageError, match=r"step 10 is the job's last step"):
+        check("kill-node=1@step=10")
+    check("kill-node=1@step=10:phase=forward")
+    check("kill-node=1@step=9")
+    with pytest.raises(UsageError, match=r"there is no node 2 by step 3 \(nodes 0\.\.1\)"):
+        check("kill-node=2@step=3", "add-node@step=8")
+    check("add-node@step=3", "kill-node=2@step=3")  # the same step: it comes first
+    with pytest.raises(UsageError, match=r"node 1 is gone by step 5"):
+        check("kill-node=1@step=3", "freeze-node=1@step=5", nodes=3)
+    with pytest.raises(UsageError, match=r"node 1 is gone by step 5"):
+        check("term-node=1@step=3", "kill-node=1@step=5", nodes=3)
+    check("kill-node=1@step=3", "restart-node=1@step=4", "kill-node=1@step=6", nodes=3)
+
+
+@pytest.mark.parametrize(
+    ("kw", "says"),
+    [(dict(faults=None), r"^faults: None must be a fault spec or a list of them$"),
+     (dict(faults=[1]), r"^faults: 1 is not a fault spec"),
+     (dict(nodes="3"), r"^nodes: '3' must be a whole number of agents >= 1$"),
+     (dict(nodes=0), r"^nodes: 0 must be"),
+     (dict(timeout=0), r"^timeout: 0 must be a number of seconds > 0$"),
+     (dict(timeout=float("nan")), r"^timeout: nan must be"),
+     (dict(timeout=float("inf")), r"^timeout: inf must be"),
+     (dict(timeout="60"), r"^timeout: '60' must be"),
+     (dict(nodes=2, faults="kill-etcd-leader@step=2"),
+      r"^faults: kill-etcd-leader@step=2:for=5: needs an etcd of 3 members; elasticd\.testing"),
+     (dict(nodes=2, faults="kill-node=2@step=2"), r"^faults: kill-node=2@step=2: there is no node 2"),
+     (dict(nodes=1, faults="kill-node=0@step=2", **{"job": {"nodes": {"min": 2, "max": 2}}}),
+      r"starts 1 \(nodes=\)")],
+)  # fmt: skip
+def test_bad_run_arguments_are_one_line_usage_errors_before_anything_starts(tmp_path, kw, says):
+    from elasticd.testing import Cluster
+
+    cluster = Cluster(base=str(tmp_path / "base"))
+    job = cluster.builtin_job(**kw.pop("job", {}))
+    with pytest.raises(UsageError, match=says):
+        cluster.run(job, **kw)
+    assert cluster.runs == []
+
+
+def test_a_reference_takes_no_faults_and_a_spent_test_runs_nothing(tmp_path):
+    import time
+
+    from elasticd.testing import Cluster
+
+    cluster = Cluster(base=str(tmp_path / "base"))
+    with pytest.raises(UsageError, match=r"^reference: faults: not an argument"):
+        cluster.reference(cluster.builtin_job(), faults=["kill-node=0@step=2"])
+    spent = Cluster(base=str(tmp_path / "spent"), deadline=time.monotonic() + 5)
+    with pytest.raises(UsageError, match=r"this test's timeout leaves \d+ s to its next run"):
+        spent.run(spent.builtin_job())
+    with pytest.raises(UsageError, match=r"this test's timeout leaves"):
+        spent.reference(spent.builtin_job())
+    assert spent.runs == [] and spent.references == {}
+
+
+def test_a_runs_timeout_is_cut_to_what_the_test_has_left(tmp_path, monkeypatch):
+    import time
+
+    from elasticd import localcluster
+    from elasticd.testing import Cluster
+
+    limits = []
+
+    def fake_run_cluster(spec, **kw):  # what run() would start, captured (pure logic)
+        limits.append(kw["timeout"])
+        raise RuntimeError("not started")
+
+    monkeypatch.setattr(localcluster, "run_cluster", fake_run_cluster)
+    cluster = Cluster(base=str(tmp_path), timeout=300, deadline=time.monotonic() + 120)
+    with pytest.raises(RuntimeError, match="not started"):
+        cluster.run(cluster.builtin_job())
+    assert 100 < limits[0] <= 120
+    with pytest.raises(RuntimeError, match="not started"):
+        Cluster(base=str(tmp_path), timeout=30, deadline=time.monotonic() + 120).run(
+            cluster.builtin_job()
+        )
+    assert limits[1] == 30
+
+
+def test_the_plugin_gives_a_tests_runs_its_pytest_timeout_less_their_overhead():
+    import time
+
+    from elasticd.testing import RUN_OVERHEAD
+    from elasticd.testing.plugin import _deadline
+
+    class Config:
+        def __init__(self, ini):
+            self.ini = ini
+            self.pluginmanager = self
+
+        def hasplugin(self, name):
+            return name == "timeout"
+
+        def getoption(self, name, default=None):
+            return None
+
+        def getini(self, name):
+            return self.ini
+
+    class Node:
+        def __init__(self, marker):
+            self.marker = marker
+
+        def get_closest_marker(self, name):
+            return self.marker
+
+    class Request:
+        def __init__(self, marker, ini="300"):
+            self.node, self.config = Node(marker), Config(ini)
+
+    now = time.monotonic()
+    at = _deadline(Request(pytest.mark.timeout(420).mark))
+    assert at == pytest.approx(now + 420 - RUN_OVERHEAD, abs=5)
+    assert _deadline(Request(None)) == pytest.approx(now + 300 - RUN_OVERHEAD, abs=5)
+    assert _deadline(Request(None, ini="0")) is None  # no timeout at all

@@ -42,6 +42,11 @@ from elasticd.jobspec import run_logs_dir
 
 DEFAULT_TIMEOUT = 300.0
 """Seconds a run may take (the ``elasticd`` marker's ``timeout`` overrides it)."""
+RUN_OVERHEAD = 100.0
+"""Seconds a run can take beyond its timeout (the agents registering, the cluster's
+stop), kept out of what the test's own timeout leaves to its runs."""
+MIN_RUN = 10.0
+"""Fewer seconds left to a test than this, and its next run is refused at once."""
 
 BUILTIN_JOB: dict[str, Any] = {
     "nodes": {"min": 1, "max": 8},
@@ -109,8 +114,10 @@ class Recovery:
     """``inprocess`` (the survivors' processes went on) or ``process`` (all restarted)."""
     source: str
     """Where the state came from: peers, replica, checkpoint or none."""
-    lost_steps: int
-    """Completed steps that had to be trained again."""
+    lost_steps: int | None
+    """Completed steps that had to be trained again; None when nobody could tell (a
+    restarted agent that saw no step, a script that reported no ``lost_steps``):
+    :attr:`RunResult.retrained` tells from metrics.jsonl."""
     seconds: float
     """From the failure's detection to rank 0's next step; after attempts that failed
     before their first step (a second fault during the recovery), from the first one's."""
@@ -146,6 +153,9 @@ class RunResult:
     """The job's final status record, with its ``history``."""
     run_id: str = ""
     """The run's id: its worker logs are under ``logs/<run_id>/``."""
+    retrained: list[int] = field(default_factory=list)
+    """Steps recorded more than once in metrics.jsonl: trained again after a roll back
+    (:attr:`records` keeps the last record of each)."""
     unfinished: list[dict[str, Any]] = field(default_factory=list)
     """When the run timed out: the workers still running then, in rank order (``rank``,
     ``node``, ``pid``, ``log``: the file its output went to, ``size``: that file's size
@@ -153,8 +163,9 @@ class RunResult:
 
     @property
     def unfired(self) -> list[dict[str, Any]]:
-        """The faults that never fired (``detail`` says why)."""
-        return [f for f in self.faults if f.get("unfired")]
+        """The faults that never fired or could not be applied when due (a kill of a node
+        whose agent had exited, a rank no live worker had): ``detail`` says why."""
+        return [f for f in self.faults if f.get("unfired") or f.get("skipped")]
 
     @property
     def steps(self) -> list[int]:
@@ -202,7 +213,9 @@ class RunResult:
             lines += self._unfinished_lines()
         lines += [f"  fault {f.get('fault')}: {f.get('detail')}" for f in self.faults]
         lines += [f"  recovery round {r.round}: {r.reason}, {r.mode} from {r.source}, "
-                  f"{r.seconds:.2f} s, lost {r.lost_steps}" for r in self.recoveries]  # fmt: skip
+                  f"{r.seconds:.2f} s, lost "
+                  f"{'unknown' if r.lost_steps is None else r.lost_steps}"
+                  for r in self.recoveries]  # fmt: skip
         failures = [e for e in self.status.get("history", []) if e.get("kind") == "failure"]
         if len(failures) > FAILURES_SHOWN:
             lines.append(f"  ({len(failures) - FAILURES_SHOWN} earlier failures)")
@@ -303,13 +316,18 @@ class RunResult:
         return self
 
     def assert_no_lost_steps(self) -> RunResult:
-        """No recovery trained a completed step again, and no step is missing."""
+        """No recovery trained a completed step again, and no step is missing: neither by
+        the recoveries' own count (``lost_steps``) nor by metrics.jsonl (a step recorded
+        twice was trained again, whatever the recovery said or could not say)."""
         lost = [r for r in self.recoveries if r.lost_steps]
         steps = self.steps
         gaps = sorted(set(range(1, (steps[-1] if steps else 0) + 1)) - set(steps))
-        if lost or gaps:
+        if lost or gaps or self.retrained:
             lines = [f"  round {r.round}: {r.lost_steps} step(s) lost ({r.mode} from {r.source})"
                      for r in lost]  # fmt: skip
+            if self.retrained:
+                lines.append(f"  steps trained again (recorded twice in metrics.jsonl): "
+                             f"{_ranges(self.retrained)}")  # fmt: skip
             if gaps:
                 lines.append(f"  steps missing from metrics.jsonl: {_ranges(gaps)}")
             raise ElasticdAssertionError("steps were lost:\n" + "\n".join(lines) + "\n"
@@ -323,6 +341,24 @@ class RunResult:
                 f"worlds {self.worlds}, expected {list(sizes)}\n{self.describe()}"
             )
         return self
+
+
+def _fault_texts(faults: Any) -> list[str]:
+    """``faults`` as a list of spec strings; anything else is a one-line UsageError."""
+    texts = [faults] if isinstance(faults, str) else faults
+    if not isinstance(texts, Iterable) or isinstance(texts, bytes | Mapping):
+        raise UsageError(f"faults: {faults!r} must be a fault spec or a list of them")
+    texts = list(texts)
+    for text in texts:
+        if not isinstance(text, str):
+            raise UsageError(f"faults: {text!r} is not a fault spec (a string such as "
+                             "'kill-node=1@step=5')")  # fmt: skip
+    return texts
+
+
+def _check_timeout(value: Any, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not (0 < value < math.inf):
+        raise UsageError(f"{name}: {value!r} must be a number of seconds > 0")
 
 
 def _log_tail(path: str | None, size: int) -> tuple[list[str], int]:
@@ -437,9 +473,13 @@ def assert_worlds(result: RunResult, sizes: Sequence[int]) -> None:
 def result_from(final: Mapping[str, Any], *, run_dir: str, output: str) -> RunResult:
     """A RunResult from ``run_cluster``'s final record."""
     last: dict[int, dict[str, Any]] = {}
+    again: set[int] = set()
     for rec in final.get("metrics", []):
         if "step" in rec:
-            last[int(rec["step"])] = rec
+            step = int(rec["step"])
+            if step in last:
+                again.add(step)
+            last[step] = rec
     status = dict(final.get("status") or {})
     history = status.get("history") or []
     worlds: list[int] = []
@@ -449,14 +489,16 @@ def result_from(final: Mapping[str, Any], *, run_dir: str, output: str) -> RunRe
     recoveries = [
         Recovery(round=int(e.get("round", 0)), reason=str(e.get("reason", "")),
                  mode=str(e.get("mode", "process")), source=str(e.get("source", "")),
-                 lost_steps=int(e.get("lost_steps") or 0), seconds=float(e.get("seconds", 0.0)),
+                 lost_steps=None if e.get("lost_steps") is None else int(e["lost_steps"]),
+                 seconds=float(e.get("seconds", 0.0)),
                  parts=dict(e.get("parts") or {}), attempts=int(e.get("attempts") or 1))
         for e in history if e.get("kind") == "recovery"
     ]  # fmt: skip
     outcome = "timed_out" if final.get("timed_out") else str(final.get("state", "unknown"))
     return RunResult(
         outcome=outcome, reason=str(final.get("reason", "")),
-        records=[last[s] for s in sorted(last)], worlds=worlds, recoveries=recoveries,
+        records=[last[s] for s in sorted(last)], retrained=sorted(again), worlds=worlds,
+        recoveries=recoveries,
         faults=list(final.get("faults", [])), run_dir=run_dir, output=output, status=status,
         run_id=str(final.get("run_id") or ""), unfinished=list(final.get("unfinished", [])),
     )  # fmt: skip
@@ -527,6 +569,12 @@ class Cluster:
     runs: list[RunResult] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment for every agent (and so every worker) of this fixture's runs."""
+    deadline: float | None = None
+    """``time.monotonic()`` by which this test's runs must be over: the plugin sets it
+    from the test's own timeout (pytest-timeout's), less :data:`RUN_OVERHEAD`. A run's
+    timeout is cut to what is left, so a test whose runs together overrun ends with the
+    timed-out run's summary (the ranks still running, their last lines), not killed
+    half-way by pytest-timeout."""
     _next: int = 0
     """The next run's number (its directory ``run-<n>``)."""
 
@@ -578,9 +626,14 @@ class Cluster:
         ElasticdAssertionError, unless ``allow_unfired``: a fault test whose fault missed
         proves nothing."""
         from elasticd.jobspec import parse_job
-        from elasticd.localcluster import check_plan, parse_fault, run_cluster
+        from elasticd.localcluster import ETCD_MEMBER_FAULTS, check_plan, parse_fault, run_cluster
 
-        faults = [faults] if isinstance(faults, str) else list(faults)
+        faults = _fault_texts(faults)
+        if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+            raise UsageError(f"nodes: {nodes!r} must be a whole number of agents >= 1")
+        if timeout is not None:
+            _check_timeout(timeout, "timeout")
+        limit = self._limit(timeout)
         index = self._next
         self._next += 1  # a run that raises keeps its directory: the next gets another
         run_dir = os.path.join(self.base, f"run-{index}")
@@ -598,7 +651,7 @@ class Cluster:
         given = raw.get("restart") or {}
         if isinstance(job, Mapping) and "max_restarts" not in given:
             raw["restart"] = {**given, "max_restarts": 2 * len(faults) + SPARE_RESTARTS}
-        hangs = any(str(f).startswith("hang-worker") for f in faults)
+        hangs = any(f.strip().startswith("hang-worker") for f in faults)
         if isinstance(job, Mapping) and hangs and "hang_timeout" not in given:
             raw["restart"] = {**(raw.get("restart") or {}), "hang_timeout": HANG_TIMEOUT}
         # Relative paths of the job (data.path) are the caller's, as for `elasticd run`.
@@ -606,16 +659,22 @@ class Cluster:
         for k, v in (env or {}).items():
             if not isinstance(k, str) or not isinstance(v, str | os.PathLike):
                 raise UsageError(f"env[{k!r}]: {v!r}: names and values must be strings")
-        limit = timeout or self.timeout
         try:  # the CLI's words for the CLI's flag; here the argument is faults=
             parsed = [parse_fault(f) for f in faults]
+            for fault in parsed:
+                if fault.kind in ETCD_MEMBER_FAULTS:
+                    raise UsageError(
+                        f"--fault {fault}: needs an etcd of 3 members; elasticd.testing runs "
+                        "one (elasticd run --etcd-members 3 runs three)"
+                    )
             check_plan(nodes_min=spec.nodes.min, nproc=spec.nproc_per_node, nodes=nodes,
                        faults=parsed, etcd_members=1, where=f"job {raw['name']}",
                        steps=spec.train.steps if spec.command is None else None,
                        restart_mode=spec.restart.mode,
                        nodes_start=spec.nodes.start)  # fmt: skip
         except UsageError as exc:
-            raise UsageError(str(exc).replace("--fault ", "faults: ", 1)) from None
+            said = str(exc).replace("--fault ", "faults: ", 1).replace("(--nodes)", "(nodes=)")
+            raise UsageError(said) from None
         if spec.command is not None and _names_steps(job):
             # A script may train steps of its own, but this job says how many it trains: a
             # fault past them would be found, unfired, only once the whole run is over.
@@ -654,33 +713,67 @@ class Cluster:
             )
         return result
 
+    def _limit(self, timeout: float | None) -> float:
+        """A run's timeout: ``timeout`` (or the fixture's), cut to what the test has left."""
+        limit = timeout or self.timeout
+        if self.deadline is None:
+            return limit
+        left = self.deadline - time.monotonic()
+        if left < MIN_RUN:
+            raise UsageError(
+                f"this test's timeout leaves {max(left, 0):.0f} s to its next run (each run "
+                f"also needs up to {RUN_OVERHEAD:g} s to start and stop): raise "
+                "@pytest.mark.elasticd(timeout=...)"
+            )
+        return min(limit, left)
+
     def reference(
         self, job: Any, *, nodes: int = 1, nproc_per_node: int | None = None, **kw: Any
     ) -> RunResult:
         """The uninterrupted run of ``job`` on ``nodes`` agents, made once per session (per
         xdist worker) and shared by every test that asks for the same job, shape and
-        environment (whatever its ``restart.mode``: a run without faults never restarts).
+        environment (whatever its ``restart`` section: a run without faults never
+        restarts). The environment is the one given (``env``, the cluster's), not this
+        process's own: a test that changes ``os.environ`` for its job passes it as ``env``.
         It must succeed; a failed one is not run again for the next test."""
         from elasticd.jobspec import parse_job
 
+        unknown = sorted(set(kw) - {"env", "timeout", "restart"})
+        if unknown:
+            raise UsageError(
+                f"reference: {', '.join(unknown)}: not an argument of an uninterrupted run "
+                "(it takes nodes, nproc_per_node, env and timeout; faults go to run())"
+            )
         raw = _job_dict(job)
-        raw.pop("restart", None)
-        kw.pop("restart", None)
+        kw.pop("restart", None)  # the job's own restart section: never used without faults
         if nproc_per_node is not None:
             raw["nproc_per_node"] = nproc_per_node
-        # The same job however it was given (a path, a dict with defaults left out).
-        canon = parse_job({**raw, "name": "reference"}, where="reference job").to_dict()
-        for name in ("name", "output_dir"):
+        # The same job however it was given (a path, a dict with defaults left out, paths
+        # relative to another directory), whatever its restart section.
+        spec = parse_job({**raw, "name": "reference"}, where="reference job")
+        canon = spec.with_paths_resolved(os.getcwd()).to_dict()
+        for name in ("name", "output_dir", "restart"):
             canon.pop(name, None)
         (canon.get("checkpoint") or {}).pop("dir", None)
-        env = {**self.env, **dict(kw.get("env") or {})}
-        key = json.dumps([canon, nodes, env, repr(sorted(kw.items()))], sort_keys=True)
+        env = {k: os.fspath(v) for k, v in {**self.env, **dict(kw.get("env") or {})}.items()}
+        key = json.dumps([canon, nodes, env], sort_keys=True)
         if key not in self.references:
             base = os.path.join(self.reference_base or self.base, "references")
             os.makedirs(base, exist_ok=True)
             where = Cluster(base=tempfile.mkdtemp(prefix="reference-", dir=base),
-                            timeout=self.timeout, env=self.env)  # fmt: skip
-            self.references[key] = where.run(raw, nodes=nodes, **kw)
+                            timeout=self.timeout, env=self.env,
+                            deadline=self.deadline)  # fmt: skip
+            full = kw.get("timeout") or self.timeout
+            cut = where._limit(kw.get("timeout")) < full
+            result = where.run(raw, nodes=nodes, **kw)
+            if result.outcome == "timed_out" and cut:
+                # Out of this test's time, not its own: the next test runs it again.
+                raise ElasticdAssertionError(
+                    "the reference run did not finish in what this test's timeout left it "
+                    f"(raise @pytest.mark.elasticd(timeout=...))\n{result.describe()}",
+                    result,
+                )
+            self.references[key] = result
         result = self.references[key]
         if result.outcome != "succeeded":
             raise ElasticdAssertionError(

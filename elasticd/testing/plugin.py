@@ -15,13 +15,14 @@ Only the standard library and pytest are imported at start-up.
 from __future__ import annotations
 
 import os
+import time
 import types
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from elasticd.testing import DEFAULT_TIMEOUT, Cluster, sweep
+from elasticd.testing import DEFAULT_TIMEOUT, RUN_OVERHEAD, Cluster, sweep
 
 _REPORTS = pytest.StashKey[dict[str, Any]]()
 _REFERENCES: dict[str, Any] = {}
@@ -128,6 +129,26 @@ def _mended(tb: types.TracebackType | None) -> types.TracebackType | None:
     return rebuilt
 
 
+def _deadline(request: pytest.FixtureRequest) -> float | None:
+    """When this test's runs must be over: its pytest-timeout (the marker the plugin
+    added, its own, or the ini's) from now, less RUN_OVERHEAD; None without one."""
+    config = request.config
+    if not config.pluginmanager.hasplugin("timeout"):
+        return None
+    marker = request.node.get_closest_marker("timeout")
+    if marker is not None:
+        value = marker.kwargs.get("timeout", marker.args[0] if marker.args else None)
+    else:
+        value = config.getoption("timeout", None) or config.getini("timeout")
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        return None
+    if not 0 < seconds < float("inf"):
+        return None  # no timeout (0 turns it off)
+    return time.monotonic() + seconds - RUN_OVERHEAD
+
+
 def _failed(item: pytest.Item) -> bool:
     reports = item.stash.get(_REPORTS, {})
     return any(r.failed for r in reports.values())
@@ -158,7 +179,8 @@ def elasticd_cluster(
     base = str(tmp_path / "elasticd")
     os.makedirs(base, exist_ok=True)
     cluster = Cluster(base=base, timeout=_timeout(request.node), references=_REFERENCES,
-                      reference_base=elasticd_reference_dir)  # fmt: skip
+                      reference_base=elasticd_reference_dir,
+                      deadline=_deadline(request))  # fmt: skip
     yield cluster
     failed = _failed(request.node)
     keep = request.config.getoption("elasticd_keep") and failed
