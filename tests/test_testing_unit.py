@@ -650,7 +650,7 @@ def test_the_plugin_gives_a_tests_runs_its_pytest_timeout_less_their_overhead():
     import time
 
     from elasticd.testing import RUN_OVERHEAD
-    from elasticd.testing.plugin import _deadline
+    from elasticd.testing.plugin import _GIVEN, _deadline
 
     class Config:
         def __init__(self, ini):
@@ -667,18 +667,21 @@ def test_the_plugin_gives_a_tests_runs_its_pytest_timeout_less_their_overhead():
             return self.ini
 
     class Node:
-        def __init__(self, marker):
-            self.marker = marker
+        def __init__(self, marker, given):
+            self.marker, self.stash = marker, {}
+            if given is not None:
+                self.stash[_GIVEN] = given
 
         def get_closest_marker(self, name):
             return self.marker
 
     class Request:
-        def __init__(self, marker, ini="300"):
-            self.node, self.config = Node(marker), Config(ini)
+        def __init__(self, marker=None, given=None, ini="300"):
+            self.node, self.config = Node(marker, given), Config(ini)
 
     now = time.monotonic()
-    at = _deadline(Request(pytest.mark.timeout(420).mark))
-    assert at == pytest.approx(now + 420 - RUN_OVERHEAD, abs=5)
-    assert _deadline(Request(None)) == pytest.approx(now + 300 - RUN_OVERHEAD, abs=5)
-    assert _deadline(Request(None, ini="0")) is None  # no timeout at all
+    given = Request(pytest.mark.timeout(420).mark, given=420.0)  # the plugin's own marker
+    assert _deadline(given) == pytest.approx(now + 420 - RUN_OVERHEAD, abs=5)
+    assert _deadline(Request(pytest.mark.timeout(25).mark)) is None  # the author's own
+    assert _deadline(Request()) == pytest.approx(now + 300 - 75, abs=5)  # the ini's
+    assert _deadline(Request(ini="0")) is None  # no timeout at all

@@ -6,7 +6,8 @@
   and the report says where).
 - ``@pytest.mark.elasticd(timeout=S)``: a cluster test. Its runs time out after S seconds
   (default 300), and with pytest-timeout installed the whole test gets S + 120 seconds
-  unless it has its own ``timeout`` marker.
+  unless it has its own ``timeout`` marker; its runs share that time (each run's timeout
+  is cut to what is left, :attr:`elasticd.testing.Cluster.deadline`).
 - Reference runs are shared by the whole session (per xdist worker).
 
 Only the standard library and pytest are imported at start-up.
@@ -25,6 +26,8 @@ import pytest
 from elasticd.testing import DEFAULT_TIMEOUT, RUN_OVERHEAD, Cluster, sweep
 
 _REPORTS = pytest.StashKey[dict[str, Any]]()
+_GIVEN = pytest.StashKey[float]()
+"""The pytest-timeout the plugin gave a test (one without a timeout marker of its own)."""
 _REFERENCES: dict[str, Any] = {}
 TEARDOWN_MARGIN = 120.0
 """Seconds a cluster test gets beyond its runs' timeout (start-up, teardown, assertions)."""
@@ -74,7 +77,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     for item in items:
         if item.get_closest_marker("elasticd") and not item.get_closest_marker("timeout"):
-            item.add_marker(pytest.mark.timeout(_timeout(item) + TEARDOWN_MARGIN))
+            item.stash[_GIVEN] = given = _timeout(item) + TEARDOWN_MARGIN
+            item.add_marker(pytest.mark.timeout(given))
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -130,23 +134,24 @@ def _mended(tb: types.TracebackType | None) -> types.TracebackType | None:
 
 
 def _deadline(request: pytest.FixtureRequest) -> float | None:
-    """When this test's runs must be over: its pytest-timeout (the marker the plugin
-    added, its own, or the ini's) from now, less RUN_OVERHEAD; None without one."""
-    config = request.config
+    """When this test's runs must be over, from now: the pytest-timeout the plugin gave it
+    less RUN_OVERHEAD, or the session's (``--timeout``, the ini's) less a quarter of it
+    (at most RUN_OVERHEAD). None for a test with a timeout marker of its own (its author
+    chose when pytest-timeout ends it) or without pytest-timeout."""
+    config, node = request.config, request.node
     if not config.pluginmanager.hasplugin("timeout"):
         return None
-    marker = request.node.get_closest_marker("timeout")
-    if marker is not None:
-        value = marker.kwargs.get("timeout", marker.args[0] if marker.args else None)
-    else:
-        value = config.getoption("timeout", None) or config.getini("timeout")
+    if _GIVEN in node.stash:
+        return time.monotonic() + node.stash[_GIVEN] - RUN_OVERHEAD
+    if node.get_closest_marker("timeout") is not None:
+        return None
     try:
-        seconds = float(value)
+        seconds = float(config.getoption("timeout", None) or config.getini("timeout"))
     except (TypeError, ValueError):
         return None
     if not 0 < seconds < float("inf"):
         return None  # no timeout (0 turns it off)
-    return time.monotonic() + seconds - RUN_OVERHEAD
+    return time.monotonic() + seconds - min(RUN_OVERHEAD, seconds / 4)
 
 
 def _failed(item: pytest.Item) -> bool:
