@@ -44,8 +44,10 @@ class NodesConfig:
     """Nodes the job's first world waits for (null: ``min``). A job given four nodes can
     start on all four and still train on as few as ``min`` after a fault: with ``start:
     4`` it does not begin on the first ``min`` nodes that join ``rendezvous.settle``
-    apart. Later worlds need only ``min``. Until that many nodes have room, the job stays
-    queued and says so."""
+    apart. Until that many nodes have room, the job stays queued and says so; once they
+    have, a node that never joins (it died meanwhile) delays the start by 60 s after the
+    last join, and the job then begins on those that did (at least ``min``). Later worlds
+    need only ``min``."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -160,9 +160,11 @@ def check_plan(
     for good (kill-node, term-node) must leave ``nodes.min`` of them, counting the
     add-node faults of the same step (one set for a later step never fires while the job
     stands still). A node fault's target must exist by its step (an add-node of a later
-    step has not started it yet) and not be gone by then (killed or preempted, unless a
-    restart-node brought it back). A fault the cluster fires (no phase) at the job's last
-    step would hit a finished job; it is refused.
+    step, or one fired after the step when the fault fires inside it, has not started it
+    yet) and not be killed by then (unless a restart-node brought it back); a
+    recover-phase fault fires at a later step than it names and is not checked so. A
+    fault the cluster fires (no phase, not one a worker raises) at the job's last step
+    would hit a finished job; it is refused.
     """
     if nodes < nodes_min:
         raise UsageError(
@@ -175,6 +177,8 @@ def check_plan(
             f"{where}: nodes.start: the job's first world waits for {nodes_start} nodes, but "
             f"this local cluster starts {nodes} (--nodes); it could never start"
         )
+    from elasticd.faultplan import worker_side
+
     most = nodes + sum(f.kind == "add-node" for f in faults)
     for f in faults:
         if f.phase == "recover" and restart_mode == "process":  # it would never fire
@@ -186,7 +190,7 @@ def check_plan(
             raise UsageError(
                 f"--fault {f}: step {f.step} is past the job's last step (train.steps: {steps})"
             )
-        if steps is not None and f.step == steps and f.phase is None:
+        if steps is not None and f.step == steps and not worker_side(f):
             # Fired once that step completed: the job is done by then, and a fault that
             # hits a finished job proves nothing.
             raise UsageError(
@@ -204,28 +208,36 @@ def check_plan(
             raise UsageError(
                 f"--fault {f}: there is no etcd member {f.target} (members 0..{etcd_members - 1})"
             )
-    alive, started, gone = nodes, nodes, set()
-    by_step = itertools.groupby(sorted(faults, key=lambda f: f.step), lambda f: f.step)
+    alive, started, killed = nodes, nodes, set()
+
+    def when(f: Fault) -> tuple[int, int, bool]:
+        # Inside step S (a phase) before after it (the cluster's); an add-node of S, when
+        # both come after it, before the rest (the old rule: it may be what they need).
+        return (f.step, 0 if f.phase is not None else 1, f.kind != "add-node")
+
+    by_step = itertools.groupby(sorted(faults, key=when), lambda f: f.step)
     for _, group in by_step:
-        group = list(group)
-        # An add-node of this step may come first; one of a later step has not happened.
-        started += sum(f.kind == "add-node" for f in group)
         removal = None
         for f in group:
-            if f.kind in NODE_FAULTS and f.target >= started:  # type: ignore[operator]
-                raise UsageError(
-                    f"--fault {f}: there is no node {f.target} by step {f.step} "
-                    f"(nodes 0..{started - 1})"
-                )
-            if f.kind in NODE_FAULTS - {"restart-node"} and f.target in gone:
-                raise UsageError(f"--fault {f}: node {f.target} is gone by step {f.step}")
+            # A recover-phase fault fires at a later step than it names: no node check.
+            if f.kind in NODE_FAULTS and f.phase != "recover":
+                if f.target >= started:  # type: ignore[operator]
+                    raise UsageError(
+                        f"--fault {f}: there is no node {f.target} by step {f.step} "
+                        f"(nodes 0..{started - 1})"
+                    )
+                if f.kind != "restart-node" and f.target in killed:
+                    # (A preempted node may still be draining: a kill then is one.)
+                    raise UsageError(f"--fault {f}: node {f.target} is killed by step {f.step}")
             if f.kind == "add-node":
                 alive += 1
+                started += 1
             elif f.kind in ("kill-node", "term-node"):
-                gone.add(f.target)
+                if f.kind == "kill-node":
+                    killed.add(f.target)
                 alive, removal = alive - 1, f
-            elif f.kind == "restart-node" and f.target in gone:
-                gone.discard(f.target)  # its agent starts again
+            elif f.kind == "restart-node" and f.target in killed:
+                killed.discard(f.target)  # its agent starts again
                 alive += 1
         if removal is not None and alive < nodes_min:
             raise UsageError(
@@ -619,13 +631,14 @@ class LocalCluster:
         return len(asked)
 
     def kill_node(self, index: int) -> None:
-        """SIGKILL the agent and every process under it, as a machine dying would."""
+        """SIGKILL the agent and every process under it, as a machine dying would: all are
+        stopped first, so none forks a child that escapes meanwhile (a script's data
+        loader, a subprocess: no parent-death signal), then killed. An agent that exited
+        already (and was reaped: its pid may be another process's now) is not signalled."""
         agent = self.agents[index]
-        # Its processes, read while it lives (a workers.json pid may be reused by now).
-        pids = descendants(agent.pid) if agent.poll() is None else []
-        _signal(agent.pid, signal.SIGKILL)
-        for pid in pids:
-            _signal(pid, signal.SIGKILL)
+        if agent.poll() is None:
+            for pid, start in _stop_tree(agent.pid):
+                _signal_same(pid, start, signal.SIGKILL)
         agent.wait(timeout=10)
 
     def term_node(self, index: int) -> None:

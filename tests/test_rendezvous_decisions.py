@@ -152,6 +152,7 @@ def test_join_keys_parse_back_to_round_and_node():
         dict(ttl=0.5),
         dict(min_nodes=2, max_nodes=4, start_nodes=1),
         dict(min_nodes=1, max_nodes=2, start_nodes=3),
+        dict(start_wait=-1),
     ],
 )
 def test_impossible_settings_are_usage_errors(kw):
@@ -159,11 +160,14 @@ def test_impossible_settings_are_usage_errors(kw):
         RendezvousSettings(**{"run_id": "r", **kw})
 
 
-def test_start_nodes_count_for_the_first_round_only():
-    s = RendezvousSettings(run_id="r", min_nodes=1, max_nodes=4, start_nodes=3)
-    assert (s.needed(first=True), s.needed(first=False)) == (3, 1)
-    plain = RendezvousSettings(run_id="r", min_nodes=2, max_nodes=4)
-    assert (plain.needed(first=True), plain.needed(first=False)) == (2, 2)
+def test_start_nodes_lengthen_the_settle_of_the_first_round_only():
+    s = RendezvousSettings(run_id="r", min_nodes=1, max_nodes=4, start_nodes=3, settle=1,
+                           start_wait=60)  # fmt: skip
+    assert s.close_rule(first=True, joined=2) == (1, 60)  # short of start: a longer settle
+    assert s.close_rule(first=True, joined=3) == (1, 1)
+    assert s.close_rule(first=False, joined=2) == (1, 1)  # a later round: as ever
+    plain = RendezvousSettings(run_id="r", min_nodes=2, max_nodes=4, settle=1)
+    assert plain.close_rule(first=True, joined=1) == (2, 1)
 
 
 def test_keepalive_defaults_to_a_third_of_the_ttl():

@@ -180,6 +180,18 @@ def test_the_first_world_waits_for_start_nodes_and_a_later_one_closes_at_min(etc
         b.close()
 
 
+def test_a_first_world_short_of_start_nodes_begins_on_min_after_the_start_wait(etcd_config):
+    """A node counted for the start that never joins (it died meanwhile) delays the start
+    by ``start_wait``, not for good."""
+    (a,) = _handlers(etcd_config, fresh_run_id(), 1, min_nodes=1, max_nodes=3, start_nodes=2,
+                     settle=0.1, start_wait=1.5)  # fmt: skip
+    try:
+        world = a.next_world()
+        assert world.nodes == ("n0",) and world.round == 1
+    finally:
+        a.close()
+
+
 def test_min_nodes_not_reached_times_out_with_a_timeout_error(etcd_config, etcd_client):
     (alone,) = _handlers(etcd_config, fresh_run_id(), 1, min_nodes=2, max_nodes=2, join_timeout=1.0)
     try:

@@ -535,6 +535,11 @@ def test_a_script_jobs_fault_past_the_steps_it_names_is_refused_before_the_run(
                        (cluster.script_job(script, steps=4), "kill-node=1@step=3")):  # fmt: skip
         with pytest.raises(RuntimeError, match="not started"):
             cluster.run(job, nodes=2, faults=fault)
+    with pytest.raises(UsageError, match=r"^faults: kill-node=1@step=4: step 4 is the job's "
+                       r"last step \(train\.steps: 4\)"):  # fmt: skip
+        cluster.run(cluster.script_job(script, steps=4), nodes=2, faults="kill-node=1@step=4")
+    with pytest.raises(RuntimeError, match="not started"):  # a rank raises it: in time
+        cluster.run(cluster.script_job(script, steps=4), nodes=2, faults="raise-error=1@step=4")
 
 
 def test_a_stack_dump_after_the_timeout_is_quoted_as_its_main_threads_innermost_frames(tmp_path):
@@ -572,12 +577,20 @@ def test_faults_that_could_only_hit_a_finished_job_or_no_node_are_refused(tmp_pa
     check("kill-node=1@step=9")
     with pytest.raises(UsageError, match=r"there is no node 2 by step 3 \(nodes 0\.\.1\)"):
         check("kill-node=2@step=3", "add-node@step=8")
-    check("add-node@step=3", "kill-node=2@step=3")  # the same step: it comes first
-    with pytest.raises(UsageError, match=r"node 1 is gone by step 5"):
+    check("kill-node=2@step=3", "add-node@step=3")  # after the same step: the add comes first
+    with pytest.raises(UsageError, match=r"there is no node 2 by step 3"):
+        check("add-node@step=3", "kill-node=2@step=3:phase=forward")  # inside it: not yet
+    with pytest.raises(UsageError, match=r"node 1 is killed by step 5"):
         check("kill-node=1@step=3", "freeze-node=1@step=5", nodes=3)
-    with pytest.raises(UsageError, match=r"node 1 is gone by step 5"):
-        check("term-node=1@step=3", "kill-node=1@step=5", nodes=3)
+    check("term-node=1@step=3", "kill-node=1@step=5", nodes=3)  # a kill while it drains
     check("kill-node=1@step=3", "restart-node=1@step=4", "kill-node=1@step=6", nodes=3)
+    # Inside step 5 comes before after it: the node is back before it is killed again.
+    check("kill-node=1@step=3", "kill-node=1@step=5", "restart-node=1@step=5:phase=forward",
+          nodes=3)  # fmt: skip
+    # A recover-phase fault fires at a later step than it names.
+    check("kill-node=1@step=3", "add-node@step=4", "kill-node=3@step=3:phase=recover", nodes=3)
+    # A rank raises at the last step itself, before the job ends.
+    check("raise-error=0@step=10", "fail-collective=1@step=10")
 
 
 @pytest.mark.parametrize(

@@ -163,13 +163,14 @@ class RoundCloser:
         if s.probes:
             self._verify(joins)
         count = len(m.joined_nodes(round_))
+        needed, settle = s.close_rule(first=previous is None, joined=count)
         delay = close_delay(
             joined=count,
             pending_previous=pend,
-            min_nodes=s.needed(first=previous is None),
+            min_nodes=needed,
             max_nodes=s.max_nodes,
             since_last_join=m.since_last_join(round_),
-            settle=s.settle,
+            settle=settle,
             reform=previous is not None,
             reform_grace=s.reform_grace,
             since_evidence=since_evidence,
@@ -301,8 +302,10 @@ class RoundCloser:
         if pending:
             m.wake_when = lambda: False
         else:
-            needed = s.needed(first=self._mirror.world is None)
-            threshold = s.max_nodes if count >= needed else needed
+            # The next count that can change the decision (start_nodes ends a first
+            # round's longer settle).
+            marks = (s.min_nodes, s.start_nodes or 0, s.max_nodes)
+            threshold = min((n for n in marks if n > count), default=s.max_nodes)
             m.wake_when = lambda: len(m.joined_nodes(round_)) >= threshold
         try:
             m.cond.wait(max(0.0, min(timeout, 1.0)))

@@ -33,9 +33,13 @@ class RendezvousSettings:
     max_nodes: int = 1
     """A round closes at once when this many joined; later joiners wait for the next."""
     start_nodes: int | None = None
-    """The run's first round (no world before it) takes this many in place of
-    ``min_nodes`` (None: ``min_nodes``): a job started on N nodes begins on all N, however
-    far apart they join, and later worlds still need only ``min_nodes``."""
+    """The run's first round (no world before it) waits for this many (None: ``min_nodes``):
+    a job started on N nodes begins on all N, however late one of them joins, within
+    ``start_wait``; later worlds still need only ``min_nodes``."""
+    start_wait: float = 60.0
+    """A first round short of ``start_nodes`` closes at ``min_nodes`` once nobody joined
+    for this many seconds: a node that never comes (it died after it was counted) delays
+    the job's start by this much, not for good."""
     ttl: float = 3.0
     """Lease TTL of a node's membership in seconds; a dead node is known after about this."""
     keepalive_interval: float | None = None
@@ -90,13 +94,16 @@ class RendezvousSettings:
                 raise UsageError(f"rendezvous {name}: {value} must be positive")
         if self.ttl < 1:
             raise UsageError(f"rendezvous ttl: {self.ttl} is below etcd's 1 s lease granularity")
+        if self.start_wait < 0:
+            raise UsageError(f"rendezvous start_wait: {self.start_wait} must be >= 0")
 
-    def needed(self, first: bool) -> int:
-        """Nodes a round needs before it may close: ``start_nodes`` for the run's
-        ``first`` round, else ``min_nodes``."""
-        if first and self.start_nodes is not None:
-            return self.start_nodes
-        return self.min_nodes
+    def close_rule(self, *, first: bool, joined: int) -> tuple[int, float]:
+        """``(nodes needed, settle)`` for a round with ``joined`` nodes: it may close once
+        that many joined and nobody joined for ``settle`` seconds. The run's ``first``
+        round short of ``start_nodes`` takes ``start_wait`` for its settle."""
+        if first and self.start_nodes is not None and joined < self.start_nodes:
+            return self.min_nodes, max(self.settle, self.start_wait)
+        return self.min_nodes, self.settle
 
     @property
     def probes(self) -> bool:

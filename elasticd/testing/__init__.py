@@ -625,6 +625,7 @@ class Cluster:
         by then. A fault that never fired (no rank reached its step and phase) raises
         ElasticdAssertionError, unless ``allow_unfired``: a fault test whose fault missed
         proves nothing."""
+        from elasticd.faultplan import worker_side
         from elasticd.jobspec import parse_job
         from elasticd.localcluster import ETCD_MEMBER_FAULTS, check_plan, parse_fault, run_cluster
 
@@ -684,6 +685,13 @@ class Cluster:
                         f"faults: {fault}: step {fault.step} is past the job's last step "
                         f"(train.steps: {spec.train.steps}; a script that trains more steps "
                         "than that: say how many, script_job(..., steps=N))"
+                    )
+                if fault.step == spec.train.steps and not worker_side(fault):
+                    raise UsageError(
+                        f"faults: {fault}: step {fault.step} is the job's last step "
+                        f"(train.steps: {spec.train.steps}); the cluster fires a fault once "
+                        "its step completed, when nothing is left to recover: pick an "
+                        "earlier step, or a phase inside it (:phase=forward)"
                     )
         hang = spec.restart.hang_timeout
         for fault, text in zip(parsed, faults, strict=True):
@@ -766,11 +774,13 @@ class Cluster:
             full = kw.get("timeout") or self.timeout
             cut = where._limit(kw.get("timeout")) < full
             result = where.run(raw, nodes=nodes, **kw)
-            if result.outcome == "timed_out" and cut:
-                # Out of this test's time, not its own: the next test runs it again.
+            if result.outcome == "timed_out":
+                # Not kept: a longer timeout (another test's, or this one's time not cut
+                # short) may see it through; the next test that asks runs it again.
+                why = "what this test's timeout left it" if cut else "its timeout"
                 raise ElasticdAssertionError(
-                    "the reference run did not finish in what this test's timeout left it "
-                    f"(raise @pytest.mark.elasticd(timeout=...))\n{result.describe()}",
+                    f"the reference run did not finish in {why} (raise "
+                    f"@pytest.mark.elasticd(timeout=...))\n{result.describe()}",
                     result,
                 )
             self.references[key] = result

@@ -27,6 +27,8 @@ from elasticd.testing import DEFAULT_TIMEOUT, RUN_OVERHEAD, Cluster, sweep
 
 _REPORTS = pytest.StashKey[dict[str, Any]]()
 _GIVEN = pytest.StashKey[float]()
+_STARTED = pytest.StashKey[float]()
+"""When the test's setup began (pytest-timeout's clock starts there too)."""
 """The pytest-timeout the plugin gave a test (one without a timeout marker of its own)."""
 _REFERENCES: dict[str, Any] = {}
 TEARDOWN_MARGIN = 120.0
@@ -79,6 +81,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.get_closest_marker("elasticd") and not item.get_closest_marker("timeout"):
             item.stash[_GIVEN] = given = _timeout(item) + TEARDOWN_MARGIN
             item.add_marker(pytest.mark.timeout(given))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    item.stash[_STARTED] = time.monotonic()
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -141,17 +148,24 @@ def _deadline(request: pytest.FixtureRequest) -> float | None:
     config, node = request.config, request.node
     if not config.pluginmanager.hasplugin("timeout"):
         return None
+    start = node.stash.get(_STARTED, None) or time.monotonic()
     if _GIVEN in node.stash:
-        return time.monotonic() + node.stash[_GIVEN] - RUN_OVERHEAD
+        return start + node.stash[_GIVEN] - RUN_OVERHEAD
     if node.get_closest_marker("timeout") is not None:
         return None
+    # pytest-timeout's own order: --timeout, then PYTEST_TIMEOUT, then the ini's.
+    value = config.getoption("timeout", None)
+    if value is None:
+        value = os.environ.get("PYTEST_TIMEOUT")
+    if value is None:
+        value = config.getini("timeout")
     try:
-        seconds = float(config.getoption("timeout", None) or config.getini("timeout"))
+        seconds = float(value)
     except (TypeError, ValueError):
         return None
     if not 0 < seconds < float("inf"):
         return None  # no timeout (0 turns it off)
-    return time.monotonic() + seconds - min(RUN_OVERHEAD, seconds / 4)
+    return start + seconds - min(RUN_OVERHEAD, seconds / 4)
 
 
 def _failed(item: pytest.Item) -> bool:
