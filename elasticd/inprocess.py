@@ -1746,6 +1746,10 @@ def run(
             round=round_, rank=int(env.get("RANK", "0")), world_size=int(env.get("WORLD_SIZE", "1")),
             local_rank=local_rank, env=env, state=state, rounds_lived=lived, _control=control,
         )  # fmt: skip
+        if control is not None:
+            # A script that records each step leaves an ended round there, even alone in
+            # its world (no collective fails) and without a ctx.check() of its own.
+            control.channel.after_record = ctx.check
         opened = False
         try:
             ctx.check()  # ended already (the agent's abort came with its start, or before)

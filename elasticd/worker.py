@@ -105,6 +105,9 @@ class WorkerChannel:
         self._faults: Any = None
         self._metrics_path: str | None = None
         self._doorbell: str | None = None
+        self.after_record: Callable[[], None] | None = None
+        """Called at the end of :meth:`record`: under ``elasticd.inprocess.run``, the
+        round's ``Context.check`` (an ended round raises ``RoundAborted`` there)."""
 
     @classmethod
     def from_env(
@@ -206,7 +209,12 @@ class WorkerChannel:
         """Report step ``step`` done, as :meth:`progress` does, and on global rank 0 append
         its record (``step``, ``loss``, ``world``, ``round``, ``t`` and ``metrics``) to the
         job's metrics.jsonl, where ``elasticd run`` and ``elasticd.testing`` read a
-        script's steps and losses. Outside an agent only the heartbeat part applies (none)."""
+        script's steps and losses. Outside an agent only the heartbeat part applies (none).
+
+        Under in-process restart (``elasticd.inprocess.run``) it then raises
+        ``RoundAborted`` if the agent ended the round: the step is done and recorded, and
+        the process leaves with it. So a script alone in its world, whose collectives touch
+        no socket that could fail, still leaves a round a newcomer ended, checks or not."""
         if self._rank == 0:
             path = self._metrics_file()
             if path:
@@ -218,6 +226,8 @@ class WorkerChannel:
                 with open(path, "a", encoding="utf-8") as fh:
                     fh.write(json.dumps(rec) + "\n")
         self.progress(step=step, loss=loss)
+        if self.after_record is not None:
+            self.after_record()
 
     def _metrics_file(self) -> str | None:
         """``<output_dir>/metrics.jsonl`` of the job the agent handed us (its job file)."""

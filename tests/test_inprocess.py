@@ -965,6 +965,33 @@ def test_the_ddp_example_left_alone_leaves_its_round_when_a_thawed_node_joins(tm
     assert pids[rounds[3]] == pids[rounds[1]] and len(pids[rounds[2]]) == 1, pids
 
 
+def test_a_script_that_only_records_its_steps_leaves_its_round_when_a_node_joins_it(
+    tmp_path, monkeypatch
+):
+    """A script alone in its world (one node; its collectives touch no socket) that
+    neither calls ``ctx.check()`` nor ``check_results()`` but reports each step with
+    ``channel.record``: the agent ends its round when a node is added, and ``record``
+    raises ``RoundAborted`` there, the step done and recorded. Before, it trained on alone
+    to its last step while the newcomer waited (the world never grew to two). Every step
+    once, each loss as the closed form says, one in-process recovery, one process."""
+    script = os.path.join(os.path.dirname(__file__), "inprocess_records_only.py")
+    steps = 300
+    monkeypatch.setenv("RECORDS_STEPS", str(steps))
+    job = make_job(tmp_path, "recordsonly", steps=steps, command=[sys.executable, script])
+    result = run(job, 1, ["add-node@step=5"])
+    assert result["state"] == "succeeded", f"{result['reason']}\n{story(job)}"
+    records = [json.loads(line) for line in (tmp_path / "recordsonly" / "metrics.jsonl").open()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1)), story(job)
+    for r in records:
+        s = r["step"]
+        assert r["loss"] == pytest.approx(-0.08 * s * (s + 1) / 2, rel=1e-6), r
+    recs = [e for e in result["status"]["history"] if e["kind"] == "recovery"]
+    assert [(e["mode"], e["reason"]) for e in recs] == [("inprocess", "scale_up")], recs
+    assert records[-1]["world"] == 2, f"{records[-1]}\n{story(job)}"
+    pids = node_pids(job)
+    assert len(set(pids[0].values())) == 1, pids  # node 0: one process through both rounds
+
+
 def test_the_ddp_example_survives_a_second_node_killed_during_its_recovery(tmp_path):
     """examples/ddp_inprocess.py, dp3: node 1 killed once step 10 is done (it lands in some
     later step, wherever the workers are), then node 2 killed as its rank enters the
