@@ -1746,9 +1746,11 @@ def run(
             round=round_, rank=int(env.get("RANK", "0")), world_size=int(env.get("WORLD_SIZE", "1")),
             local_rank=local_rank, env=env, state=state, rounds_lived=lived, _control=control,
         )  # fmt: skip
-        if control is not None:
-            # A script that records each step leaves an ended round there, even alone in
-            # its world (no collective fails) and without a ctx.check() of its own.
+        if control is not None and ctx.world_size == 1:
+            # Alone in its world no collective fails at the round's end: a script that
+            # records each step leaves an ended round there, without a ctx.check() of its
+            # own. (With peers the shut sockets end it; what the script does after its
+            # record, a save, is left as it was.)
             control.channel.after_record = ctx.check
         opened = False
         try:

@@ -211,10 +211,11 @@ class WorkerChannel:
         job's metrics.jsonl, where ``elasticd run`` and ``elasticd.testing`` read a
         script's steps and losses. Outside an agent only the heartbeat part applies (none).
 
-        Under in-process restart (``elasticd.inprocess.run``) it then raises
-        ``RoundAborted`` if the agent ended the round: the step is done and recorded, and
-        the process leaves with it. So a script alone in its world, whose collectives touch
-        no socket that could fail, still leaves a round a newcomer ended, checks or not."""
+        Under in-process restart (``elasticd.inprocess.run``), in a world of one process,
+        it then raises ``RoundAborted`` if the agent ended the round: the step is done and
+        recorded, and the process leaves with it. A script alone in its world, whose
+        collectives touch no socket that could fail, so leaves a round a newcomer ended,
+        checks or not."""
         if self._rank == 0:
             path = self._metrics_file()
             if path:
