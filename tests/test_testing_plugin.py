@@ -303,6 +303,41 @@ def test_the_plugin_loads_from_its_entry_point_without_importing_torch(pytester)
     res.assert_outcomes(passed=1)
 
 
+def test_a_mistake_in_a_run_call_is_the_tests_line_and_one_line_of_error(pytester):
+    """A wrong argument or a fault that can never apply failed with about 100 lines of
+    elasticd's own source before its one-line message (no frame of the plugin hidden)."""
+    pytester.makepyfile(
+        test_mistakes="""
+        import pytest
+
+        @pytest.mark.elasticd(timeout=60)
+        def test_last_step(elasticd_cluster):
+            job = elasticd_cluster.builtin_job(train={"steps": 6})
+            elasticd_cluster.run(job, nodes=2, faults=["kill-node=1@step=6"])
+
+        def test_no_node(elasticd_cluster):
+            elasticd_cluster.run(elasticd_cluster.builtin_job(), nodes=2, faults="kill-node=3@step=2")
+
+        def test_lost_steps(elasticd_cluster):
+            from elasticd.testing import result_from
+            r = result_from({"state": "succeeded", "metrics": [{"step": 1}, {"step": 1}]},
+                            run_dir="/nowhere", output="")
+            r.assert_no_lost_steps()
+        """
+    )
+    res = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q")
+    res.assert_outcomes(failed=3)
+    text = res.stdout.str()
+    res.stdout.fnmatch_lines([
+        "*elasticd.errors.UsageError: faults: kill-node=1@step=6: step 6 is the job's last step*",
+        "*elasticd.errors.UsageError: faults: kill-node=3@step=2: there is no node 3 by step 2*",
+        "*steps trained again (recorded twice in metrics.jsonl): 1*",
+    ])  # fmt: skip
+    # The tests' own lines, none of elasticd's source.
+    assert "check_plan(" not in text and "def run(" not in text and "def wrapper" not in text
+    assert text.count("\n") < 120, text
+
+
 @pytest.mark.elasticd(timeout=200)
 def test_a_fault_that_never_fires_fails_the_run_rather_than_passing_unnoticed(elasticd_cluster):
     from elasticd.testing import ElasticdAssertionError

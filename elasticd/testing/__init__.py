@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import io
 import json
 import math
@@ -32,7 +33,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -253,6 +254,7 @@ class RunResult:
     # -- assertions (each also a module-level function) --------------------------------------
 
     def assert_succeeded(self) -> RunResult:
+        __tracebackhide__ = True  # pytest: the caller's line, then the message
         if self.outcome != "succeeded":
             raise ElasticdAssertionError(f"the job did not succeed\n{self.describe()}")
         return self
@@ -268,6 +270,7 @@ class RunResult:
     ) -> RunResult:
         """Every step past ``after`` has ``keys`` within ``rtol``/``atol`` of the reference's
         same step; a step one run has and the other lacks is a difference too."""
+        __tracebackhide__ = True  # pytest: the caller's line, then the message
         mine = {int(r["step"]): r for r in self.records}
         theirs = {int(r["step"]): r for r in reference.records}
         recorded = {k for r in (*self.records, *reference.records) for k in r}
@@ -302,6 +305,7 @@ class RunResult:
 
     def assert_recovered_within(self, seconds: float) -> RunResult:
         """At least one recovery, and every one took at most ``seconds``."""
+        __tracebackhide__ = True  # pytest: the caller's line, then the message
         if not self.recoveries:
             raise ElasticdAssertionError(f"the run recorded no recovery\n{self.describe()}")
         slow = [r for r in self.recoveries if not r.seconds <= seconds]
@@ -319,6 +323,7 @@ class RunResult:
         """No recovery trained a completed step again, and no step is missing: neither by
         the recoveries' own count (``lost_steps``) nor by metrics.jsonl (a step recorded
         twice was trained again, whatever the recovery said or could not say)."""
+        __tracebackhide__ = True  # pytest: the caller's line, then the message
         lost = [r for r in self.recoveries if r.lost_steps]
         steps = self.steps
         gaps = sorted(set(range(1, (steps[-1] if steps else 0) + 1)) - set(steps))
@@ -336,11 +341,28 @@ class RunResult:
 
     def assert_worlds(self, sizes: Sequence[int]) -> RunResult:
         """The world went through exactly these sizes, in order."""
+        __tracebackhide__ = True  # pytest: the caller's line, then the message
         if list(sizes) != self.worlds:
             raise ElasticdAssertionError(
                 f"worlds {self.worlds}, expected {list(sizes)}\n{self.describe()}"
             )
         return self
+
+
+def _one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A user error (a bad argument, a fault that can never apply) raised by ``fn`` comes
+    out as one line from the caller's own frame: pytest shows the test's line and the
+    message, not elasticd's frames (about 100 lines of its source before)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kw: Any) -> Any:
+        __tracebackhide__ = True
+        try:
+            return fn(*args, **kw)
+        except UsageError as exc:
+            raise UsageError(str(exc)) from None
+
+    return wrapper
 
 
 def _fault_texts(faults: Any) -> list[str]:
@@ -455,18 +477,22 @@ def _ranges(steps: list[int]) -> str:
 
 
 def assert_losses_match(result: RunResult, reference: RunResult, **kw: Any) -> None:
+    __tracebackhide__ = True  # pytest: the caller's line, then the message
     result.assert_losses_match(reference, **kw)
 
 
 def assert_recovered_within(result: RunResult, seconds: float) -> None:
+    __tracebackhide__ = True  # pytest: the caller's line, then the message
     result.assert_recovered_within(seconds)
 
 
 def assert_no_lost_steps(result: RunResult) -> None:
+    __tracebackhide__ = True  # pytest: the caller's line, then the message
     result.assert_no_lost_steps()
 
 
 def assert_worlds(result: RunResult, sizes: Sequence[int]) -> None:
+    __tracebackhide__ = True  # pytest: the caller's line, then the message
     result.assert_worlds(sizes)
 
 
@@ -605,6 +631,7 @@ class Cluster:
         raw = _merge(BUILTIN_JOB, {"command": [python, path, *args], "train.steps": steps})
         return _merge(raw, overrides)
 
+    @_one_line_errors
     def run(
         self,
         job: Any,
@@ -625,6 +652,7 @@ class Cluster:
         by then. A fault that never fired (no rank reached its step and phase) raises
         ElasticdAssertionError, unless ``allow_unfired``: a fault test whose fault missed
         proves nothing."""
+        __tracebackhide__ = True  # pytest: an unfired fault's failure at the caller's line
         from elasticd.faultplan import worker_side
         from elasticd.jobspec import parse_job
         from elasticd.localcluster import ETCD_MEMBER_FAULTS, check_plan, parse_fault, run_cluster
@@ -735,6 +763,7 @@ class Cluster:
             )
         return min(limit, left)
 
+    @_one_line_errors
     def reference(
         self, job: Any, *, nodes: int = 1, nproc_per_node: int | None = None, **kw: Any
     ) -> RunResult:
@@ -744,6 +773,7 @@ class Cluster:
         restarts). The environment is the one given (``env``, the cluster's), not this
         process's own: a test that changes ``os.environ`` for its job passes it as ``env``.
         It must succeed; a failed one is not run again for the next test."""
+        __tracebackhide__ = True  # pytest: an unfired fault's failure at the caller's line
         from elasticd.jobspec import parse_job
 
         unknown = sorted(set(kw) - {"env", "timeout", "restart"})
