@@ -45,9 +45,9 @@ class NodesConfig:
     start on all four and still train on as few as ``min`` after a fault: with ``start:
     4`` it does not begin on the first ``min`` nodes that join ``rendezvous.settle``
     apart. Until that many nodes have room, the job stays queued and says so; once they
-    have, a node that never joins (it died meanwhile) delays the start by 60 s after the
-    last join, and the job then begins on those that did (at least ``min``). Later worlds
-    need only ``min``."""
+    have, a node that never joins (it died meanwhile) delays the start by
+    ``rendezvous.start_wait`` (60 s) after the last join, and the job then begins on those
+    that did (at least ``min``). Later worlds need only ``min``."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -210,6 +210,10 @@ class RendezvousConfig:
     """A round closes once min nodes joined and nobody joined for this long."""
     join_timeout: float = 300.0
     """Give up joining after this many seconds."""
+    start_wait: float = 60.0
+    """With ``nodes.start``: the job's first world, short of that many nodes, begins on
+    those that joined (at least ``nodes.min``) once nobody joined for this many seconds
+    (pods scheduled minutes apart: raise it)."""
     reform_grace: float = 0.15
     """restart.mode inprocess: once a node saw a fault, a re-forming round waits at most
     this many seconds for previous members that do not re-join (not a lease TTL). The
@@ -479,6 +483,7 @@ def _check(job: JobSpec, where: str) -> None:
         ("restart.grace_period", job.restart.grace_period),
         ("restart.standby", job.restart.standby),
         ("rendezvous.settle", job.rendezvous.settle),
+        ("rendezvous.start_wait", job.rendezvous.start_wait),
         ("rendezvous.reform_grace", job.rendezvous.reform_grace),
     ):
         _positive(where, path, value, zero_ok=True)

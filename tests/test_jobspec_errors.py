@@ -33,6 +33,8 @@ BAD_SPECS = [
      "job.yaml: nodes.start: 3 is not between nodes.min (1) and nodes.max (2)"),
     ("start below min", "name: t\nnodes: {min: 2, max: 4, start: 1}\n",
      "job.yaml: nodes.start: 1 is not between nodes.min (2) and nodes.max (4)"),
+    ("negative start wait", "name: t\nrendezvous: {start_wait: -1}\n",
+     "job.yaml: rendezvous.start_wait: -1.0 must be >= 0"),
     ("zero steps", "name: t\ntrain: {steps: 0}\n", "job.yaml: train.steps: 0 must be > 0"),
     ("negative restarts", "name: t\nrestart: {max_restarts: -1}\n",
      "job.yaml: restart.max_restarts: -1 must be >= 0"),

@@ -119,9 +119,12 @@ def test_a_non_numeric_rdzv_conf_value_is_a_usage_error():
 
 
 def test_job_yaml_rendezvous_section_gives_the_settings():
-    job = parse_job({"name": "tiny", "rendezvous": {"ttl": 4, "settle": 0.5, "join_timeout": 30}})
+    job = parse_job({"name": "tiny", "nodes": {"min": 1, "max": 2, "start": 2},
+                     "rendezvous": {"ttl": 4, "settle": 0.5, "join_timeout": 30,
+                                    "start_wait": 120}})  # fmt: skip
     s = settings_from_job(job, run_id="tiny-1", min_nodes=1, max_nodes=2)
     assert (s.ttl, s.settle, s.join_timeout, s.run_id) == (4, 0.5, 30, "tiny-1")
+    assert (s.start_nodes, s.start_wait) == (2, 120)
 
 
 def test_the_advertised_address_is_loopback_for_a_loopback_etcd_and_local_addr_wins():

@@ -77,14 +77,15 @@ def settings_from_params(params: RendezvousParameters) -> RendezvousSettings:
 def settings_from_job(
     job: object, *, run_id: str, min_nodes: int, max_nodes: int
 ) -> RendezvousSettings:
-    """Settings from a parsed job spec (``job.rendezvous`` has ttl, settle, join_timeout;
-    ``job.nodes.start`` the first world's size)."""
+    """Settings from a parsed job spec (``job.rendezvous`` has ttl, settle, join_timeout,
+    start_wait; ``job.nodes.start`` the first world's size)."""
     r = job.rendezvous  # type: ignore[attr-defined]
     return RendezvousSettings(
         run_id=run_id,
         min_nodes=min_nodes,
         max_nodes=max_nodes,
         start_nodes=job.nodes.start,  # type: ignore[attr-defined]
+        start_wait=r.start_wait,
         ttl=r.ttl,
         settle=r.settle,
         join_timeout=r.join_timeout,
