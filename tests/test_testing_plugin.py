@@ -318,6 +318,9 @@ def test_a_mistake_in_a_run_call_is_the_tests_line_and_one_line_of_error(pyteste
         def test_no_node(elasticd_cluster):
             elasticd_cluster.run(elasticd_cluster.builtin_job(), nodes=2, faults="kill-node=3@step=2")
 
+        def test_bad_field(elasticd_cluster):
+            elasticd_cluster.run(elasticd_cluster.builtin_job(parallel={"tp": 3}), nodes=1)
+
         def test_lost_steps(elasticd_cluster):
             from elasticd.testing import result_from
             r = result_from({"state": "succeeded", "metrics": [{"step": 1}, {"step": 1}]},
@@ -326,16 +329,17 @@ def test_a_mistake_in_a_run_call_is_the_tests_line_and_one_line_of_error(pyteste
         """
     )
     res = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q")
-    res.assert_outcomes(failed=3)
+    res.assert_outcomes(failed=4)
     text = res.stdout.str()
     res.stdout.fnmatch_lines([
         "*elasticd.errors.UsageError: faults: kill-node=1@step=6: step 6 is the job's last step*",
         "*elasticd.errors.UsageError: faults: kill-node=3@step=2: there is no node 3 by step 2*",
+        "*elasticd.errors.JobSpecError: job test-0: parallel.tp: 3 does not divide*",
         "*steps trained again (recorded twice in metrics.jsonl): 1*",
     ])  # fmt: skip
     # The tests' own lines, none of elasticd's source.
     assert "check_plan(" not in text and "def run(" not in text and "def wrapper" not in text
-    assert text.count("\n") < 120, text
+    assert text.count("\n") < 150, text
 
 
 @pytest.mark.elasticd(timeout=200)

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from elasticd.errors import UsageError
+from elasticd.errors import ElasticdError, UsageError
 from elasticd.faultplan import InjectedFault
 from elasticd.jobspec import run_logs_dir
 
@@ -350,8 +350,9 @@ class RunResult:
 
 
 def _one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """A user error (a bad argument, a fault that can never apply) raised by ``fn`` comes
-    out as one line from the caller's own frame: pytest shows the test's line and the
+    """An error elasticd raises on purpose in ``fn`` (an ``ElasticdError``: a bad
+    argument, a job spec field, a fault that can never apply) comes out as one line from
+    the caller's own frame, as the CLI prints it: pytest shows the test's line and the
     message, not elasticd's frames (about 100 lines of its source before)."""
 
     @functools.wraps(fn)
@@ -359,8 +360,8 @@ def _one_line_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
         __tracebackhide__ = True
         try:
             return fn(*args, **kw)
-        except UsageError as exc:
-            raise UsageError(str(exc)) from None
+        except ElasticdError as exc:  # the same error, without elasticd's frames
+            raise exc.with_traceback(None) from None
 
     return wrapper
 
