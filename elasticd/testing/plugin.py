@@ -27,9 +27,9 @@ from elasticd.testing import DEFAULT_TIMEOUT, RUN_OVERHEAD, Cluster, sweep
 
 _REPORTS = pytest.StashKey[dict[str, Any]]()
 _GIVEN = pytest.StashKey[float]()
+"""The pytest-timeout the plugin gave a test (one without a timeout marker of its own)."""
 _STARTED = pytest.StashKey[float]()
 """When the test's setup began (pytest-timeout's clock starts there too)."""
-"""The pytest-timeout the plugin gave a test (one without a timeout marker of its own)."""
 _REFERENCES: dict[str, Any] = {}
 TEARDOWN_MARGIN = 120.0
 """Seconds a cluster test gets beyond its runs' timeout (start-up, teardown, assertions)."""
@@ -63,11 +63,8 @@ def _timeout(item: pytest.Item) -> float:
             f"{', '.join(unknown) or f'{len(marker.args)} positional arguments'})"
         )
     value = marker.kwargs.get("timeout", marker.args[0] if marker.args else DEFAULT_TIMEOUT)
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        seconds = -1.0
-    if not 0 < seconds < float("inf"):
+    seconds = _seconds(value)
+    if seconds is None:
         raise pytest.UsageError(
             f"{item.nodeid}: @pytest.mark.elasticd(timeout={value!r}): seconds, a number > 0"
         )
@@ -159,13 +156,19 @@ def _deadline(request: pytest.FixtureRequest) -> float | None:
         value = os.environ.get("PYTEST_TIMEOUT")
     if value is None:
         value = config.getini("timeout")
+    seconds = _seconds(value)
+    if seconds is None:
+        return None  # none, or 0: pytest-timeout is off
+    return start + seconds - min(RUN_OVERHEAD, seconds / 4)
+
+
+def _seconds(value: Any) -> float | None:
+    """``value`` as a number of seconds > 0 (finite), else None."""
     try:
         seconds = float(value)
     except (TypeError, ValueError):
         return None
-    if not 0 < seconds < float("inf"):
-        return None  # no timeout (0 turns it off)
-    return start + seconds - min(RUN_OVERHEAD, seconds / 4)
+    return seconds if 0 < seconds < float("inf") else None
 
 
 def _failed(item: pytest.Item) -> bool:
