@@ -27,6 +27,7 @@ import json
 import math
 import os
 import re
+import resource
 import secrets
 import stat
 from collections.abc import Callable
@@ -74,7 +75,7 @@ def open_regular(
         # What is there instead of a file, or a refusal outside the content (EACCES, EIO).
         there = exc.errno in (errno.ENXIO, errno.ELOOP, errno.ENOTDIR, errno.EISDIR)
         kind = error if there else (unreadable or error)
-        raise kind(f"{path}: cannot open: {exc.strerror}") from exc
+        raise kind(f"{path}: cannot open: {exc.strerror}{_limit_said(exc)}") from exc
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -83,6 +84,20 @@ def open_regular(
         os.close(fd)
         raise
     return fd, st
+
+
+def _limit_said(exc: OSError) -> str:
+    """What to do about an open refused for this process's own limit on open files (the
+    checkpoint is not at fault: a load stops there rather than fall back past it)."""
+    if exc.errno != errno.EMFILE:
+        return ""
+    with contextlib.suppress(OSError, ValueError):
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return (
+            f" (this process may hold {soft} open files, its hard limit {hard}: raise the "
+            "limit, `ulimit -n`, or LimitNOFILE= in a systemd unit)"
+        )
+    return ""
 
 
 def read_small(

@@ -391,6 +391,15 @@ huge dimensions would make even multiplying them out take minutes."""
 HEADER_CONTAINER_BYTES = 16
 """At most one JSON list or object per this many bytes of a header (an entry has three in
 about 50 bytes): a header of nothing but ``[]`` would cost 30 times its size in memory."""
+HEADER_VALUE_BYTES = 5
+"""At most one JSON value (counted by the commas and colons outside strings) per this many
+bytes of a header: the shortest entry, a 0-d tensor with a one-letter name, has one per
+6.5 bytes, real ones one per 10 to 17 (this store's, Hugging Face's). A list of short
+numbers (``1.5,``: one per 4 bytes) costs 8 times its size in memory once parsed, so a
+100 MiB header of them took a reader over 1 GB, and every open file kept its own."""
+HEADER_STRING_BYTES = 8
+"""At most one JSON string per this many bytes of a header (the shortest entry has one per
+10 bytes): a list of short strings costs 12 times its size in memory once parsed."""
 
 
 def read_header_fd(
@@ -413,12 +422,7 @@ def read_header_fd(
             f"{path}: header length {n} does not fit a file of {size} bytes"
         )
     text = read_exact(fd, 8, n, path)
-    containers = _containers(text, n // HEADER_CONTAINER_BYTES + 64)
-    if containers > n // HEADER_CONTAINER_BYTES + 64:
-        raise CorruptCheckpointError(
-            f"{path}: header has {containers} JSON lists or objects in {n} bytes, more than "
-            f"one per {HEADER_CONTAINER_BYTES} bytes"
-        )
+    _check_density(text, path)
     try:
         # UTF-8 text only, as safetensors reads it (json.loads of bytes takes UTF-16 and
         # UTF-32 too); no NaN or Infinity, no number beyond a double, no lone surrogate.
@@ -430,6 +434,11 @@ def read_header_fd(
         raise CorruptCheckpointError(f"{path}: header is not valid JSON ({why})") from exc
     if not isinstance(parsed, dict):
         raise CorruptCheckpointError(f"{path}: header is not a JSON object")
+    meta = parsed.get("__metadata__", {})
+    # safetensors' own reader takes only a map of strings here; anything else is not a
+    # file it wrote, and a reader would keep it in memory for as long as the file is open.
+    if not isinstance(meta, dict) or not all(type(v) is str for v in meta.values()):
+        raise CorruptCheckpointError(f"{path}: header's __metadata__ is not an object of strings")
     data_len = size - 8 - n
     for key, info in parsed.items():
         if key == "__metadata__":
@@ -440,16 +449,40 @@ def read_header_fd(
     return struct.pack("<Q", n) + text, parsed
 
 
-def _containers(text: bytes, bound: int) -> int:
-    """The JSON lists and objects in ``text``, counted outside its strings when counting
-    the brackets alone passes ``bound`` (a ``__metadata__`` value may be JSON in a string).
-    Linear, in C: escapes blanked, then every string emptied."""
-    quick = text.count(b"[") + text.count(b"{")
-    if quick <= bound:
-        return quick
-    plain = text.replace(b"\\\\", b"__").replace(b'\\"', b"__")
-    plain = _STRING.sub(b'""', plain)
-    return plain.count(b"[") + plain.count(b"{")
+def _check_density(text: bytes, path: str) -> None:
+    """Refuse, before it is parsed, a header of more JSON lists, objects, values or strings
+    per byte than any real header has (:data:`HEADER_CONTAINER_BYTES`,
+    :data:`HEADER_VALUE_BYTES`, :data:`HEADER_STRING_BYTES`): parsed, such a header costs
+    10 to 30 times its size in memory. The brackets and separators are counted outside the
+    strings (a ``__metadata__`` value may be JSON in a string) once counting them
+    anywhere passes the bound. Linear, in C: escapes blanked, then every string emptied."""
+    n = len(text)
+    bounds = {
+        "lists or objects": (b"[{", n // HEADER_CONTAINER_BYTES + 64, HEADER_CONTAINER_BYTES),
+        "values": (b",:", n // HEADER_VALUE_BYTES + 64, HEADER_VALUE_BYTES),
+    }
+    plain = None
+    for what, (chars, bound, per) in bounds.items():
+        count = sum(text.count(bytes([c])) for c in chars)
+        if count > bound:
+            if plain is None:
+                plain = text.replace(b"\\\\", b"__").replace(b'\\"', b"__")
+                plain = _STRING.sub(b'""', plain)
+            count = sum(plain.count(bytes([c])) for c in chars)
+        if count > bound:
+            raise CorruptCheckpointError(
+                f"{path}: header has {count} JSON {what} in {n} bytes, more than one per "
+                f"{per} bytes"
+            )
+    # An escaped quote is no string's end: an upper bound on the strings, then exact.
+    strings = text.count(b'"') // 2
+    if strings > n // HEADER_STRING_BYTES + 64:
+        strings = text.replace(b"\\\\", b"__").replace(b'\\"', b"__").count(b'"') // 2
+        if strings > n // HEADER_STRING_BYTES + 64:
+            raise CorruptCheckpointError(
+                f"{path}: header has {strings} JSON strings in {n} bytes, more than one per "
+                f"{HEADER_STRING_BYTES} bytes"
+            )
 
 
 _STRING = re.compile(rb'"[^"]*"')

@@ -475,6 +475,52 @@ def test_a_header_of_empty_lists_is_refused_before_it_is_parsed(ckpt, tmp_path):
         refused(result, "JSON lists or objects")
 
 
+@pytest.mark.parametrize(
+    "pad, says",
+    [
+        (b"[" + b"1.5," * 300_000 + b"1.5]", "JSON values"),  # 8x its size once parsed
+        (b"[" + b'"ab",' * 300_000 + b'"ab"]', "JSON strings"),  # 11x
+        (b"{" + b"".join(b'"%d":"",' % i for i in range(200_000)) + b'"x":""}', "JSON strings"),
+    ],
+    ids=["numbers", "strings", "keys"],
+)
+def test_a_header_dense_with_small_values_is_refused_before_it_is_parsed(ckpt, tmp_path, pad, says):
+    """Within the header's 100 MiB and its one list or object per 16 bytes, a list of
+    short numbers or strings cost 8 to 12 times its size in memory once parsed, and each
+    open file kept its own: three files of 99 MiB took `ckpt inspect` to 3.3 GB. Now at
+    most one value per 5 bytes and one string per 8 (real headers: one per 10 to 17)."""
+    raw = manifest(ckpt)
+
+    def edit(header):
+        header["__metadata__"]["x"] = "PAD"
+        return json.dumps(header).encode().replace(b'"PAD"', pad)
+
+    rewrite_header(ckpt, raw, edit)
+    reseal(ckpt, raw)
+    for result in four(ckpt, tmp_path, hf=False):
+        refused(result, says)
+
+
+def test_real_headers_are_well_inside_the_density_bounds(tmp_path):
+    """The bounds above against what real writers write: this store's header and a
+    Hugging Face file with metadata; a 0-d tensor of a one-letter name is the densest
+    entry there is."""
+    from safetensors.torch import save_file
+
+    from checkpoint.stfile import HEADER_STRING_BYTES, HEADER_VALUE_BYTES, read_header
+
+    save_file({"a": torch.ones(()), "b": torch.ones(2, 3)}, str(tmp_path / "hf.safetensors"),
+              metadata={"format": "pt", "note": "x"})  # fmt: skip
+    ckpt = str(tmp_path / "ckpt")
+    save(ckpt)
+    (name,) = manifest(ckpt)["files"]
+    for path in (tmp_path / "hf.safetensors", Path(step_path(ckpt, STEP)) / name):
+        text = read_header(str(path))[0][8:]
+        values = text.count(b",") + text.count(b":")  # none inside a string here
+        assert len(text) / values > HEADER_VALUE_BYTES + 1, (path, len(text), values)
+        assert len(text) / (text.count(b'"') // 2) > HEADER_STRING_BYTES + 1, path
+
+
 def test_one_file_listed_under_two_names_is_refused(ckpt, tmp_path):
     """A save writes every file anew: two names of one file (a hard link) are hostile,
     and each would be read (and its header parsed) again."""

@@ -129,6 +129,24 @@ def test_param_groups_come_back_and_a_changed_lr_or_betas_is_said_in_one_clause_
     assert "1 parameter groups saved, 2 now" in restore_param_groups(opt, saved[:1], job_lr=3e-3)
 
 
+def test_an_integer_eps_in_the_checkpoint_is_restored_as_a_float_and_the_optimizer_steps():
+    """JSON has integers: a re-sealed ``eps: 10**30`` passed the checks (a finite number
+    >= 0) and was restored as a Python int, on which AdamW's step died with a 50-line
+    OverflowError at the first step after every resume. It is restored as the float."""
+    from trainer.checkpointing import restore_param_groups
+
+    param = torch.nn.Parameter(torch.ones(2, 2))
+    opt = torch.optim.AdamW([param], lr=1e-3, eps=1e-8)
+    saved = [{k: list(v) if isinstance(v, tuple) else v for k, v in g.items() if k != "params"}
+             for g in opt.param_groups]  # fmt: skip
+    saved[0]["eps"] = 10**30
+    note = restore_param_groups(opt, saved, job_lr=1e-3, saved_lr=1e-3)
+    assert note == "eps 1e+30 (checkpoint) vs 1e-08 (this run): the checkpoint's is used", note
+    assert type(opt.param_groups[0]["eps"]) is float
+    param.grad = torch.ones(2, 2)
+    opt.step()  # raised OverflowError: int too big to convert
+
+
 def trainer(tmp_path: Path, *extra: str, steps: int = 2) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     args = [sys.executable, "-m", "trainer", str(TINY), "--set", f"output_dir={tmp_path / 'out'}",

@@ -63,6 +63,9 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
 
     dump_stacks_on_sigusr1()
     from elasticd.errors import ElasticdError
+    from elasticd.limits import raise_open_file_limit
+
+    raise_open_file_limit()  # a resume may open every file of a checkpoint of many ranks
     from elasticd.jobspec import load_job
     from elasticd.layout import Layout, plan
     from trainer.errors import DivergedError, TrainerConfigError

@@ -728,6 +728,8 @@ def plan_param_groups(
                 now = group[key]
                 if isinstance(now, tuple):
                     value = tuple(float(v) for v in value)
+                elif isinstance(value, int):  # JSON's 10**30 is an int: torch's step takes a float
+                    value = float(value)
                 if value == now:
                     continue
                 differ.setdefault(key, (value, now))

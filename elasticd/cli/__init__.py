@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from elasticd.errors import ElasticdError, UsageError
+from elasticd.limits import raise_open_file_limit
 from elasticd.log import setup_logging
 
 EXIT_USER_ERROR = 2
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI; returns the exit code (the console script exits with it)."""
     setup_logging()
+    raise_open_file_limit()  # workers inherit it; a checkpoint may have a file per rank
     try:
         args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)
