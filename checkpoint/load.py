@@ -267,7 +267,18 @@ class Checkpoint(CheckpointFiles):
         crc = zlib.crc32 if self.manifest.version == 1 else crc32c.crc32c
         reads = sorted(reads, key=_file_order)
         size = max(r.nbytes for r in reads)
-        buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(min(2, len(reads)))]
+        threaded = THREADED and len(reads) > 1
+        # A piece is whole verify blocks (a block at least one row): counted as the
+        # tensors are, and refused in one line rather than with torch's traceback.
+        if size > 16 * PIECE_BYTES:  # a piece past the usual: blocks of very long rows
+            check_memory(size * (1 + threaded), f"{self.path}: a read buffer")
+        try:
+            buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(1 + threaded)]
+        except RuntimeError as exc:  # torch's "can't allocate memory"
+            raise CheckpointReadError(
+                f"{self.path}: a read buffer of {size / 1e9:.1f} GB could not be allocated "
+                f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+            ) from None
         views = [memoryview(b.numpy()) for b in buffers]
 
         def fetch(i: int) -> None:
@@ -289,7 +300,7 @@ class Checkpoint(CheckpointFiles):
                     )
                 at += p.nbytes
 
-        if len(reads) == 1 or not THREADED:
+        if not threaded:
             for i, r in enumerate(reads):
                 fetch(i)
                 self._copy_out(r, buffers[i % len(buffers)])

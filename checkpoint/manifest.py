@@ -801,6 +801,11 @@ MAX_KEY_CHARS = 1 << 28
 name and offsets, so a long name times many chunks is counted before any key is made (a
 real one: 1.07 Mi chunks of names under 60 characters, about 64 Mi)."""
 MAX_STRIPS = 64
+MAX_BLOCK_BYTES = 64 << 20
+"""The largest ``block_bytes`` a version 4 manifest may give (a writer clamps to it): a
+verified load reads each verify block into a buffer whole before checking it, so a block
+of 2^62 bytes made a buffer of a whole chunk (a hostile one of 1.6 GB on a sparse file
+took an export to 3.4 GB). A block is still at least one row of its chunk."""
 """Strips a version 4 region may be cut into (the writer cuts at most
 ``SaveOptions.chunk_max_pieces``, 8 by default); a region of no elements is one."""
 
@@ -871,6 +876,11 @@ def _parse_regions(t, name, shape, rank_files: dict[int, str]) -> dict[str, Any]
     fields. ``rank_files``: :func:`_rank_files` of the manifest's files."""
     shown = quoted(name)
     per_block = _int(t["block_bytes"], f"tensor {shown}: block_bytes")
+    if per_block > MAX_BLOCK_BYTES:  # a load reads and checks a block at a time, in memory
+        raise _Bad(
+            f"tensor {shown}: block_bytes {per_block} is more than {MAX_BLOCK_BYTES} "
+            "(a verify block is read into memory whole)"
+        )
     regions = []
     nd = len(shape)
     for row in t["regions"]:

@@ -99,7 +99,9 @@ class SaveOptions:
     """About how many bytes (whole rows) each CRC-32C of a chunk covers: the unit a
     verified load reads and checks, so a reshard that cuts rows reads about what it needs.
     A save whose largest file is over about 52 GB takes larger blocks, so that the file's
-    checksums fit the header a load reads (``checkpoint.saveplan.header_block_bytes``)."""
+    checksums fit the header a load reads (``checkpoint.saveplan.header_block_bytes``).
+    At most 64 MiB (``checkpoint.manifest.MAX_BLOCK_BYTES``, what a load accepts): more is
+    taken as 64 MiB."""
     fence: Fence | None = None
     """The run and round this saver commits for; None: commits are not fenced."""
     key: bytes | None = field(default=None, repr=False)  # never in a log or a traceback

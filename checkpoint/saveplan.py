@@ -14,6 +14,7 @@ import torch
 from checkpoint import seal, stfile
 from checkpoint.errors import CheckpointError
 from checkpoint.manifest import (
+    MAX_BLOCK_BYTES,
     MAX_STRIPS,
     RegionChunks,
     TensorEntry,
@@ -149,7 +150,9 @@ def header_block_bytes(block_bytes: int, file_bytes: int, digits: int = 8) -> in
     one per chunk). With the default 16 KiB this grows only for files over 52 GB (over
     17 GB for a sealed save, whose ``digits`` per block are 24: each block's MAC too)."""
     budget = stfile.MAX_HEADER_BYTES // 2 // digits  # checksums a header may hold
-    return max(block_bytes, -(-2 * file_bytes // budget))
+    # At most what a load accepts: a file too large even for that (over 200 TB) has a
+    # header too large to write, and its save is refused (stfile.write_file).
+    return min(max(block_bytes, -(-2 * file_bytes // budget)), MAX_BLOCK_BYTES)
 
 
 def build_save_plan(

@@ -29,6 +29,7 @@ from checkpoint import (
     open_step,
     verify,
 )
+from checkpoint.manifest import MAX_BLOCK_BYTES
 from checkpoint.planner import block_rows, blocks_for_rows, coverage_problem, strip_grid
 from checkpoint.store import step_path
 
@@ -658,3 +659,28 @@ def test_more_strips_asked_for_than_a_load_accepts_are_cut_at_its_limit(tmp_path
     with Checkpoint.open(step_path(ckpt, 1)) as ck:
         assert len(ck.manifest.tensors["w"].chunks) == 64
         assert torch.equal(ck.read("w"), wide)
+
+
+def test_a_block_of_more_than_64_mib_is_refused_and_a_save_never_writes_one(tmp_path):
+    """A verified load reads each verify block into memory whole: a re-sealed manifest
+    giving ``block_bytes`` 2^62 made one block (and one buffer, twice) of a whole chunk,
+    1.6 GB on a sparse file. Refused in the manifest; a save asked for more clamps."""
+    ckpt = str(tmp_path / "a")
+    save(ckpt)
+    mpath = Path(step_path(ckpt, 1)) / "manifest.json"
+    raw = json.loads(mpath.read_text())
+    raw["tensors"]["w"]["block_bytes"] = 1 << 62
+    reseal(mpath, raw)
+    with pytest.raises(FormatError, match=r"block_bytes 4611686018427387904 is more than 67108864"):
+        open_step(ckpt)
+    big = str(tmp_path / "b")
+    saver = Saver(big, group=None, options=SaveOptions(async_=False, block_bytes=1 << 40))
+    saver.save(
+        step=1, consumed_samples=0, model={"w": (FULL.clone(), ShardInfo.whole("w", FULL.shape))}
+    )
+    saver.close()
+    assert open_step(big).manifest.tensors["w"].block_bytes == MAX_BLOCK_BYTES
+    local, info = part(0, 1, 2)
+    with Checkpoint.open(step_path(big, 1)) as ck:
+        ck.load_into({"w": (local, info)})
+    assert torch.equal(local, FULL[ROWS // 2 :])
