@@ -192,13 +192,16 @@ class CheckpointFiles:
         """Open every tensor file as a load would (a regular file of the manifest's size, its
         header checked against that size and its checksum) and match every chunk's header
         entry (and, in format version 4, its block checksums) to the manifest, reading no
-        tensor data. Raises CorruptCheckpointError."""
+        tensor data. Raises CorruptCheckpointError. A listed file no chunk uses is opened
+        and checked too (a FIFO or a device there passed ``inspect`` and ``export``)."""
         for entry in self.manifest.tensors.values():
             # Cut a region at a time, not kept: it stops at the first chunk no file holds.
             for chunk in entry.each_chunk():
                 f = self._chunk_span(chunk, entry)[0]
                 self._crcs(entry, chunk, f)
                 self._macs(entry, chunk, f)
+        for file in self.manifest.files:
+            self._handle(file)
 
     def _entry(self, name: str):
         entry = self.manifest.tensors.get(name)

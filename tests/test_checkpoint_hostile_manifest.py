@@ -521,6 +521,19 @@ def test_real_headers_are_well_inside_the_density_bounds(tmp_path):
         assert len(text) / (text.count(b'"') // 2) > HEADER_STRING_BYTES + 1, path
 
 
+def test_a_listed_file_no_chunk_uses_is_checked_too(ckpt, tmp_path):
+    """``inspect`` says it checks every file's size and header, but opened only the files
+    holding chunks: a FIFO listed beside them passed it and ``export``."""
+    raw = manifest(ckpt)
+    (name,) = raw["files"]
+    step = Path(step_path(ckpt, STEP))
+    os.mkfifo(step / "rank-00001.safetensors")
+    raw["files"]["rank-00001.safetensors"] = dict(raw["files"][name], rank=1)
+    reseal(ckpt, raw)
+    for result in four(ckpt, tmp_path, hf=False):
+        refused(result, "rank-00001.safetensors: not a regular file", within=20)
+
+
 def test_one_file_listed_under_two_names_is_refused(ckpt, tmp_path):
     """A save writes every file anew: two names of one file (a hard link) are hostile,
     and each would be read (and its header parsed) again."""
