@@ -70,7 +70,12 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from elasticd.worker import ENV_HEARTBEAT, PREEMPTED_EXIT_CODE, WorkerChannel
+from elasticd.worker import (
+    ENV_HEARTBEAT,
+    PREEMPTED_EXIT_CODE,
+    USER_ERROR_EXIT_CODE,
+    WorkerChannel,
+)
 
 log = logging.getLogger("elasticd.inprocess")
 
@@ -153,6 +158,14 @@ EXIT_RECOVERY_FAILED = 1
 
 class RoundAborted(Exception):
     """The round ended under this worker (raised by :meth:`Context.check`)."""
+
+
+class MisuseError(TypeError):
+    """The script used this API in a way no retry fixes (a non-tensor handed over, a shard,
+    state it trained on handed over as at no step). Under an agent, :func:`run` ends the
+    process with the user-error exit code 2 and one line, so the job fails at once saying
+    why; before, it exited 1 with a traceback and the agent restarted it until its
+    ``restart.max_restarts`` were spent. A ``TypeError``, as these errors were before."""
 
 
 class PeerPreempted(RoundAborted):
@@ -257,12 +270,24 @@ class Context:
 
         for name, t in tensors.items():  # before any collective: every rank alike
             if not torch.is_tensor(t):
-                raise TypeError(
+                raise MisuseError(
                     f"sync_state: {name!r} is {type(t).__name__}, not a tensor: hand over "
                     "tensors; a number through StateTensors.carry_number, an object with "
                     "state_dict() as one of state_tensors' others"
                 )
             refuse_sharded("sync_state", name, t)
+        trained = getattr(self._control, "trained_step", None)
+        if self._control is not None and self.channel.last_step is not None:
+            trained = self.channel.last_step
+        if step is None and trained is not None:
+            # It trained (it reported steps), so it holds state at a step; handed over as
+            # at none, nothing would move, and a newcomer would train on from its own.
+            raise MisuseError(
+                f"sync_state: step=None, but this process trained to step "
+                f"{trained} and holds its state: pass the step its tensors "
+                "are at (keep it in ctx.state after each step, as examples/ddp_inprocess.py "
+                "does); None is for a process that holds nothing yet"
+            )
         newest = torch.tensor([-1 if step is None else int(step)], dtype=torch.int64)
         group = transfer_group()
         # The transfer's own description gather carries every step too, but its waits are
@@ -373,10 +398,18 @@ class StateTensors(dict):
         lacking = sorted({n for d in distinct for n in wanted.keys() - d["names"].keys()
                           if self._maker_of(n) is None})  # fmt: skip
         if lacking:  # the same on every rank: decided from the same descriptions
+            items = [n for n in lacking if any(p.split("#")[0].isdigit() for p in n.split("/"))]
+            why = (
+                "a list in a state_dict() whose length differs between ranks, such as a "
+                "history that grows each step? Its items travel one by one: keep it out of "
+                "the state handed over, or hand it over as a tensor of a fixed size"
+                if items
+                else "state created lazily outside the optimizer given to state_tensors?"
+            )
             raise RuntimeError(
                 f"in-process recovery: {len(lacking)} tensor(s) the ranks at step {newest} hold "
-                f"are missing on another rank and cannot be made there (state created "
-                f"lazily outside the optimizer given to state_tensors?): {', '.join(lacking[:5])}"
+                f"are missing on another rank and cannot be made there ({why}): "
+                f"{', '.join(lacking[:5])}"
             )
         for name in sorted(wanted.keys() - self.keys()):
             prefix = self._maker_of(name)
@@ -468,7 +501,7 @@ def refuse_sharded(where: str, name: str, t: Any) -> None:
     if not any(c.__name__ == "DTensor" for c in type(t).__mro__):  # a subclass too
         return
     mesh = getattr(t, "device_mesh", None)
-    raise TypeError(
+    raise MisuseError(
         f"{where}: {name!r} is a DTensor ({getattr(t, 'placements', '?')} on a mesh of "
         f"{getattr(mesh, 'size', lambda: '?')()} ranks), a shard: only whole, replicated "
         "tensors are synced from peers. Hand over full tensors (torch.distributed.checkpoint"
@@ -569,7 +602,7 @@ def state_tensors(model: Any, optimizer: Any = None, *others: Any) -> StateTenso
             continue
         if not (callable(getattr(obj, "state_dict", None))
                 and callable(getattr(obj, "load_state_dict", None))):  # fmt: skip
-            raise TypeError(
+            raise MisuseError(
                 f"state_tensors: other {i} is {type(obj).__name__}: neither an optimizer, a "
                 "torch.Generator, nor an object with state_dict() and load_state_dict()"
             )
@@ -805,6 +838,8 @@ class _Control:
         self.aborted_at: float | None = None
         self._sig: tuple[int, int, int] | None = None
         self.channel = WorkerChannel.from_env(env)
+        self.trained_step: int | None = None
+        """The last step this process reported in an earlier round (None: it reported none)."""
         self._stop = threading.Event()
         self._read()
         threading.Thread(target=self._watch, name="elasticd-control", daemon=True).start()
@@ -1440,10 +1475,64 @@ def _close_round(*, abort: bool) -> None:
     if abort and "nccl" in str(dist.get_backend()):  # also "cpu:gloo,cuda:nccl"
         _abort_nccl()
         return
+    groups = _live_groups()
     try:
         dist.destroy_process_group()
     except Exception as exc:  # a broken group: nothing of it is used again
         log.warning("destroying the old process group failed: %s", exc)
+    _release_held_groups()  # the round before's: its works ended long ago
+    _held_groups.extend(groups)
+
+
+_held_groups: list[Any] = []
+"""The gloo process groups of the round closed last, kept until the next round closes.
+
+A user's ``DistributedDataParallel`` (its C++ ``Reducer``) holds the round's group, and
+let go of it when the round's exception was dropped: the group's destructor then ran on the
+round's thread with the GIL held (the Reducer's destructor does not release it), waiting for
+gloo's work mutex, while gloo's thread held that mutex destroying a just-failed broadcast
+of DDP's buffers, whose tensor's release needs the GIL: a deadlock (3 of 13 preemptions of a
+DDP script with BatchNorm; torch issue 56297). Held here, no thread of the user's ever drops
+the last reference; :func:`_release_held_groups` drops ours on a thread of its own, where
+the group's Python object is the last owner (its destructor releases the GIL) and a work
+still pending (a peer that never came) stalls that thread only."""
+
+
+def _live_groups() -> list[Any]:
+    """Every process group of torch's table (the default one and each made from it)."""
+    import torch.distributed as dist
+
+    world = getattr(dist.distributed_c10d, "_world", None)
+    table = getattr(world, "pg_map", None)
+    if isinstance(table, dict):
+        return list(table)
+    return [dist.group.WORLD] if dist.group.WORLD is not None else []
+
+
+def _release_held_groups(*, wait: float | None = None) -> None:
+    """Drop :data:`_held_groups` on a daemon thread (see there). With ``wait`` (the process
+    is ending), wait up to that long for it and for any release still under way: a group
+    destroyed by the interpreter's own teardown, or on a daemon thread it stops halfway,
+    aborted the process ("terminate called without an active exception", exit 134 in place
+    of the script's own code)."""
+    if _held_groups:
+        held = list(_held_groups)
+        _held_groups.clear()
+        releaser = threading.Thread(target=held.clear, name="elasticd-old-groups", daemon=True)
+        releaser.start()
+        _releasers.append(releaser)
+    _releasers[:] = [t for t in _releasers if t.is_alive()]
+    if wait is not None:
+        deadline = time.monotonic() + wait
+        for releaser in _releasers:
+            releaser.join(max(0.0, deadline - time.monotonic()))
+
+
+_releasers: list[threading.Thread] = []
+"""The threads of :func:`_release_held_groups` that may still be destroying groups."""
+
+RELEASE_WAIT = 10.0
+"""How long a process that is ending waits for its old rounds' groups to be destroyed."""
 
 
 def _reset_group_names() -> None:
@@ -1734,6 +1823,10 @@ def run(
         if control is not None:
             control.begin(round_)
             os.environ.update(env)
+            # The newest step this process reported, over its rounds: each round's channel
+            # starts with none (sync_state's check of a step handed over as None).
+            if control.channel.last_step is not None:
+                control.trained_step = control.channel.last_step
             # One preemption flag for every round's channel: a SIGTERM caught by an earlier
             # round's handler (the next one is installed by ``train``) is not lost.
             control.channel = WorkerChannel.from_env(env, preempt=control.channel.preempt_flag)
@@ -1789,6 +1882,11 @@ def run(
                 _close_round(abort=True)
                 if control is not None:
                     control.left(round_)
+                _release_held_groups(wait=RELEASE_WAIT)
+                if control is not None and isinstance(exc, MisuseError):
+                    control.channel.fault(f"MisuseError: {str(exc)[:300]}")
+                    print(f"elasticd.inprocess: error: {exc}", file=sys.stderr, flush=True)
+                    raise SystemExit(USER_ERROR_EXIT_CODE) from None
                 raise
             # A round the agent ended before its group opened (the world changed during the
             # hand-over) is no failed recovery: only the others count toward the fallback.
@@ -1800,6 +1898,7 @@ def run(
             if failed_in_row >= MAX_FAILED_RECOVERIES:
                 print(f"elasticd.inprocess: {failed_in_row - 1} recoveries in a row failed "
                       "before a step; exiting for a process restart", file=sys.stderr, flush=True)  # fmt: skip
+                _release_held_groups(wait=RELEASE_WAIT)
                 raise SystemExit(EXIT_RECOVERY_FAILED) from exc
             env = control.next_round(round_)
             lived += 1
@@ -1807,6 +1906,7 @@ def run(
         # Only the teardown and the process's exit are left: no hang_timeout for them.
         ctx.channel.finished()
         _close_round(abort=False)
+        _release_held_groups(wait=RELEASE_WAIT)  # the process ends: none left for its teardown
         if control is not None:
             control.left(round_)  # what the process does after run() is not the round's
         return result
@@ -1872,6 +1972,7 @@ __all__ = [
     "ENV_WARM_READY",
     "STANDBY_LOCAL_RANK",
     "Context",
+    "MisuseError",
     "PeerPreempted",
     "RoundAborted",
     "StateTensors",

@@ -60,6 +60,9 @@ agent acts at once instead of at its next look (``elasticd.agent.runner.TICK``).
 PREEMPTED_EXIT_CODE = 75
 """Exit status of a worker that stopped early because its node is preempted (EX_TEMPFAIL).
 The agent treats it as "re-form the world", not as a failure."""
+USER_ERROR_EXIT_CODE = 2
+"""Exit status of a worker for a user error (bad config, unloadable checkpoint, a misused
+API): the job fails at once with that worker's last error line, without spending restarts."""
 
 
 _SHARED: dict[str, tuple[threading.Lock, dict[str, float], dict[str, Any]]] = {}

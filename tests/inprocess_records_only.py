@@ -13,6 +13,9 @@ import elasticd.inprocess as ei
 
 STEPS = int(os.environ.get("RECORDS_STEPS", "40"))
 STEP_SLEEP = float(os.environ.get("RECORDS_STEP_SLEEP", "0.03"))
+FORGET_STEP = os.environ.get("RECORDS_FORGET_STEP") == "1"
+"""A script's mistake: never keep the step in ctx.state, so it hands its state over as at
+no step (``sync_state`` refuses that, ending the job as a user error)."""
 
 
 def train(ctx: ei.Context) -> None:
@@ -26,7 +29,8 @@ def train(ctx: ei.Context) -> None:
         dist.all_reduce(grad)
         w -= 0.01 * grad / world
         step += 1
-        ctx.state["step"] = step
+        if not FORGET_STEP:
+            ctx.state["step"] = step
         time.sleep(STEP_SLEEP)
         ctx.channel.record(step=step, loss=float(w.sum()))
 

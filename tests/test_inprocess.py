@@ -992,6 +992,27 @@ def test_a_script_that_only_records_its_steps_leaves_its_round_when_a_node_joins
     assert len(set(pids[0].values())) == 1, pids  # node 0: one process through both rounds
 
 
+def test_a_script_that_hands_its_state_over_as_at_no_step_fails_the_job_as_a_user_error(
+    tmp_path, monkeypatch
+):
+    """A script that trained but passes ``step=None`` to ``sync_state`` (it never kept its
+    step in ``ctx.state``): nothing moved, the survivors trained on from step 0 with their
+    trained weights while a newcomer started fresh, and the job "succeeded" with replicas
+    apart. Now ``sync_state`` refuses it (``MisuseError``) and the process exits with the
+    user-error code: the job fails at once, in one line (a TypeError before: exit 1, and
+    the agent restarted it until its restarts were spent)."""
+    script = os.path.join(os.path.dirname(__file__), "inprocess_records_only.py")
+    monkeypatch.setenv("RECORDS_STEPS", "300")
+    monkeypatch.setenv("RECORDS_FORGET_STEP", "1")
+    job = make_job(tmp_path, "forgetstep", steps=300, command=[sys.executable, script])
+    result = run(job, 1, ["add-node@step=5"])
+    assert result["state"] == "failed", f"{result['reason']}\n{story(job)}"
+    reason = result["reason"]
+    assert "user error (exit code 2)" in reason, reason
+    assert "sync_state: step=None, but this process trained to step " in reason, reason
+    assert result["status"]["furthest_step"] < 300, "it stopped there, and did not train on"
+
+
 def test_the_ddp_example_survives_a_second_node_killed_during_its_recovery(tmp_path):
     """examples/ddp_inprocess.py, dp3: node 1 killed once step 10 is done (it lands in some
     later step, wherever the workers are), then node 2 killed as its rank enters the

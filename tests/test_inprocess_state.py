@@ -292,7 +292,7 @@ def test_a_value_that_is_not_a_tensor_is_refused_on_every_rank_naming_it(synced)
     'shape'"); now a TypeError before any collective, the same on every rank."""
     errors = [r["not-a-tensor-refused"].get("error") for r in synced]
     assert len(set(errors)) == 1, errors
-    assert errors[0].startswith("TypeError: sync_state: 'extra/count' is int, not a tensor")
+    assert errors[0].startswith("MisuseError: sync_state: 'extra/count' is int, not a tensor")
 
 
 def test_a_tensor_shaped_differently_per_rank_is_refused_on_every_rank_saying_how(synced):
@@ -320,7 +320,7 @@ def test_a_dtensor_is_refused_before_any_collective_naming_what_works(synced):
     ("got mixed torch.Tensor and DTensor"), survivors kept shards of a dead mesh."""
     errors = [r["dtensor-refused"].get("error") for r in synced]
     assert len(set(errors)) == 1, errors
-    assert errors[0].startswith("TypeError: sync_state: 'model/sharded' is a DTensor ("), errors
+    assert errors[0].startswith("MisuseError: sync_state: 'model/sharded' is a DTensor ("), errors
     assert "on a mesh of 3 ranks), a shard" in errors[0] and "full_state_dict=True" in errors[0]
     # The refusals left the ranks in step: the next sync works (a case after them).
     assert all("error" not in r["sgd-after-the-refusals"] for r in synced), synced

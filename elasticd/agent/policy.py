@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from elasticd.jobs import JobState
+from elasticd.worker import USER_ERROR_EXIT_CODE  # noqa: F401 (the agent's name for it)
 
 
 class Outcome(enum.StrEnum):
@@ -233,9 +234,6 @@ misspelt or missing executable: no retry mends it, and it was retried
 ``restart.max_restarts`` times over a minute); later it is that node's trouble, a counted
 crash (a replacement built from a bad image, a shared filesystem not yet mounted there),
 and the world goes on without it."""
-USER_ERROR_EXIT_CODE = 2
-"""A worker's exit code for a user error (bad config, unloadable checkpoint): the job fails
-at once with that worker's last error line, without spending restarts."""
 PEER_LOST_GRACE = 1.0
 """Grace after SIGTERM when the world is already broken: no save can succeed, so be quick."""
 CANCEL_GRACE = 3.0
