@@ -1013,6 +1013,31 @@ def test_a_script_that_hands_its_state_over_as_at_no_step_fails_the_job_as_a_use
     assert result["status"]["furthest_step"] < 300, "it stopped there, and did not train on"
 
 
+@pytest.mark.slow  # eight jobs, about 4 minutes on the 2-core box
+def test_a_ddp_script_with_batchnorm_survives_preemption_after_preemption_in_process(
+    tmp_path, monkeypatch
+):
+    """A DDP script with BatchNorm, a node preempted at step 6, eight times over: each
+    job succeeds with one in-process recovery from peers and no worker restarted. Before
+    the round's groups were held past the round (docs/inprocess.md, "Which thread destroys
+    a gloo group"), 3 of 13 such runs deadlocked in the group's destructor, until
+    hang_timeout (here 20 s) killed the worker: a process restart, and with no checkpoint
+    the job trained again from step 0. And 4 of 10 runs of the first fix aborted at exit
+    ("terminate called without an active exception"), a process restart too."""
+    script = os.path.join(os.path.dirname(__file__), "inprocess_ddp_batchnorm.py")
+    monkeypatch.setenv("BN_STEPS", "16")
+    for i in range(8):
+        job = make_job(tmp_path, f"bn{i}", steps=16, command=[sys.executable, script],
+                       restart={"mode": "inprocess", "hang_timeout": 20})  # fmt: skip
+        result = run(job, 3, ["term-node=2@step=6"])
+        assert result["state"] == "succeeded", f"{result['reason']}\n{story(job)}"
+        recs = [e for e in result["status"]["history"] if e["kind"] == "recovery"]
+        assert [(e["mode"], e["source"]) for e in recs] == [("inprocess", "peers")], (
+            f"run {i}: {recs}\n{story(job)}"
+        )
+        assert result["status"]["restarts"] == 0, f"run {i}\n{story(job)}"
+
+
 def test_the_ddp_example_survives_a_second_node_killed_during_its_recovery(tmp_path):
     """examples/ddp_inprocess.py, dp3: node 1 killed once step 10 is done (it lands in some
     later step, wherever the workers are), then node 2 killed as its rank enters the
