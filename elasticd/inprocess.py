@@ -338,6 +338,39 @@ class Context:
         return result.step
 
 
+class GeneratorSnapshot:
+    """A random generator's state as of the end of the last completed step, to hand over
+    as one of :func:`state_tensors`' ``others`` (keep it in ``ctx.state``)::
+
+        rng = ctx.state.setdefault("rng", ei.GeneratorSnapshot())  # torch's default one
+        step = ctx.sync_state(ei.state_tensors(model, opt, sched, rng), step=...) or 0
+        ...  # each step draws dropout masks, a shuffle, ... from the generator
+        rng.take()  # after the optimizer's step
+
+    After the sync every rank's generator is set to the snapshot of a rank at the newest
+    step: a survivor's drops what the interrupted step drew, and a newcomer draws as the
+    others do, so the next steps' masks equal an uninterrupted run's. A generator given
+    as it is (``state_tensors(model, opt, gen)``) is handed over as it stands, mid-step,
+    and the run's later draws differ from an uninterrupted one's."""
+
+    def __init__(self, generator: Any = None) -> None:
+        import torch
+
+        self.generator = torch.default_generator if generator is None else generator
+        self._state = self.generator.get_state()  # a copy
+
+    def take(self) -> None:
+        """Keep the generator's state now: call it at the end of each step."""
+        self._state = self.generator.get_state()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"state": self._state}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._state = state["state"].clone()
+        self.generator.set_state(self._state)
+
+
 class StateTensors(dict):
     """What :func:`state_tensors` returns: name -> tensor, plus what
     :meth:`Context.sync_state` needs beyond the tensors: how to give a rank the optimizer
@@ -1972,6 +2005,7 @@ __all__ = [
     "ENV_WARM_READY",
     "STANDBY_LOCAL_RANK",
     "Context",
+    "GeneratorSnapshot",
     "MisuseError",
     "PeerPreempted",
     "RoundAborted",

@@ -28,7 +28,8 @@ import elasticd.inprocess as ei
 CASES = ["sgd-momentum", "adam-amsgrad", "adamw-scheduler-scaler", "rmsprop-extra-param",
          "int-lr-two-optimizers", "parameters-as-given", "generator", "lazy-state-refused",
          "not-a-tensor-refused", "shape-per-rank-refused", "contents-per-rank-refused",
-         "dtensor-refused", "sgd-after-the-refusals", "batchnorm-buffers"]  # fmt: skip
+         "dtensor-refused", "sgd-after-the-refusals", "batchnorm-buffers",
+         "generator-snapshot"]  # fmt: skip
 REFUSED = ("lazy-state-refused", "not-a-tensor-refused", "shape-per-rank-refused",
            "contents-per-rank-refused", "dtensor-refused")  # fmt: skip
 """Cases that fail the sync on every rank alike (the ranks stay in step for the next)."""
@@ -120,6 +121,9 @@ def _build(case: str, seed: int):
     elif case == "generator":  # a sampler's generator, advanced by every step
         opt = torch.optim.SGD(params, lr=0.1)
         others = [torch.Generator().manual_seed(seed)]
+    elif case == "generator-snapshot":  # a dropout's generator, kept at each step's end
+        opt = torch.optim.SGD(params, lr=0.1)
+        others = [ei.GeneratorSnapshot(torch.Generator().manual_seed(seed))]
     else:
         opt = torch.optim.SGD(params, lr=0.1)
     return model, extra, opt, others
@@ -142,6 +146,9 @@ def _step(step: int, model, extra, opt, others) -> None:
     for o in others:
         if isinstance(o, torch.Generator):
             torch.randperm(16, generator=o)  # a sampler's shuffle
+        elif isinstance(o, ei.GeneratorSnapshot):
+            torch.randperm(16, generator=o.generator)  # a dropout's masks
+            o.take()  # the step is done
         elif not isinstance(o, torch.amp.GradScaler):  # optimizers, schedulers, ours
             o.step()
 
@@ -157,7 +164,8 @@ def _summary(model, extra, opt, others) -> dict:
             for o in others
             if not isinstance(o, torch.optim.Optimizer | torch.Generator)
         ],
-        "rng": [o.get_state().tolist() for o in others if isinstance(o, torch.Generator)],
+        "rng": [o.get_state().tolist() for o in others if isinstance(o, torch.Generator)]
+        + [o.generator.get_state().tolist() for o in others if isinstance(o, ei.GeneratorSnapshot)],
         "other_opt": [
             sorted({k for st in o.state.values() for k in st})
             for o in others
@@ -197,6 +205,8 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
                     tensors["extra/buf"] = torch.zeros(3 if rank == 0 else 4)
                 if case == "contents-per-rank-refused":  # a rank's own shard, handed as whole
                     tensors["extra/shard"] = torch.full((4,), float(rank))
+                if case == "generator-snapshot" and holder:  # the interrupted step's draw
+                    torch.randperm(16, generator=others[0].generator)
                 if case == "batchnorm-buffers" and holder:
                     # Each rank's running statistics follow its own batches between DDP's
                     # broadcasts of rank 0's: the holders' differ, and that is no refusal.
@@ -261,6 +271,12 @@ def test_a_newcomer_synced_from_the_holders_trains_on_exactly_as_they_do(synced,
         assert holder["others"][1]["seed"] == 2**60 + 1 + 2 * 5
     if case == "generator":  # the newcomer's generator (another seed) now draws as theirs
         assert newcomer["rng"] == holder["rng"] and len(holder["rng"]) == 1
+    if case == "generator-snapshot":  # as at the held step's end: the half-step's draw gone
+        assert newcomer["rng"] == holder["rng"] and len(holder["rng"]) == 1
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(HELD_STEP + 2):  # an uninterrupted holder: 5 steps, then the 2 after
+            torch.randperm(16, generator=gen)
+        assert holder["rng"] == [gen.get_state().tolist()]
     # A module's extra state that is not a tensor is left as each rank has it.
     assert newcomer["note"] == {"made": "here"}
 
