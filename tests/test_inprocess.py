@@ -1013,7 +1013,7 @@ def test_a_script_that_hands_its_state_over_as_at_no_step_fails_the_job_as_a_use
     assert result["status"]["furthest_step"] < 300, "it stopped there, and did not train on"
 
 
-@pytest.mark.slow  # eight jobs, about 4 minutes on the 2-core box
+@pytest.mark.slow  # eight jobs, about 2 minutes on the 2-core box
 def test_a_ddp_script_with_batchnorm_survives_preemption_after_preemption_in_process(
     tmp_path, monkeypatch
 ):
