@@ -276,7 +276,7 @@ class Checkpoint(CheckpointFiles):
             buffers = [torch.empty(size, dtype=torch.uint8) for _ in range(1 + threaded)]
         except RuntimeError as exc:  # torch's "can't allocate memory"
             raise CheckpointReadError(
-                f"{self.path}: a read buffer of {size / 1e9:.1f} GB could not be allocated "
+                f"{self.path}: a read buffer of {size / 1e6:.0f} MB could not be allocated "
                 f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
             ) from None
         views = [memoryview(b.numpy()) for b in buffers]

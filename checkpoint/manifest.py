@@ -801,13 +801,14 @@ MAX_KEY_CHARS = 1 << 28
 name and offsets, so a long name times many chunks is counted before any key is made (a
 real one: 1.07 Mi chunks of names under 60 characters, about 64 Mi)."""
 MAX_STRIPS = 64
-MAX_BLOCK_BYTES = 64 << 20
-"""The largest ``block_bytes`` a version 4 manifest may give (a writer clamps to it): a
-verified load reads each verify block into a buffer whole before checking it, so a block
-of 2^62 bytes made a buffer of a whole chunk (a hostile one of 1.6 GB on a sparse file
-took an export to 3.4 GB). A block is still at least one row of its chunk."""
 """Strips a version 4 region may be cut into (the writer cuts at most
 ``SaveOptions.chunk_max_pieces``, 8 by default); a region of no elements is one."""
+MAX_BLOCK_BYTES = 64 << 20
+"""The largest ``block_bytes`` a save writes (it clamps ``SaveOptions.block_bytes`` and the
+size ``checkpoint.saveplan.header_block_bytes`` picks to it). A load takes any: a block is
+at most its chunk, and checkpoints saved with larger blocks before (and version 2's, one
+block a chunk) must still load; a verified load's buffer for large blocks is counted
+against the memory available instead (``checkpoint.load``)."""
 
 
 def _chunk_count(listed: Any, version: int) -> int:
@@ -876,11 +877,6 @@ def _parse_regions(t, name, shape, rank_files: dict[int, str]) -> dict[str, Any]
     fields. ``rank_files``: :func:`_rank_files` of the manifest's files."""
     shown = quoted(name)
     per_block = _int(t["block_bytes"], f"tensor {shown}: block_bytes")
-    if per_block > MAX_BLOCK_BYTES:  # a load reads and checks a block at a time, in memory
-        raise _Bad(
-            f"tensor {shown}: block_bytes {per_block} is more than {MAX_BLOCK_BYTES} "
-            "(a verify block is read into memory whole)"
-        )
     regions = []
     nd = len(shape)
     for row in t["regions"]:

@@ -92,7 +92,10 @@ def _limit_said(exc: OSError) -> str:
     if exc.errno != errno.EMFILE:
         return ""
     with contextlib.suppress(OSError, ValueError):
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        soft, hard = (
+            "unlimited" if n == resource.RLIM_INFINITY else n
+            for n in resource.getrlimit(resource.RLIMIT_NOFILE)
+        )
         return (
             f" (this process may hold {soft} open files, its hard limit {hard}: raise the "
             "limit, `ulimit -n`, or LimitNOFILE= in a systemd unit)"

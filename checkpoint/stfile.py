@@ -391,12 +391,13 @@ huge dimensions would make even multiplying them out take minutes."""
 HEADER_CONTAINER_BYTES = 16
 """At most one JSON list or object per this many bytes of a header (an entry has three in
 about 50 bytes): a header of nothing but ``[]`` would cost 30 times its size in memory."""
-HEADER_VALUE_BYTES = 5
+HEADER_VALUE_BYTES = 3
 """At most one JSON value (counted by the commas and colons outside strings) per this many
-bytes of a header: the shortest entry, a 0-d tensor with a one-letter name, has one per
-6.5 bytes, real ones one per 10 to 17 (this store's, Hugging Face's). A list of short
-numbers (``1.5,``: one per 4 bytes) costs 8 times its size in memory once parsed, so a
-100 MiB header of them took a reader over 1 GB, and every open file kept its own."""
+bytes of a header: real ones have one per 10 to 17 (this store's, Hugging Face's), a 0-d
+tensor of a one-letter name one per 6.5, a shape of eight 1s one per 4.5. What passes the
+count costs at most 8 times its text once parsed (``1.5,``, a float in 4 bytes; a header
+holds none, and one is refused once parsed, below); before any bound a 100 MiB header of
+them took a reader over 1 GB, and every open file kept its own."""
 HEADER_STRING_BYTES = 8
 """At most one JSON string per this many bytes of a header (the shortest entry has one per
 10 bytes): a list of short strings costs 12 times its size in memory once parsed."""
@@ -434,9 +435,10 @@ def read_header_fd(
         raise CorruptCheckpointError(f"{path}: header is not valid JSON ({why})") from exc
     if not isinstance(parsed, dict):
         raise CorruptCheckpointError(f"{path}: header is not a JSON object")
-    meta = parsed.get("__metadata__", {})
-    # safetensors' own reader takes only a map of strings here; anything else is not a
-    # file it wrote, and a reader would keep it in memory for as long as the file is open.
+    meta = parsed.get("__metadata__")
+    meta = {} if meta is None else meta  # safetensors reads null as no metadata
+    # safetensors' own reader takes only a map of strings (or null) here; anything else
+    # is not a file it wrote, and a reader would keep it for as long as the file is open.
     if not isinstance(meta, dict) or not all(type(v) is str for v in meta.values()):
         raise CorruptCheckpointError(f"{path}: header's __metadata__ is not an object of strings")
     data_len = size - 8 - n
@@ -444,6 +446,10 @@ def read_header_fd(
         if key == "__metadata__":
             continue
         problem = _entry_problem(info, data_len, unknown_dtypes)
+        if problem is None and not unknown_dtypes and len(info) != len(ENTRY_FIELDS):
+            # This store writes these three fields and no more: anything beside them is
+            # not its file's (and, parsed, may be a long list of numbers kept in memory).
+            problem = f"has fields other than {', '.join(ENTRY_FIELDS)}"
         if problem:
             raise CorruptCheckpointError(f"{path}: header entry {quoted(key)}: {problem}")
     return struct.pack("<Q", n) + text, parsed
@@ -486,6 +492,9 @@ def _check_density(text: bytes, path: str) -> None:
 
 
 _STRING = re.compile(rb'"[^"]*"')
+
+
+ENTRY_FIELDS = ("dtype", "shape", "data_offsets")
 
 
 def _entry_problem(info: object, data_len: int, unknown_dtypes: bool = False) -> str | None:

@@ -162,8 +162,9 @@ class RoundAborted(Exception):
 
 class MisuseError(TypeError):
     """The script used this API in a way no retry fixes (a non-tensor handed over, a shard,
-    state it trained on handed over as at no step). Under an agent, :func:`run` ends the
-    process with the user-error exit code 2 and one line, so the job fails at once saying
+    state it trained on handed over as at no step). Under an agent (either
+    ``restart.mode``), :func:`run` ends the process with the user-error exit code 2 and one
+    line, so the job fails at once saying
     why; before, it exited 1 with a traceback and the agent restarted it until its
     ``restart.max_restarts`` were spent. A ``TypeError``, as these errors were before."""
 
@@ -277,7 +278,7 @@ class Context:
                 )
             refuse_sharded("sync_state", name, t)
         trained = getattr(self._control, "trained_step", None)
-        if self._control is not None and self.channel.last_step is not None:
+        if self._control is not None and self.channel.reported_step():
             trained = self.channel.last_step
         if step is None and trained is not None:
             # It trained (it reported steps), so it holds state at a step; handed over as
@@ -431,7 +432,7 @@ class StateTensors(dict):
         lacking = sorted({n for d in distinct for n in wanted.keys() - d["names"].keys()
                           if self._maker_of(n) is None})  # fmt: skip
         if lacking:  # the same on every rank: decided from the same descriptions
-            items = [n for n in lacking if any(p.split("#")[0].isdigit() for p in n.split("/"))]
+            items = [n for n in lacking if _has_list_item(n)]
             why = (
                 "a list in a state_dict() whose length differs between ranks, such as a "
                 "history that grows each step? Its items travel one by one: keep it out of "
@@ -461,6 +462,19 @@ class StateTensors(dict):
 
 
 _INT64 = (-(2**63), 2**63 - 1)
+
+
+def _has_list_item(name: str) -> bool:
+    """Whether a carried name goes through a list's item (a number in its path, past the
+    ``other/<i>``, ``param_groups/<g>`` and ``params/<p>`` that such names have)."""
+    parts = name.split("/")
+    if parts[:1] == ["other"]:
+        parts = parts[2:]
+    if parts[:2] == ["optim", "param_groups"] or parts[:1] == ["param_groups"]:
+        parts = parts[parts.index("param_groups") + 2 :]
+        if parts[:1] == ["params"]:  # a parameter the optimizer trains, by its place
+            parts = parts[2:]
+    return any(p.split("#")[0].isdigit() for p in parts)
 
 
 def _encode_number(value: int | float) -> Any:
@@ -872,7 +886,8 @@ class _Control:
         self._sig: tuple[int, int, int] | None = None
         self.channel = WorkerChannel.from_env(env)
         self.trained_step: int | None = None
-        """The last step this process reported in an earlier round (None: it reported none)."""
+        """The last step this process trained in an earlier round (its channel reported a
+        step past the one the round resumed at); None: it trained none."""
         self._stop = threading.Event()
         self._read()
         threading.Thread(target=self._watch, name="elasticd-control", daemon=True).start()
@@ -1508,7 +1523,9 @@ def _close_round(*, abort: bool) -> None:
     if abort and "nccl" in str(dist.get_backend()):  # also "cpu:gloo,cuda:nccl"
         _abort_nccl()
         return
-    groups = _live_groups()
+    # gloo's alone: an NCCL group's destructor belongs on the thread of its device, and
+    # torch's destroy_process_group shuts its communicators down first.
+    groups = _live_groups() if "nccl" not in str(dist.get_backend()) else []
     try:
         dist.destroy_process_group()
     except Exception as exc:  # a broken group: nothing of it is used again
@@ -1851,14 +1868,17 @@ def run(
     state: dict[str, Any] = {}
     lived = 0
     failed_in_row = 0
+    # Under an agent either way (restart.mode process too): a misuse ends the job (exit 2).
+    under_agent = control is not None or bool(os.environ.get(ENV_HEARTBEAT))
     while True:
         round_ = int(env.get("ELASTICD_ROUND", "0") or 0)
         if control is not None:
             control.begin(round_)
             os.environ.update(env)
-            # The newest step this process reported, over its rounds: each round's channel
-            # starts with none (sync_state's check of a step handed over as None).
-            if control.channel.last_step is not None:
+            # The newest step this process trained, over its rounds: each round's channel
+            # starts with none (sync_state's check of a step handed over as None). A step
+            # past the one the round resumed at, not a heartbeat of the resume step itself.
+            if control.channel.reported_step():
                 control.trained_step = control.channel.last_step
             # One preemption flag for every round's channel: a SIGTERM caught by an earlier
             # round's handler (the next one is installed by ``train``) is not lost.
@@ -1916,8 +1936,9 @@ def run(
                 if control is not None:
                     control.left(round_)
                 _release_held_groups(wait=RELEASE_WAIT)
-                if control is not None and isinstance(exc, MisuseError):
-                    control.channel.fault(f"MisuseError: {str(exc)[:300]}")
+                if isinstance(exc, MisuseError) and under_agent:
+                    if control is not None:
+                        control.channel.fault(f"MisuseError: {str(exc)[:300]}")
                     print(f"elasticd.inprocess: error: {exc}", file=sys.stderr, flush=True)
                     raise SystemExit(USER_ERROR_EXIT_CODE) from None
                 raise

@@ -661,26 +661,39 @@ def test_more_strips_asked_for_than_a_load_accepts_are_cut_at_its_limit(tmp_path
         assert torch.equal(ck.read("w"), wide)
 
 
-def test_a_block_of_more_than_64_mib_is_refused_and_a_save_never_writes_one(tmp_path):
-    """A verified load reads each verify block into memory whole: a re-sealed manifest
-    giving ``block_bytes`` 2^62 made one block (and one buffer, twice) of a whole chunk,
-    1.6 GB on a sparse file. Refused in the manifest; a save asked for more clamps."""
-    ckpt = str(tmp_path / "a")
-    save(ckpt)
-    mpath = Path(step_path(ckpt, 1)) / "manifest.json"
-    raw = json.loads(mpath.read_text())
-    raw["tensors"]["w"]["block_bytes"] = 1 << 62
-    reseal(mpath, raw)
-    with pytest.raises(FormatError, match=r"block_bytes 4611686018427387904 is more than 67108864"):
-        open_step(ckpt)
+def test_a_save_writes_blocks_of_64_mib_at_most_and_a_load_takes_larger_ones(tmp_path):
+    """A save asked for larger verify blocks clamps them to 64 MiB (a verified load reads a
+    block into memory whole). A checkpoint an earlier build saved with larger ones (here
+    one block a chunk, as ``block_bytes`` of 2^40 gives, its header's checksums made so)
+    still loads: nothing committed becomes unloadable."""
+    from checkpoint.stfile import CRC_META, block_crc32c
+
     big = str(tmp_path / "b")
     saver = Saver(big, group=None, options=SaveOptions(async_=False, block_bytes=1 << 40))
-    saver.save(
-        step=1, consumed_samples=0, model={"w": (FULL.clone(), ShardInfo.whole("w", FULL.shape))}
-    )
+    model = {"w": (FULL.clone(), ShardInfo.whole("w", FULL.shape))}
+    saver.save(step=1, consumed_samples=0, model=model)
     saver.close()
     assert open_step(big).manifest.tensors["w"].block_bytes == MAX_BLOCK_BYTES
+
+    ckpt = str(tmp_path / "a")
+    save(ckpt)
+    path = data_path(ckpt)
+    blob, head = path.read_bytes(), header_bytes(path)
+    header = file_header(ckpt)
+
+    def one_block_a_chunk(h):
+        for key, info in header.items():
+            if key != "__metadata__":
+                begin, end = info["data_offsets"]
+                h["__metadata__"][CRC_META + key] = block_crc32c(blob[head + begin : head + end], 0)
+
+    rewrite_header(ckpt, one_block_a_chunk)
+    mpath = Path(step_path(ckpt, 1)) / "manifest.json"
+    raw = json.loads(mpath.read_text())
+    raw["tensors"]["w"]["block_bytes"] = 1 << 40
+    reseal(mpath, raw)
     local, info = part(0, 1, 2)
-    with Checkpoint.open(step_path(big, 1)) as ck:
+    with Checkpoint.open(step_path(ckpt, 1)) as ck:
         ck.load_into({"w": (local, info)})
     assert torch.equal(local, FULL[ROWS // 2 :])
+    assert verify(open_step(ckpt)) == []

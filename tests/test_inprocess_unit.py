@@ -1346,3 +1346,40 @@ def test_a_rounds_gloo_groups_are_held_until_the_next_round_closes_and_let_go_at
     p = subprocess.run([sys.executable, "-c", HELD_SCRIPT],
                        capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-3000:]
+
+
+def test_sync_state_refuses_step_none_only_from_a_process_that_trained(tmp_path):
+    """``step=None`` is for a process that holds nothing yet. One that trained (its channel
+    reported a step past the one its round resumed at, in this round or an earlier one)
+    and passes None is a script that never kept its step: refused. A heartbeat of the step
+    a script resumed at on its own is no training, and a newcomer reported nothing."""
+    import torch
+
+    from elasticd.inprocess import Context, MisuseError
+    from elasticd.worker import ENV_HEARTBEAT, WorkerChannel
+
+    def ctx(channel, trained_step=None):
+        control = SimpleNamespace(channel=channel, trained_step=trained_step)
+        return Context(round=1, rank=0, world_size=1, local_rank=0, env={}, state={},
+                       _control=control)  # fmt: skip
+
+    tensors = {"w": torch.zeros(2)}
+    channel = WorkerChannel.from_env({ENV_HEARTBEAT: str(tmp_path / "hb")})
+    assert ctx(channel).sync_state(tensors, step=None) is None  # a newcomer
+    channel.progress(step=100)  # resumed at 100 from its own checkpoint: a heartbeat
+    assert ctx(channel).sync_state(tensors, step=None) is None
+    channel.progress(step=101)
+    with pytest.raises(MisuseError, match=r"step=None, but this process trained to step 101"):
+        ctx(channel).sync_state(tensors, step=None)
+    fresh = WorkerChannel.from_env({ENV_HEARTBEAT: str(tmp_path / "hb2")})  # a later round's
+    with pytest.raises(MisuseError, match="trained to step 7 and holds its state"):
+        ctx(fresh, trained_step=7).sync_state(tensors, step=None)
+
+
+def test_a_lacking_name_is_told_from_a_list_item_past_the_prefixes_every_name_has():
+    from elasticd.inprocess import _has_list_item
+
+    assert _has_list_item("other/1/history/3#n")  # a loss history that grew
+    assert not _has_list_item("other/1/shadow/w")  # an EMA's lazily made state
+    assert not _has_list_item("optim/param_groups/1/params/0/square_avg")
+    assert _has_list_item("optim/param_groups/0/extra/2#n")
