@@ -1106,8 +1106,9 @@ def _threads_and_sockets(pid: int) -> tuple[int, int]:
 def test_a_survivor_keeps_no_thread_or_socket_of_the_rounds_it_left(tmp_path):
     """Rank 0's process lives through one recovery after another (another rank's worker
     is killed each time, its standby adopted). Each round's groups hold gloo's threads and sockets: a
-    round that ended must let go of them when it ends, not at the next full garbage
-    collection (the trainer and its checkpointing referred to each other, so every old
+    round that ended must let go of them by the end of the round after it (``run`` holds
+    them that long: docs/inprocess.md, "Which thread destroys a gloo group"), not at the
+    next full garbage collection (the trainer and its checkpointing referred to each other, so every old
     round's model and groups stayed until one: 7 threads and 4 sockets more per round)."""
     from polling import wait_for
 
