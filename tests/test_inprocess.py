@@ -1022,7 +1022,7 @@ def test_a_ddp_script_with_batchnorm_survives_preemption_after_preemption_in_pro
     the round's groups were held past the round (docs/inprocess.md, "Which thread destroys
     a gloo group"), 3 of 13 such runs deadlocked in the group's destructor, until
     hang_timeout (here 20 s) killed the worker: a process restart, and with no checkpoint
-    the job trained again from step 0. And 4 of 10 runs of the first fix aborted at exit
+    the job trained again from step 0. And 5 of 5 runs of the first fix aborted at exit
     ("terminate called without an active exception"), a process restart too."""
     script = os.path.join(os.path.dirname(__file__), "inprocess_ddp_batchnorm.py")
     monkeypatch.setenv("BN_STEPS", "16")
