@@ -373,3 +373,32 @@ except CorruptCheckpointError as exc:
     assert p.returncode == 0, (p.returncode, p.stderr[-3000:])  # -7: SIGBUS
     cut, message = one_line(p).split(" ", 1)
     assert cut == "1" and "truncated" in message, p.stdout
+
+
+@pytest.mark.parametrize(
+    "manifest", [b"", b'{"step": 6', b"{}"], ids=["empty", "torn", "no-checksum"]
+)
+def test_a_newer_step_without_a_valid_manifest_is_named_when_an_older_one_loads(tmp_path, manifest):
+    """A step directory whose manifest is empty, torn or fails its checksum counts as
+    commit 0 and is ordered below every committed step, so a resume took step 3 and never
+    said that step 6 was there (its work lost without a word; only `ckpt verify` named
+    it). The load now says so, once, and still loads step 3."""
+    from checkpoint import load_latest
+    from checkpoint.store import step_path
+
+    ckpt = str(tmp_path / "ckpt")
+    save(ckpt, step=3)
+    save(ckpt, step=6, scale=2.0)
+    Path(step_path(ckpt, 6), "manifest.json").write_bytes(manifest)
+    said: list[str] = []
+    out = model()
+    with load_latest(ckpt, model=out, warn=said.append) as ck:
+        assert ck.manifest.step == 3
+    assert torch.equal(out["w"][0], W)
+    (line,) = said
+    assert "step 6, newer than the step loaded (3), has no valid manifest" in line, said
+    said.clear()
+    save(ckpt, step=9, scale=3.0)  # a newer commit: step 6 is no longer newer than the load
+    with load_latest(ckpt, model=model(), warn=said.append) as ck:
+        assert ck.manifest.step == 9
+    assert said == [], said
