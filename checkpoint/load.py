@@ -522,18 +522,20 @@ def _warn_passed_over(
     ckpt_dir: str, loaded: int, *, tried: Sequence[int], warn: Callable[[str], None]
 ) -> None:
     """Say which steps newer than the one loaded were passed over without being tried: a
-    step directory whose manifest is missing, unreadable or fails its own checksum counts
+    step directory whose manifest is empty, unreadable or fails its own checksum counts
     as commit 0 and is ordered below every committed step, so a resume took the step before
     it without a word (no save leaves such a directory: a commit renames its directory
     into place after its manifest is written). Steps tried and failed were said already."""
     with contextlib.suppress(CheckpointError, OSError):
+        if not any(s > loaded for s in store.committed_steps(ckpt_dir)):
+            return  # the newest step directory loaded (a listing; no manifest read again)
         numbers = store.commit_numbers(ckpt_dir)
         newer = sorted(s for s, c in numbers.items() if c == 0 and s > loaded and s not in tried)
         if newer:
             shown = ", ".join(str(s) for s in newer[:5]) + (", ..." if len(newer) > 5 else "")
             warn(
                 f"{ckpt_dir}: step {shown}, newer than the step loaded ({loaded}), has no valid "
-                "manifest (missing, unreadable or failing its checksum) and was passed over; "
+                "manifest (empty, unreadable or failing its checksum) and was passed over; "
                 "`elasticd ckpt verify` says what is wrong"
             )
 

@@ -467,13 +467,13 @@ def _check_density(text: bytes, path: str) -> None:
         "lists or objects": (b"[{", n // HEADER_CONTAINER_BYTES + 64, HEADER_CONTAINER_BYTES),
         "values": (b",:", n // HEADER_VALUE_BYTES + 64, HEADER_VALUE_BYTES),
     }
-    plain = None
+    blanked = plain = None  # escapes blanked; then every string emptied too
     for what, (chars, bound, per) in bounds.items():
         count = sum(text.count(bytes([c])) for c in chars)
         if count > bound:
             if plain is None:
-                plain = text.replace(b"\\\\", b"__").replace(b'\\"', b"__")
-                plain = _STRING.sub(b'""', plain)
+                blanked = text.replace(b"\\\\", b"__").replace(b'\\"', b"__")
+                plain = _STRING.sub(b'""', blanked)
             count = sum(plain.count(bytes([c])) for c in chars)
         if count > bound:
             raise CorruptCheckpointError(
@@ -483,7 +483,9 @@ def _check_density(text: bytes, path: str) -> None:
     # An escaped quote is no string's end: an upper bound on the strings, then exact.
     strings = text.count(b'"') // 2
     if strings > n // HEADER_STRING_BYTES + 64:
-        strings = text.replace(b"\\\\", b"__").replace(b'\\"', b"__").count(b'"') // 2
+        if blanked is None:
+            blanked = text.replace(b"\\\\", b"__").replace(b'\\"', b"__")
+        strings = blanked.count(b'"') // 2
         if strings > n // HEADER_STRING_BYTES + 64:
             raise CorruptCheckpointError(
                 f"{path}: header has {strings} JSON strings in {n} bytes, more than one per "
