@@ -121,6 +121,13 @@ def kept_mb(job) -> list[float]:
     return found
 
 
+REPLICA_LOST = 2
+"""Steps a recovery from replicas may train again at ``memory_every: 1``: the bound
+docs/inprocess.md states, ``2 × memory_every`` (the replication of the step before the
+fault may still be in flight, and the one before it is the newest whole). One is the
+common case; two came in a CI run on a loaded box."""
+
+
 def check_inprocess(
     tmp_path, job, result, *, recoveries: int, source: str = "peers", lost: int = 0
 ) -> list[dict]:
@@ -223,10 +230,13 @@ def test_a_worker_hung_as_a_peer_node_dies_is_killed_alone_and_the_rest_go_on_in
     the hung worker never leaves the round before. It was waited for 120 s
     (ROUND_BEGIN_TIMEOUT) and every worker was restarted from the checkpoint; now, past
     hang_timeout and the leave margin, it alone is killed, and its node's replacement takes
-    the state from rank 0's memory."""
+    the state from rank 0's memory. Both faults fire in step 5's step-end phase: fired from
+    outside after the step, the kill could land first and rank 2 see its collective fail
+    and go on in-process before the SIGSTOP (a CI run did), which is not the path here."""
     restart = {"mode": "inprocess", "scale_up": "immediate", "hang_timeout": 4}
     job = make_job(tmp_path, "stuck", steps=40, restart=restart)
-    result = run(job, 3, ["kill-node=1@step=5", "hang-worker=2@step=5"])
+    result = run(job, 3, ["hang-worker=2@step=5:phase=step-end",
+                          "kill-node=1@step=5:phase=step-end"])  # fmt: skip
     history = result["status"]["history"]
     recs = [e for e in history if e["kind"] == "recovery"]
     assert recs and all(e["mode"] == "inprocess" for e in recs), f"{history}\n{story(job)}"
@@ -362,13 +372,15 @@ def test_a_fault_that_splits_the_survivors_across_a_step_still_recovers_from_mem
 def test_a_tp_shard_with_no_live_holder_comes_back_from_its_in_memory_replica(tmp_path):
     """tp2 on three nodes (the third a spare), ``memory_replicas: 1``: the killed node held
     a TP shard that no other rank holds. Its replica, kept in another node's memory, fills
-    it: source replica, at most ``memory_every`` (1) step lost and recomputed, each step
+    it: source replica, at most ``2 × memory_every`` (2) steps lost and recomputed, each step
     still once in metrics.jsonl, the losses those of one process."""
     job = make_job(tmp_path, "replica", steps=12, parallel={"tp": 2},
                    nodes={"min": 2, "max": 3},
                    checkpoint={"every": 0, "memory_replicas": 1, "memory_every": 1})  # fmt: skip
     result = run(job, 3, ["kill-node=1@step=5"])
-    records = check_inprocess(tmp_path, job, result, recoveries=1, source="replica", lost=1)
+    records = check_inprocess(
+        tmp_path, job, result, recoveries=1, source="replica", lost=REPLICA_LOST
+    )
     shape = lambda r: (r["world"], r["tp"], r["dp"])  # noqa: E731
     assert shape(records[0]) == (3, 2, 1) and shape(records[-1]) == (2, 2, 1)
     pids = round_pids(job)
@@ -387,7 +399,7 @@ def test_a_newcomer_placed_at_node_rank_0_records_the_recovery(tmp_path):
                    nodes={"min": 2, "max": 2},
                    checkpoint={"every": 0, "memory_replicas": 1, "memory_every": 1})  # fmt: skip
     result = run(job, 2, ["add-node@step=2", "kill-node=0@step=5"])
-    check_inprocess(tmp_path, job, result, recoveries=1, source="replica", lost=1)
+    check_inprocess(tmp_path, job, result, recoveries=1, source="replica", lost=REPLICA_LOST)
     assert result["status"]["nodes"][0] not in ("node-0", "node-1"), result["status"]["nodes"]
     history = result["status"]["history"]
     (rec,) = [e for e in history if e["kind"] == "recovery"]
@@ -404,7 +416,9 @@ def test_bf16_zero1_loses_a_node_and_the_dead_ranks_rows_come_from_its_replica(t
                    train={"steps": 12, "global_batch": 12, "micro_batch": 2, "dtype": "bfloat16"},
                    checkpoint={"every": 0, "memory_replicas": 1, "memory_every": 1})  # fmt: skip
     result = run(job, 3, ["kill-node=1@step=5"])
-    records = check_inprocess(tmp_path, job, result, recoveries=1, source="replica", lost=1)
+    records = check_inprocess(
+        tmp_path, job, result, recoveries=1, source="replica", lost=REPLICA_LOST
+    )
     assert (records[0]["world"], records[-1]["world"]) == (3, 2)
     assert [mb > 0 for mb in kept_mb(job)] == [True], f"{kept_mb(job)}\n{story(job)}"
 
