@@ -1629,13 +1629,49 @@ class _Watchdog:
 
 
 def _dump_stacks() -> None:
-    """Every thread's stack, to stderr (before the process exits)."""
+    """Every thread's stack, to stderr (before the process exits), and where each native
+    thread waits in the kernel (:func:`native_threads`): the Python stacks name none of
+    gloo's or torch's own threads, which is where a stuck round is stuck."""
+    out = sys.__stderr__ or sys.stderr
     try:
         import faulthandler
 
-        faulthandler.dump_traceback(file=sys.__stderr__ or sys.stderr, all_threads=True)
+        faulthandler.dump_traceback(file=out, all_threads=True)
+        print("Native threads (tid name state wchan syscall-number first-argument):",
+              *native_threads(), sep="\n  ", file=out, flush=True)  # fmt: skip
     except (OSError, ValueError, AttributeError):  # no usable stderr: exit anyway
         pass
+
+
+def native_threads() -> list[str]:
+    """One line per thread of this process from ``/proc/self/task``: its id, name, state,
+    the kernel function it sleeps in (``wchan``: ``futex_wait_queue`` for a lock or a
+    condition, ``ep_poll`` for an event loop, ``sk_wait_data`` for a blocking read) and
+    its system call's number and first argument (a file descriptor for a read, a write
+    or an epoll wait; ``running`` when it is not in one). Empty where /proc has none."""
+    lines = []
+    try:
+        tids = sorted(os.listdir("/proc/self/task"), key=int)
+    except OSError:
+        return lines
+    for tid in tids:
+        base = f"/proc/self/task/{tid}/"
+        stat = _read_proc(base + "stat")
+        state = stat.rsplit(")", 1)[-1].split()[0] if ")" in stat else "?"
+        call = _read_proc(base + "syscall").split()
+        where = " ".join(call[:2]) if call and call[0].lstrip("-").isdigit() else " ".join(call[:1])
+        comm, wchan = _read_proc(base + "comm"), _read_proc(base + "wchan")
+        lines.append(f"{tid} {comm} {state} {wchan or '-'} {where or '?'}")
+    return lines
+
+
+def _read_proc(path: str) -> str:
+    """A /proc file's text, stripped; ``?`` when it cannot be read (the thread ended)."""
+    try:
+        with open(path, encoding="ascii", errors="replace") as fh:
+            return fh.read().strip()
+    except OSError:
+        return "?"
 
 
 def _nccl_groups() -> tuple[list[Any], list[Any]]:

@@ -1383,3 +1383,30 @@ def test_a_lacking_name_is_told_from_a_list_item_past_the_prefixes_every_name_ha
     assert not _has_list_item("other/1/shadow/w")  # an EMA's lazily made state
     assert not _has_list_item("optim/param_groups/1/params/0/square_avg")
     assert _has_list_item("optim/param_groups/0/extra/2#n")
+
+
+def test_the_stuck_dump_names_every_native_thread_and_where_it_waits():
+    """A worker that exits stuck says where its threads wait in the kernel, gloo's and
+    torch's included, which the Python stacks do not show: one line per thread, a
+    sleeping one named with its state and its system call."""
+    import threading
+    import time
+
+    from elasticd.inprocess import native_threads
+
+    ready = threading.Event()
+
+    def nap() -> None:
+        ready.set()
+        time.sleep(5)
+
+    t = threading.Thread(target=nap, daemon=True)
+    t.start()
+    ready.wait()
+    time.sleep(0.2)
+    lines = native_threads()
+    assert str(threading.main_thread().native_id) in {line.split()[0] for line in lines}
+    tid = str(t.native_id)
+    (mine,) = [line for line in lines if line.split()[0] == tid]
+    _, _, state, wchan, number, *_ = mine.split()
+    assert state == "S" and wchan != "?" and number.isdigit(), mine
