@@ -70,6 +70,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from elasticd.sampler import ElasticBatchSampler
 from elasticd.worker import (
     ENV_HEARTBEAT,
     PREEMPTED_EXIT_CODE,
@@ -2062,6 +2063,7 @@ __all__ = [
     "ENV_WARM_READY",
     "STANDBY_LOCAL_RANK",
     "Context",
+    "ElasticBatchSampler",
     "GeneratorSnapshot",
     "MisuseError",
     "PeerPreempted",

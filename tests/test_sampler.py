@@ -1,0 +1,143 @@
+"""ElasticBatchSampler: the samples of a step are the same whatever the world, and a round
+that resumes at a step reads on from exactly there (pure logic: no process group)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import elasticd.inprocess as ei
+from elasticd.sampler import ElasticBatchSampler
+
+
+def parts(size, batch, world, step, **kw):
+    """Every rank's indices at ``step`` in a world of ``world``."""
+    return [
+        ElasticBatchSampler(size, batch, rank=r, world_size=world, **kw).indices(step)
+        for r in range(world)
+    ]
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 7, 12])
+def test_a_steps_global_batch_is_the_same_in_any_world_and_the_ranks_parts_tile_it(
+    world, drop_last
+):
+    whole = ElasticBatchSampler(50, 12, rank=0, world_size=1, drop_last=drop_last)
+    for step in range(12):
+        got = parts(50, 12, world, step, drop_last=drop_last)
+        assert [i for p in got for i in p] == whole.global_indices(step), (world, step)
+        sizes = [len(p) for p in got]
+        assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True), sizes
+
+
+def test_drop_last_takes_each_epochs_samples_once_and_leaves_its_shuffled_remainder():
+    s = ElasticBatchSampler(50, 12, rank=0, world_size=1, seed=3)
+    assert s.steps_per_epoch == 4
+    for epoch in range(3):
+        seen = [i for step in range(4 * epoch, 4 * epoch + 4) for i in s.global_indices(step)]
+        assert len(seen) == len(set(seen)) == 48, epoch
+        assert s.epoch(4 * epoch + 3) == epoch
+    e0 = s.global_indices(0) + s.global_indices(1)
+    e1 = s.global_indices(4) + s.global_indices(5)
+    assert e0 != e1  # each epoch shuffled anew
+    assert s.global_indices(0) == ElasticBatchSampler(
+        50, 12, rank=0, world_size=1, seed=3
+    ).global_indices(0)
+    assert s.global_indices(0) != ElasticBatchSampler(
+        50, 12, rank=0, world_size=1, seed=4
+    ).global_indices(0)
+
+
+def test_without_drop_last_the_stream_uses_every_sample_once_per_epoch_across_batch_edges():
+    s = ElasticBatchSampler(50, 12, rank=0, world_size=1, drop_last=False, seed=1)
+    stream = [i for step in range(25) for i in s.global_indices(step)]  # 300 = 6 epochs
+    for epoch in range(6):
+        assert sorted(stream[50 * epoch : 50 * (epoch + 1)]) == list(range(50)), epoch
+    assert s.epoch(4) == 0 and s.epoch(5) == 1  # step 4 takes samples 48..59: 48, 49 of epoch 0
+    plain = ElasticBatchSampler(5, 3, rank=0, world_size=1, drop_last=False, shuffle=False)
+    assert [plain.global_indices(k) for k in range(3)] == [[0, 1, 2], [3, 4, 0], [1, 2, 3]]
+
+
+def test_a_round_that_resumes_at_a_step_reads_on_from_exactly_there_in_its_new_world():
+    """dp3 for 5 steps, then dp2 from step 5: each step's samples, over both worlds, are
+    those of one process for the same steps."""
+    one = list(ElasticBatchSampler(40, 6, rank=0, world_size=1, steps=10))
+    first = [list(ElasticBatchSampler(40, 6, rank=r, world_size=3, steps=5)) for r in range(3)]
+    second = [
+        list(ElasticBatchSampler(40, 6, step=5, rank=r, world_size=2, steps=10)) for r in range(2)
+    ]
+    merged = [[i for r in range(3) for i in first[r][k]] for k in range(5)]
+    merged += [[i for r in range(2) for i in second[r][k]] for k in range(5)]
+    assert merged == one
+    assert len(ElasticBatchSampler(40, 6, step=5, rank=0, world_size=2, steps=10)) == 5
+
+
+def test_an_uneven_split_is_weighted_back_to_the_batchs_mean_by_share():
+    """5 ranks on a batch of 12: parts of 3, 3, 2, 2, 2; each rank's mean loss times its
+    share, averaged over the ranks as DDP does, is the mean over the whole batch."""
+    losses = torch.arange(12, dtype=torch.float64) ** 2
+    means = []
+    for r in range(5):
+        s = ElasticBatchSampler(12, 12, rank=r, world_size=5, shuffle=False)
+        start, end = s.bounds()
+        means.append(losses[start:end].mean() * s.share())
+    assert torch.stack(means).mean().item() == pytest.approx(losses.mean().item(), rel=1e-12)
+    assert ElasticBatchSampler(12, 12, rank=1, world_size=4).share() == 1.0
+
+
+def test_it_is_a_dataloaders_batch_sampler_and_leaves_the_global_generator_alone():
+    data = TensorDataset(torch.arange(30.0))
+    sampler = ElasticBatchSampler(data, 6, step=2, steps=5, rank=1, world_size=2)
+    state = torch.get_rng_state()
+    drawn = list(sampler)  # (a DataLoader's iterator draws a base seed from it: not ours)
+    assert torch.equal(torch.get_rng_state(), state)
+    got = [batch[0].tolist() for batch in DataLoader(data, batch_sampler=sampler)]
+    assert drawn == [[int(i) for i in g] for g in got]
+    assert got == [[float(i) for i in sampler.indices(k)] for k in range(2, 5)]
+    assert all(len(g) == 3 for g in got) and len(sampler) == 3
+    endless = iter(ElasticBatchSampler(data, 6, rank=0, world_size=1))
+    assert len([next(endless) for _ in range(12)]) == 12  # past the epoch: the next one
+    with pytest.raises(TypeError, match="endless"):
+        len(ElasticBatchSampler(data, 6, rank=0, world_size=1))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"size": 10, "global_batch": 0}, "global_batch must be at least 1, not 0"),
+        ({"size": 10, "global_batch": 2.5}, "global_batch must be an int, not float"),
+        ({"size": 0, "global_batch": 2}, "size (the dataset's length) must be at least 1"),
+        (
+            {"size": 10, "global_batch": 2, "world_size": 3, "rank": 0},
+            "a world of 3 ranks is larger",
+        ),
+        (
+            {"size": 10, "global_batch": 4, "world_size": 2, "rank": 2},
+            "rank 2 is not below world_size 2",
+        ),
+        ({"size": 3, "global_batch": 4}, "make no whole batch of 4 (drop_last=True)"),
+        ({"size": 10, "global_batch": 2, "step": 5, "steps": 4}, "steps must be at least 5, not 4"),
+        ({"size": 10, "global_batch": 2, "step": -1}, "step must be at least 0"),
+        ({"size": 10, "global_batch": 2, "step": True}, "step must be an int, not bool"),
+    ],
+)
+def test_what_it_refuses_is_one_misuse_line(kwargs, message):
+    kwargs.setdefault("rank", 0)
+    kwargs.setdefault("world_size", 1)
+    size, batch = kwargs.pop("size"), kwargs.pop("global_batch")
+    with pytest.raises(ei.MisuseError, match=r"^ElasticBatchSampler: ") as info:
+        ElasticBatchSampler(size, batch, **kwargs)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_without_a_process_group_or_a_rank_it_says_what_to_pass():
+    code = (
+        "import elasticd.inprocess as ei\n"
+        "try:\n    ei.ElasticBatchSampler(10, 2)\n"
+        "except ei.MisuseError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert "no process group: pass rank= and world_size=" in out.stdout, out
