@@ -8,7 +8,11 @@ once as any DDP script.
 On a fault the process is not restarted: ``train`` is called again for the new world,
 with the same ``ctx.state`` (model, optimizer, scheduler, step); ``ctx.sync_state`` makes
 every rank's model, optimizer state, learning rates and scheduler equal to those of a rank
-at the newest step (a newcomer receives them), rank to rank, CRC-checked.
+at the newest step (a newcomer receives them), rank to rank, CRC-checked. The data comes
+through ``ei.ElasticBatchSampler`` where a DDP script has a ``DistributedSampler``: each
+step takes the same 12 samples of a shuffled epoch whatever the world, so a round resumed
+at a step in a new world reads on from exactly there, and the losses stay those of one
+process.
 """
 
 import json
@@ -18,12 +22,20 @@ import time
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, TensorDataset
 
 import elasticd.inprocess as ei  # elasticd
 
 STEPS = int(os.environ.get("DDP_STEPS", "40"))
 STEP_SLEEP = float(os.environ.get("DDP_STEP_SLEEP", "0"))  # a slower step, to watch it
-BATCH = 12  # the global batch: 12 samples split over 1, 2, 3, 4 or 6 ranks
+BATCH = 12  # the global batch: 12 samples split over the ranks (1 to 12 of them)
+SAMPLES = 1000  # the dataset: 83 steps an epoch, its last 4 samples (shuffled) left out
+
+
+def dataset() -> TensorDataset:
+    gen = torch.Generator().manual_seed(1234)
+    x = torch.randn(SAMPLES, 32, generator=gen)
+    return TensorDataset(x, torch.sin(x.sum(dim=1, keepdim=True)))
 
 
 def build(device: torch.device) -> dict:
@@ -45,12 +57,15 @@ def train(ctx: ei.Context) -> None:  # elasticd: was main(); the process group e
     step = ctx.sync_state(tensors, step=ctx.state.get("step")) or 0  # elasticd
     ddp = DDP(model, device_ids=[device.index] if cuda else None)
     rank, world = dist.get_rank(), dist.get_world_size()
-    while step < STEPS:
-        gen = torch.Generator().manual_seed(step)
-        x = torch.randn(BATCH, 32, generator=gen)
-        y = torch.sin(x.sum(dim=1, keepdim=True))
-        xs, ys = x.tensor_split(world)[rank].to(device), y.tensor_split(world)[rank].to(device)
-        loss = torch.nn.functional.mse_loss(ddp(xs), ys)
+    data = dataset()
+    # Was a DistributedSampler: this one takes each step's samples alike in any world.
+    sampler = ei.ElasticBatchSampler(data, BATCH, step=step, steps=STEPS)  # elasticd
+    loader = DataLoader(data, batch_sampler=sampler, generator=torch.Generator())
+    for xs, ys in loader:
+        xs, ys = xs.to(device), ys.to(device)
+        # share(): 1.0 when the world divides the batch; else the weight that makes DDP's
+        # average of the ranks' gradients that of the whole batch's mean loss.
+        loss = torch.nn.functional.mse_loss(ddp(xs), ys) * sampler.share()
         opt.zero_grad()
         loss.backward()
         mean = loss.detach().clone()
