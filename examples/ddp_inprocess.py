@@ -28,8 +28,8 @@ import elasticd.inprocess as ei  # elasticd
 
 STEPS = int(os.environ.get("DDP_STEPS", "40"))
 STEP_SLEEP = float(os.environ.get("DDP_STEP_SLEEP", "0"))  # a slower step, to watch it
-BATCH = 12  # the global batch: 12 samples split over the ranks (1 to 12 of them)
-SAMPLES = 1000  # the dataset: 83 steps an epoch, its last 4 samples (shuffled) left out
+BATCH = int(os.environ.get("DDP_BATCH", "12"))  # the global batch, split over the ranks
+SAMPLES = 1000  # the dataset: 83 steps an epoch of 12, its shuffled remainder left out
 
 
 def dataset() -> TensorDataset:

@@ -957,6 +957,24 @@ def test_the_ddp_example_survives_a_killed_node_in_process_and_matches_one_proce
     assert len(later[-1]) == 2 and len(later[-1] & second) == 1, pids
 
 
+def test_the_ddp_example_on_a_batch_its_worlds_do_not_divide_still_trains_as_one_process(
+    tmp_path,
+):
+    """examples/ddp_inprocess.py with a global batch of 10: dp3 splits it 4/3/3, and after
+    the kill dp2 splits it 5/5. ``ElasticBatchSampler`` gives each step the same ten
+    samples in both worlds, and ``share()`` weights each rank's mean loss so that DDP's
+    average of the gradients is the whole batch's: every loss equals the script alone's
+    (one process, all ten) within fp32 round-off (``run_example``). Without the weight the
+    dp3 steps would train on a batch mean that over-weights the ranks of three."""
+    job, result = run_example(tmp_path, "ddpuneven", "ddp_inprocess.py", 40,
+                              {"DDP_STEPS": "40", "DDP_BATCH": "10", "DDP_STEP_SLEEP": "0.02"},
+                              ["kill-node=1@step=10"])  # fmt: skip
+    records = [json.loads(line) for line in (tmp_path / "ddpuneven" / "metrics.jsonl").open()]
+    assert {r["world"] for r in records} == {3, 2}, story(job)
+    recs = [e for e in result["status"]["history"] if e["kind"] == "recovery"]
+    assert [e["mode"] for e in recs] == ["inprocess"], recs
+
+
 def test_the_ddp_example_left_alone_leaves_its_round_when_a_thawed_node_joins(tmp_path):
     """examples/ddp_inprocess.py, dp3: node 1 killed, then node 2 frozen for 4 s. Node 0
     trains alone (a world of one process, whose collectives touch no socket) until node 2
