@@ -1277,8 +1277,13 @@ def print_summary(result: dict[str, Any], *, out: Any) -> None:
     final_loss = last_by_step[max(last_by_step)].get("loss") if last_by_step else None
     out.write(f"  steps completed: {max(last_by_step, default=0)}  final loss: {final_loss}\n")
     worlds = [e for e in history if e.get("kind") == "world"]
+    # A world that recorded no step says so (one formed after the last step, by an
+    # add-node on a fast job, trained nothing); only when the records name their rounds.
+    trained = {r["round"] for r in metrics if isinstance(r.get("round"), int)}
     changes = " -> ".join(
-        f"{e['world']} ({e.get('layout', '')}, round {e['round']})" for e in worlds
+        f"{e['world']} ({e.get('layout', '')}, round {e['round']}"
+        f"{', no step recorded' if trained and e['round'] not in trained else ''})"
+        for e in worlds
     )
     out.write(f"  worlds: {changes or '-'}\n")
     out.write(

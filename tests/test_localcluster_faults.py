@@ -232,3 +232,23 @@ def test_each_local_node_is_an_nccl_host_of_its_own(tmp_path):
     assert all(e["ELASTICD_ETCD"] == "127.0.0.1:1" and e["PATH"] == "/bin" for e in envs)
     cluster.env["NCCL_HOSTID"] = "rack7"
     assert cluster.agent_env(1)["NCCL_HOSTID"] == "rack7-node-1"
+
+
+def test_the_summary_says_which_worlds_recorded_no_step():
+    """A world formed after the job's last step (an add-node on a fast job) trained
+    nothing: the summary's worlds line says so, where before it listed it as any other."""
+    world = lambda n, r: {"kind": "world", "world": n, "layout": f"dp{n}", "round": r}  # noqa: E731
+    result = {
+        "name": "fast", "state": "succeeded",
+        "status": {"history": [world(2, 1), world(1, 2), world(2, 3)]},
+        "metrics": [{"step": 1, "round": 1, "loss": 1.0}, {"step": 2, "round": 2, "loss": 0.5}],
+    }  # fmt: skip
+    out = io.StringIO()
+    print_summary(result, out=out)
+    assert ("  worlds: 2 (dp2, round 1) -> 1 (dp1, round 2) -> "
+            "2 (dp2, round 3, no step recorded)\n") in out.getvalue()  # fmt: skip
+    for rec in result["metrics"]:
+        del rec["round"]  # records that do not name their round: nothing is said
+    out = io.StringIO()
+    print_summary(result, out=out)
+    assert "no step recorded" not in out.getvalue()
