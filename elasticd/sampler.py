@@ -32,9 +32,14 @@ loss is weighted by its share of the batch, below). Pass it to a ``DataLoader`` 
   per-rank mean loss is then not the batch's mean: scale each rank's loss by
   ``len(indices) * world_size / global_batch`` (:meth:`share`), or keep a global batch
   that every world size you run divides.
-- A world larger than the batch is refused (a rank would have no sample), as are sizes
-  and steps that are not counts: :class:`~elasticd.inprocess.MisuseError`, one line (under
-  an agent the job fails at once; no restart fixes it).
+- An epoch loop: :meth:`set_epoch` bounds the next iteration to one epoch's steps, from
+  ``step`` on (a ``DistributedSampler``'s ``for epoch ...: set_epoch; for batch in
+  loader``). ``len()`` is what the next iteration yields.
+- Refused with one :class:`~elasticd.inprocess.MisuseError` line (under an agent the job
+  fails at once; no restart fixes it): a sampler iterated in a round other than the one
+  it was made in (``ELASTICD_ROUND``: its rank, world and first step are that round's),
+  the same steps iterated twice, a world larger than the batch (a rank would have no
+  sample), sizes and steps that are not counts, ``len()`` of an endless one.
 
 Pure Python but for the shuffle (``torch.randperm`` on a generator of its own: the
 global generator is not touched). The permutation of the epoch last used is kept (one
@@ -43,9 +48,13 @@ int64 per sample).
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Iterator, Sized
 from typing import Any
 
+ENV_ROUND = "ELASTICD_ROUND"
+"""The round an agent's worker is in (``elasticd.inprocess.run`` sets it each round)."""
 SEED_STRIDE = 1_000_003
 """Epoch ``e``'s shuffle is seeded with ``seed * SEED_STRIDE + e``: seeds 0 and 1 do not share
 epochs shifted by one, as ``seed + e`` would make them."""
@@ -124,6 +133,9 @@ class ElasticBatchSampler:
         self.seed = _count("seed", seed, least=0)
         self.drop_last = bool(drop_last)
         self._perm: tuple[int, Any] | None = None  # (epoch, its order)
+        self._round = os.environ.get(ENV_ROUND)  # the round it was made for (an agent's)
+        self._epoch: int | None = None  # set_epoch's: iterate that epoch's steps only
+        self._iterated: set[int | None] = set()  # what __iter__ began (None: the stream)
 
     # -- where a step's samples are ------------------------------------------------------
 
@@ -196,16 +208,64 @@ class ElasticBatchSampler:
 
     # -- a DataLoader's batch_sampler ----------------------------------------------------
 
+    def set_epoch(self, epoch: int) -> None:
+        """Iterate only ``epoch``'s steps from now on (a ``DistributedSampler``'s loop:
+        ``for epoch in range(sampler.epoch(step), epochs): sampler.set_epoch(epoch); for
+        batch in loader: ...``): those at or after ``step`` whose first sample is in
+        ``epoch``, below ``steps``. The round's first epoch starts where the round resumes,
+        mid-epoch if the fault came there. The order does not depend on it: it only bounds
+        what one iteration yields."""
+        self._epoch = _count("epoch", epoch, least=0)
+
+    def _span(self) -> range:
+        """The steps the next iteration yields."""
+        end = self.steps
+        if self._epoch is None:
+            if end is None:
+                return range(self.step, sys.maxsize)
+            return range(self.step, end)
+        first = self._first_step(self._epoch)
+        last = self._first_step(self._epoch + 1)
+        if end is not None:
+            last = min(last, end)
+        return range(max(first, self.step), max(last, max(first, self.step)))
+
+    def _first_step(self, epoch: int) -> int:
+        """The first step whose first sample is in ``epoch``."""
+        if self.drop_last:
+            return epoch * (self.size // self.global_batch)
+        return -(-epoch * self.size // self.global_batch)  # ceil(epoch * size / batch)
+
     def __iter__(self) -> Iterator[list[int]]:
-        step = self.step
-        while self.steps is None or step < self.steps:
-            yield self.indices(step)
-            step += 1
+        now = os.environ.get(ENV_ROUND)
+        if now != self._round:
+            raise _misuse(
+                f"ElasticBatchSampler: made in round {self._round}, iterated in round {now}: "
+                "its ranks and its first step are that round's; make it anew in each round, "
+                "after sync_state, with step= the step the round resumes at"
+            )
+        key = self._epoch
+        if key in self._iterated:
+            what = "the stream of steps" if key is None else f"epoch {key}"
+            raise _misuse(
+                f"ElasticBatchSampler: {what} iterated a second time, from step "
+                f"{self._span().start} again: its steps would be trained twice; iterate it "
+                "once, or call set_epoch(epoch) before each epoch's loop"
+            )
+        self._iterated.add(key)
+        span = self._span()
+        return (self.indices(step) for step in span)
 
     def __len__(self) -> int:
-        if self.steps is None:
-            raise TypeError("ElasticBatchSampler without steps= is endless: it has no len()")
-        return self.steps - self.step
+        """Steps the next iteration yields: to ``steps`` (from the step this round resumed
+        at, not from 0), or to the end of the epoch :meth:`set_epoch` named. A progress
+        bar over the whole run: ``tqdm(loader, initial=step, total=sampler.steps)``."""
+        if self.steps is None and self._epoch is None:
+            raise _misuse(
+                "ElasticBatchSampler: without steps= (and no set_epoch) it is endless and has "
+                "no len(): pass steps=, the run's last step"
+            )
+        return len(self._span())
 
     def __repr__(self) -> str:
         return (

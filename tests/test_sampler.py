@@ -90,18 +90,71 @@ def test_an_uneven_split_is_weighted_back_to_the_batchs_mean_by_share():
 
 def test_it_is_a_dataloaders_batch_sampler_and_leaves_the_global_generator_alone():
     data = TensorDataset(torch.arange(30.0))
-    sampler = ElasticBatchSampler(data, 6, step=2, steps=5, rank=1, world_size=2)
+    make = lambda: ElasticBatchSampler(data, 6, step=2, steps=5, rank=1, world_size=2)  # noqa: E731
     state = torch.get_rng_state()
-    drawn = list(sampler)  # (a DataLoader's iterator draws a base seed from it: not ours)
+    drawn = list(make())  # (a DataLoader's iterator draws a base seed from it: not ours)
     assert torch.equal(torch.get_rng_state(), state)
+    sampler = make()
     got = [batch[0].tolist() for batch in DataLoader(data, batch_sampler=sampler)]
     assert drawn == [[int(i) for i in g] for g in got]
     assert got == [[float(i) for i in sampler.indices(k)] for k in range(2, 5)]
     assert all(len(g) == 3 for g in got) and len(sampler) == 3
     endless = iter(ElasticBatchSampler(data, 6, rank=0, world_size=1))
     assert len([next(endless) for _ in range(12)]) == 12  # past the epoch: the next one
-    with pytest.raises(TypeError, match="endless"):
+    with pytest.raises(ei.MisuseError, match="endless and has no len"):
         len(ElasticBatchSampler(data, 6, rank=0, world_size=1))
+
+
+def test_an_epoch_loop_with_set_epoch_takes_the_streams_steps_resumed_mid_epoch():
+    """A DistributedSampler's loop (set_epoch, then the epoch's batches), resumed at step
+    10 (mid-epoch 2 of 4-step epochs): the rest of epoch 2, then each later epoch whole,
+    the last cut at ``steps``: exactly the stream's steps 10 to 21."""
+    stream = list(ElasticBatchSampler(50, 12, step=10, steps=22, rank=1, world_size=3))
+    sampler = ElasticBatchSampler(50, 12, step=10, steps=22, rank=1, world_size=3)
+    got, lens = [], []
+    for epoch in range(sampler.epoch(10), 10):
+        sampler.set_epoch(epoch)
+        lens.append(len(sampler))
+        got += list(sampler)
+    assert got == stream and lens == [2, 4, 4, 2, 0, 0, 0, 0]
+    loose = ElasticBatchSampler(50, 12, steps=9, rank=0, world_size=1, drop_last=False)
+    spans = []
+    for epoch in range(4):
+        loose.set_epoch(epoch)
+        spans.append(list(loose._span()))
+    assert spans == [[0, 1, 2, 3, 4], [5, 6, 7, 8], [], []]  # step 4 starts in epoch 0
+    assert [loose.epoch(s) for s in range(9)] == [0] * 5 + [1] * 4
+
+
+def test_a_second_iteration_that_would_train_steps_again_is_refused():
+    """A plain script's ``for epoch ...: for batch in loader`` kept around one sampler
+    without set_epoch read the same steps again each epoch (a review's job recorded 180
+    steps of 100 and "succeeded"); now the second iteration is one MisuseError line, as is
+    an epoch iterated twice."""
+    sampler = ElasticBatchSampler(50, 12, steps=8, rank=0, world_size=1)
+    assert len(list(sampler)) == 8
+    with pytest.raises(ei.MisuseError, match="the stream of steps iterated a second time"):
+        iter(sampler)
+    sampler = ElasticBatchSampler(50, 12, steps=8, rank=0, world_size=1)
+    sampler.set_epoch(0)
+    list(sampler)
+    with pytest.raises(ei.MisuseError, match="epoch 0 iterated a second time"):
+        list(sampler)
+    sampler.set_epoch(1)
+    assert len(list(sampler)) == 4
+
+
+def test_a_sampler_made_in_an_earlier_round_is_refused(monkeypatch):
+    """Made once and kept across rounds (or at module level), it still held the first
+    round's rank, world and first step: after a kill the survivors read their 3-rank
+    slices (a third of each batch never read) from step 0 again, and the job "succeeded".
+    The round it was made in (the agent's ``ELASTICD_ROUND``) must be the round it is
+    iterated in."""
+    monkeypatch.setenv("ELASTICD_ROUND", "1")
+    sampler = ElasticBatchSampler(50, 12, steps=8, rank=0, world_size=3)
+    monkeypatch.setenv("ELASTICD_ROUND", "2")
+    with pytest.raises(ei.MisuseError, match=r"made in round 1, iterated in round 2: .* anew"):
+        iter(sampler)
 
 
 @pytest.mark.parametrize(
