@@ -263,10 +263,12 @@ def test_rank_0_killed_after_a_steps_collectives_leaves_no_gap_in_the_metrics(tm
     for rec in records:
         assert rec["loss"] == pytest.approx(reference[rec["step"]], rel=1e-4), rec["step"]
     assert records[4]["round"] == 1 and records[5]["round"] == 2, story(job)
-    # Node 0's new worker (its standby) took rank 0, so node 0 reports a process start;
-    # the state came from the peer that kept its process, at step 5: nothing lost.
+    # Node 0's new worker (its standby) took rank 0; the state came from the peer that
+    # kept its process, at step 5: nothing lost, and the recovery is in-process (node 0,
+    # which records it, called it a process restart before: its own worker was new).
     (rec,) = [e for e in result["status"]["history"] if e["kind"] == "recovery"]
-    assert (rec["source"], rec["lost_steps"]) == ("peers", 0), rec
+    assert (rec["mode"], rec["source"], rec["lost_steps"]) == ("inprocess", "peers", 0), rec
+    assert "ckpt_load" not in rec["parts"] and "state_transfer" in rec["parts"], rec
 
 
 def test_rank_0_frozen_after_a_steps_collectives_and_thawed_late_writes_no_stale_record(

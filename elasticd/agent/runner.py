@@ -1026,11 +1026,12 @@ class JobRunner:
         rec = rnd.recovery or {}
         resume = told.get("resume_step", rnd.resume_step)
         source = str(told.get("source") or ("checkpoint" if resume else "none"))
-        # In-process: this node's workers were kept; or it is a newcomer (it had none to
-        # keep) and the state came from memory, which only kept processes hold. (A
-        # newcomer whose world loaded the checkpoint cannot tell whether the survivors
-        # kept their processes: process, as when none did.)
-        if rnd.carried or (rec.get("newcomer") and source in ("peers", "replica")):
+        # In-process: this node's workers were kept; or the state came from memory, which
+        # only kept processes hold: this node is a newcomer (it had none to keep), or its
+        # worker was replaced (rank 0 killed: its standby took the rank) while the other
+        # nodes' went on. (A node whose new workers loaded the checkpoint cannot tell
+        # whether the others kept their processes: process, as when none did.)
+        if rnd.carried or source in ("peers", "replica"):
             mode = "inprocess"
             marks = [("abort", phases.get("aborted")), ("rendezvous", rnd.formed_at),
                      ("pg_init", phases.get("pg_ready")),
