@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from elasticd.sampler import ElasticBatchSampler
+from elasticd.sampler import ElasticBatchSampler, train_call
 from elasticd.worker import (
     ENV_HEARTBEAT,
     PREEMPTED_EXIT_CODE,
@@ -1647,7 +1647,8 @@ def _dump_stacks() -> None:
 def native_threads() -> list[str]:
     """One line per thread of this process from ``/proc/self/task``: its id, name, state,
     the kernel function it sleeps in (``wchan``: ``futex_wait_queue`` for a lock or a
-    condition, ``ep_poll`` for an event loop, ``sk_wait_data`` for a blocking read) and
+    condition, ``ep_poll`` for an event loop, ``sk_wait_data`` for a blocking read; ``0``
+    where the kernel hides it) and
     its system call's number and first argument (a file descriptor for a read, a write
     or an epoll wait; ``running`` when it is not in one). Empty where /proc has none."""
     lines = []
@@ -1944,7 +1945,8 @@ def run(
             if warming is not None:  # never import torch's modules from two threads at once
                 warming.join()
                 warming = None
-            result = train(ctx)
+            with train_call():
+                result = train(ctx)
         except BaseException as exc:
             if control is not None and isinstance(exc, PeerPreempted):
                 # Not a failure: every rank completed the step and its save. The preempted

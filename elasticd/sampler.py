@@ -36,25 +36,49 @@ loss is weighted by its share of the batch, below). Pass it to a ``DataLoader`` 
   ``step`` on (a ``DistributedSampler``'s ``for epoch ...: set_epoch; for batch in
   loader``). ``len()`` is what the next iteration yields.
 - Refused with one :class:`~elasticd.inprocess.MisuseError` line (under an agent the job
-  fails at once; no restart fixes it): a sampler iterated in a round other than the one
-  it was made in (``ELASTICD_ROUND``: its rank, world and first step are that round's),
-  the same steps iterated twice, a world larger than the batch (a rank would have no
+  fails at once; no restart fixes it): a sampler made in one call of the training
+  function by :func:`elasticd.inprocess.run` (one call per round) and iterated in another
+  (its rank, world and first step are that round's), or made outside any and iterated in
+  one; a step taken twice (checked as steps are taken: a multi-worker ``DataLoader``
+  makes two iterators and reads the second); a world larger than the batch (a rank would have no
   sample), sizes and steps that are not counts, ``len()`` of an endless one.
 
 Pure Python but for the shuffle (``torch.randperm`` on a generator of its own: the
-global generator is not touched). The permutation of the epoch last used is kept (one
-int64 per sample).
+global generator is not touched). The permutation of the epoch in use is kept, one per
+process (an int32 per sample below 2**31 samples), so the sampler of the next round takes
+it over.
 """
 
 from __future__ import annotations
 
-import os
+import contextlib
+import operator
 import sys
 from collections.abc import Iterator, Sized
 from typing import Any
 
-ENV_ROUND = "ELASTICD_ROUND"
-"""The round an agent's worker is in (``elasticd.inprocess.run`` sets it each round)."""
+_order_cache: dict[tuple[int, int, int], Any] = {}
+"""The order of the epoch in use, ``(size, seed, epoch)`` -> a permutation (int32 below
+2**31 samples): one per process, so a sampler made anew each round takes it over (100M
+samples: 5 s of ``randperm`` and 400 MB, once per epoch, not once per round)."""
+_call: int | None = None
+"""Which call of a training function by :func:`elasticd.inprocess.run` is running (one per
+round; None outside them): a sampler belongs to the call it was made in."""
+_calls = 0
+
+
+@contextlib.contextmanager
+def train_call() -> Iterator[None]:
+    """Around each call of the training function by :func:`elasticd.inprocess.run`."""
+    global _call, _calls
+    _calls += 1
+    _call, before = _calls, _call
+    try:
+        yield
+    finally:
+        _call = before
+
+
 SEED_STRIDE = 1_000_003
 """Epoch ``e``'s shuffle is seeded with ``seed * SEED_STRIDE + e``: seeds 0 and 1 do not share
 epochs shifted by one, as ``seed + e`` would make them."""
@@ -69,8 +93,15 @@ def _misuse(message: str) -> Exception:
 
 
 def _count(name: str, value: Any, *, least: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise _misuse(f"ElasticBatchSampler: {name} must be an int, not {type(value).__name__}")
+    """``value`` as an int (a numpy integer too) of at least ``least``."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        value = operator.index(value)
+    except TypeError:
+        raise _misuse(
+            f"ElasticBatchSampler: {name} must be an int, not {type(value).__name__}"
+        ) from None
     if value < least:
         raise _misuse(f"ElasticBatchSampler: {name} must be at least {least}, not {value}")
     return value
@@ -132,10 +163,9 @@ class ElasticBatchSampler:
         self.shuffle = bool(shuffle)
         self.seed = _count("seed", seed, least=0)
         self.drop_last = bool(drop_last)
-        self._perm: tuple[int, Any] | None = None  # (epoch, its order)
-        self._round = os.environ.get(ENV_ROUND)  # the round it was made for (an agent's)
+        self._call = _call  # the training function's call (round) it was made in
         self._epoch: int | None = None  # set_epoch's: iterate that epoch's steps only
-        self._iterated: set[int | None] = set()  # what __iter__ began (None: the stream)
+        self._yielded = -1  # the highest step yielded: no step is yielded twice
 
     # -- where a step's samples are ------------------------------------------------------
 
@@ -156,35 +186,40 @@ class ElasticBatchSampler:
             return step // (self.size // self.global_batch)
         return self.consumed_samples(step) // self.size
 
-    def _order(self, epoch: int) -> Any:
-        if self._perm is not None and self._perm[0] == epoch:
-            return self._perm[1]
-        import torch
+    def _take(self, epoch: int, lo: int, hi: int) -> list[int]:
+        """Positions ``lo`` to ``hi`` of ``epoch``'s order."""
+        if not self.shuffle:
+            return list(range(lo, hi))
+        key = (self.size, self.seed, epoch)
+        cached = _order_cache.get(key)
+        if cached is None:
+            import torch
 
-        if self.shuffle:
-            gen = torch.Generator().manual_seed(self.seed * SEED_STRIDE + epoch)
-            order = torch.randperm(self.size, generator=gen)
-        else:
-            order = torch.arange(self.size)
-        self._perm = (epoch, order)
-        return order
+            gen = torch.Generator().manual_seed((self.seed * SEED_STRIDE + epoch) % 2**63)
+            dtype = torch.int32 if self.size < 2**31 else torch.int64
+            cached = torch.randperm(self.size, generator=gen, dtype=dtype)
+            _order_cache.clear()  # one epoch's order in memory: the one in use
+            _order_cache[key] = cached
+        return cached[lo:hi].tolist()
+
+    def _positions(self, step: int, lo: int, hi: int) -> list[int]:
+        """The samples at positions ``lo`` to ``hi`` of ``step``'s global batch."""
+        b = self.global_batch
+        if self.drop_last:
+            epoch, at = divmod(step, self.size // b)
+            return self._take(epoch, at * b + lo, at * b + hi)
+        out: list[int] = []
+        pos, end = step * b + lo, step * b + hi
+        while pos < end:
+            epoch, at = divmod(pos, self.size)
+            take = min(end - pos, self.size - at)
+            out += self._take(epoch, at, at + take)
+            pos += take
+        return out
 
     def global_indices(self, step: int) -> list[int]:
         """The whole world's samples at ``step``, in rank order."""
-        step = _count("step", step, least=0)
-        b = self.global_batch
-        if self.drop_last:
-            per = self.size // b
-            epoch, at = divmod(step, per)
-            return self._order(epoch)[at * b : (at + 1) * b].tolist()
-        out: list[int] = []
-        pos = step * b
-        while len(out) < b:
-            epoch, at = divmod(pos, self.size)
-            take = min(b - len(out), self.size - at)
-            out += self._order(epoch)[at : at + take].tolist()
-            pos += take
-        return out
+        return self._positions(_count("step", step, least=0), 0, self.global_batch)
 
     def bounds(self, rank: int | None = None) -> tuple[int, int]:
         """``[start, end)`` of ``rank``'s part (default: this rank's) within a step's global
@@ -196,8 +231,7 @@ class ElasticBatchSampler:
 
     def indices(self, step: int) -> list[int]:
         """This rank's samples at ``step``."""
-        start, end = self.bounds()
-        return self.global_indices(step)[start:end]
+        return self._positions(_count("step", step, least=0), *self.bounds())
 
     def share(self) -> float:
         """What to multiply this rank's mean loss by so that DDP's equal-weight average of
@@ -237,24 +271,26 @@ class ElasticBatchSampler:
         return -(-epoch * self.size // self.global_batch)  # ceil(epoch * size / batch)
 
     def __iter__(self) -> Iterator[list[int]]:
-        now = os.environ.get(ENV_ROUND)
-        if now != self._round:
-            raise _misuse(
-                f"ElasticBatchSampler: made in round {self._round}, iterated in round {now}: "
-                "its ranks and its first step are that round's; make it anew in each round, "
-                "after sync_state, with step= the step the round resumes at"
-            )
-        key = self._epoch
-        if key in self._iterated:
-            what = "the stream of steps" if key is None else f"epoch {key}"
-            raise _misuse(
-                f"ElasticBatchSampler: {what} iterated a second time, from step "
-                f"{self._span().start} again: its steps would be trained twice; iterate it "
-                "once, or call set_epoch(epoch) before each epoch's loop"
-            )
-        self._iterated.add(key)
-        span = self._span()
-        return (self.indices(step) for step in span)
+        """This rank's samples, step by step over :meth:`_span`. Checked as each step is
+        taken, not when the iterator is made: a multi-worker ``DataLoader`` makes two and
+        discards the first unread."""
+        for step in self._span():
+            if _call != self._call:
+                made = "outside it" if self._call is None else f"in call {self._call}"
+                raise _misuse(
+                    f"ElasticBatchSampler: made {made} of the training function, iterated in "
+                    f"call {_call}: its ranks, world and first step are that call's round's; "
+                    "make it inside train, anew each round, after sync_state, with step= the "
+                    "step the round resumes at"
+                )
+            if step <= self._yielded:
+                raise _misuse(
+                    f"ElasticBatchSampler: step {step} taken again (steps up to "
+                    f"{self._yielded} were): it would be trained twice; iterate the stream "
+                    "once, or call set_epoch(epoch) before each epoch's loop"
+                )
+            self._yielded = step
+            yield self.indices(step)
 
     def __len__(self) -> int:
         """Steps the next iteration yields: to ``steps`` (from the step this round resumed

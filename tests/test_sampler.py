@@ -126,37 +126,6 @@ def test_an_epoch_loop_with_set_epoch_takes_the_streams_steps_resumed_mid_epoch(
     assert [loose.epoch(s) for s in range(9)] == [0] * 5 + [1] * 4
 
 
-def test_a_second_iteration_that_would_train_steps_again_is_refused():
-    """A plain script's ``for epoch ...: for batch in loader`` kept around one sampler
-    without set_epoch read the same steps again each epoch (a review's job recorded 180
-    steps of 100 and "succeeded"); now the second iteration is one MisuseError line, as is
-    an epoch iterated twice."""
-    sampler = ElasticBatchSampler(50, 12, steps=8, rank=0, world_size=1)
-    assert len(list(sampler)) == 8
-    with pytest.raises(ei.MisuseError, match="the stream of steps iterated a second time"):
-        iter(sampler)
-    sampler = ElasticBatchSampler(50, 12, steps=8, rank=0, world_size=1)
-    sampler.set_epoch(0)
-    list(sampler)
-    with pytest.raises(ei.MisuseError, match="epoch 0 iterated a second time"):
-        list(sampler)
-    sampler.set_epoch(1)
-    assert len(list(sampler)) == 4
-
-
-def test_a_sampler_made_in_an_earlier_round_is_refused(monkeypatch):
-    """Made once and kept across rounds (or at module level), it still held the first
-    round's rank, world and first step: after a kill the survivors read their 3-rank
-    slices (a third of each batch never read) from step 0 again, and the job "succeeded".
-    The round it was made in (the agent's ``ELASTICD_ROUND``) must be the round it is
-    iterated in."""
-    monkeypatch.setenv("ELASTICD_ROUND", "1")
-    sampler = ElasticBatchSampler(50, 12, steps=8, rank=0, world_size=3)
-    monkeypatch.setenv("ELASTICD_ROUND", "2")
-    with pytest.raises(ei.MisuseError, match=r"made in round 1, iterated in round 2: .* anew"):
-        iter(sampler)
-
-
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -194,3 +163,98 @@ def test_without_a_process_group_or_a_rank_it_says_what_to_pass():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert "no process group: pass rank= and world_size=" in out.stdout, out
+
+
+def test_a_second_iteration_that_would_train_steps_again_is_refused():
+    """A plain script's ``for epoch ...: for batch in loader`` kept around one sampler
+    without set_epoch read the same steps again each epoch (a review's job recorded 180
+    steps of 100 and "succeeded"); now a step taken a second time is one MisuseError line,
+    whether the stream again, an epoch again, or an epoch the stream already took."""
+    sampler = ElasticBatchSampler(50, 12, steps=8, rank=0, world_size=1)
+    assert len(list(sampler)) == 8
+    with pytest.raises(ei.MisuseError, match=r"step 0 taken again \(steps up to 7 were\)"):
+        list(sampler)
+    sampler = ElasticBatchSampler(50, 12, steps=8, rank=0, world_size=1)
+    sampler.set_epoch(0)
+    list(sampler)
+    with pytest.raises(ei.MisuseError, match="step 0 taken again"):
+        list(sampler)
+    sampler.set_epoch(1)
+    assert len(list(sampler)) == 4
+    stream_first = ElasticBatchSampler(50, 12, steps=8, rank=0, world_size=1)
+    list(stream_first)
+    stream_first.set_epoch(0)
+    with pytest.raises(ei.MisuseError, match="step 0 taken again"):
+        list(stream_first)
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_loader_with_worker_processes_takes_each_step_once(persistent):
+    """A multi-worker DataLoader makes the batch sampler's iterator twice and reads the
+    second (torch 2.13): the first, unread, must not count as an iteration (a review found
+    every num_workers > 0 loader refused). Persistent workers: one loader over two epochs."""
+    data = TensorDataset(torch.arange(48.0))
+    sampler = ElasticBatchSampler(data, 6, steps=16, rank=1, world_size=2)
+    loader = DataLoader(data, batch_sampler=sampler, num_workers=1,
+                        persistent_workers=persistent, generator=torch.Generator())  # fmt: skip
+    got = []
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        got += [batch[0].int().tolist() for batch in loader]
+    want = list(ElasticBatchSampler(data, 6, steps=16, rank=1, world_size=2))
+    assert got == want and len(got) == 16
+
+
+def test_a_sampler_made_in_another_call_of_train_is_refused():
+    """Made once and kept across rounds (or at module level), it still held the first
+    round's rank, world and first step: after a kill the survivors read their 3-rank
+    slices (a third of each batch never read) from step 0 again, and the job "succeeded".
+    ``elasticd.inprocess.run`` marks each call of the training function: a sampler made
+    in one call (or outside any) yields nothing in another, kept iterators included."""
+    from elasticd.sampler import train_call
+
+    with train_call():
+        sampler = ElasticBatchSampler(50, 12, steps=8, rank=0, world_size=3)
+        kept = iter(sampler)
+        assert len(next(kept)) == 4
+    said = r"made in call \d+ of the training function, iterated in call \d+: .* anew each round"
+    with train_call(), pytest.raises(ei.MisuseError, match=said):
+        next(kept)
+    outside = ElasticBatchSampler(50, 12, steps=8, rank=0, world_size=3)
+    assert len(list(outside)) == 8  # no training function at all: a plain script
+    outside = ElasticBatchSampler(50, 12, steps=8, rank=0, world_size=3)
+    with train_call(), pytest.raises(ei.MisuseError, match="made outside it of the training"):
+        list(outside)
+
+
+def naive(size, batch, step, shuffle, seed, drop_last):
+    """A step's global batch from an explicit stream of whole epochs."""
+    from elasticd.sampler import SEED_STRIDE
+
+    def order(e):
+        if not shuffle:
+            return list(range(size))
+        gen = torch.Generator().manual_seed(seed * SEED_STRIDE + e)
+        return torch.randperm(size, generator=gen).tolist()
+
+    if drop_last:
+        e, at = divmod(step, size // batch)
+        return order(e)[at * batch : (at + 1) * batch]
+    stream = [i for e in range((step + 1) * batch // size + 1) for i in order(e)]
+    return stream[step * batch : (step + 1) * batch]
+
+
+def test_every_small_case_matches_an_explicit_stream_of_epochs():
+    for size in range(1, 10):
+        for batch in range(1, 10):
+            for drop_last in (True, False):
+                if drop_last and size < batch:
+                    continue
+                for world in sorted({1, 2, 3, batch} & set(range(1, batch + 1))):
+                    for step in range(12):
+                        want = naive(size, batch, step, True, 7, drop_last)
+                        got = parts(size, batch, world, step, seed=7, drop_last=drop_last)
+                        assert [i for p in got for i in p] == want, (size, batch, world, step)
+    plain = ElasticBatchSampler(7, 3, rank=0, world_size=1, shuffle=False, drop_last=False)
+    got = [plain.global_indices(k) for k in range(4)]
+    assert got == [naive(7, 3, k, False, 0, False) for k in range(4)]

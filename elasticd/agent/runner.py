@@ -1033,8 +1033,11 @@ class JobRunner:
         # whether the others kept their processes: process, as when none did.)
         if rnd.carried or source in ("peers", "replica"):
             mode = "inprocess"
+            # A new worker of ours (a newcomer's, or a replaced rank 0's) has no abort, and
+            # its start is a part of its own, not pg_init's.
+            spawned = None if rnd.carried else rnd.spawned_at
             marks = [("abort", phases.get("aborted")), ("rendezvous", rnd.formed_at),
-                     ("pg_init", phases.get("pg_ready")),
+                     ("spawn", spawned), ("pg_init", phases.get("pg_ready")),
                      ("state_transfer", phases.get("state_loaded")), ("first_step", now)]  # fmt: skip
         else:
             mode = "process"
