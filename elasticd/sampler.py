@@ -276,10 +276,11 @@ class ElasticBatchSampler:
         discards the first unread."""
         for step in self._span():
             if _call != self._call:
-                made = "outside it" if self._call is None else f"in call {self._call}"
+                made = "outside any call" if self._call is None else f"in call {self._call}"
+                now = "outside any" if _call is None else f"in call {_call}"
                 raise _misuse(
-                    f"ElasticBatchSampler: made {made} of the training function, iterated in "
-                    f"call {_call}: its ranks, world and first step are that call's round's; "
+                    f"ElasticBatchSampler: made {made} of the training function, iterated "
+                    f"{now}: its ranks, world and first step are the round's it was made in; "
                     "make it inside train, anew each round, after sync_state, with step= the "
                     "step the round resumes at"
                 )

@@ -223,7 +223,12 @@ def test_a_sampler_made_in_another_call_of_train_is_refused():
     outside = ElasticBatchSampler(50, 12, steps=8, rank=0, world_size=3)
     assert len(list(outside)) == 8  # no training function at all: a plain script
     outside = ElasticBatchSampler(50, 12, steps=8, rank=0, world_size=3)
-    with train_call(), pytest.raises(ei.MisuseError, match="made outside it of the training"):
+    with (
+        train_call(),
+        pytest.raises(
+            ei.MisuseError, match="made outside any call of the training function, iterated in call"
+        ),
+    ):
         list(outside)
 
 
