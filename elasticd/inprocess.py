@@ -290,7 +290,10 @@ class Context:
                 "are at (keep it in ctx.state after each step, as examples/ddp_inprocess.py "
                 "does); None is for a process that holds nothing yet"
             )
-        newest = torch.tensor([-1 if step is None else int(step)], dtype=torch.int64)
+        # The newest step, and (as max of it and of its negation) whether every rank hands
+        # over the same names, dtypes and shapes: checked in the same all-reduce.
+        sig = _layout_signature(tensors)
+        newest = torch.tensor([-1 if step is None else int(step), sig, -sig], dtype=torch.int64)
         group = transfer_group()
         # The transfer's own description gather carries every step too, but its waits are
         # unbounded: this bounded one (wait_collective) leaves a peer frozen before the
@@ -298,8 +301,14 @@ class Context:
         if dist.is_initialized():
             work = dist.all_reduce(newest, op=dist.ReduceOp.MAX, group=group, async_op=True)
             wait_collective(work, group)
-        if int(newest) < 0:
+        if int(newest[0]) < 0:
+            # Nobody holds state (the first round): nothing moves, but ranks that hand
+            # over different tensors would fail only at the first recovery, the worst
+            # moment; a newcomer's missing optimizer state cannot be the cause here.
+            if int(newest[1]) != -int(newest[2]):
+                _refuse_unlike(tensors, group)
             return None
+        newest = newest[:1]
         # Judged by restart.hang_timeout from here until state_loaded, as a step is
         # (elasticd.agent.workers.recovering): a rank stopped in the transfer is killed.
         self.channel.mark("recovering")
@@ -338,6 +347,43 @@ class Context:
                               lost_steps=max(0, int(newest) - result.step))  # fmt: skip
         self.mark("state_loaded")
         return result.step
+
+
+def _describe_layout(tensors: Mapping[str, Any]) -> list[tuple[str, str, tuple[int, ...]]]:
+    return sorted(
+        (n, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for n, t in tensors.items()
+    )
+
+
+def _layout_signature(tensors: Mapping[str, Any]) -> int:
+    """62 bits of a hash of the names, dtypes and shapes handed over (alike on every rank
+    of a script that builds the same state everywhere)."""
+    import hashlib
+
+    text = repr(_describe_layout(tensors)).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 2
+
+
+def _refuse_unlike(tensors: Mapping[str, Any], group: Any) -> None:
+    """The ranks' tensors differ (their signatures did): gather what each holds and name
+    the first difference, on every rank alike. A script's bug no retry fixes."""
+    import torch.distributed as dist
+
+    mine = _describe_layout(tensors)
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    first = dict((n, (d, s)) for n, d, s in every[0])
+    for rank, theirs in enumerate(every[1:], start=1):
+        other = dict((n, (d, s)) for n, d, s in theirs)
+        for name in sorted(set(first) | set(other)):
+            a, b = first.get(name), other.get(name)
+            if a != b:
+                say = lambda h: "nothing" if h is None else f"{h[0]} {list(h[1])}"  # noqa: E731
+                raise MisuseError(
+                    f"sync_state: the ranks hand over different tensors: {name}: rank 0 "
+                    f"holds {say(a)}, rank {rank} holds {say(b)}; every rank must build "
+                    "the same state (a recovery could not agree on it)"
+                )
 
 
 class GeneratorSnapshot:

@@ -28,10 +28,12 @@ import elasticd.inprocess as ei
 CASES = ["sgd-momentum", "adam-amsgrad", "adamw-scheduler-scaler", "rmsprop-extra-param",
          "int-lr-two-optimizers", "parameters-as-given", "generator", "lazy-state-refused",
          "not-a-tensor-refused", "shape-per-rank-refused", "contents-per-rank-refused",
-         "dtensor-refused", "sgd-after-the-refusals", "batchnorm-buffers",
-         "generator-snapshot"]  # fmt: skip
+         "dtensor-refused", "first-round-shapes-refused", "sgd-after-the-refusals",
+         "batchnorm-buffers", "generator-snapshot"]  # fmt: skip
 REFUSED = ("lazy-state-refused", "not-a-tensor-refused", "shape-per-rank-refused",
-           "contents-per-rank-refused", "dtensor-refused")  # fmt: skip
+           "contents-per-rank-refused", "dtensor-refused", "first-round-shapes-refused")  # fmt: skip
+FRESH = ("first-round-shapes-refused",)
+"""Cases where no rank holds state (the first round): every rank hands over step None."""
 """Cases that fail the sync on every rank alike (the ranks stay in step for the next)."""
 Pos = namedtuple("Pos", "epoch batch")
 
@@ -185,8 +187,8 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     ctx = ei.Context(round=1, rank=rank, world_size=world, local_rank=0, env={}, state={})
     results = {}
-    holder = rank < 2
     for case in CASES:
+        holder = rank < 2 and case not in FRESH
         model, extra, opt, others = _build(case, 0 if holder else 1 + rank)
         if holder:
             model[2].note = {"made": "by the holder"}
@@ -201,7 +203,7 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
                     assert not any(str(id(extra)) in name for name in tensors)
                 if case == "not-a-tensor-refused":  # a count kept as a Python int
                     tensors["extra/count"] = 3
-                if case == "shape-per-rank-refused":
+                if case in ("shape-per-rank-refused", "first-round-shapes-refused"):
                     tensors["extra/buf"] = torch.zeros(3 if rank == 0 else 4)
                 if case == "contents-per-rank-refused":  # a rank's own shard, handed as whole
                     tensors["extra/shard"] = torch.full((4,), float(rank))
@@ -319,6 +321,19 @@ def test_a_tensor_shaped_differently_per_rank_is_refused_on_every_rank_saying_ho
         "could not be agreed: extra/buf: rank 0 holds float32 [3], rank 1 holds float32 [4]"
         in (errors[0])
     )
+
+
+def test_tensors_that_differ_between_ranks_are_refused_in_the_first_round(synced):
+    """Nobody holds state (the first round): nothing moves, and before, a rank's buffer of
+    another shape was found only at the first recovery, which then fell back. Now the
+    same all-reduce that finds the newest step finds the difference, and every rank
+    refuses it as the script's error (exit 2 under an agent), naming it."""
+    errors = [r["first-round-shapes-refused"].get("error") for r in synced]
+    assert len(set(errors)) == 1, errors
+    assert errors[0].startswith(
+        "MisuseError: sync_state: the ranks hand over different tensors: extra/buf: rank 0 "
+        "holds float32 [3], rank 1 holds float32 [4]"
+    ), errors[0]
 
 
 def test_state_each_rank_holds_its_own_of_is_not_given_to_a_newcomer(synced):
