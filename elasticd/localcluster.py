@@ -1034,6 +1034,7 @@ def run_cluster(
     out: Any,
     etcd_members: int = 1,
     poll: float = 0.02,
+    record_poll: float = 0.1,
     env: Mapping[str, str] | None = None,
     progress: Any = None,
     metrics: bool = False,
@@ -1042,7 +1043,11 @@ def run_cluster(
 ) -> dict[str, Any]:
     """Start the cluster, submit ``job``, inject ``faults`` (a list, fired by step or by
     the workers at a phase, or an object with ``due(RunView) -> list[Fault]`` and
-    optionally ``fault_injected(fault, record)``), follow the job to its end. ``env``: the
+    optionally ``fault_injected(fault, record)``), follow the job to its end. The metrics
+    are read every ``poll`` seconds (faults fire within a step or two of the one asked for);
+    the job's record, an etcd request, every ``record_poll``: at the 50 a second of
+    ``poll`` the requests cost this process and etcd about a tenth of a core each, the
+    whole run long. ``env``: the
     agents' environment (default ours). ``progress``: shows the job's progress as one live
     line (``show(record)``, ``say(text)`` for the lines above it, ``close()``; the CLI's
     on a terminal); without it, ``out`` gets a plain line per change. ``metrics``: each
@@ -1098,16 +1103,18 @@ def run_cluster(
             _wait_for_agents(client, cluster, nodes, timeout=60.0)
             registry.submit(job, replace=True)
             deadline = time.monotonic() + timeout
-            last_line, etcd_up = "", True
+            last_line, etcd_up, record_due = "", True, 0.0
             seen: set[tuple] = set()
             while True:
                 new = tail.new()
                 records.extend(new)
                 step = max([step, *(int(r.get("step", 0)) for r in new)])
-                try:
-                    record, etcd_up = registry.get(job.name), True
-                except ElasticdError:
-                    etcd_up = False
+                if time.monotonic() >= record_due:
+                    try:
+                        record, etcd_up = registry.get(job.name), True
+                    except ElasticdError:
+                        etcd_up = False
+                    record_due = time.monotonic() + record_poll
                 view = RunView(step=step, records=new, record=record, etcd_up=etcd_up,
                                cluster=cluster, client=client)  # fmt: skip
                 for fault in source.due(view):

@@ -88,7 +88,7 @@ def test_a_test_that_times_out_leaves_no_process_and_no_directory_behind(pyteste
         test_slowpoke=f"""
         import pytest
 
-        @pytest.mark.timeout(25)
+        @pytest.mark.timeout(15)
         def test_never_ends_in_time(elasticd_cluster):
             job = elasticd_cluster.script_job({os.path.abspath(SCRIPT)!r}, steps=100000)
             elasticd_cluster.run(job, nodes=2)
@@ -136,7 +136,7 @@ def test_a_test_that_times_out_is_torn_down_at_once_with_what_its_workers_starte
         test_stubborn=f"""
         import pytest
 
-        @pytest.mark.timeout(30)
+        @pytest.mark.timeout(15)
         def test_never_ends_in_time(elasticd_cluster):
             job = elasticd_cluster.script_job({str(script)!r}, {str(started)!r}, steps=100000)
             elasticd_cluster.run(job, nodes=2)
@@ -434,7 +434,7 @@ def test_a_run_that_times_out_names_the_ranks_still_running_and_quotes_their_log
     script = tmp_path / "stuck.py"
     script.write_text(STUCK)
     job = elasticd_cluster.script_job(str(script), steps=5)
-    result = elasticd_cluster.run(job, nodes=1, nproc_per_node=2, timeout=30)
+    result = elasticd_cluster.run(job, nodes=1, nproc_per_node=2, timeout=15)
     assert result.outcome == "timed_out", result.describe()
     assert [w["rank"] for w in result.unfinished] == [1], result.unfinished
     with pytest.raises(ElasticdAssertionError) as info:
@@ -462,7 +462,7 @@ def test_a_timed_out_built_in_trainer_rank_has_its_main_threads_stack_quoted(ela
     from elasticd.testing import STACK_FRAMES, ElasticdAssertionError
 
     job = elasticd_cluster.builtin_job(train={"steps": 1_000_000}, checkpoint={"every": 0})
-    result = elasticd_cluster.run(job, nodes=1, nproc_per_node=2, timeout=40)
+    result = elasticd_cluster.run(job, nodes=1, nproc_per_node=2, timeout=25)
     assert result.outcome == "timed_out", result.describe()
     assert [w["rank"] for w in result.unfinished] == [0, 1], result.unfinished
     with pytest.raises(ElasticdAssertionError) as info:
