@@ -5,6 +5,7 @@ on, commands agents refuse, and deleting or collecting finished jobs."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -296,6 +297,18 @@ def _pid_1_agent(etcd, tmp_path, node):
         )  # fmt: skip
 
 
+def stop_pid_1_agents(procs):
+    """Stop agents started by :func:`_pid_1_agent` as a container runtime does: SIGTERM
+    to the agent, PID 1 of its namespace. ``unshare`` itself does not die of a SIGTERM
+    while it waits for its child: :func:`stop_agents` waited out its 20 s for each."""
+    for p in procs:
+        path = f"/proc/{p.pid}/task/{p.pid}/children"
+        with contextlib.suppress(OSError), open(path, encoding="utf-8") as fh:
+            for child in fh.read().split():
+                os.kill(int(child), signal.SIGTERM)
+    stop_agents(procs)
+
+
 def test_an_agent_restarted_as_pid_1_in_a_container_takes_over_its_own_record(etcd, tmp_path):
     """In a container every agent is PID 1: the record of the agent just killed names pid 1
     on this host, and "pid 1 is alive" (the new agent itself) refused the restart as a
@@ -327,7 +340,7 @@ def test_an_agent_restarted_as_pid_1_in_a_container_takes_over_its_own_record(et
             assert "node id 'dup' is already registered by a live agent (pid 1 on " in text
             assert client.get("/elasticd/nodes/dup").lease == live  # untouched
         finally:
-            stop_agents(procs)
+            stop_pid_1_agents(procs)
 
 
 def test_a_job_with_its_own_command_is_refused_by_agents_that_run_only_the_trainer(etcd, tmp_path):
