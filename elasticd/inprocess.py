@@ -290,10 +290,13 @@ class Context:
                 "are at (keep it in ctx.state after each step, as examples/ddp_inprocess.py "
                 "does); None is for a process that holds nothing yet"
             )
-        # The newest step, and (as max of it and of its negation) whether every rank hands
-        # over the same names, dtypes and shapes: checked in the same all-reduce.
+        # The newest step, (as max of it and of its negation) whether every rank hands
+        # over the same names, dtypes and shapes, and whether any rank holds state it kept
+        # from an earlier round (in its memory): all in the same all-reduce.
         sig = _layout_signature(tensors)
-        newest = torch.tensor([-1 if step is None else int(step), sig, -sig], dtype=torch.int64)
+        kept = int(step is not None and self.rounds_lived > 0)
+        newest = torch.tensor([-1 if step is None else int(step), sig, -sig, kept],
+                              dtype=torch.int64)  # fmt: skip
         group = transfer_group()
         # The transfer's own description gather carries every step too, but its waits are
         # unbounded: this bounded one (wait_collective) leaves a peer frozen before the
@@ -308,6 +311,7 @@ class Context:
             if int(newest[1]) != -int(newest[2]):
                 _refuse_unlike(tensors, group)
             return None
+        from_memory = int(newest[3]) > 0
         newest = newest[:1]
         # Judged by restart.hang_timeout from here until state_loaded, as a step is
         # (elasticd.agent.workers.recovering): a rank stopped in the transfer is killed.
@@ -342,9 +346,14 @@ class Context:
         if isinstance(tensors, StateTensors):
             tensors.put_back()
         # What the agent records of this recovery (source, lost steps): the step every
-        # rank now holds against the newest any survivor held.
-        self.channel.recovered(source="peers", resume_step=result.step,
-                              lost_steps=max(0, int(newest) - result.step))  # fmt: skip
+        # rank now holds against the newest any survivor held. Only when some rank kept
+        # its state from an earlier round: in a world of fresh processes (a process
+        # restart) the state held came from what each loaded itself (the script's own
+        # checkpoint, which it reports with channel.recovered(source="checkpoint")), and
+        # "peers" would make a process restart an in-process recovery in the records.
+        if from_memory:
+            self.channel.recovered(source="peers", resume_step=result.step,
+                                  lost_steps=max(0, int(newest) - result.step))  # fmt: skip
         self.mark("state_loaded")
         return result.step
 

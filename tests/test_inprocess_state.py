@@ -229,6 +229,17 @@ def _worker(rank: int, world: int, store: str, out: str) -> None:
             results[case] = {"error": f"{type(exc).__name__}: {exc}"}
             if case not in REFUSED:
                 break  # a failed sync leaves the ranks out of step: no later case is valid
+    # What sync_state tells the agent (channel.recovered), in a round of fresh processes
+    # that each loaded the step from the script's own checkpoint (a process restart), and
+    # in one where rank 0 kept its state from the round before.
+    for name, lived in (("fresh", (0, 0, 0)), ("kept", (1, 0, 0))):
+        c = ei.Context(round=2, rank=rank, world_size=world, local_rank=0, env={}, state={},
+                       rounds_lived=lived[rank])  # fmt: skip
+        if name == "fresh" and rank < 2:
+            c.channel.recovered(source="checkpoint", resume_step=HELD_STEP)  # it loaded it
+        model, extra, opt, others = _build("sgd-momentum", 0)
+        step = c.sync_state(ei.state_tensors(model, opt), step=HELD_STEP if rank < 2 else None)
+        results[f"recorded-{name}"] = {"step": step, "recovery": c.channel._last.get("recovery")}
     dist.destroy_process_group()
     Path(out, f"rank-{rank}.json").write_text(json.dumps(results))
     # Done and written. The interpreter's teardown after these gloo syncs aborted now and
@@ -437,3 +448,19 @@ def test_sync_state_enters_the_recover_fault_phase_at_the_agreed_step(tmp_path):
     assert said[0] == ["returned", None] and said[1] == ["returned", 4], said
     assert said[2][0] == "InjectedFault" and "step 7 recover" in said[2][1], said
     assert said[3] == ["returned", 9], said  # a fault fires once
+
+
+def test_only_state_kept_from_an_earlier_round_is_recorded_as_from_peers(synced):
+    """A script that loads its own checkpoint, says so (channel.recovered(source=
+    "checkpoint")) and then hands its state to sync_state: after a process restart every
+    process is fresh, and sync_state's "peers" overwrote the script's word, so the agent
+    recorded a process restart as an in-process recovery from peers (a new user's trial).
+    Now only a rank that kept its state from an earlier round makes it "peers"."""
+    fresh = [r["recorded-fresh"] for r in synced]
+    assert [r["step"] for r in fresh] == [HELD_STEP] * 3
+    want = {"source": "checkpoint", "resume_step": HELD_STEP}
+    assert [r["recovery"] for r in fresh] == [want, want, None]  # the script's own word
+    kept = [r["recorded-kept"] for r in synced]
+    assert [r["step"] for r in kept] == [HELD_STEP] * 3
+    want = {"source": "peers", "resume_step": HELD_STEP, "lost_steps": 0}
+    assert [r["recovery"] for r in kept] == [want] * 3
