@@ -249,6 +249,7 @@ class PlanSource:
         self.outside = outside
         self.seen: set[int] = set()
         self.ids: dict[int, int] = {}  # id(fault object) -> plan id
+        self.steps: dict[int, int] = {}  # id(fault object) -> the step its rank was in
 
     def unfired(self) -> list[tuple[Any, str]]:
         """(fault, why) for each fault that never fired: no rank reached its step and
@@ -293,8 +294,14 @@ class PlanSource:
                     view.cluster.fault_log.append(record)
                 continue
             self.ids[id(fault)] = i
+            self.steps[id(fault)] = int(fired.get("step", fault.step))
             out.append(fault)
         return out
+
+    def step_of(self, fault: Any) -> int | None:
+        """The step in progress where a worker asked for ``fault`` (its phase's step; for
+        ``recover``, the step it hit); None for a fault fired from outside."""
+        return self.steps.get(id(fault))
 
     def fault_injected(self, fault: Any, record: dict[str, Any]) -> None:
         i = self.ids.pop(id(fault), None)

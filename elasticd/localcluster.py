@@ -1119,10 +1119,14 @@ def run_cluster(
                                cluster=cluster, client=client)  # fmt: skip
                 for fault in source.due(view):
                     fired = cluster.inject(fault)
-                    fired["step"] = step
+                    # A fault a worker asked for in a phase: the step it was in (the records
+                    # say only the one before), as for the faults the workers carry out.
+                    at = source.step_of(fault) if hasattr(source, "step_of") else None
+                    fired["step"] = step if at is None else at
                     if hasattr(source, "fault_injected"):
                         source.fault_injected(fault, fired)
-                    out.write(f"fault {_verb(fired)}: {fault} (at step {step}){_detail(fired)}\n")
+                    where = f"step {step}" if at is None else f"step {at}, in {fault.phase}"
+                    out.write(f"fault {_verb(fired)}: {fault} (at {where}){_detail(fired)}\n")
                 announced = _announce_ends(cluster, announced, out)
                 if record is not None and etcd_up:
                     for said in event_lines(record.status, seen, final=record.state.terminal):

@@ -326,19 +326,24 @@ def test_a_mistake_in_a_run_call_is_the_tests_line_and_one_line_of_error(pyteste
             r = result_from({"state": "succeeded", "metrics": [{"step": 1}, {"step": 1}]},
                             run_dir="/nowhere", output="")
             r.assert_no_lost_steps()
+
+        def test_no_script(elasticd_cluster):
+            elasticd_cluster.script_job("missing.py")
         """
     )
     res = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q")
-    res.assert_outcomes(failed=4)
+    res.assert_outcomes(failed=5)
     text = res.stdout.str()
     res.stdout.fnmatch_lines([
         "*elasticd.errors.UsageError: faults: kill-node=1@step=6: step 6 is the job's last step*",
         "*elasticd.errors.UsageError: faults: kill-node=3@step=2: there is no node 3 by step 2*",
         "*elasticd.errors.JobSpecError: job test-0: parallel.tp: 3 does not divide*",
         "*steps trained again (recorded twice in metrics.jsonl): 1*",
+        "*elasticd.errors.UsageError: script_job: missing.py: no such file*",
     ])  # fmt: skip
     # The tests' own lines, none of elasticd's source.
     assert "check_plan(" not in text and "def run(" not in text and "def wrapper" not in text
+    assert "def script_job(" not in text
     assert text.count("\n") < 150, text
 
 

@@ -89,10 +89,12 @@ def test_the_cluster_side_injects_a_node_fault_when_a_worker_fires_it_and_acks_i
     view.cluster, view.step = cluster, 0
     assert source.due(view) == []  # nothing fired yet
     fired_dir = tmp_path / "faults" / "fired"
-    (fired_dir / "fired-0").write_text(json.dumps({"rank": 3, "t": 1.0, "pid": 9}))
+    (fired_dir / "fired-0").write_text(json.dumps({"rank": 3, "t": 1.0, "pid": 9, "step": 4}))
     (fired_dir / "fired-1").write_text(json.dumps({"rank": 0, "t": 2.0, "pid": 8}))
     due = source.due(view)
     assert due == [faults[0]]  # the node fault is the cluster's to do
+    # Its step is the one its rank was in (the records said 3 then: the run said 3 before).
+    assert source.step_of(faults[0]) == 4 and source.step_of(faults[1]) is None
     assert [r["fault"] for r in cluster.fault_log] == ["kill-worker=0@step=2"]  # logged only
     assert "SIGKILLed itself at step 2" in cluster.fault_log[0]["detail"]
     assert not (fired_dir / "acked-0").exists()
@@ -211,6 +213,39 @@ def test_a_loss_mismatch_is_a_table_of_the_differing_steps():
     assert [row[0] for row in rows] == ["6", "7", "8"]  # step 8: missing from the run
     assert rows[0][1] == "loss" and float(rows[0][4]) == pytest.approx(0.01, rel=1e-3)
     assert rows[2][2] == "-"
+
+
+def _rec(round_: int, reason: str, seconds: float, detected_at: float | None) -> dict:
+    e = {"kind": "recovery", "round": round_, "reason": reason, "mode": "inprocess",
+         "source": "peers", "lost_steps": 0, "seconds": seconds}  # fmt: skip
+    return e if detected_at is None else {**e, "detected_at": detected_at}
+
+
+def test_a_recovery_is_timed_from_the_fault_that_caused_it_its_detection_included():
+    """A frozen node's recovery said 0.19 s, from its detection: the lease's TTL before it
+    (about 2.8 s) was left out, and assert_recovered_within could not catch a slow
+    detection (a new user's trial). Now it counts from the fault the run fired."""
+    faults = [
+        {"fault": "freeze-node=2@step=6:for=5", "kind": "freeze-node", "t": 100.0, "end": 105.0},
+        {"fault": "kill-worker=0@step=99", "kind": "kill-worker", "t": None, "skipped": True},
+        {"fault": "kill-worker=5@step=40", "kind": "kill-worker", "t": 107.0, "skipped": True},
+        {"fault": "add-node@step=30", "kind": "add-node", "t": 110.0},
+    ]
+    # The freeze's recovery; the thawed node back (no fault of its own); the added one.
+    history = [{"kind": "world", "world": 3}, _rec(2, "peer_lost", 0.2, 102.6),
+               _rec(3, "scale_up", 0.3, 105.9), _rec(4, "scale_up", 0.4, 113.0)]  # fmt: skip
+    final = {"state": "succeeded", "reason": "r", "metrics": [{"step": 1}],
+             "status": {"history": history}, "faults": faults}  # fmt: skip
+    r = result_from(final, run_dir="/nowhere", output="")
+    assert [x.since_fault for x in r.recoveries] == [pytest.approx(2.8), None, None]
+    r.assert_recovered_within(3.0)
+    says = r"longer than 1 s:\n  round 2: 2.80 s from the fault, 0.20 s from its detection \("
+    with pytest.raises(ElasticdAssertionError, match=says):
+        r.assert_recovered_within(1)
+    assert "0.20 s (2.80 s from the fault), lost 0" in r.describe()
+    # A history without detection times (an older agent's) is timed as before.
+    history[1] = _rec(2, "peer_lost", 0.2, None)
+    assert result_from(final, run_dir="/nowhere", output="").recoveries[0].since_fault is None
 
 
 def test_lost_steps_slow_recoveries_and_wrong_worlds_are_named():
