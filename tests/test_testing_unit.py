@@ -230,8 +230,10 @@ def test_a_recovery_is_timed_from_the_fault_that_caused_it_its_detection_include
         {"fault": "kill-worker=0@step=99", "kind": "kill-worker", "t": None, "skipped": True},
         {"fault": "kill-worker=5@step=40", "kind": "kill-worker", "t": 107.0, "skipped": True},
         {"fault": "add-node@step=30", "kind": "add-node", "t": 110.0},
+        {"fault": "etcd-outage@step=20:for=1", "kind": "etcd-outage", "t": 104.0},
     ]
-    # The freeze's recovery; the thawed node back (no fault of its own); the added one.
+    # The freeze's recovery; the thawed node back (the outage before it re-formed nothing:
+    # a scale-up is no failure's); the added one.
     history = [{"kind": "world", "world": 3}, _rec(2, "peer_lost", 0.2, 102.6),
                _rec(3, "scale_up", 0.3, 105.9), _rec(4, "scale_up", 0.4, 113.0)]  # fmt: skip
     final = {"state": "succeeded", "reason": "r", "metrics": [{"step": 1}],

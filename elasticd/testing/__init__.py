@@ -133,7 +133,8 @@ class Recovery:
     detection took counts too (a frozen node's is about its lease's TTL, which
     :attr:`seconds` leaves out). The fault is the last one fired before the detection
     and after the recovery before it's, of a kind that fails something (not add-node);
-    None without one (a scale-up, a fault the run did not inject)."""
+    None without one, and for a scale-up (``reason`` ``scale_up``: an added node, a
+    thawed one back), which no failure caused."""
 
 
 @dataclass(kw_only=True)
@@ -537,7 +538,9 @@ def _since_faults(history: Sequence[Mapping[str, Any]], faults: Sequence[Any]) -
             out.append(None)
             continue
         seen = float(seen)
-        cause = [t for t in fired if after < t <= seen]
+        # A scale-up (an added node, a thawed one back) is caused by no failure: an etcd
+        # outage before it that re-formed nothing is not its cause.
+        cause = [t for t in fired if after < t <= seen] if e.get("reason") != "scale_up" else []
         out.append(seen + float(e.get("seconds", 0.0)) - cause[-1] if cause else None)
         after = max(after, seen)
     return out
