@@ -152,14 +152,17 @@ def test_dp3_loses_a_node_then_a_newcomer_joins_the_survivors_all_in_process(tmp
     # survivors train meanwhile): enough steps that it comes before the end. It came at
     # step 161 and 193 of 200 on a 2-core box with another run or two busy loops beside it.
     # No worker failure allowed: the survivors' collectives fail first, but the lost node
-    # uses no restart (the next world, formed without it, says so).
+    # uses no restart (the next world, formed without it, says so). The kill is fired by
+    # node 1's rank at step 4's end: fired from outside, it lands wherever the workers are
+    # when the run's loop sees step 4, which a loaded CI box once made step 8 (the world
+    # of step 10 was then still dp3, and the test failed for the timing, not the path).
     job = make_job(tmp_path, "dp", steps=320,
                    restart={"mode": "inprocess", "scale_up": "immediate", "max_restarts": 0})  # fmt: skip
-    result = run(job, 3, ["kill-node=1@step=4", "add-node@step=6"])
+    result = run(job, 3, ["kill-node=1@step=4:phase=step-end", "add-node@step=6"])
     records = check_inprocess(tmp_path, job, result, recoveries=2)
     assert result["status"]["restarts"] == 0
     worlds = [r["world"] for r in records]
-    assert worlds[0] == 3 and worlds[9] == 2 and worlds[-1] == 3, worlds
+    assert worlds[3] == 3 and worlds[4] == 2 and worlds[-1] == 3, worlds
     assert [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]] == [3, 2, 3]
     pids = round_pids(job)
     first, second, third = (pids[r] for r in sorted(pids))
