@@ -944,6 +944,10 @@ class _Control:
         self.trained_step: int | None = None
         """The last step this process trained in an earlier round (its channel reported a
         step past the one the round resumed at); None: it trained none."""
+        self._pending: set[_Pending] = set()
+        """Works of :meth:`abandonable` not yet settled (under ``_pending_lock``, never
+        ``cond``: gloo's threads settle them)."""
+        self._pending_lock = threading.Lock()
         self._stop = threading.Event()
         self._read()
         threading.Thread(target=self._watch, name="elasticd-control", daemon=True).start()
@@ -995,6 +999,7 @@ class _Control:
                 # a pair opened just after the abort was read (the round was still starting)
                 # would otherwise wait for peers that left, for the whole group timeout.
                 self._abort_late_sockets()
+                self._abandon_pending()
                 self._mark_blocked()
             except Exception:  # the watcher must outlive any one bad look (a closed stderr)
                 log.debug("control watcher: a look failed", exc_info=True)
@@ -1092,6 +1097,59 @@ class _Control:
               "exiting for its agent to replace it. Its threads:", file=sys.stderr, flush=True)  # fmt: skip
         _dump_stacks()
         os._exit(EXIT_RECOVERY_FAILED)
+
+    def abandonable(self, work: Any, group: Any, result: Any) -> Any:
+        """A future DDP can wait for in place of ``work``'s (:func:`ddp_comm_hook`): it
+        completes with ``result`` when the work completes, with the work's error when it
+        fails, and with :class:`RoundAborted` when the watcher abandons the work
+        (:meth:`_abandon_pending`), whichever comes first."""
+        import torch
+
+        gate = torch.futures.Future()
+        entry = _Pending(self.round, work, group, gate)
+        with self._pending_lock:
+            self._pending.add(entry)
+
+        def finished(fut: Any) -> None:  # on gloo's thread, or here if already done
+            try:
+                fut.value()
+                outcome: tuple[Any, Any] = (result, None)
+            except Exception as exc:  # the work's own error, handed to DDP's wait
+                outcome = (None, exc)
+            self._settle(entry, outcome)
+
+        work.get_future().add_done_callback(finished)
+        return gate.then(_settled)
+
+    def _settle(self, entry: _Pending, outcome: tuple[Any, Any]) -> tuple[Any, Any] | None:
+        """Complete ``entry``'s gate with ``outcome`` unless it was settled already; its
+        work and group, which the entry lets go (the work's callback holds the entry, and
+        must not hold a group: whichever thread drops a group's last reference joins
+        gloo's threads), or None."""
+        with self._pending_lock:
+            if entry not in self._pending:
+                return None
+            self._pending.discard(entry)
+            held, gate = (entry.work, entry.group), entry.gate
+            entry.work = entry.group = entry.gate = None
+        gate.set_result(outcome)
+        return held
+
+    def _abandon_pending(self) -> None:
+        """Fail the gate of every work still pending :data:`ABANDON_AFTER` after its round
+        ended; the work and its group are held until gloo ends the work."""
+        if not self._pending:
+            return
+        with self._pending_lock:
+            ripe = [e for e in self._pending if (self.ended_for(e.round) or 0.0) >= ABANDON_AFTER]
+        for e in ripe:
+            since = self.ended_for(e.round) or 0.0
+            error = RoundAborted(f"round {e.round} ended {since:.1f} s ago and a collective of "
+                                 "it is still pending (gloo left it waiting): abandoned")  # fmt: skip
+            held = self._settle(e, (None, error))
+            if held is not None:
+                _hold_until_done(*held)
+                log.info("%s", error)
 
     def aborted(self, round_: int) -> bool:
         return round_ in self.ended
@@ -1383,6 +1441,54 @@ def wait_transfer(work: Any, group: Any = None) -> None:
                     f"round {round_} ended {since:.1f} s ago and a transfer of it is still "
                     "pending (gloo left it waiting): abandoned"
                 )
+
+
+def ddp_comm_hook(group: Any, bucket):  # no annotations: DDP checks them, and ours are strings
+    """DDP's gradient all-reduce, as DDP does it by default (each gradient times
+    1 / world size, summed over ``group``: None for the default group), but one that an
+    ended round abandons. Register it once per DDP object::
+
+        ddp = DDP(model)
+        ddp.register_comm_hook(None, ei.ddp_comm_hook)
+
+    DDP's reducer waits for its buckets' all-reduces in C++, at the end of ``backward``,
+    where no timed wait can reach: a rank whose round ended while it was frozen, thawed
+    with its connections shut, could sit there until the stuck-worker exit replaced its
+    process (a process restart, about 10 s on). With the hook each bucket's all-reduce is
+    asynchronous and DDP waits for a future of ours instead, which the worker's watcher
+    fails (:class:`RoundAborted`) once the round has ended :data:`ABANDON_AFTER` ago and
+    the all-reduce is still pending, as :func:`wait_collective` does: ``backward`` raises,
+    and the worker leaves the round in its own process. The abandoned all-reduce is held,
+    with its group, until gloo ends it. Elsewhere (no in-process round; NCCL, whose abort
+    ends the work) it is DDP's own all-reduce, future for future."""
+    import torch.distributed as dist
+
+    buf = bucket.buffer()
+    buf.mul_(1.0 / dist.get_world_size(group))  # DDP's own scaling, bit for bit
+    work = dist.all_reduce(buf, group=group, async_op=True)
+    control = _gloo_round(group)
+    if control is None:
+        return work.get_future().then(lambda fut: fut.value()[0])
+    return control.abandonable(work, group, buf)
+
+
+def _settled(fut: Any) -> Any:
+    """The result of an abandonable work's gate, (value, None) or (None, error): raised
+    here, so that the future DDP waits for holds a real error."""
+    value, error = fut.value()
+    if error is not None:
+        raise error
+    return value
+
+
+class _Pending:
+    """An asynchronous work of a round that the watcher may abandon
+    (:meth:`_Control.abandonable`): settled once, by whichever comes first."""
+
+    __slots__ = ("gate", "group", "round", "work")
+
+    def __init__(self, round_: int, work: Any, group: Any, gate: Any) -> None:
+        self.round, self.work, self.group, self.gate = round_, work, group, gate
 
 
 class _Waiter:
@@ -2128,6 +2234,7 @@ __all__ = [
     "StateTensors",
     "abort_nccl_communicators",
     "check_results",
+    "ddp_comm_hook",
     "first_round_env",
     "is_comm_error",
     "run",

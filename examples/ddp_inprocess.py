@@ -56,6 +56,9 @@ def train(ctx: ei.Context) -> None:  # elasticd: was main(); the process group e
     tensors = ei.state_tensors(model, opt, sched)  # elasticd
     step = ctx.sync_state(tensors, step=ctx.state.get("step")) or 0  # elasticd
     ddp = DDP(model, device_ids=[device.index] if cuda else None)
+    # DDP's all-reduce, but one that a round's end abandons (else a rank thawed into an
+    # ended round can sit in backward until its process is replaced).
+    ddp.register_comm_hook(None, ei.ddp_comm_hook)  # elasticd
     rank, world = dist.get_rank(), dist.get_world_size()
     data = dataset()
     # Was a DistributedSampler: this one takes each step's samples alike in any world.
@@ -69,7 +72,8 @@ def train(ctx: ei.Context) -> None:  # elasticd: was main(); the process group e
         opt.zero_grad()
         loss.backward()
         mean = loss.detach().clone()
-        dist.all_reduce(mean)  # before the optimizer step: a step is all or nothing
+        # before the optimizer step: a step is all or nothing
+        ei.wait_collective(dist.all_reduce(mean, async_op=True))  # elasticd: was all_reduce(mean)
         mean = float(mean) / world  # waits for this and the gradients' all-reduces
         ei.check_results()  # elasticd: leave an ended round (on NCCL: garbage, not an error)
         opt.step()

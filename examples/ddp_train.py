@@ -12,6 +12,9 @@ the lines marked ``# elasticd`` are what it takes:
   record a test compares with a reference run.
 - ``channel.phase(...)``: where faults keyed to a phase land.
 - ``preempt_agreed()``: on SIGTERM (a preempted node) every rank saves and exits 75.
+- ``ei.ddp_comm_hook`` and ``ei.wait_collective``: DDP's gradient all-reduce and the
+  loss's, made ones that the end of a round abandons (a rank thawed into an ended round
+  leaves it, instead of waiting in ``backward`` until its process is replaced).
 - ``ctx.check()`` after each step: leaves a round its agent ended (a node joined). A
   world of one process has no collective that the end could fail.
 
@@ -92,6 +95,7 @@ def train(ctx: ei.Context) -> None:  # elasticd: the process group exists
         # elasticd: what the job's recovery record says (the agent counts the lost steps)
         channel.recovered(source="checkpoint" if step else "none", resume_step=step)
     ddp = DDP(model)
+    ddp.register_comm_hook(None, ei.ddp_comm_hook)  # elasticd: an ended round abandons it
     rank, world = dist.get_rank(), dist.get_world_size()
     while step < steps:
         gen = torch.Generator().manual_seed(step)
@@ -104,7 +108,8 @@ def train(ctx: ei.Context) -> None:  # elasticd: the process group exists
         opt.zero_grad()
         loss.backward()
         mean = loss.detach().clone()
-        dist.all_reduce(mean)  # before the optimizer step: a step is all or nothing
+        # before the optimizer step: a step is all or nothing
+        ei.wait_collective(dist.all_reduce(mean, async_op=True))  # elasticd: leavable
         channel.phase("optimizer", step + 1)  # elasticd
         opt.step()
         step += 1

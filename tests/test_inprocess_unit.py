@@ -977,13 +977,16 @@ STUCK_SCRIPT = textwrap.dedent(
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
-    if how == "ddp":
+    if how in ("ddp", "ddp-hook"):
         from torch.nn.parallel import DistributedDataParallel
         ddp = DistributedDataParallel(torch.nn.Linear(4, 4))  # a broadcast: both ranks
+        if how == "ddp-hook":
+            ddp.register_comm_hook(None, inprocess.ddp_comm_hook)
     if rank == 1:  # alive, connected, never in the collective
         time.sleep(45)
         os._exit(0)
     control = inprocess._Control(control_path, 0, {"ELASTICD_ROUND": "3"})
+    inprocess._current = control
     control.begin(3)
     print("in round 3", flush=True)
     while not control.aborted(3):
@@ -995,6 +998,16 @@ STUCK_SCRIPT = textwrap.dedent(
         ddp.module.weight.grad = None
         ddp(torch.ones(2, 4)).sum().backward()
         print("still here", flush=True)
+    elif how == "ddp-hook":  # the same, its all-reduce through ei.ddp_comm_hook
+        ddp.module.weight.grad = None
+        start = time.monotonic()
+        try:
+            ddp(torch.ones(2, 4)).sum().backward()
+            print("still here", flush=True)
+        except Exception as exc:
+            control.left(3)
+            print(f"left round 3 after {time.monotonic() - start:.1f} s: "
+                  f"{type(exc).__name__}: {exc}", flush=True)
     elif how == "waiting":  # idle as long, but not in a collective (a save's upload, say)
         threading.Event().wait(5)
         control.left(3)
@@ -1011,13 +1024,16 @@ STUCK_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("how", ["collective", "ddp", "waiting", "computing"])
+@pytest.mark.parametrize("how", ["collective", "ddp", "ddp-hook", "waiting", "computing"])
 def test_a_worker_blocked_in_a_collective_of_an_ended_round_exits_and_no_other_does(tmp_path, how):
     """A worker blocked in a synchronous collective of a round that ended, with every
     thread but the watcher idle (gloo never fails it, and no timed wait can leave it),
     prints its stacks and exits for its agent to replace it STUCK_EXIT (here 1.5 s) into
     the idle stretch, instead of holding the world until the agent's 120 s round-begin
-    bound. One idle as long outside a collective, or still computing, is left alone."""
+    bound. One idle as long outside a collective, or still computing, is left alone. A
+    DDP backward whose all-reduce goes through ``ei.ddp_comm_hook`` raises
+    ``RoundAborted`` ABANDON_AFTER into the end (the watcher fails the future DDP waits
+    for), and the worker leaves the round in its own process: no exit."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
@@ -1044,9 +1060,87 @@ def test_a_worker_blocked_in_a_collective_of_an_ended_round_exits_and_no_other_d
         assert "blocked in it for" in err and "exiting for its agent to replace it" in err, err
         assert ("distributed_c10d.py" if how == "collective" else "backward") in err  # stacks
         assert "still here" not in out
+    elif how == "ddp-hook":
+        assert proc.returncode == 0, out + err[-2000:]
+        assert "left round 3 after" in out and "RoundAborted" in out, out + err[-2000:]
+        assert "is still pending (gloo left it waiting): abandoned" in out, out
+        assert "exiting" not in err and "still here" not in out, out + err[-2000:]
     else:
         assert proc.returncode == 0 and "left round 3" in out, out + err[-2000:]
         assert "exiting" not in err, err[-2000:]
+
+
+HOOK_PARITY_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from elasticd import inprocess
+
+    rank, port, control_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    store = dist.TCPStore("127.0.0.1", port, 3, rank == 0, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=3,
+                            timeout=timedelta(seconds=30))
+
+    def grads(hook, in_round):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(),
+                                    torch.nn.Linear(64, 3))
+        ddp = DDP(model, bucket_cap_mb=0.001)  # several buckets
+        if hook:
+            ddp.register_comm_hook(None, inprocess.ddp_comm_hook)
+        control = None
+        if in_round:
+            control = inprocess._Control(control_path, 0, {"ELASTICD_ROUND": "3"})
+            inprocess._current = control
+            control.begin(3)
+        x = torch.randn(5, 16, generator=torch.Generator().manual_seed(rank))
+        ddp(x).square().mean().backward()
+        if control is not None:
+            assert not control._pending, "every gate settled"
+            control.left(3)
+            control.close()
+            inprocess._current = None
+        return [p.grad.clone() for p in model.parameters()]
+
+    plain = grads(False, False)
+    for in_round in (False, True):
+        hooked = grads(True, in_round)
+        same = all(torch.equal(a, b) for a, b in zip(plain, hooked))
+        print(f"in_round={in_round} bitwise={same}", flush=True)
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_ddp_comm_hook_averages_the_gradients_bit_for_bit_as_ddp_does(tmp_path):
+    """``ei.ddp_comm_hook`` in a world of three (1/3 is not exact in fp32): the gradients
+    equal DDP's own all-reduce's bit for bit, with no in-process round (DDP's future) and
+    inside one on gloo (the abandonable gate), over several buckets; every gate is
+    settled when backward returns."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    (tmp_path / "parity.py").write_text(HOOK_PARITY_SCRIPT)
+    control = str(tmp_path / "control.json")
+    procs = [
+        subprocess.Popen([sys.executable, str(tmp_path / "parity.py"), str(rank), port, control],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for rank in range(3)
+    ]  # fmt: skip
+    try:
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err[-2000:]
+        assert out.split("\n")[:2] == [
+            "in_round=False bitwise=True",
+            "in_round=True bitwise=True",
+        ], out + err[-2000:]
 
 
 WAITER_SCRIPT = textwrap.dedent(
