@@ -1105,7 +1105,11 @@ class _Control:
         (:meth:`_abandon_pending`), whichever comes first."""
         import torch
 
-        gate = torch.futures.Future()
+        # A CUDA result (gloo reduces CUDA tensors too) needs its device named, or the
+        # future refuses it.
+        gate = torch.futures.Future(
+            devices=None if result.device.type == "cpu" else [result.device]
+        )
         entry = _Pending(self.round, work, group, gate)
         with self._pending_lock:
             self._pending.add(entry)

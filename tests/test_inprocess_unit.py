@@ -1078,7 +1078,7 @@ HOOK_PARITY_SCRIPT = textwrap.dedent(
     from torch.nn.parallel import DistributedDataParallel as DDP
     from elasticd import inprocess
 
-    rank, port, control_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    rank, port, control_path, device = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     store = dist.TCPStore("127.0.0.1", port, 3, rank == 0, timeout=timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=3,
                             timeout=timedelta(seconds=30))
@@ -1086,8 +1086,8 @@ HOOK_PARITY_SCRIPT = textwrap.dedent(
     def grads(hook, in_round):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(),
-                                    torch.nn.Linear(64, 3))
-        ddp = DDP(model, bucket_cap_mb=0.001)  # several buckets
+                                    torch.nn.Linear(64, 3)).to(device)
+        ddp = DDP(model, bucket_cap_mb=0.001)  # several buckets; gloo, on CUDA tensors too
         if hook:
             ddp.register_comm_hook(None, inprocess.ddp_comm_hook)
         control = None
@@ -1095,7 +1095,7 @@ HOOK_PARITY_SCRIPT = textwrap.dedent(
             control = inprocess._Control(control_path, 0, {"ELASTICD_ROUND": "3"})
             inprocess._current = control
             control.begin(3)
-        x = torch.randn(5, 16, generator=torch.Generator().manual_seed(rank))
+        x = torch.randn(5, 16, generator=torch.Generator().manual_seed(rank)).to(device)
         ddp(x).square().mean().backward()
         if control is not None:
             assert not control._pending, "every gate settled"
@@ -1114,18 +1114,25 @@ HOOK_PARITY_SCRIPT = textwrap.dedent(
 )
 
 
-def test_ddp_comm_hook_averages_the_gradients_bit_for_bit_as_ddp_does(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_ddp_comm_hook_averages_the_gradients_bit_for_bit_as_ddp_does(tmp_path, device):
     """``ei.ddp_comm_hook`` in a world of three (1/3 is not exact in fp32): the gradients
     equal DDP's own all-reduce's bit for bit, with no in-process round (DDP's future) and
     inside one on gloo (the abandonable gate), over several buckets; every gate is
-    settled when backward returns."""
+    settled when backward returns. On CUDA (gloo reduces CUDA tensors, three ranks on one
+    device) the gate must name the device, or it refuses the bucket."""
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip("needs CUDA")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
     (tmp_path / "parity.py").write_text(HOOK_PARITY_SCRIPT)
     control = str(tmp_path / "control.json")
     procs = [
-        subprocess.Popen([sys.executable, str(tmp_path / "parity.py"), str(rank), port, control],
+        subprocess.Popen([sys.executable, str(tmp_path / "parity.py"), str(rank), port, control, device],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for rank in range(3)
     ]  # fmt: skip
