@@ -71,12 +71,29 @@ def _unknown_level(env: Mapping[str, str] | None) -> str | None:
     return None if name.strip().lower() in (*LEVELS, "critical") else name
 
 
+class _CurrentStderr(logging.StreamHandler):
+    """Writes each record to ``sys.stderr`` as it is *then*, never to the one of the call
+    that installed it: pytest's capture replaces ``sys.stderr`` for each test and closes
+    the old one, and a handler bound to that one printed ``--- Logging error ---
+    ValueError: I/O operation on closed file`` into a later test's output instead of the
+    line (an etcd started by the plugin, say)."""
+
+    @property
+    def stream(self) -> Any:  # a text stream, whatever sys.stderr is
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: object) -> None:  # StreamHandler's own assignment: ignored
+        pass
+
+
 def setup_logging(stream=None, env: Mapping[str, str] | None = None) -> None:
     """Install the key=value handler on the ``elasticd``, ``trainer`` and ``checkpoint`` loggers.
+    Without ``stream``, the lines go to ``sys.stderr`` as it is at each line.
 
     Idempotent: calling it twice does not duplicate lines.
     """
-    handler = logging.StreamHandler(stream or sys.stderr)
+    handler = logging.StreamHandler(stream) if stream is not None else _CurrentStderr()
     handler.setFormatter(KeyValueFormatter())
     handler.set_name("elasticd-kv")
     level = level_from_env(env)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import logging
+import sys
 
 from elasticd.log import kv, level_from_env, setup_logging
 
@@ -46,3 +47,20 @@ def test_an_unknown_level_is_said_once_and_info_is_used():
     quiet = io.StringIO()
     setup_logging(quiet, env={"ELASTICD_LOG_LEVEL": " Warning "})
     assert quiet.getvalue() == ""
+
+
+def test_without_a_stream_lines_go_to_stderr_as_it_is_at_each_line(monkeypatch, capsys):
+    """pytest replaces sys.stderr for each test and closes the old one: a handler bound to
+    the stderr of its install wrote ``--- Logging error --- ValueError: I/O operation on
+    closed file`` into later tests' output instead of the line."""
+    first = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", first)
+    setup_logging(env={})
+    logging.getLogger("elasticd.etcd").info("etcd started")
+    assert 'msg="etcd started"' in first.getvalue()
+    first.close()
+    second = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", second)
+    logging.getLogger("elasticd.etcd").info("etcd started again")
+    assert 'msg="etcd started again"' in second.getvalue(), second.getvalue()
+    assert "Logging error" not in second.getvalue() + capsys.readouterr().err
