@@ -53,6 +53,7 @@ calls ``train`` exactly once in a process group made from the torchrun environme
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import json
@@ -63,6 +64,7 @@ import socket
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -122,8 +124,8 @@ WAIT_SLICE = 0.1
 """Seconds one look of :func:`wait_collective` lasts before it asks whether its round ended
 (a timed-out look costs one exception; a collective done sooner returns at once)."""
 ABANDON_AFTER = 0.3
-"""Seconds after its round ended that :func:`wait_collective` gives up a collective still
-pending. The socket abort fails a collective within milliseconds when gloo fails it at
+"""Seconds after its round ended that :func:`wait_collective`, :func:`wait_transfer` and
+:func:`ddp_comm_hook`'s future give up a collective still pending. The socket abort fails a collective within milliseconds when gloo fails it at
 all, so this only lets its own error (which names the cause) come first; a pending
 collective is abandoned 0.3-0.4 s after the end. It was 1 s: in `bench/recovery.py --cases
 inproc-move`, about one run in 20 abandons one, and those took 1.5-1.8 s instead of
@@ -946,8 +948,11 @@ class _Control:
         step past the one the round resumed at); None: it trained none."""
         self._pending: set[_Pending] = set()
         """Works of :meth:`abandonable` not yet settled (under ``_pending_lock``, never
-        ``cond``: gloo's threads settle them)."""
+        ``cond``: the waiter's thread settles them)."""
         self._pending_lock = threading.Lock()
+        self._waiter: _CollectiveWaiter | None = None
+        """The thread that waits for :meth:`abandonable`'s works (a new one after an
+        abandonment)."""
         self._stop = threading.Event()
         self._read()
         threading.Thread(target=self._watch, name="elasticd-control", daemon=True).start()
@@ -999,10 +1004,13 @@ class _Control:
                 # a pair opened just after the abort was read (the round was still starting)
                 # would otherwise wait for peers that left, for the whole group timeout.
                 self._abort_late_sockets()
-                self._abandon_pending()
                 self._mark_blocked()
             except Exception:  # the watcher must outlive any one bad look (a closed stderr)
                 log.debug("control watcher: a look failed", exc_info=True)
+            try:  # on its own: a failed look above must not leave DDP waiting
+                self._abandon_pending()
+            except Exception:
+                log.debug("control watcher: abandoning pending works failed", exc_info=True)
             time.sleep(POLL)
 
     def _mark_blocked(self) -> None:
@@ -1102,7 +1110,13 @@ class _Control:
         """A future DDP can wait for in place of ``work``'s (:func:`ddp_comm_hook`): it
         completes with ``result`` when the work completes, with the work's error when it
         fails, and with :class:`RoundAborted` when the watcher abandons the work
-        (:meth:`_abandon_pending`), whichever comes first."""
+        (:meth:`_abandon_pending`), whichever comes first.
+
+        The work is waited for by a thread of ours (a :class:`_Waiter`), never through a
+        callback on the work's own future: that would run Python on gloo's thread, which
+        aborts the process (``terminate called``) when gloo ends an abandoned work while
+        the interpreter exits. The waiter also holds the work and ``group`` and drops
+        them on its own thread (a group's destructor joins gloo's threads)."""
         import torch
 
         # A CUDA result (gloo reduces CUDA tensors too) needs its device named, or the
@@ -1110,49 +1124,47 @@ class _Control:
         gate = torch.futures.Future(
             devices=None if result.device.type == "cpu" else [result.device]
         )
-        entry = _Pending(self.round, work, group, gate)
-        with self._pending_lock:
+        entry = _Pending(self.round, gate)
+
+        def finished(done: Future) -> None:  # on the waiter's thread (here if done already)
+            error = done.exception()
+            self._settle(entry, (result, None) if error is None else (None, error))
+
+        with self._pending_lock:  # never submitted to a waiter the watcher has retired
             self._pending.add(entry)
-
-        def finished(fut: Any) -> None:  # on gloo's thread, or here if already done
-            try:
-                fut.value()
-                outcome: tuple[Any, Any] = (result, None)
-            except Exception as exc:  # the work's own error, handed to DDP's wait
-                outcome = (None, exc)
-            self._settle(entry, outcome)
-
-        work.get_future().add_done_callback(finished)
+            if self._waiter is None:
+                self._waiter = _CollectiveWaiter("elasticd-ddp")
+            done = self._waiter.submit(work, group)
+        done.add_done_callback(finished)
         return gate.then(_settled)
 
-    def _settle(self, entry: _Pending, outcome: tuple[Any, Any]) -> tuple[Any, Any] | None:
-        """Complete ``entry``'s gate with ``outcome`` unless it was settled already; its
-        work and group, which the entry lets go (the work's callback holds the entry, and
-        must not hold a group: whichever thread drops a group's last reference joins
-        gloo's threads), or None."""
+    def _settle(self, entry: _Pending, outcome: tuple[Any, Any]) -> bool:
+        """Complete ``entry``'s gate with ``outcome`` unless it was settled already."""
         with self._pending_lock:
             if entry not in self._pending:
-                return None
+                return False
             self._pending.discard(entry)
-            held, gate = (entry.work, entry.group), entry.gate
-            entry.work = entry.group = entry.gate = None
-        gate.set_result(outcome)
-        return held
+        entry.gate.set_result(outcome)
+        return True
 
     def _abandon_pending(self) -> None:
         """Fail the gate of every work still pending :data:`ABANDON_AFTER` after its round
-        ended; the work and its group are held until gloo ends the work."""
+        ended. The waiter, blocked in one of them, is retired: it holds that work and the
+        ones queued behind it, with their groups, until gloo ends them (the group
+        timeout), then ends; the next work gets a new waiter. One thread per abandonment,
+        however many buckets it left."""
         if not self._pending:
             return
         with self._pending_lock:
             ripe = [e for e in self._pending if (self.ended_for(e.round) or 0.0) >= ABANDON_AFTER]
+            if ripe and self._waiter is not None:
+                self._waiter.retire()
+                self._waiter = None
         for e in ripe:
             since = self.ended_for(e.round) or 0.0
             error = RoundAborted(f"round {e.round} ended {since:.1f} s ago and a collective of "
                                  "it is still pending (gloo left it waiting): abandoned")  # fmt: skip
-            held = self._settle(e, (None, error))
-            if held is not None:
-                _hold_until_done(*held)
+            if self._settle(e, (None, error)):
                 log.info("%s", error)
 
     def aborted(self, round_: int) -> bool:
@@ -1271,9 +1283,12 @@ def is_comm_error(exc: BaseException) -> bool:
     return False
 
 
-_COMM_TEXT = ("gloo", "NCCL", "TCPStore", "c10d", "ProcessGroup", "monitoredBarrier")
+_COMM_TEXT = ("gloo", "NCCL", "TCPStore", "c10d", "ProcessGroup", "monitoredBarrier",
+              "RoundAborted")  # fmt: skip
 """Words in the text of a communication error raised as a plain RuntimeError: gloo's
-carry its source path (``.../gloo/transport/tcp/pair.cc:553] Connection closed by peer``)."""
+carry its source path (``.../gloo/transport/tcp/pair.cc:553] Connection closed by peer``);
+a DDP backward whose :func:`ddp_comm_hook` future was abandoned raises torch's wrapper
+(``Got the following error when running the callback: RoundAborted: ...``)."""
 
 
 def _is_comm_error_itself(exc: BaseException) -> bool:
@@ -1449,26 +1464,38 @@ def wait_transfer(work: Any, group: Any = None) -> None:
 
 def ddp_comm_hook(group: Any, bucket):  # no annotations: DDP checks them, and ours are strings
     """DDP's gradient all-reduce, as DDP does it by default (each gradient times
-    1 / world size, summed over ``group``: None for the default group), but one that an
-    ended round abandons. Register it once per DDP object::
+    1 / world size, summed over ``group``), but one that an ended round abandons.
+    Register it once per DDP object, with the DDP's own group as the hook's state::
 
         ddp = DDP(model)
-        ddp.register_comm_hook(None, ei.ddp_comm_hook)
+        ddp.register_comm_hook(ddp.process_group, ei.ddp_comm_hook)
+
+    (``None`` means the default group; a DDP made with ``process_group=pg`` must pass
+    ``pg``, or the buckets are reduced over the whole world.)
 
     DDP's reducer waits for its buckets' all-reduces in C++, at the end of ``backward``,
     where no timed wait can reach: a rank whose round ended while it was frozen, thawed
     with its connections shut, could sit there until the stuck-worker exit replaced its
     process (a process restart, about 10 s on). With the hook each bucket's all-reduce is
     asynchronous and DDP waits for a future of ours instead, which the worker's watcher
-    fails (:class:`RoundAborted`) once the round has ended :data:`ABANDON_AFTER` ago and
-    the all-reduce is still pending, as :func:`wait_collective` does: ``backward`` raises,
-    and the worker leaves the round in its own process. The abandoned all-reduce is held,
-    with its group, until gloo ends it. Elsewhere (no in-process round; NCCL, whose abort
-    ends the work) it is DDP's own all-reduce, future for future."""
+    fails once the round has ended :data:`ABANDON_AFTER` ago and the all-reduce is still
+    pending, as :func:`wait_collective` does: ``backward`` raises (a ``RuntimeError`` that
+    names :class:`RoundAborted`: torch wraps a hook's error), and :func:`run` takes it for
+    the round's end; the worker leaves the round in its own process. The abandoned
+    all-reduce is held, with its group, until gloo ends it. Elsewhere (no in-process
+    round; NCCL, whose abort ends the work) it is DDP's own all-reduce, future for future.
+
+    The gradients equal DDP's own bit for bit when DDP copies them into its buckets (the
+    default; with ``gradient_as_bucket_view=True``, when ``zero_grad()`` set them to None),
+    where DDP multiplies by 1 / world size as this does. When the gradients already live
+    in the bucket (``gradient_as_bucket_view=True`` with gradients zeroed in place, or
+    accumulated under ``no_sync()``) DDP divides instead: the same within fp32 round-off."""
     import torch.distributed as dist
 
+    if group is None and dist.is_initialized():  # held by the waiter, dropped on its thread
+        group = dist.distributed_c10d._get_default_group()
     buf = bucket.buffer()
-    buf.mul_(1.0 / dist.get_world_size(group))  # DDP's own scaling, bit for bit
+    buf.mul_(1.0 / dist.get_world_size(group))  # DDP's own scaling (see above)
     work = dist.all_reduce(buf, group=group, async_op=True)
     control = _gloo_round(group)
     if control is None:
@@ -1487,12 +1514,12 @@ def _settled(fut: Any) -> Any:
 
 class _Pending:
     """An asynchronous work of a round that the watcher may abandon
-    (:meth:`_Control.abandonable`): settled once, by whichever comes first."""
+    (:meth:`_Control.abandonable`): its gate is settled once, by whichever comes first."""
 
-    __slots__ = ("gate", "group", "round", "work")
+    __slots__ = ("gate", "round")
 
-    def __init__(self, round_: int, work: Any, group: Any, gate: Any) -> None:
-        self.round, self.work, self.group, self.gate = round_, work, group, gate
+    def __init__(self, round_: int, gate: Any) -> None:
+        self.round, self.gate = round_, gate
 
 
 class _Waiter:
@@ -1502,9 +1529,9 @@ class _Waiter:
     that it is dropped on this thread, not the round's (its destructor joins gloo's
     threads)."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = "elasticd-transfer") -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="elasticd-transfer", daemon=True).start()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
 
     def submit(self, work: Any, group: Any) -> Future:
         done: Future = Future()
@@ -1524,6 +1551,77 @@ class _Waiter:
             except BaseException as exc:  # handed to the waiting thread
                 done.set_exception(exc)
             del job, work, group, done
+
+
+class _CollectiveWaiter(_Waiter):
+    """A :class:`_Waiter` for collectives (:func:`ddp_comm_hook`'s all-reduces), which,
+    unlike a send or a receive, may be waited for in slices.
+
+    A daemon thread blocked in C++ (``work.wait()``) while the interpreter exits is
+    aborted when it takes the GIL back: its forced unwind meets a C++ destructor
+    (``terminate``). When gloo ended an abandoned all-reduce just as the process exited,
+    the exit code was 134 instead of the script's. So the wait is taken in slices of
+    :data:`WAIT_SLICE`, and at exit (:func:`_park_collective_waiters`, an ``atexit``
+    handler) each such thread is asked to park: it stops waiting and sleeps in Python,
+    holding its work and group (dropped nowhere: a group's destructor would join gloo's
+    threads), until the interpreter stops it there, which is safe. An idle one waits for
+    its queue, in C, and needs nothing."""
+
+    def __init__(self, name: str) -> None:
+        self._park = threading.Event()
+        self._parked = threading.Event()
+        self._busy = False
+        super().__init__(name)
+        global _park_registered
+        with _waiters_lock:
+            _collective_waiters.add(self)
+            if not _park_registered:
+                atexit.register(_park_collective_waiters)
+                _park_registered = True
+
+    def _run(self) -> None:
+        slice_ = timedelta(seconds=WAIT_SLICE)
+        while (job := self._jobs.get()) is not None:
+            work, group, done = job
+            self._busy = True
+            try:
+                while True:
+                    try:
+                        work.wait(timeout=slice_)
+                        break
+                    except RuntimeError:
+                        if work.is_completed():  # its own error: wait() raises it
+                            work.wait()
+                            break
+                    if self._park.is_set():
+                        self._parked.set()
+                        while True:  # job (its work and group) stays in this frame
+                            time.sleep(3600)
+                done.set_result(None)
+            except BaseException as exc:  # handed to the waiting thread
+                done.set_exception(exc)
+            self._busy = False
+            del job, work, group, done
+
+    def park(self, limit: float) -> None:
+        """Ask the thread to leave C++ for good; wait up to ``limit`` seconds for it."""
+        self._park.set()
+        end = time.monotonic() + limit
+        while self._busy and not self._parked.is_set() and time.monotonic() < end:
+            time.sleep(0.005)
+
+
+_collective_waiters: weakref.WeakSet = weakref.WeakSet()
+_waiters_lock = threading.Lock()
+_park_registered = False
+
+
+def _park_collective_waiters() -> None:
+    """At the interpreter's exit: park every :class:`_CollectiveWaiter` still waiting."""
+    with _waiters_lock:
+        waiters = list(_collective_waiters)
+    for w in waiters:
+        w.park(limit=3 * WAIT_SLICE)
 
 
 _waiter: _Waiter | None = None

@@ -58,7 +58,7 @@ def train(ctx: ei.Context) -> None:  # elasticd: was main(); the process group e
     ddp = DDP(model, device_ids=[device.index] if cuda else None)
     # DDP's all-reduce, but one that a round's end abandons (else a rank thawed into an
     # ended round can sit in backward until its process is replaced).
-    ddp.register_comm_hook(None, ei.ddp_comm_hook)  # elasticd
+    ddp.register_comm_hook(ddp.process_group, ei.ddp_comm_hook)  # elasticd
     rank, world = dist.get_rank(), dist.get_world_size()
     data = dataset()
     # Was a DistributedSampler: this one takes each step's samples alike in any world.
@@ -74,7 +74,7 @@ def train(ctx: ei.Context) -> None:  # elasticd: was main(); the process group e
         mean = loss.detach().clone()
         # before the optimizer step: a step is all or nothing
         ei.wait_collective(dist.all_reduce(mean, async_op=True))  # elasticd: was all_reduce(mean)
-        mean = float(mean) / world  # waits for this and the gradients' all-reduces
+        mean = float(mean) / world
         ei.check_results()  # elasticd: leave an ended round (on NCCL: garbage, not an error)
         opt.step()
         sched.step()

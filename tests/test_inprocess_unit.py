@@ -1031,9 +1031,10 @@ def test_a_worker_blocked_in_a_collective_of_an_ended_round_exits_and_no_other_d
     prints its stacks and exits for its agent to replace it STUCK_EXIT (here 1.5 s) into
     the idle stretch, instead of holding the world until the agent's 120 s round-begin
     bound. One idle as long outside a collective, or still computing, is left alone. A
-    DDP backward whose all-reduce goes through ``ei.ddp_comm_hook`` raises
-    ``RoundAborted`` ABANDON_AFTER into the end (the watcher fails the future DDP waits
-    for), and the worker leaves the round in its own process: no exit."""
+    DDP backward whose all-reduce goes through ``ei.ddp_comm_hook`` raises (torch's
+    RuntimeError naming ``RoundAborted``) ABANDON_AFTER into the end (the watcher fails
+    the future DDP waits for), and the worker leaves the round in its own process: no
+    exit."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
@@ -1148,6 +1149,76 @@ def test_ddp_comm_hook_averages_the_gradients_bit_for_bit_as_ddp_does(tmp_path, 
             "in_round=False bitwise=True",
             "in_round=True bitwise=True",
         ], out + err[-2000:]
+
+
+HOOK_EXIT_SCRIPT = textwrap.dedent(
+    """
+    import sys, threading, time
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from elasticd.agent.launch import write_control
+    from elasticd import inprocess
+
+    rank, port, control_path, early = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4])
+    TIMEOUT = 2.0
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+                            timeout=timedelta(seconds=TIMEOUT))
+    ddp = DDP(torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(6)]),
+              bucket_cap_mb=0.001)  # several buckets
+    ddp.register_comm_hook(ddp.process_group, inprocess.ddp_comm_hook)
+    if rank == 1:  # alive, connected, never in the all-reduce
+        time.sleep(TIMEOUT + 6)
+        sys.exit(0)
+    inprocess._current = control = inprocess._Control(control_path, 0, {"ELASTICD_ROUND": "3"})
+    control.begin(3)
+    write_control(control_path, round_=3, state="abort")
+    start = time.monotonic()
+    try:
+        ddp(torch.ones(2, 32)).sum().backward()
+        print("still here", flush=True)
+    except RuntimeError as exc:
+        print(f"left: {exc}", flush=True)
+    names = [t.name for t in threading.enumerate()]
+    print(f"waiters {names.count('elasticd-ddp')} holders {names.count('elasticd-abandoned')}"
+          f" pending {len(control._pending)}", flush=True)
+    # The process exits as gloo ends the abandoned all-reduces (their timeout): the
+    # waiter blocked in one must not be in C++ then.
+    time.sleep(max(0.0, start + TIMEOUT - early - time.monotonic()))
+    sys.exit(7)
+    """
+)
+
+
+def test_an_abandoned_ddp_all_reduce_holds_one_thread_and_never_aborts_the_exit(tmp_path):
+    """After ``ei.ddp_comm_hook``'s all-reduces are abandoned (several buckets), one
+    waiter thread holds them all (there was one holder thread per bucket), and a process
+    that exits as gloo ends them (their group timeout, 2 s here) exits with its own code.
+    Its waiter, blocked in gloo's ``wait()``, was aborted by the interpreter's exit as
+    it took the GIL back (``terminate``, exit code 134: 5 of 18 such exits 0.08-0.12 s
+    before the timeout); now it waits in slices and parks in Python at exit."""
+    script = tmp_path / "exit.py"
+    script.write_text(HOOK_EXIT_SCRIPT)
+    control = str(tmp_path / "control.json")
+    for early in (0.12, 0.1, 0.08):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = str(s.getsockname()[1])
+        procs = [
+            subprocess.Popen([sys.executable, str(script), str(rank), port, control, str(early)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for rank in (0, 1)
+        ]  # fmt: skip
+        try:
+            out, err = procs[0].communicate(timeout=60)
+        finally:
+            for p in procs:
+                p.kill()
+                p.wait()
+        assert procs[0].returncode == 7, f"exit {procs[0].returncode}: {out}{err[-2000:]}"
+        assert "left: " in out and "RoundAborted" in out, out + err[-2000:]
+        assert "waiters 1 holders 0 pending 0" in out, out
 
 
 WAITER_SCRIPT = textwrap.dedent(
