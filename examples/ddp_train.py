@@ -95,7 +95,9 @@ def train(ctx: ei.Context) -> None:  # elasticd: the process group exists
         # elasticd: what the job's recovery record says (the agent counts the lost steps)
         channel.recovered(source="checkpoint" if step else "none", resume_step=step)
     ddp = DDP(model)
-    ddp.register_comm_hook(ddp.process_group, ei.ddp_comm_hook)  # elasticd: an ended round abandons it
+    ddp.register_comm_hook(
+        ddp.process_group, ei.ddp_comm_hook
+    )  # elasticd: an ended round abandons it
     rank, world = dist.get_rank(), dist.get_world_size()
     while step < steps:
         gen = torch.Generator().manual_seed(step)
