@@ -55,6 +55,7 @@ from checkpoint.manifest import MAX_MANIFEST_BYTES as MAX_MANIFEST_BYTES
 from checkpoint.manifest import (
     Manifest,
     TensorEntry,
+    dtype_name,
     quoted,
 )
 from checkpoint.planner import (
@@ -197,6 +198,11 @@ class Checkpoint(CheckpointFiles):
                 raise LayoutMismatchError(
                     f"{quoted(name)}: the model wants shape {list(global_shape)}, "
                     f"the checkpoint has {list(entry.shape)}"
+                )
+            if region.dtype != entry.dtype:  # never cast: a bool or fp16 "fp32" loaded silently
+                raise LayoutMismatchError(
+                    f"{quoted(name)}: the model wants dtype {dtype_name(region.dtype)}, "
+                    f"the checkpoint has {entry.dtype_name}"
                 )
             self.stats.bytes_needed += region.numel() * entry.dtype.itemsize
             ops = plan_reads(quoted(name), box, entry.chunks_within(box), global_shape=entry.shape)
@@ -532,12 +538,25 @@ def _warn_passed_over(
         numbers = store.commit_numbers(ckpt_dir)
         newer = sorted(s for s, c in numbers.items() if c == 0 and s > loaded and s not in tried)
         if newer:
-            shown = ", ".join(str(s) for s in newer[:5]) + (", ..." if len(newer) > 5 else "")
             warn(
-                f"{ckpt_dir}: step {shown}, newer than the step loaded ({loaded}), has no valid "
-                "manifest (empty, unreadable or failing its checksum) and was passed over; "
-                "`elasticd ckpt verify` says what is wrong"
+                f"{ckpt_dir}: step {_some(newer)}, newer than the step loaded ({loaded}), has "
+                "no valid manifest (empty, unreadable or failing its checksum) and was passed "
+                "over; `elasticd ckpt verify` says what is wrong"
             )
+        # Recorded as failing to load before (``unloadable.json``), so tried last: said, or
+        # a stale or planted record hid the newest sound step without a word (a review).
+        failed = sorted(s for s in store.failed_steps(ckpt_dir, numbers)
+                        if s > loaded and s not in tried)  # fmt: skip
+        if failed:
+            warn(
+                f"{ckpt_dir}: step {_some(failed)}, newer than the step loaded ({loaded}), was "
+                f"passed over: {store.UNLOADABLE} records that it failed to load before; "
+                "`elasticd ckpt verify --step N` checks it again"
+            )
+
+
+def _some(steps: Sequence[int]) -> str:
+    return ", ".join(str(s) for s in steps[:5]) + (", ..." if len(steps) > 5 else "")
 
 
 def load_latest(

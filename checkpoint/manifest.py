@@ -498,6 +498,53 @@ def json_bounds(
             f"{where}: {containers} JSON lists or objects in {len(data)} bytes, more than "
             f"one per {CONTAINER_BYTES} bytes plus {CONTAINER_ALLOWANCE}"
         )
+    _strings_and_floats(data, where, error)
+
+
+STRING_BYTES = 8
+"""At most one JSON string per this many bytes of a manifest (plus
+:data:`DENSITY_ALLOWANCE`): a real one has one per 20 or more; a list of short strings
+costs 12 times its size in memory once parsed (a 63 MB manifest of ``"ab",`` took a
+reader 1.1 GB: a security review)."""
+FLOAT_BYTES = 64
+"""At most one JSON float per this many bytes of a manifest (plus
+:data:`DENSITY_ALLOWANCE`): a real one holds a few (learning rates, betas, what a script
+puts in ``extra``); ``1e0,`` costs 8 times its size once parsed (a 63 MB manifest of them
+took 813 MB and 12 s)."""
+DENSITY_ALLOWANCE = 1 << 16
+"""Strings and floats a manifest may hold beyond their share (a few MB of Python objects
+at most): a small manifest with a script's long list of floats in ``extra`` (a loss
+history) is not refused."""
+
+
+def _strings_and_floats(data: bytes, where: str, error: type[Exception]) -> None:
+    """Refuse, before it is parsed, a manifest of more strings or floats per byte than
+    :data:`STRING_BYTES` and :data:`FLOAT_BYTES` allow. Counted in C: upper bounds first
+    (quotes; dots and e's anywhere), and only when one passes its bound, exactly: escapes
+    blanked, then every string emptied, floats counted by their ``.``, ``e`` and ``E``
+    (``true`` and ``false`` taken out; a float with both counts twice: still a bound)."""
+    n = len(data)
+    strings_bound = n // STRING_BYTES + DENSITY_ALLOWANCE
+    floats_bound = n // FLOAT_BYTES + DENSITY_ALLOWANCE
+    strings = data.count(b'"') // 2
+    floats = data.count(b".") + data.count(b"e") + data.count(b"E")
+    if strings <= strings_bound and floats <= floats_bound:
+        return
+    blanked = data.replace(b"\\\\", b"__").replace(b'\\"', b"__")
+    strings = blanked.count(b'"') // 2
+    if strings > strings_bound:
+        raise error(
+            f"{where}: {strings} JSON strings in {n} bytes, more than one per "
+            f"{STRING_BYTES} bytes plus {DENSITY_ALLOWANCE}"
+        )
+    plain = _JSON_STRING.sub(b'""', blanked)
+    floats = (plain.count(b".") + plain.count(b"e") + plain.count(b"E")
+              - plain.count(b"true") - plain.count(b"false"))  # fmt: skip
+    if floats > floats_bound:
+        raise error(
+            f"{where}: {floats} JSON numbers with a fraction or an exponent in {n} bytes, "
+            f"more than one per {FLOAT_BYTES} bytes plus {DENSITY_ALLOWANCE}"
+        )
 
 
 def not_json(constant: str) -> Any:

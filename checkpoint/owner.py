@@ -295,8 +295,14 @@ def _try_lock(ckpt_dir: str) -> int | None:
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     fd = os.open(path, flags, 0o644)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
             raise OwnershipError(f"{path}: not a regular file, so it cannot be the lock")
+        if st.st_nlink > 1:  # a hard link to another file, which the record would overwrite
+            raise OwnershipError(
+                f"{path}: has {st.st_nlink} links (a hard link to another file), so it "
+                "cannot be the lock; remove it"
+            )
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         os.close(fd)

@@ -176,7 +176,12 @@ def seal_problem(raw: Mapping[str, Any], key: bytes) -> str:
     mine = key_id(key)
     if seal.get("key_id") != mine:
         said = seal.get("key_id")
-        shown = said if isinstance(said, str) and len(said) <= 32 else "?"
+        # A key id is 16 hex digits; anything else is shown as Python writes it, so a
+        # planted "abc\nFAKE: ..." or a terminal escape never reaches the message raw.
+        if isinstance(said, str) and len(said) <= 32:
+            shown = said if said.isascii() and said.isalnum() else ascii(said)
+        else:
+            shown = "?"
         return f"sealed with another key (key id {shown}; this key's id is {mine})"
     mac = seal.get("mac")
     want = hmac.digest(key, _canonical_digest(raw), "sha256").hex()

@@ -27,6 +27,7 @@ from checkpoint.manifest import (
     LATEST,
     MANIFEST,
     MAX_MANIFEST_BYTES,
+    Manifest,
     checksum_matches,
     parse_json,
     parse_step_dirname,
@@ -313,7 +314,9 @@ def _commit_number(path: str, step: int, key: bytes | None = None, job: str | No
     if hit is not None and hit[0] == digest and hit[3] == scope:
         return hit[1]
     raw = parse_json(data, path, max_bytes=MAX_MANIFEST_BYTES, error=CheckpointError)
-    ok = isinstance(raw, dict) and raw.get("step") == step and checksum_matches(raw)
+    # type(): a step of 0.0 or true equals 0 or 1 and no load reads it as a step.
+    ok = isinstance(raw, dict) and type(raw.get("step")) is int and raw["step"] == step
+    ok = ok and checksum_matches(raw)
     ok = ok and (key is None or not seal.seal_problem(raw, key))
     # Sealed with the key, but by another job (the same key shared, the step copied in):
     # counted like an unsealed step.
@@ -637,7 +640,7 @@ def prune(
         current, abandoned = lineage(ckpt_dir, numbers, failed | spared)
         if not current:
             return []
-        looks = {s: s in trusted or _files_there(ckpt_dir, s) for s in current[:keep]}
+        looks = {s: s in trusted or _keepable(ckpt_dir, s, key) for s in current[:keep]}
         if None in looks.values():
             return []  # an I/O error (EMFILE, ESTALE): judge nothing now, delete nothing
         bad = [s for s, ok in looks.items() if not ok]
@@ -661,6 +664,46 @@ def prune(
     if doomed:
         fsync_dir(ckpt_dir)
     return doomed
+
+
+def _keepable(ckpt_dir: str, step: int, key: bytes | None) -> bool | None:
+    """Whether a step may be kept by :func:`prune`: its files are there
+    (:func:`_files_there`) and its manifest opens as a load opens it
+    (:meth:`Manifest.from_json`: a supported version, known dtypes, chunks that tile,
+    ...). A plant with a re-checksummed manifest claiming the newest commit, a copy of a
+    real step's files and one defect a load refuses (a step of ``0.0``, version 0, a dtype
+    of ``complex64``) was kept by ``ckpt prune --keep 1`` and by a save's retention, and
+    every step that loads deleted (a security review). None: an I/O error, judge nothing."""
+    there = _files_there(ckpt_dir, step)
+    return there if not there else _manifest_opens(ckpt_dir, step, key)
+
+
+_OPENS_CACHE: dict[tuple[str, bytes, str], bool] = {}
+"""(manifest path, sha256 of its bytes, key id) -> whether it opens: each kept step is
+judged at every save's retention, and a manifest is parsed whole once per content."""
+
+
+def _manifest_opens(ckpt_dir: str, step: int, key: bytes | None) -> bool | None:
+    path = os.path.join(step_path(ckpt_dir, step), MANIFEST)
+    hit = _COMMIT_CACHE.get(path)
+    index = (path, hit[0], _kid(key)) if hit is not None else None
+    if index is not None and index in _OPENS_CACHE:
+        return _OPENS_CACHE[index]
+    try:
+        data = read_regular(path, max_bytes=MAX_MANIFEST_BYTES)
+    except (FileNotFoundError, NotADirectoryError, CheckpointError):
+        return False
+    except OSError:
+        return None
+    try:
+        Manifest.from_json(data, where=path, key=key)
+        opens = True
+    except CheckpointError:
+        opens = False
+    if len(_OPENS_CACHE) >= _COMMIT_CACHE_SIZE:
+        _OPENS_CACHE.clear()
+    _OPENS_CACHE[(path, hashlib.sha256(data).digest(), _kid(key))] = opens
+    return opens
 
 
 def _files_there(ckpt_dir: str, step: int) -> bool | None:

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import zlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -90,10 +91,11 @@ def _verify_file(ckpt, fd, size, path, meta, share, count, problems: Problems) -
     version = ckpt.manifest.version
     header, parsed = read_header_checked(fd, size, path)
     sound = True  # version 2 on: its header matches the manifest, so its data is checked
-    if version == 1:
-        if fd_sha256(fd, size, path) != meta.sha256:
-            problems.add(f"{path}: sha256 mismatch (corrupted)")
-    elif hashlib.sha256(header).hexdigest() != meta.header_sha256:
+    if version == 1 and fd_sha256(fd, size, path) != meta.sha256:
+        problems.add(f"{path}: sha256 mismatch (corrupted)")
+    # Every version, as a load checks it (version 1 too: a step whose header checksum or a
+    # chunk's CRC-32 was wrong passed verify and failed every load).
+    if hashlib.sha256(header).hexdigest() != meta.header_sha256:
         problems.add(f"{path}: header checksum mismatch")
         sound = False
     held = len(parsed) - ("__metadata__" in parsed)
@@ -106,9 +108,9 @@ def _verify_file(ckpt, fd, size, path, meta, share, count, problems: Problems) -
     for tname, entry, item in share:
         for c in region_chunks(tname, item) if version >= 4 else (item,):
             chunks[c.key] = (tname, entry, c)
-    if version >= 2 and sound:
+    if sound:
         _verify_v2_data(fd, size, path, header, parsed, chunks, problems, in_manifest=version < 4,
-                        ckpt_key=ckpt.key)  # fmt: skip
+                        ckpt_key=ckpt.key, v1=version == 1)  # fmt: skip
     for key, (tname, entry, c) in sorted(chunks.items()):
         info = parsed.get(key)
         want = {"dtype": entry.st_code, "shape": list(c.sizes)}
@@ -134,12 +136,17 @@ def _verify_v2_data(
     *,
     in_manifest: bool,
     ckpt_key: bytes | None = None,
+    v1: bool = False,
 ) -> None:
-    """Check the data of one file of format version 2 or later, whose header matches the
-    manifest's checksum: its entries are ``chunks`` (by key), tile its data section, and
-    match their checksums (from the manifest, ``in_manifest``, or in version 4 from its
-    header)."""
+    """Check the data of one file whose header matches the manifest's checksum: its
+    entries are ``chunks`` (by key), tile its data section, and match their checksums
+    (from the manifest, ``in_manifest``, or in version 4 from its header). Version 1
+    (``v1``): each chunk's zlib CRC-32 from the manifest only, as a load checks it (its
+    whole-file sha256 covers the rest)."""
     entries = {k: v for k, v in parsed.items() if k != "__metadata__"}
+    if v1:
+        _verify_v1_chunks(fd, len(header), entries, chunks, problems, path)
+        return
     if set(entries) != set(chunks):
         problems.add(f"{path}: its tensors are not the manifest's chunks of this file")
         return
@@ -182,6 +189,26 @@ def _verify_v2_data(
             problems.add(f"{path}: {quoted(key)}: checksum mismatch (corrupted data)")
         elif mac is not None and not hmac.compare_digest(macs, mac):
             problems.add(f"{path}: {quoted(key)}: MAC mismatch (changed after it was sealed)")
+
+
+def _verify_v1_chunks(fd: int, start: int, entries: dict, chunks: dict, problems, path) -> None:
+    """Each chunk of a version 1 file against its zlib CRC-32 in the manifest (one per
+    chunk), read in pieces of at most :data:`READ_BYTES`."""
+    for key, (_, entry, c) in sorted(chunks.items()):
+        info = entries.get(key)
+        if not isinstance(info, dict):
+            continue  # named by the caller
+        begin, end = info["data_offsets"]
+        if end - begin != math.prod(c.sizes) * entry.itemsize:
+            continue  # its header entry is not the manifest's chunk: named by the caller
+        buf = memoryview(bytearray(min(READ_BYTES, max(end - begin, 1))))
+        value = 0
+        for lo in range(begin, end, len(buf)):
+            part = buf[: min(len(buf), end - lo)]
+            pread_into(fd, part, start + lo, path)
+            value = zlib.crc32(part, value)
+        if f"{value & 0xFFFFFFFF:08x}" != entry.crc32[(c.file, c.key)]:
+            problems.add(f"{path}: {quoted(key)}: checksum mismatch (corrupted data)")
 
 
 def _chunk_sums(

@@ -402,3 +402,41 @@ def test_a_newer_step_without_a_valid_manifest_is_named_when_an_older_one_loads(
     with load_latest(ckpt, model=model(), warn=said.append) as ck:
         assert ck.manifest.step == 9
     assert said == [], said
+
+
+@pytest.mark.parametrize("stored", [torch.float16, torch.bool, torch.float64])
+def test_a_tensor_stored_in_another_dtype_is_refused_not_cast(tmp_path, stored):
+    """A manifest and header that store ``w`` (float32 in the model) as float16 or bool,
+    as a hostile re-sealed step can: the load cast it into the model without a word (bool:
+    every weight 1.0; float16: rounded, and the trainer's loss moved). Now it is refused,
+    naming both dtypes."""
+    ckpt = str(tmp_path / "ckpt")
+    saver = Saver(ckpt, group=None, options=SaveOptions(async_=False, chunk_min_bytes=1024))
+    saver.save(step=3, consumed_samples=12,
+               model={"w": ((W * 1.7).to(stored), ShardInfo.whole("w", (64, 16)))})  # fmt: skip
+    saver.close()
+    out = torch.full((64, 16), -7.0)
+    with pytest.raises(CheckpointError) as info:
+        load_latest(ckpt, model={"w": (out, ShardInfo.whole("w", (64, 16)))})
+    name = str(stored).removeprefix("torch.")
+    assert f"w: the model wants dtype float32, the checkpoint has {name}" in str(info.value)
+    assert bool((out == -7.0).all()), "nothing written into the model"
+
+
+def test_a_lock_file_hard_linked_to_another_file_is_refused_and_the_file_left_alone(tmp_path):
+    """``<ckpt>/lock`` is written in place (the holder's record): a hard link planted there
+    to a file the user can write had that file truncated and overwritten by a claim, a
+    prune or ``submit --fresh``. A lock with more than one link is refused in one line."""
+    ckpt = save(str(tmp_path / "ckpt"))
+    victim = tmp_path / "victim.txt"
+    victim.write_text("important\n" * 100)
+    os.link(victim, os.path.join(ckpt, "lock"))
+    p = run_py(
+        "from checkpoint.errors import OwnershipError\n"
+        "from checkpoint.owner import claim\n"
+        f"try:\n    claim({ckpt!r}, job='tiny', run_id='tiny-1')\n    print('accepted')\n"
+        "except OwnershipError as exc:\n    print('refused', exc)\n"
+    )
+    line = one_line(p)
+    assert line.startswith("refused ") and "has 2 links" in line, line
+    assert victim.read_text() == "important\n" * 100

@@ -502,6 +502,43 @@ def test_a_header_dense_with_small_values_is_refused_before_it_is_parsed(ckpt, t
 
 
 @pytest.mark.parametrize(
+    "junk, says",
+    [
+        (["ab"] * 400_000, "JSON strings in"),  # 12x its size once parsed
+        ([1e-3] * 400_000, "JSON numbers with a fraction or an exponent"),  # 8x
+    ],
+    ids=["strings", "floats"],
+)
+def test_a_manifest_dense_with_strings_or_floats_is_refused_before_it_is_parsed(
+    ckpt, tmp_path, junk, says
+):
+    """Within the manifest's 64 MiB and its one list or object per 16 bytes, a list of
+    short strings or floats in ``extra`` cost 12 or 8 times its size in memory once
+    parsed: a 63 MB manifest took `ckpt inspect` to 1.1 GB (strings) or 813 MB and 12 s
+    (floats), and every resuming rank parsed it too. Now at most one string per 8 bytes
+    and one float per 64, each plus 65,536 (headers have their bounds already)."""
+    raw = manifest(ckpt)
+    raw["extra"] = {"junk": junk}
+    reseal(ckpt, raw)
+    for result in four(ckpt, tmp_path, hf=False):
+        refused(result, says)
+    code, out, err, _ = cli("ls", ckpt)
+    assert code == 0 and says in out, out + err
+
+
+def test_a_script_may_keep_a_long_list_of_floats_in_extra(tmp_path):
+    """The allowance: 60,000 floats (a loss history) in a small manifest's ``extra`` save
+    and load; the bound is for manifests made of them."""
+    ckpt = str(tmp_path / "ckpt")
+    history = [0.001 * i for i in range(60_000)]
+    save(ckpt, extra={"losses": history})
+    assert cli("verify", ckpt)[0] == 0
+    assert Manifest.from_json(manifest_path(ckpt).read_bytes(), where="m").extra == {
+        "losses": history
+    }
+
+
+@pytest.mark.parametrize(
     "edit, says",
     [
         (lambda h: h["__metadata__"].update(x=[1.5] * 1000), "not an object of strings"),

@@ -381,10 +381,43 @@ def test_a_version_1_checkpoint_still_loads_verifies_and_names_corruption(tmp_pa
     )
     flip_byte(data_file(ckpt, 2))
     problems = verify(open_step(ckpt, 2))
-    assert len(problems) == 1 and "sha256 mismatch" in problems[0]
+    # The whole file's sha256, and the chunk's CRC-32 a load checks.
+    assert len(problems) == 2 and "sha256 mismatch" in problems[0], problems
+    assert "checksum mismatch (corrupted data)" in problems[1], problems
     warnings: list[str] = []
     assert load_latest(ckpt, model=model, optimizer=optim, warn=warnings.append).step == 1
     assert "checksum mismatch" in warnings[0]
+
+
+@pytest.mark.parametrize("lie", ["chunk-crc", "header-sha256"])
+def test_verify_of_a_version_1_step_checks_what_a_load_checks(tmp_path, lie):
+    """A version 1 manifest with one chunk's CRC-32 or one file's ``header_sha256`` wrong
+    (re-checksummed, as anyone can): every load refused the step, and ``ckpt verify``,
+    which checked only the whole-file sha256 and the header's entries, said it was fine."""
+    from checkpoint.manifest import _self_checksum
+
+    ckpt = str(tmp_path)
+    save_steps(ckpt, [1])
+    as_version_1(ckpt, 1)
+    path = Path(step_path(ckpt, 1)) / "manifest.json"
+    raw = json.loads(path.read_text())
+    if lie == "chunk-crc":
+        shard = raw["tensors"]["a"]["shards"][0]
+        shard["crc32"] = f"{int(shard['crc32'], 16) ^ 1:08x}"
+    else:
+        meta = next(iter(raw["files"].values()))
+        meta["header_sha256"] = "0" * 64
+    raw.pop("checksum")
+    raw["checksum"] = _self_checksum(raw)
+    path.write_text(json.dumps(raw))
+    problems = verify(open_step(ckpt, 1))
+    want = (
+        "checksum mismatch (corrupted data)" if lie == "chunk-crc" else "header checksum mismatch"
+    )
+    assert len(problems) == 1 and want in problems[0], problems
+    model, optim = blank()
+    with pytest.raises(CorruptCheckpointError, match="no committed checkpoint loads"):
+        load_latest(ckpt, model=model, optimizer=optim, warn=lambda _m: None)
 
 
 def test_a_model_that_does_not_fit_any_step_marks_none_of_them_unloadable(tmp_path):

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from checkpoint import SaveOptions, Saver, ShardInfo
@@ -66,6 +67,41 @@ def test_a_planted_step_claiming_the_newest_commit_makes_retention_delete_no_goo
     assert committed_steps(ckpt) == [1, 4, 6]
 
 
+@pytest.mark.parametrize("defect", ["float-step", "version-0", "complex-dtype"])
+def test_a_plant_with_its_files_and_one_defect_a_load_refuses_is_never_kept(tmp_path, defect):
+    """A plant with copies of step 4's files, claiming the newest commit, whose
+    re-checksummed manifest has one defect every load refuses (a step of ``1.0``, format
+    version 0, a dtype of ``complex64``): its files were there, so `ckpt prune --keep 1`
+    kept it and deleted steps 4 and 2, and a save's retention did the same. A step to
+    keep must open as a load opens it (``Manifest.from_json``)."""
+    ckpt = str(tmp_path / "ckpt")
+    save(ckpt, 2, 4)
+    plant(ckpt, 1, like=4, commit=1000)
+    for name in os.listdir(step_path(ckpt, 4)):
+        if name.endswith(".safetensors"):
+            shutil.copy(os.path.join(step_path(ckpt, 4), name), step_path(ckpt, 1))
+    path = os.path.join(step_path(ckpt, 1), "manifest.json")
+    with open(path) as fh:
+        raw = json.load(fh)
+    if defect == "float-step":
+        raw["step"] = 1.0
+    elif defect == "version-0":
+        raw["version"] = 0
+    else:
+        raw["tensors"]["w"]["dtype"] = "complex64"
+    raw.pop("checksum")
+    canon = json.dumps(raw, sort_keys=True, separators=(",", ":"))
+    raw["checksum"] = hashlib.sha256(canon.encode()).hexdigest()
+    with open(path, "w") as fh:
+        json.dump(raw, fh)
+    assert cli("ckpt", "verify", "--step", "1", ckpt).returncode == 2  # it does not open
+    done = cli("ckpt", "prune", "--keep", "1", ckpt)
+    assert done.returncode == 0, done.stderr
+    assert 4 in committed_steps(ckpt), (committed_steps(ckpt), done.stdout)
+    save(ckpt, 6, keep=2)
+    assert {4, 6} <= set(committed_steps(ckpt)), committed_steps(ckpt)
+
+
 def test_a_manifest_that_is_not_a_regular_file_is_a_damaged_commit_not_no_commit(tmp_path):
     """A FIFO or a directory named manifest.json hid its step: `verify` passed on the step
     before it, and with no other step a resume trained from step 1 in silence. It is a
@@ -109,3 +145,54 @@ def test_an_io_error_while_looking_at_a_step_to_keep_deletes_nothing(tmp_path, m
     monkeypatch.setattr(os, "stat", real_stat)
     assert sorted(prune(ckpt, keep=1)) == [10, 20]
     assert committed_steps(ckpt) == [30]
+
+
+def test_a_step_recorded_unloadable_that_a_load_passes_over_is_named(tmp_path):
+    """A stale or planted ``unloadable.json`` naming the newest, sound step: a resume took
+    the step before it without a word about the newer one it never tried. It is named now
+    (the record's steps are tried last, after every other)."""
+    from checkpoint import load_latest
+
+    ckpt = str(tmp_path / "ckpt")
+    save(ckpt, 2, 4)
+    with open(os.path.join(ckpt, "unloadable.json"), "w") as fh:
+        json.dump({"4": {"commit": 2, "error": "planted"}}, fh)
+    out = torch.zeros(64)
+    said: list[str] = []
+    loaded = load_latest(ckpt, model={"w": (out, ShardInfo.whole("w", (64,)))}, warn=said.append)
+    loaded.close()
+    assert loaded.step == 2 and torch.equal(out, W + 2)
+    assert len(said) == 1 and "step 4, newer than the step loaded (2), was passed over" in said[0]
+    assert "unloadable.json records that it failed to load before" in said[0], said
+
+
+def test_hard_links_of_one_manifest_are_parsed_once_by_ls_and_verify(tmp_path, monkeypatch, capsys):
+    """Ten zero-cost hard links of step 4's manifest under steps 5 to 14: `ckpt ls` and
+    `ckpt verify` parsed the manifest once per link (30 links of a 63 MB one took each
+    past a minute). Now once per file, and each link names the step it belongs to."""
+    from checkpoint.manifest import Manifest
+    from elasticd.cli import main
+
+    ckpt = str(tmp_path / "ckpt")
+    save(ckpt, 2, 4)
+    real = os.path.join(step_path(ckpt, 4), "manifest.json")
+    for step in range(5, 15):
+        os.makedirs(step_path(ckpt, step))
+        os.link(real, os.path.join(step_path(ckpt, step), "manifest.json"))
+    parses: list[str] = []
+    original = Manifest.from_json.__func__
+
+    def counted(cls, data, **kw):
+        parses.append(kw.get("where", ""))
+        return original(cls, data, **kw)
+
+    monkeypatch.setattr(Manifest, "from_json", classmethod(counted))
+    assert main(["ckpt", "ls", ckpt]) == 0
+    out = capsys.readouterr().out
+    assert out.count("is a hard link to the manifest of step 4") == 10, out
+    assert len(parses) <= 4, parses  # step 2, the links' file once, step 4 opened
+    parses.clear()
+    assert main(["ckpt", "verify", ckpt]) == 2
+    err = capsys.readouterr().err
+    assert "10 problems found" in err and "is a hard link to the manifest of step 4" in err, err
+    assert len(parses) <= 4, parses

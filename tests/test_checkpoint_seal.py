@@ -659,3 +659,19 @@ def test_a_symlink_planted_where_the_saver_writes_its_manifest_is_never_written_
     assert not os.path.lexists(step_path(ckpt, 6))  # nothing committed; its directory gone
     assert not [n for n in os.listdir(ckpt) if n.endswith(".tmp")], os.listdir(ckpt)
     assert load(ckpt, key)[0] == 3
+
+
+def test_a_planted_key_id_is_never_printed_raw(tmp_path, key):
+    """A seal's ``key_id`` (at most 32 characters) went into the message as it was: a
+    planted ``"abc\\nFAKE: step 2 is fine\\n\\x1b[1m"`` printed three lines and a terminal
+    escape where a refusal is one line. It is shown as Python writes it now."""
+    ckpt = str(tmp_path / "ckpt")
+    save(ckpt, 3, key)
+    raw = json.loads(manifest_path(ckpt, 3).read_text())
+    raw["seal"]["key_id"] = "abc\nFAKE: step 2 is fine\n\x1b[1m"
+    reseal_unkeyed(ckpt, 3, raw)
+    with pytest.raises(SealError) as info:
+        CheckpointFiles.open(step_path(ckpt, 3), key=key)
+    said = str(info.value)
+    assert "\n" not in said and "\x1b" not in said, repr(said)
+    assert "sealed with another key (key id 'abc\\nFAKE" in said, said
