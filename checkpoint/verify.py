@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import functools
 import hashlib
 import hmac
 import json
@@ -211,6 +213,25 @@ def _verify_v1_chunks(fd: int, start: int, entries: dict, chunks: dict, problems
             problems.add(f"{path}: {quoted(key)}: checksum mismatch (corrupted data)")
 
 
+def _in_hole(fd: int, at: int, nbytes: int) -> bool:
+    """Whether the ``nbytes`` at ``at`` are all a hole of a sparse file (no data there,
+    by ``SEEK_DATA``; a file system without it says all is data)."""
+    try:
+        return os.lseek(fd, at, os.SEEK_DATA) >= at + nbytes
+    except OSError as exc:
+        return exc.errno == errno.ENXIO  # no data from ``at`` to the end
+    except AttributeError:  # no SEEK_DATA on this platform
+        return False
+
+
+@functools.lru_cache(maxsize=64)
+def _zero_sums(nbytes: int, key: bytes | None) -> Any:
+    """The CRC-32C (hex) of ``nbytes`` zeros; with ``key``, (that, their MAC)."""
+    zeros = bytes(nbytes)
+    crc = block_crc32c(zeros, nbytes)
+    return crc if key is None else (crc, block_macs(zeros, nbytes, key))
+
+
 def _chunk_sums(
     fd: int, at: int, nbytes: int, block: int, buf: memoryview, path: str, key: bytes | None
 ) -> tuple[str, str]:
@@ -224,7 +245,19 @@ def _chunk_sums(
     if block <= len(buf):
         step = len(buf) // block * block
         for lo in range(0, nbytes, step):
-            part = buf[: min(step, nbytes - lo)]
+            n = min(step, nbytes - lo)
+            if _in_hole(fd, at + lo, n):
+                # Reads as zeros: their sums without reading (a 64 GiB sparse file of 33 MB
+                # on disk kept `ckpt verify` reading zeros for hours).
+                whole, rest = divmod(n, block)
+                sums.append(
+                    _zero_sums(block, None) * whole + (_zero_sums(rest, None) if rest else "")
+                )
+                if key is not None:
+                    macs.append(_zero_sums(block, key)[1] * whole
+                                + (_zero_sums(rest, key)[1] if rest else ""))  # fmt: skip
+                continue
+            part = buf[:n]
             pread_into(fd, part, at + lo, path)
             sums.append(block_crc32c(part, block))
             if key is not None:
