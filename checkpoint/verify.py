@@ -215,13 +215,18 @@ def _verify_v1_chunks(fd: int, start: int, entries: dict, chunks: dict, problems
 
 def _in_hole(fd: int, at: int, nbytes: int) -> bool:
     """Whether the ``nbytes`` at ``at`` are all a hole of a sparse file (no data there,
-    by ``SEEK_DATA``; a file system without it says all is data)."""
+    by ``SEEK_DATA``; a file system without it says all is data), inside the file as it
+    is now: bytes past its end (a file truncated while it is read) are read, and the read
+    names the truncation."""
     try:
-        return os.lseek(fd, at, os.SEEK_DATA) >= at + nbytes
+        if os.lseek(fd, at, os.SEEK_DATA) < at + nbytes:
+            return False
     except OSError as exc:
-        return exc.errno == errno.ENXIO  # no data from ``at`` to the end
+        if exc.errno != errno.ENXIO:  # ENXIO: no data from ``at`` to the end
+            return False
     except AttributeError:  # no SEEK_DATA on this platform
         return False
+    return os.fstat(fd).st_size >= at + nbytes
 
 
 @functools.lru_cache(maxsize=64)
