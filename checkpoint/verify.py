@@ -22,7 +22,7 @@ from checkpoint.manifest import TensorEntry, file_name, quoted, region_chunks
 from checkpoint.planner import SavedChunk, row_bytes
 from checkpoint.seal import TAG_BYTES, block_macs, header_macs
 from checkpoint.step import CheckpointFiles, read_header_checked
-from checkpoint.stfile import block_crc32c, fd_sha256, header_crcs, pread_into
+from checkpoint.stfile import block_checksums, fd_sha256, header_crcs, pread_into
 
 if TYPE_CHECKING:
     from checkpoint.load import Checkpoint
@@ -110,9 +110,11 @@ def _verify_file(ckpt, fd, size, path, meta, share, count, problems: Problems) -
     for tname, entry, item in share:
         for c in region_chunks(tname, item) if version >= 4 else (item,):
             chunks[c.key] = (tname, entry, c)
-    if sound:
+    if sound and version == 1:
+        _verify_v1_chunks(fd, size, len(header), parsed, chunks, problems, path)
+    elif sound:
         _verify_v2_data(fd, size, path, header, parsed, chunks, problems, in_manifest=version < 4,
-                        ckpt_key=ckpt.key, v1=version == 1)  # fmt: skip
+                        ckpt_key=ckpt.key)  # fmt: skip
     for key, (tname, entry, c) in sorted(chunks.items()):
         info = parsed.get(key)
         want = {"dtype": entry.st_code, "shape": list(c.sizes)}
@@ -138,17 +140,12 @@ def _verify_v2_data(
     *,
     in_manifest: bool,
     ckpt_key: bytes | None = None,
-    v1: bool = False,
 ) -> None:
-    """Check the data of one file whose header matches the manifest's checksum: its
-    entries are ``chunks`` (by key), tile its data section, and match their checksums
-    (from the manifest, ``in_manifest``, or in version 4 from its header). Version 1
-    (``v1``): each chunk's zlib CRC-32 from the manifest only, as a load checks it (its
-    whole-file sha256 covers the rest)."""
+    """Check the data of one file of format version 2 or later, whose header matches the
+    manifest's checksum: its entries are ``chunks`` (by key), tile its data section, and
+    match their checksums (from the manifest, ``in_manifest``, or in version 4 from its
+    header)."""
     entries = {k: v for k, v in parsed.items() if k != "__metadata__"}
-    if v1:
-        _verify_v1_chunks(fd, len(header), entries, chunks, problems, path)
-        return
     if set(entries) != set(chunks):
         problems.add(f"{path}: its tensors are not the manifest's chunks of this file")
         return
@@ -193,23 +190,21 @@ def _verify_v2_data(
             problems.add(f"{path}: {quoted(key)}: MAC mismatch (changed after it was sealed)")
 
 
-def _verify_v1_chunks(fd: int, start: int, entries: dict, chunks: dict, problems, path) -> None:
+def _verify_v1_chunks(fd: int, size: int, start: int, parsed: dict, chunks: dict, problems,
+                      path: str) -> None:  # fmt: skip
     """Each chunk of a version 1 file against its zlib CRC-32 in the manifest (one per
-    chunk), read in pieces of at most :data:`READ_BYTES`."""
+    chunk, as a load checks it; the file's whole sha256 covers the rest)."""
+    buf = memoryview(bytearray(min(READ_BYTES, size)))
     for key, (_, entry, c) in sorted(chunks.items()):
-        info = entries.get(key)
+        info = parsed.get(key)
         if not isinstance(info, dict):
             continue  # named by the caller
         begin, end = info["data_offsets"]
         if end - begin != math.prod(c.sizes) * entry.itemsize:
             continue  # its header entry is not the manifest's chunk: named by the caller
-        buf = memoryview(bytearray(min(READ_BYTES, max(end - begin, 1))))
-        value = 0
-        for lo in range(begin, end, len(buf)):
-            part = buf[: min(len(buf), end - lo)]
-            pread_into(fd, part, start + lo, path)
-            value = zlib.crc32(part, value)
-        if f"{value & 0xFFFFFFFF:08x}" != entry.crc32[(c.file, c.key)]:
+        n = end - begin
+        got, _ = _chunk_sums(fd, start + begin, n, n, buf, path, None, crc=zlib.crc32)
+        if got != entry.crc32[(c.file, c.key)]:
             problems.add(f"{path}: {quoted(key)}: checksum mismatch (corrupted data)")
 
 
@@ -230,22 +225,34 @@ def _in_hole(fd: int, at: int, nbytes: int) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def _zero_sums(nbytes: int, key: bytes | None) -> Any:
-    """The CRC-32C (hex) of ``nbytes`` zeros; with ``key``, (that, their MAC)."""
-    zeros = bytes(nbytes)
-    crc = block_crc32c(zeros, nbytes)
-    return crc if key is None else (crc, block_macs(zeros, nbytes, key))
+def _zero_sums(nbytes: int, crc: Callable) -> str:
+    """The checksum (8 hex digits) of ``nbytes`` zeros."""
+    return block_checksums(bytes(nbytes), nbytes, crc)
+
+
+@functools.lru_cache(maxsize=64)
+def _zero_macs(nbytes: int, key: bytes) -> str:
+    """The MAC of ``nbytes`` zeros (:func:`checkpoint.seal.block_macs`)."""
+    return block_macs(bytes(nbytes), nbytes, key)
 
 
 def _chunk_sums(
-    fd: int, at: int, nbytes: int, block: int, buf: memoryview, path: str, key: bytes | None
+    fd: int,
+    at: int,
+    nbytes: int,
+    block: int,
+    buf: memoryview,
+    path: str,
+    key: bytes | None,
+    crc: Callable = crc32c.crc32c,
 ) -> tuple[str, str]:
-    """The block checksums of the ``nbytes`` at ``at`` (see :func:`block_crc32c`) and, with
+    """The block checksums (``crc``: CRC-32C, or version 1's zlib CRC-32) of the
+    ``nbytes`` at ``at`` (see :func:`checkpoint.stfile.block_crc32c`) and, with
     ``key``, their MACs (:func:`checkpoint.seal.block_macs`; else ""), read into ``buf``:
     whole blocks per read when a block fits it, else each block's CRC and MAC carried
     across reads (a version 2 chunk is one block, of any size)."""
     if not nbytes:
-        return block_crc32c(b"", block), block_macs(b"", block, key) if key else ""
+        return block_checksums(b"", block, crc), block_macs(b"", block, key) if key else ""
     sums, macs = [], []
     if block <= len(buf):
         step = len(buf) // block * block
@@ -256,15 +263,15 @@ def _chunk_sums(
                 # on disk kept `ckpt verify` reading zeros for hours).
                 whole, rest = divmod(n, block)
                 sums.append(
-                    _zero_sums(block, None) * whole + (_zero_sums(rest, None) if rest else "")
+                    _zero_sums(block, crc) * whole + (_zero_sums(rest, crc) if rest else "")
                 )
                 if key is not None:
-                    macs.append(_zero_sums(block, key)[1] * whole
-                                + (_zero_sums(rest, key)[1] if rest else ""))  # fmt: skip
+                    macs.append(_zero_macs(block, key) * whole
+                                + (_zero_macs(rest, key) if rest else ""))  # fmt: skip
                 continue
             part = buf[:n]
             pread_into(fd, part, at + lo, path)
-            sums.append(block_crc32c(part, block))
+            sums.append(block_checksums(part, block, crc))
             if key is not None:
                 macs.append(block_macs(part, block, key))
         return "".join(sums), "".join(macs)
@@ -274,7 +281,7 @@ def _chunk_sums(
         for lo in range(first, last, len(buf)):
             part = buf[: min(len(buf), last - lo)]
             pread_into(fd, part, at + lo, path)
-            value = crc32c.crc32c(part, value)
+            value = crc(part, value)
             if mac is not None:
                 mac.update(part)
         sums.append(f"{value & 0xFFFFFFFF:08x}")
