@@ -112,6 +112,26 @@ def test_a_non_zero_exit_is_a_failure_that_counts():
     assert out == Outcome.WORKER_FAILED and out.counts_as_failure
 
 
+@pytest.mark.parametrize("last", ["terminate called without an active exception", "boom"])
+def test_a_worker_aborted_on_its_way_out_is_told_to_destroy_its_process_group(tmp_path, last):
+    # torch can abort a process that leaves with its gloo group open (a CI run lost a
+    # reference job so, three rounds in a row): the failure names the fix.
+    import subprocess
+    import sys
+
+    log = tmp_path / "rank-1.log"
+    code = f"import os, sys; sys.stderr.write({last!r} + '\\n'); sys.stderr.flush(); os.abort()"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=fh, stderr=fh)
+    proc.wait()
+    worker = Worker(local_rank=1, rank=1, proc=proc, log_path=str(log), heartbeat_path="",
+                    error_path=str(tmp_path / "none.json"), started=0.0)  # fmt: skip
+    text = worker.failure_message()
+    assert text.startswith(f"rank 1: signal 6: {last}"), text
+    assert text.endswith(f"(log {log})"), text
+    assert ("dist.destroy_process_group()" in text) == (last != "boom"), text
+
+
 def test_a_carried_worker_that_never_took_its_round_is_a_hang():
     assert decide(Observation(exit_codes=(None,), not_begun=True)) == Outcome.WORKER_HUNG
     assert decide(Observation(exit_codes=(None,), not_begun=False)) is None

@@ -394,7 +394,9 @@ for step in range(start, steps):
             os.makedirs(os.path.dirname(ckpt), exist_ok=True)
             torch.save({"w": w, "step": step + 1}, ckpt)
         dist.barrier()
+        dist.destroy_process_group()
         sys.exit(PREEMPTED_EXIT_CODE)
+dist.destroy_process_group()
 """
 
 

@@ -126,8 +126,26 @@ class Worker:
             pass
         last = last_line(self.log_path)
         if last:
-            return f"rank {self.rank}: {how}: {last} (log {self.log_path})"[:500]
+            hint = _abort_hint(code, last)
+            return f"rank {self.rank}: {how}: {last}{hint} (log {self.log_path})"[:500]
         return f"rank {self.rank}: {how} (log {self.log_path})"
+
+
+_EXIT_ABORT = "terminate called without an active exception"
+
+
+def _abort_hint(code: int | None, last: str) -> str:
+    """What a SIGABRT with C++'s bare ``terminate`` as its last words usually means.
+
+    torch's gloo threads can hold a finished collective's tensors until the interpreter is
+    being torn down; a script that leaves with its process group open is then aborted on
+    its way out (its steps done, its exit code lost: signal 6 where 0 or 75 was due). Rare on an
+    idle machine; a loaded CI machine once saw it three rounds in a row. torch's documented shutdown,
+    ``dist.destroy_process_group()`` before the script leaves, is the fix."""
+    if code != -signal.SIGABRT or _EXIT_ABORT not in last:
+        return ""
+    return (" (a process that exits with its process group open: call"
+            " dist.destroy_process_group() before the script leaves)")  # fmt: skip
 
 
 def last_line(path: str, tail: int = 4096) -> str:
