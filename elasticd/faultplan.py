@@ -267,7 +267,10 @@ class PlanSource:
             else:
                 who = "rank 0 never reached"
             which = f"step {fault.step}" + (" or later" if fault.phase == "recover" else "")
-            out.append((fault, f"{who} {where} of {which}"))
+            # A script's phases are its own calls: the likeliest miss is one it never makes.
+            hint = (f" (a script marks it with channel.phase({fault.phase!r}, {fault.step}))"
+                    if fault.phase and fault.phase != "recover" else "")  # fmt: skip
+            out.append((fault, f"{who} {where} of {which}{hint}"))
         return out + self.outside.unfired()
 
     def due(self, view: Any) -> list[Any]:

@@ -61,6 +61,10 @@ FAULT_SYNTAX = (
     "add-node@step=S, etcd-outage@step=S[:for=T], kill-etcd-leader@step=S[:for=T]; any of "
     "them [:phase=forward|backward|optimizer|update|step-end|checkpoint-save|recover]"
 )
+TESTING_FAULT_SYNTAX = FAULT_SYNTAX.replace(", kill-etcd-member=I[:for=T]", "").replace(
+    ", kill-etcd-leader@step=S[:for=T]", ""
+)
+"""The faults ``elasticd.testing`` takes: its etcd is of one member."""
 _FAULT_RE = re.compile(
     r"^(?P<kind>[a-z-]+)(?:=(?P<target>\d+))?@step=(?P<step>\d+)(?P<opts>(?::[a-z]+=[^:@=]+)*)$"
 )

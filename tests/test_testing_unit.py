@@ -215,6 +215,23 @@ def test_a_loss_mismatch_is_a_table_of_the_differing_steps():
     assert rows[2][2] == "-"
 
 
+def test_a_first_difference_in_a_world_of_another_size_says_what_usually_causes_it():
+    # A new user's script recorded rank 0's own loss: equal in a world of 3 as in the
+    # reference, not in the world of 2 after a lost node.
+    ref = _result([{"step": s, "loss": 1.0 / s, "world": 3} for s in range(1, 7)])
+    got = _result([{"step": s, "loss": 1.0 / s * (1.1 if s > 3 else 1.0),
+                    "world": 3 if s <= 3 else 2} for s in range(1, 7)])  # fmt: skip
+    with pytest.raises(ElasticdAssertionError) as info:
+        got.assert_losses_match(ref)
+    assert ("The first difference, at step 4, is in a world of 2 ranks (the reference's: 3). "
+            "A value of one rank's, not one agreed over the ranks") in str(info.value)  # fmt: skip
+    same = _result([{"step": s, "loss": 1.0 / s * (1.1 if s > 3 else 1.0), "world": 3}
+                    for s in range(1, 7)])  # fmt: skip
+    with pytest.raises(ElasticdAssertionError) as info:
+        same.assert_losses_match(ref)  # a difference in the same world: no such line
+    assert "The first difference" not in str(info.value)
+
+
 def _rec(round_: int, reason: str, seconds: float, detected_at: float | None) -> dict:
     e = {"kind": "recovery", "round": round_, "reason": reason, "mode": "inprocess",
          "source": "peers", "lost_steps": 0, "seconds": seconds}  # fmt: skip
@@ -304,6 +321,11 @@ def test_a_job_is_a_dict_a_path_or_the_built_in_one_with_overrides(tmp_path, mon
         cluster.run(plain, faults=["kill-worker=0@step=2:phase=lunch"])
     with pytest.raises(UsageError, match=r"^faults: raise-error=5@step=2: there is no rank 5"):
         cluster.run(plain, nodes=2, faults=["raise-error=5@step=2"])  # not the CLI's --fault
+    # A misspelt kind lists the kinds this fixture takes: not the etcd member faults, which
+    # its etcd of one member refuses.
+    with pytest.raises(UsageError, match=r"^faults: 'kil-node=1@step=2': expected one of ") as e:
+        cluster.run(plain, nodes=2, faults=["kil-node=1@step=2"])
+    assert "etcd-outage@step=S" in str(e.value) and "kill-etcd" not in str(e.value), e.value
     assert cluster.runs == [] and not (tmp_path / "run-0" / "out" / "cluster").exists()
 
 
@@ -315,8 +337,10 @@ def test_faults_that_never_fire_are_named_with_the_reason(tmp_path):
     (tmp_path / "faults" / "fired" / "fired-2").write_text("{}")
     assert [(str(f), why) for f, why in source.unfired()] == [
         ("kill-worker=1@step=5:phase=checkpoint-save",
-         "rank 1 never reached the checkpoint-save phase of step 5"),
-        ("kill-node=2@step=3:phase=forward", "no rank of node 2 reached the forward phase of step 3"),
+         "rank 1 never reached the checkpoint-save phase of step 5 (a script marks it with "
+         "channel.phase('checkpoint-save', 5))"),
+        ("kill-node=2@step=3:phase=forward", "no rank of node 2 reached the forward phase of step 3 "
+         "(a script marks it with channel.phase('forward', 3))"),
         ("kill-node=1@step=99", "the job ended before step 99 completed"),
     ]  # fmt: skip
 

@@ -308,7 +308,8 @@ class RunResult:
         if rows:
             raise ElasticdAssertionError(
                 f"{len(rows)} value(s) differ from the reference after step {after} "
-                f"(rtol {rtol:g}, atol {atol:g}):\n{_table(rows)}\n{self.describe()}"
+                f"(rtol {rtol:g}, atol {atol:g}):\n{_table(rows)}\n"
+                f"{_world_hint(mine, theirs, rows[0][0])}{self.describe()}"
             )
         return self
 
@@ -490,6 +491,18 @@ def _ranges(steps: list[int]) -> str:
             out.append(str(start) if start == s else f"{start}-{s}")
             start = None
     return ", ".join(out)
+
+
+def _world_hint(mine: Mapping[int, dict], theirs: Mapping[int, dict], step: int) -> str:
+    """A line for a first difference at a step this run trained in a world of another size
+    than the reference's, or ""."""
+    got, want = mine.get(step, {}).get("world"), theirs.get(step, {}).get("world")
+    if got is None or want is None or got == want:
+        return ""
+    return (f"The first difference, at step {step}, is in a world of {got} ranks (the "
+            f"reference's: {want}). A value of one rank's, not one agreed over the ranks (a "
+            f"loss recorded before its all-reduce), or a batch that depends on the world size "
+            f"differs so.\n")  # fmt: skip
 
 
 def assert_losses_match(result: RunResult, reference: RunResult, **kw: Any) -> None:
@@ -709,7 +722,14 @@ class Cluster:
         __tracebackhide__ = True  # pytest: an unfired fault's failure at the caller's line
         from elasticd.faultplan import worker_side
         from elasticd.jobspec import parse_job
-        from elasticd.localcluster import ETCD_MEMBER_FAULTS, check_plan, parse_fault, run_cluster
+        from elasticd.localcluster import (
+            ETCD_MEMBER_FAULTS,
+            FAULT_SYNTAX,
+            TESTING_FAULT_SYNTAX,
+            check_plan,
+            parse_fault,
+            run_cluster,
+        )
 
         faults = _fault_texts(faults)
         if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
@@ -757,6 +777,8 @@ class Cluster:
                        nodes_start=spec.nodes.start)  # fmt: skip
         except UsageError as exc:
             said = str(exc).replace("--fault ", "faults: ", 1).replace("(--nodes)", "(nodes=)")
+            # The syntax it lists, less the etcd member faults a one-member etcd refuses.
+            said = said.replace(FAULT_SYNTAX, TESTING_FAULT_SYNTAX)
             raise UsageError(said) from None
         if spec.command is not None and _names_steps(job):
             # A script may train steps of its own, but this job says how many it trains: a
