@@ -929,6 +929,18 @@ def test_a_failure_line_drops_torchs_rank_prefixes(tmp_path):
     assert last_line(str(log)) == "RuntimeError: the state [rank1]: x"
     log.write_text("plain line\n")
     assert last_line(str(log)) == "plain line"
+    # An error raised in a future's callback (DDP's comm hook outside an in-process round:
+    # a lost peer) ends with pybind11's frames; the failure read "rank 0: exit code 1:
+    # /.../elasticd/inprocess.py(1502): <lambda>".
+    log.write_text(
+        "[rank0]: RuntimeError: Got the following error when running the callback: "
+        "RuntimeError: [pair.cc:537] Read error [127.0.0.1]:10439: Connection reset by peer.\n"
+        "[rank0]: At:\n[rank0]:   /work/elasticd/inprocess.py(1502): <lambda>\n"
+        "[rank0]:   /x/y.py(7): f\n\n"
+    )
+    assert last_line(str(log)).endswith("Read error [127.0.0.1]:10439: Connection reset by peer.")
+    log.write_text("At:\n  /x/y.py(7): f\n")  # nothing before "At:": the last line stays
+    assert last_line(str(log)) == "/x/y.py(7): f"
 
 
 @pytest.mark.parametrize(

@@ -215,6 +215,39 @@ def test_a_loss_mismatch_is_a_table_of_the_differing_steps():
     assert rows[2][2] == "-"
 
 
+def test_lost_steps_at_most_catches_a_script_that_trains_from_step_0_again():
+    # A newcomer's script that never loaded its checkpoint passed docs/testing.md's first
+    # test: every step's last record equals the reference's. Its recovery said so.
+    from elasticd.testing import assert_lost_steps_at_most
+
+    records = [{"step": s, "loss": 1.0} for s in (*range(1, 7), *range(1, 11))]
+    history = [{"kind": "world", "world": 3}, {**_rec(2, "peer_lost", 1.0, None),
+               "mode": "process", "source": "none", "lost_steps": 6}]  # fmt: skip
+    scratch = _result(records, history=history)
+    with pytest.raises(ElasticdAssertionError, match=r"^more than 5 step\(s\) lost:\n  round 2: "
+                       r"6 step\(s\) lost \(process from none\)"):  # fmt: skip
+        scratch.assert_lost_steps_at_most(5)
+    scratch.assert_lost_steps_at_most(6)
+    history[1] = {**history[1], "source": "checkpoint", "lost_steps": 1}
+    resumed = _result([{"step": s, "loss": 1.0} for s in (*range(1, 7), *range(6, 11))],
+                      history=history)  # fmt: skip
+    assert_lost_steps_at_most(resumed, 5)
+    # A recovery whose count nobody could tell: metrics.jsonl judges it.
+    history[1] = {**history[1], "lost_steps": None}
+    unknown = _result(records, history=history)
+    with pytest.raises(ElasticdAssertionError, match=r"recorded twice in metrics.jsonl\), 6 over "
+                       r"1 recovery\(ies\): 1-6"):  # fmt: skip
+        unknown.assert_lost_steps_at_most(5)
+    _result([{"step": s, "loss": 1.0} for s in (*range(1, 7), *range(6, 11))],
+            history=history).assert_lost_steps_at_most(5)  # fmt: skip
+    gap = _result([{"step": s, "loss": 1.0} for s in (1, 2, 4)], history=history)
+    with pytest.raises(ElasticdAssertionError, match=r"steps missing from metrics.jsonl: 3"):
+        gap.assert_lost_steps_at_most(5)
+    for bad in (-1, 2.5, True, "5"):
+        with pytest.raises(UsageError, match=r"^steps: .* must be a whole number of steps >= 0"):
+            resumed.assert_lost_steps_at_most(bad)
+
+
 def test_a_first_difference_in_a_world_of_another_size_says_what_usually_causes_it():
     # A new user's script recorded rank 0's own loss: equal in a world of 3 as in the
     # reference, not in the world of 2 after a lost node.

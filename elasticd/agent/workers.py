@@ -149,15 +149,28 @@ def _abort_hint(code: int | None, last: str) -> str:
 
 
 def last_line(path: str, tail: int = 4096) -> str:
-    """The last non-empty line of a log (read from its last ``tail`` bytes), or ""."""
+    """The last non-empty line of a log (read from its last ``tail`` bytes), or "": the
+    error's, not the Python frames pybind11 lists after it (``At:``, then one
+    ``file(line): function`` per frame, as an error raised in a future's callback ends)."""
     try:
         with open(path, "rb") as fh:
             fh.seek(0, os.SEEK_END)
             fh.seek(max(0, fh.tell() - tail))
-            lines = fh.read().decode(errors="replace").strip().splitlines()
+            text = fh.read().decode(errors="replace").strip().splitlines()
     except OSError:
         return ""
-    return _RANK_PREFIX.sub("", lines[-1].strip()) if lines else ""
+    lines = [_RANK_PREFIX.sub("", line.strip()) for line in text]
+    lines = [line for line in lines if line]
+    end = len(lines)
+    while end and _PYBIND_FRAME.match(lines[end - 1]):
+        end -= 1
+    if end < len(lines) and end >= 2 and lines[end - 1] == "At:":
+        lines = lines[: end - 1]  # the error is the line before "At:"
+    return lines[-1] if lines else ""
+
+
+_PYBIND_FRAME = re.compile(r"^\S.*\(\d+\): \S+$")
+"""One frame of the ``At:`` list pybind11 adds to an error raised in Python under C++."""
 
 
 _RANK_PREFIX = re.compile(r"^(?:\[rank\d+\]:\s*)+")

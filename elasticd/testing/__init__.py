@@ -355,6 +355,35 @@ class RunResult:
                                          + self.describe())  # fmt: skip
         return self
 
+    def assert_lost_steps_at_most(self, steps: int) -> RunResult:
+        """Every recovery lost at most ``steps`` completed steps, by its own count
+        (``lost_steps``: the furthest step trained before it, less the step the script
+        said it resumed from; a count nobody could tell is not judged) and by metrics.jsonl
+        (at most ``steps`` steps recorded again per recovery), and no step is missing from
+        metrics.jsonl. For a script that saves every ``steps`` steps and resumes from its
+        latest save: a script that trains from step 0 again after a fault passes
+        ``assert_losses_match`` (its steps come out the same, and each step's last record
+        is compared), not this."""
+        __tracebackhide__ = True  # pytest: the caller's line, then the message
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+            raise UsageError(f"steps: {steps!r} must be a whole number of steps >= 0")
+        over = [r for r in self.recoveries if r.lost_steps is not None and r.lost_steps > steps]
+        again = len(self.retrained) > steps * len(self.recoveries)
+        done = self.steps
+        gaps = sorted(set(range(1, (done[-1] if done else 0) + 1)) - set(done))
+        if over or again or gaps:
+            lines = [f"  round {r.round}: {r.lost_steps} step(s) lost ({r.mode} from {r.source})"
+                     for r in over]  # fmt: skip
+            if again:
+                lines.append(f"  steps trained again (recorded twice in metrics.jsonl), "
+                             f"{len(self.retrained)} over {len(self.recoveries)} "
+                             f"recovery(ies): {_ranges(self.retrained)}")  # fmt: skip
+            if gaps:
+                lines.append(f"  steps missing from metrics.jsonl: {_ranges(gaps)}")
+            raise ElasticdAssertionError(f"more than {steps} step(s) lost:\n" + "\n".join(lines)
+                                         + "\n" + self.describe())  # fmt: skip
+        return self
+
     def assert_worlds(self, sizes: Sequence[int]) -> RunResult:
         """The world went through exactly these sizes, in order."""
         __tracebackhide__ = True  # pytest: the caller's line, then the message
@@ -518,6 +547,11 @@ def assert_recovered_within(result: RunResult, seconds: float) -> None:
 def assert_no_lost_steps(result: RunResult) -> None:
     __tracebackhide__ = True  # pytest: the caller's line, then the message
     result.assert_no_lost_steps()
+
+
+def assert_lost_steps_at_most(result: RunResult, steps: int) -> None:
+    __tracebackhide__ = True  # pytest: the caller's line, then the message
+    result.assert_lost_steps_at_most(steps)
 
 
 def assert_worlds(result: RunResult, sizes: Sequence[int]) -> None:
@@ -957,6 +991,7 @@ __all__ = [
     "Recovery",
     "RunResult",
     "assert_losses_match",
+    "assert_lost_steps_at_most",
     "assert_no_lost_steps",
     "assert_recovered_within",
     "assert_worlds",
