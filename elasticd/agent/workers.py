@@ -138,10 +138,11 @@ def _abort_hint(code: int | None, last: str) -> str:
     """What a SIGABRT with C++'s bare ``terminate`` as its last words usually means.
 
     torch 2.13 sometimes aborts so a process that leaves with a gloo group open, its steps
-    done: signal 6 where 0 or 75 was due (6 of 160 processes of a two-rank script under
-    load; none of 160 that destroyed the group first, bench/exit_abort.py; a CI machine lost a reference run so
-    three rounds in a row). torch's documented shutdown, ``dist.destroy_process_group()``
-    before the script leaves, is the fix (docs/testing.md)."""
+    done: signal 6 where 0 or 75 was due (``bench/exit_abort.py``: 6 of 160 processes of a
+    two-rank script under load, none of 160 that destroyed the group first; a CI machine
+    lost a reference run so three rounds in a row). torch's documented shutdown,
+    ``dist.destroy_process_group()`` before the script leaves, is the fix
+    (docs/testing.md)."""
     if code != -signal.SIGABRT or _EXIT_ABORT not in last:
         return ""
     return (" (a process that exits with its process group open: call"
