@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import resource
 import subprocess
 import sys
 
@@ -40,6 +41,11 @@ if way == "destroyed":
 ABORT = "terminate called without an active exception"
 
 
+def _no_core_file() -> None:
+    """An aborted rank leaves no core file behind."""
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
 def one_run(way: str, pairs: int, steps: int) -> tuple[int, int, int]:
     """Processes started, exits other than 0, and those that printed the abort."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -48,7 +54,8 @@ def one_run(way: str, pairs: int, steps: int) -> tuple[int, int, int]:
     for port in ports:
         for rank in (0, 1):
             argv = [sys.executable, "-c", RANK, str(rank), str(port), str(steps), way]
-            procs.append(subprocess.Popen(argv, stderr=subprocess.PIPE, env=env))
+            procs.append(subprocess.Popen(argv, stderr=subprocess.PIPE, env=env,
+                                          preexec_fn=_no_core_file))  # fmt: skip
     failed = aborted = 0
     for proc in procs:
         _, err = proc.communicate(timeout=300)

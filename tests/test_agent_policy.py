@@ -116,13 +116,16 @@ def test_a_non_zero_exit_is_a_failure_that_counts():
 def test_a_worker_aborted_on_its_way_out_is_told_to_destroy_its_process_group(tmp_path, last):
     # torch can abort a process that leaves with its gloo group open (a CI run lost a
     # reference job so, three rounds in a row): the failure names the fix.
+    import resource
     import subprocess
     import sys
 
     log = tmp_path / "rank-1.log"
     code = f"import os, sys; sys.stderr.write({last!r} + '\\n'); sys.stderr.flush(); os.abort()"
+    no_core = lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # noqa: E731
     with open(log, "wb") as fh:
-        proc = subprocess.Popen([sys.executable, "-c", code], stdout=fh, stderr=fh)
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=fh, stderr=fh,
+                                cwd=tmp_path, preexec_fn=no_core)  # fmt: skip
     proc.wait()
     worker = Worker(local_rank=1, rank=1, proc=proc, log_path=str(log), heartbeat_path="",
                     error_path=str(tmp_path / "none.json"), started=0.0)  # fmt: skip
