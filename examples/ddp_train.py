@@ -11,7 +11,10 @@ the lines marked ``# elasticd`` are what it takes:
 - ``channel.record(step=, loss=)`` after each step: the heartbeat, and the metrics.jsonl
   record a test compares with a reference run.
 - ``channel.phase(...)``: where faults keyed to a phase land.
-- ``preempt_agreed()``: on SIGTERM (a preempted node) every rank saves and exits 75.
+- ``preempt_agreed()``: on SIGTERM (a preempted node) every rank saves; the ranks of the
+  node that is going exit 75. Under in-process restart the others leave the round
+  (``ctx.leave_for_preemption()``) and take the next one in their own processes, their
+  state in memory; otherwise they exit 75 too and resume from the save.
 - ``ei.ddp_comm_hook`` and ``ei.wait_collective``: DDP's gradient all-reduce and the
   loss's, made ones that the end of a round abandons (a rank thawed into an ended round
   leaves it, instead of waiting in ``backward`` until its process is replaced).
@@ -123,6 +126,7 @@ def train(ctx: ei.Context) -> None:  # elasticd: the process group exists
             save(ckpt, step, model, opt)
         if channel.preempt_agreed():  # elasticd: SIGTERM on any rank: save, then leave
             save(ckpt, step, model, opt)
+            ctx.leave_for_preemption()  # elasticd: in-process, ranks that stay keep going
             sys.exit(PREEMPTED_EXIT_CODE)
         ctx.check()  # elasticd: leave an ended round (alone, no collective would fail)
 

@@ -4,7 +4,7 @@ real agents, real gloo workers, through the elasticd.testing pytest plugin.
     pytest examples/
 
 Each test runs the script on a fresh local cluster with a fault and compares its losses
-with one uninterrupted run of the same job (made once, shared by the three tests).
+with one uninterrupted run of the same job (made once, shared by the four tests).
 """
 
 import os
@@ -52,12 +52,18 @@ def test_a_killed_worker_is_recovered_in_process_from_its_peers(elasticd_cluster
 
 
 @pytest.mark.elasticd(timeout=300)
-def test_a_preempted_node_saves_and_the_job_goes_on_without_it(elasticd_cluster, job):
-    # SIGTERM to node 2's agent as step 6 begins: every rank agrees, saves step 6 and
-    # exits; the two others carry on from that emergency checkpoint.
+@pytest.mark.parametrize(("restart", "source"), [("process", "checkpoint"), ("inprocess", "peers")])
+def test_a_preempted_node_saves_and_the_job_goes_on_without_it(
+    elasticd_cluster, job, restart, source
+):
+    # SIGTERM to node 2's agent as step 6 begins: every rank agrees and saves step 6. The
+    # two others carry on: from that emergency checkpoint after a process restart, or
+    # in-process in their own processes, from their memory.
     result = elasticd_cluster.run(
-        job, nodes=3, restart="process", faults=["term-node=2@step=6:phase=forward"]
+        job, nodes=3, restart=restart, faults=["term-node=2@step=6:phase=forward"]
     )
     reference = elasticd_cluster.reference(job, nodes=3)
     result.assert_succeeded().assert_worlds([3, 2]).assert_no_lost_steps()
     result.assert_losses_match(reference)
+    (recovery,) = result.recoveries
+    assert (recovery.reason, recovery.mode, recovery.source) == ("preempted", restart, source)
