@@ -904,6 +904,42 @@ def test_the_history_names_the_killed_worker_whichever_agent_claimed_first(etcd_
     )
 
 
+@pytest.mark.parametrize("first", ["peer", "scale_up", "peer_and_a_crash"])
+def test_a_peers_failure_claim_that_was_a_scale_up_uses_no_restart(etcd_client, first):
+    """Node b ends round 5 for a waiting node; node a's worker sees its collective fail on
+    the connections that end shut, and node a's claim may come first (a CI run: the job,
+    max_restarts 0, failed as a newcomer joined). Once the next world forms, the round's
+    end is the scale-up, counting no failure, whichever claim came first; unless a worker
+    also failed on its own."""
+    from elasticd.agent.policy import Outcome
+
+    reg, job = registered(etcd_client, "scaleup-" + first.replace("_", "-"), {"max_restarts": 0})
+    a, b = agent_of(reg, job, "node-a"), agent_of(reg, job, "node-b")
+    c = agent_of(reg, job, "node-c")
+    a._limit = b._limit = c._limit = 0
+    rnd = SimpleNamespace(number=5, first_step_seen=True, recovery=None, workers=None)
+    closed = "rank 1: " + GLOO_CLOSED.split(": ", 1)[1].replace("exit code 1: ", "")
+    records = [(a, Outcome.COLLECTIVE_FAILED, closed), (b, Outcome.SCALE_UP, "waiting node-d")]
+    if first == "peer_and_a_crash":
+        records.append((c, Outcome.WORKER_FAILED, "rank 2: exit code 1: ValueError: bad batch"))
+    for agent, outcome, detail in records if first != "scale_up" else records[::-1]:
+        agent._record_failure(rnd, outcome, detail, 100.0, 100.2)
+    b._report.reattribute(SimpleNamespace(round=6, nodes=["node-a", "node-b", "node-d"]))
+    status = reg.get(job.name).status
+    (event,) = [e for e in status["history"] if e["kind"] == "failure"]
+    if first == "peer_and_a_crash":
+        # The crash counts (here as the claim's words): the job is past max_restarts 0.
+        assert event["reason"] == "collective_failed" and status["restart_streak"] == 1
+        assert reg.get(job.name).state == JobState.FAILED
+        return
+    assert (event["reason"], event["node"], event["detail"]) == (
+        "scale_up", "node-b", "waiting node-d"
+    )  # fmt: skip
+    assert status.get("restart_streak", 0) == 0 and "limit_reached" not in status
+    assert "last_failure" not in status and reg.get(job.name).state != JobState.FAILED
+    assert b._report.noted_reason == ("scale_up" if first == "peer" else None)
+
+
 def test_a_lost_node_still_beats_a_noted_cause(etcd_client):
     """A node that died takes its worker with it: its peers' claim becomes peer_lost in the
     next world, formed without it, whatever cause was noted."""

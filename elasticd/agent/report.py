@@ -202,6 +202,9 @@ class JobReporter:
         if not lost and any(_uncounted(e) and e.get("round") == prev_round
                             for e in status.get("history", [])):  # fmt: skip
             noted = self._registry.cause_of(self.name, prev_round)
+            if (isinstance(noted, dict) and noted.get("reason") not in FAILURE_REASONS
+                    and self._registry.own_failures(self.name, prev_round)):  # fmt: skip
+                noted = None  # a worker failed on its own too: the claim's failure stands
 
         applied: list[str] = []
 
@@ -228,6 +231,19 @@ class JobReporter:
                         st["last_failure"] = (
                             f"round {prev_round}: {noted['reason']}: {noted.get('detail', '')}"
                         )
+                elif (noted and event.get("round") == prev_round
+                        and event.get("reason") in FAILURE_REASONS
+                        and isinstance(noted.get("reason"), str)):  # fmt: skip
+                    # A peer ended the round on purpose (a scale-up: a node was waiting) and
+                    # our claim, first by a moment, named its workers' collectives failing
+                    # on the connections that end shut: no failure, and no restart used (a
+                    # CI run's job with max_restarts 0 failed so when a newcomer joined).
+                    for k in ("reason", "detail", "node"):
+                        event[k] = noted.get(k)
+                    applied.append(noted["reason"])
+                    uncount_failure(st)
+                    if str(st.get("last_failure", "")).startswith(f"round {prev_round}: "):
+                        del st["last_failure"]
                 event["counted"] = True
                 counted.append(str(event.get("reason")))
             # The restart limit was reached at the failure before: now that this world
