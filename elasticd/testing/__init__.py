@@ -341,8 +341,7 @@ class RunResult:
         twice was trained again, whatever the recovery said or could not say)."""
         __tracebackhide__ = True  # pytest: the caller's line, then the message
         lost = [r for r in self.recoveries if r.lost_steps]
-        steps = self.steps
-        gaps = sorted(set(range(1, (steps[-1] if steps else 0) + 1)) - set(steps))
+        gaps = self._missing_steps()
         if lost or gaps or self.retrained:
             lines = [f"  round {r.round}: {r.lost_steps} step(s) lost ({r.mode} from {r.source})"
                      for r in lost]  # fmt: skip
@@ -354,6 +353,11 @@ class RunResult:
             raise ElasticdAssertionError("steps were lost:\n" + "\n".join(lines) + "\n"
                                          + self.describe())  # fmt: skip
         return self
+
+    def _missing_steps(self) -> list[int]:
+        """Steps below the last one recorded that metrics.jsonl lacks."""
+        done = self.steps
+        return sorted(set(range(1, (done[-1] if done else 0) + 1)) - set(done))
 
     def assert_lost_steps_at_most(self, steps: int) -> RunResult:
         """Every recovery lost at most ``steps`` completed steps, by its own count
@@ -369,8 +373,7 @@ class RunResult:
             raise UsageError(f"steps: {steps!r} must be a whole number of steps >= 0")
         over = [r for r in self.recoveries if r.lost_steps is not None and r.lost_steps > steps]
         again = len(self.retrained) > steps * len(self.recoveries)
-        done = self.steps
-        gaps = sorted(set(range(1, (done[-1] if done else 0) + 1)) - set(done))
+        gaps = self._missing_steps()
         if over or again or gaps:
             lines = [f"  round {r.round}: {r.lost_steps} step(s) lost ({r.mode} from {r.source})"
                      for r in over]  # fmt: skip
