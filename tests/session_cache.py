@@ -30,17 +30,25 @@ def session_dir(tmp: Path) -> Path:
     return tmp if tmp.is_dir() else tmp.parent
 
 
-def once_per_session(tmp: Path, key: str, compute: Callable[[], Any]) -> Any:
+def once_per_session(
+    tmp: Path, key: str, compute: Callable[[], Any], enough: Callable[[Any], bool] | None = None
+) -> Any:
     """``compute()``'s value, JSON-shaped (what every worker sees: ``json.loads`` of its
     ``json.dumps``), computed by the first caller of the session with this ``key``. A
-    failed ``compute()`` leaves nothing behind: the next caller computes again."""
+    failed ``compute()`` leaves nothing behind: the next caller computes again.
+
+    ``enough``: whether the value kept under ``key`` serves this caller (a reference of
+    fewer steps than it needs does not); when it does not, this caller computes its own,
+    which replaces it for the callers after it."""
     cache = session_dir(tmp) / "session-cache"
     cache.mkdir(exist_ok=True)
     path = cache / f"{key}.json"
     with open(cache / f"{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed, or when a worker dies
         if path.exists():
-            return json.loads(path.read_text(encoding="utf-8"))
+            kept = json.loads(path.read_text(encoding="utf-8"))
+            if enough is None or enough(kept):
+                return kept
         text = json.dumps(compute())
         partial = cache / f"{key}.{os.getpid()}.partial"
         partial.write_text(text, encoding="utf-8")

@@ -43,12 +43,26 @@ NOT_IN_THE_MATH = ("name", "output_dir", "nodes", "nproc_per_node", "parallel", 
                    "restart", "rendezvous")  # fmt: skip
 
 
+REFERENCE_STEPS = 64
+"""Steps a reference of fewer steps trains anyway, where a step's loss does not depend on
+``train.steps`` (a constant learning rate after the warm-up): it then serves every test
+of the same math with up to this many steps, from one run per session."""
+
+
 def reference_losses(tmp_path, job) -> dict[int, float]:
     """The same job, uninterrupted, as one process: trained once per session for every
-    test that trains the same job (``session_cache``)."""
+    test that trains the same job (``session_cache``). With a constant learning rate, step
+    N's loss is the same whatever ``train.steps`` is (the trainer's batches and updates
+    never read it), so jobs that differ only there share one run of the most steps any of
+    them needs (at least REFERENCE_STEPS)."""
+    steps = job.train.steps
     spec = {**job.to_dict(), "output_dir": str(tmp_path / "ref"), "checkpoint": {"every": 0},
             "parallel": {"tp": 1}, "nproc_per_node": 1}  # fmt: skip
     math = {k: v for k, v in spec.items() if k not in NOT_IN_THE_MATH}
+    prefix = job.train.lr_schedule == "constant"
+    if prefix:
+        spec["train"] = {**spec["train"], "steps": max(steps, REFERENCE_STEPS)}
+        math["train"] = {k: v for k, v in math["train"].items() if k != "steps"}
     key = "losses-" + hashlib.sha256(json.dumps(math, sort_keys=True).encode()).hexdigest()[:24]
 
     def train() -> dict[int, float]:
@@ -63,7 +77,11 @@ def reference_losses(tmp_path, job) -> dict[int, float]:
         with open(tmp_path / "ref" / "metrics.jsonl", encoding="utf-8") as fh:
             return {rec["step"]: rec["loss"] for rec in map(json.loads, fh)}
 
-    return {int(k): v for k, v in once_per_session(tmp_path, key, train).items()}
+    def enough(kept: dict[str, float]) -> bool:
+        return str(steps) in kept
+
+    losses = once_per_session(tmp_path, key, train, enough if prefix else None)
+    return {int(k): v for k, v in losses.items() if int(k) <= steps}
 
 
 def run(job, nodes, faults):

@@ -52,3 +52,23 @@ def test_a_failed_compute_leaves_nothing_and_the_next_caller_computes(tmp_path):
     assert not list((tmp_path / "session-cache").glob("k.*json"))
     assert once_per_session(base, "k", lambda: [1]) == [1]
     assert once_per_session(base, "k", lambda: [2]) == [1]  # kept for the session
+
+
+def test_a_kept_value_that_is_not_enough_is_computed_again_and_replaced(tmp_path):
+    """A reference of fewer steps than a caller needs: that caller trains its own, and
+    the callers after it are served by the longer one."""
+    base = tmp_path / "popen-gw0"
+    base.mkdir()
+
+    def upto(n: int) -> dict[int, float]:
+        return {s: 1.0 / s for s in range(1, n + 1)}
+
+    def enough(n: int):
+        return lambda kept: str(n) in kept
+
+    assert once_per_session(base, "k", lambda: upto(4), enough(4)) == {
+        str(s): 1.0 / s for s in range(1, 5)
+    }
+    assert len(once_per_session(base, "k", lambda: upto(8), enough(2))) == 4  # kept: enough
+    assert len(once_per_session(base, "k", lambda: upto(8), enough(6))) == 8  # computed again
+    assert len(once_per_session(base, "k", lambda: upto(16), enough(5))) == 8  # the longer one kept
