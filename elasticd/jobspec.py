@@ -172,6 +172,15 @@ class RestartConfig:
     """Seconds without a step heartbeat before a worker counts as hung; in-process, also
     the bound on each part of a recovery from peers (its set-up, its transfer:
     docs/agent.md)."""
+    startup_timeout: float = 1800.0
+    """Seconds a round's workers may take from their start to their first completed step
+    (imports, the process group, the checkpoint load, the first step itself) before they
+    count as hung: their stacks are dumped, they are killed, the job restarts. 0: never.
+    ``hang_timeout`` judges only workers that completed a step, so without this a worker
+    stuck before its first one (a frozen filesystem under the checkpoint load, an NCCL
+    set-up that never returns) held a world of one for good, and a larger world until a
+    peer's collective timed out. Judged for the built-in trainer, and for a job's own
+    ``command`` once it has reported a step (one that never reports is never judged)."""
     grace_period: float = 30.0
     """Seconds workers get to save an emergency checkpoint when the node is preempted."""
     scale_up: Literal["immediate", "checkpoint"] | None = None
@@ -481,6 +490,7 @@ def _check(job: JobSpec, where: str) -> None:
         ("checkpoint.memory_replicas", job.checkpoint.memory_replicas),
         ("restart.max_restarts", job.restart.max_restarts),
         ("restart.grace_period", job.restart.grace_period),
+        ("restart.startup_timeout", job.restart.startup_timeout),
         ("restart.standby", job.restart.standby),
         ("rendezvous.settle", job.rendezvous.settle),
         ("rendezvous.start_wait", job.rendezvous.start_wait),

@@ -171,6 +171,51 @@ def test_a_worker_stuck_in_the_round_before_is_judged_before_its_peers_give_up()
     assert runner._not_begun(SimpleNamespace(**{**vars(rnd), "carried": 0}), 1e9) == []
 
 
+def test_workers_with_no_step_past_the_startup_timeout_are_judged_if_the_job_reports_steps(
+    tmp_path,
+):
+    """restart.startup_timeout: the live workers of a round with no step completed once it
+    has passed since their start, for the built-in trainer, and for a command only once
+    the job has reported a step (one that never reports is never judged); 0 judges none."""
+    from elasticd.agent.runner import JobRunner
+
+    def worker(rank, *, step=None, alive=True):
+        path = str(tmp_path / f"hb-{rank}.json")
+        if step is not None:
+            with open(path, "w", encoding="utf-8") as fh:
+                json.dump({"step": step}, fh)
+        return SimpleNamespace(rank=rank, heartbeat_path=path,
+                               proc=SimpleNamespace(poll=lambda: None if alive else 1))  # fmt: skip
+
+    stepped, fresh, dead = worker(0, step=1), worker(1), worker(2, alive=False)
+    rnd = SimpleNamespace(first_step_seen=False, spawned_at=1000.0, unstarted=[],
+                          workers=SimpleNamespace(workers=[stepped, fresh, dead]))  # fmt: skip
+    runner = object.__new__(JobRunner)
+    runner._furthest_step, runner._steps_reported, runner._steps_look_at = None, False, 0.0
+    looked = []
+    runner._job_furthest_step = lambda: looked.append(1) or None
+    for command, bound in ((None, 30.0), (None, 0.0), (["python", "x.py"], 30.0)):
+        runner.job = SimpleNamespace(command=command,
+                                     restart=SimpleNamespace(startup_timeout=bound))  # fmt: skip
+        assert runner._unstarted(rnd, 1030.0) == [] and rnd.unstarted == []
+        judged = [fresh] if bound and command is None else []
+        assert runner._unstarted(rnd, 1031.0) == judged and rnd.unstarted == judged
+        assert runner._unstarted(SimpleNamespace(**{**vars(rnd), "first_step_seen": True}),
+                                 1e9) == []  # fmt: skip
+    assert looked == [1]  # the command's status read once, not once a tick
+    runner._steps_look_at = 0.0
+    runner._job_furthest_step = lambda: 7  # the job reported a step: its command reports
+    assert runner._unstarted(rnd, 1031.0) == [fresh]
+    runner._job_furthest_step, runner._steps_reported = lambda: None, False
+    runner._furthest_step = 3  # ours reported one in an earlier round
+    assert runner._unstarted(rnd, 1031.0) == [fresh]
+    detail = runner._unstarted_detail(SimpleNamespace(number=4, spawned_at=1000.0), [fresh], 1031.4)
+    assert detail == (
+        "round 4: rank 1 completed no step in the 31 s since the start (restart.startup_timeout: "
+        "30 s for the imports, the process group, the checkpoint load and the first step)"
+    )
+
+
 def test_a_stale_heartbeat_past_the_hang_timeout_is_a_hang():
     assert decide(Observation(exit_codes=(None,), stalest_heartbeat=5.1, hang_timeout=5)) == (
         Outcome.WORKER_HUNG
@@ -816,7 +861,13 @@ def test_a_hung_workers_failure_is_claimed_and_counted_before_the_kill_even_if_t
         stalest_progress=lambda now: SimpleNamespace(worker=hung, age=60.0, waiting=False),
     )  # fmt: skip
     rnd = SimpleNamespace(
-        number=5, carried=0, first_step_seen=True, workers=workers, stuck=[], recovery=None
+        number=5,
+        carried=0,
+        first_step_seen=True,
+        workers=workers,
+        stuck=[],
+        unstarted=[],
+        recovery=None,
     )
 
     a = agent_of(reg, job, "node-a")

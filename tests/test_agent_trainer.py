@@ -3,6 +3,7 @@ from the resharded checkpoint and reproduces an uninterrupted run."""
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import io
 import json
@@ -201,6 +202,34 @@ def test_killing_the_node_with_rank_zero_and_the_store_leaves_the_trainer_going(
     assert records[0]["world"] == 2 and records[-1]["world"] == 1
     assert sorted({r["step"] for r in records}) == list(range(1, 17))
     assert final.status["nodes"] == [f"node-{1 - host}"]
+
+
+def test_workers_stuck_before_their_first_step_are_restarted_at_the_startup_timeout(tmp_path):
+    """Rank 0 stops (SIGSTOP) in step 1's forward pass, before any step completed, and rank
+    1 waits on it in its first collective. hang_timeout judges only workers that completed
+    a step, so nothing judged them: the job sat there until the process group's 10-minute
+    timeout (a world of one, for good). Now restart.startup_timeout stops both once it
+    passes, their stacks dumped, and the restarted workers train the job through."""
+    job = make_job(tmp_path, "stuckstart", nproc=2, steps=6,
+                   restart={"startup_timeout": 8, "max_restarts": 3})  # fmt: skip
+    result = run(job, 1, ["hang-worker=0@step=1:phase=forward"])
+    assert result["state"] == "succeeded", result["reason"]
+    history = result["status"]["history"]
+    hung = [e for e in history if e["kind"] == "failure" and e.get("reason") == "worker_hung"]
+    assert hung, history
+    detail = hung[0]["detail"]
+    assert "ranks 0, 1 completed no step in the " in detail, detail
+    assert "(restart.startup_timeout: 8 s for the imports, the process group, " in detail
+    records = result["metrics"]
+    assert [r["step"] for r in records] == list(range(1, 7))
+    reference = reference_losses(tmp_path, job)
+    for rec in records:
+        assert rec["loss"] == pytest.approx(reference[rec["step"]], rel=1e-4), rec["step"]
+    # The agent asked the built-in trainer's ranks for their stacks before the kill: rank
+    # 1's says where it waited (the stopped rank 0 could not print until killed).
+    (log,) = glob.glob(os.path.join(job.out_dir, "logs", "*", "round-1", "rank-1.log"))
+    with open(log, encoding="utf-8") as fh:
+        assert " in finish_step" in fh.read(), log
 
 
 # `slow`: scale-ups run in the default suite in test_agent_cluster, test_inprocess (a

@@ -38,6 +38,8 @@ BAD_SPECS = [
     ("zero steps", "name: t\ntrain: {steps: 0}\n", "job.yaml: train.steps: 0 must be > 0"),
     ("negative restarts", "name: t\nrestart: {max_restarts: -1}\n",
      "job.yaml: restart.max_restarts: -1 must be >= 0"),
+    ("negative startup timeout", "name: t\nrestart: {startup_timeout: -5}\n",
+     "job.yaml: restart.startup_timeout: -5.0 must be >= 0"),
     ("bad scale-up policy", "name: t\nrestart: {scale_up: later}\n",
      "job.yaml: restart.scale_up: 'later' is not one of 'immediate', 'checkpoint'"),
     ("fork not a boolean", "name: t\nrestart: {fork: sometimes}\n",

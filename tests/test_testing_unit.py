@@ -563,15 +563,16 @@ def test_a_run_is_refused_before_it_starts_when_its_hang_fault_cannot_be_seen_in
         raise RuntimeError("not started")
 
     monkeypatch.setattr(localcluster, "run_cluster", fake_run_cluster)
-    for faults, given, want, hang in (
-        ((), {}, 2, 300), (["kill-worker=0@step=2"] * 2, {}, 6, 300),
-        ((), {"max_restarts": 7}, 7, 300), (["hang-worker=0@step=2"], {}, 4, 30),
-        (["hang-worker=0@step=2"], {"hang_timeout": 20}, 4, 20),
+    for faults, given, want, hang, startup in (
+        ((), {}, 2, 300, 1800), (["kill-worker=0@step=2"] * 2, {}, 6, 300, 1800),
+        ((), {"max_restarts": 7}, 7, 300, 1800), (["hang-worker=0@step=2"], {}, 4, 30, 60),
+        (["hang-worker=0@step=2"], {"hang_timeout": 20, "startup_timeout": 9}, 4, 20, 9),
     ):  # fmt: skip
         with pytest.raises(RuntimeError, match="not started"):
             cluster.run(cluster.builtin_job(restart=given), faults=faults)
         assert seen[-1].restart.max_restarts == want
         assert seen[-1].restart.hang_timeout == hang
+        assert seen[-1].restart.startup_timeout == startup  # a hang before the first step
 
 
 def test_the_marker_takes_only_a_timeout(monkeypatch):

@@ -82,6 +82,9 @@ class Round:
     stuck: list = field(default_factory=list)
     """Carried workers judged stuck in the round before (never took this one): the ones a
     hung outcome kills, the others are kept."""
+    unstarted: list = field(default_factory=list)
+    """Workers with no step completed past ``restart.startup_timeout`` from their start:
+    a hung outcome then stops every worker of ours (a process restart)."""
 
 
 def write_json(path: str, obj: Any) -> None:

@@ -64,7 +64,7 @@ from elasticd.jobs import Fence, FencedError, JobRecord, JobRegistry, JobState
 from elasticd.jobspec import JobSpec
 from elasticd.log import kv
 from elasticd.metrics import AgentMetrics
-from elasticd.worker import ENV_DOORBELL, PREEMPTED_EXIT_CODE, Doorbell
+from elasticd.worker import ENV_DOORBELL, PREEMPTED_EXIT_CODE, Doorbell, read_heartbeat
 
 log = logging.getLogger("elasticd.agent")
 
@@ -275,6 +275,9 @@ class JobRunner:
         self._last_step_seen: int | None = None
         """Rank 0's last completed step in the previous round (for lost steps)."""
         self._furthest_step: int | None = None
+        self._steps_reported = False
+        """The job's status holds a step (a command that reports them: _reports_steps)."""
+        self._steps_look_at = 0.0
         """The highest step a local worker reported completed, in any round (a claimed
         failure carries it: the restart limit counts failures without progress)."""
         self.crashed = False
@@ -860,6 +863,8 @@ class JobRunner:
                     ckpt_at_waiting = ckpt_now if ckpt_now is not None else -1
             stalest = rnd.workers.stalest_progress(now)
             beats = rnd.workers.heartbeats()
+            not_begun = self._not_begun(rnd, now)
+            unstarted = [] if not_begun else self._unstarted(rnd, now)
             obs = Observation(
                 preempting=self._preempt.is_set(),
                 job_state=state,
@@ -879,7 +884,7 @@ class JobRunner:
                 fenced=self._report.fenced,
                 faulted=self._faulted(beats),
                 peer_preempted=self._peer_preempted(rnd, beats),
-                not_begun=bool(not_begun := self._not_begun(rnd, now)),
+                not_begun=bool(not_begun or unstarted),
             )
             self._observe_progress(rnd, now, force=False, due=now >= next_status, beats=beats)
             if now >= next_status:
@@ -890,6 +895,8 @@ class JobRunner:
             outcome = decide(obs)
             if outcome is not None:
                 if obs.not_begun and outcome == Outcome.WORKER_HUNG:
+                    if not not_begun:
+                        return outcome, self._unstarted_detail(rnd, unstarted, now)
                     return outcome, self._not_begun_detail(rnd, not_begun)
                 return outcome, self._detail(outcome, rnd, obs, stalest)
             if self._doorbell is not None:
@@ -927,6 +934,41 @@ class JobRunner:
             return stuck
         return stuck + [w for w in rnd.workers.not_begun() + rnd.workers.not_opened()
                         if w not in stuck]  # fmt: skip
+
+    def _unstarted(self, rnd: Round, now: float) -> list[Worker]:
+        """Our live workers with no step completed in this round once
+        ``restart.startup_timeout`` has passed since they were started (noted in
+        ``rnd.unstarted``), for a job known to report its steps: the built-in trainer, or a
+        command that reported one (here, or in the job's status). ``hang_timeout`` judges
+        only workers that stepped; one stuck before its first step (a frozen filesystem under
+        the checkpoint load, a process-group set-up that never returns) was never judged:
+        a world of one waited for good, a larger one until a peer's collective timed out."""
+        rnd.unstarted = []
+        bound = self.job.restart.startup_timeout
+        if not bound or rnd.first_step_seen or now - rnd.spawned_at <= bound:
+            return []
+        if self.job.command is not None and not self._reports_steps(now):
+            return []  # a command that never reported a step: it may never
+        rnd.unstarted = [w for w in rnd.workers.workers if w.proc.poll() is None
+                         and "step" not in (read_heartbeat(w.heartbeat_path) or {})]  # fmt: skip
+        return rnd.unstarted
+
+    def _reports_steps(self, now: float) -> bool:
+        """Whether the job's command reports its steps: ours did, or the job's status holds
+        one (read from etcd at most every STATUS_EVERY seconds, until it does)."""
+        if self._furthest_step is not None or self._steps_reported:
+            return True
+        if now >= self._steps_look_at:
+            self._steps_look_at = now + STATUS_EVERY
+            self._steps_reported = self._job_furthest_step() is not None
+        return self._steps_reported
+
+    def _unstarted_detail(self, rnd: Round, workers: list[Worker], now: float) -> str:
+        ranks = ", ".join(str(w.rank) for w in workers)
+        return (f"round {rnd.number}: rank{'s' if len(workers) > 1 else ''} {ranks} completed no "
+                f"step in the {now - rnd.spawned_at:.0f} s since the start "
+                f"(restart.startup_timeout: {self.job.restart.startup_timeout:g} s for the "
+                "imports, the process group, the checkpoint load and the first step)")  # fmt: skip
 
     def _not_begun_detail(self, rnd: Round, workers: list[Worker]) -> str:
         before = {id(w) for w in rnd.stuck}
@@ -1074,6 +1116,8 @@ class JobRunner:
             # too (a script that exits with it on a peer's preemption). Stopped as ever.
             return False
         own = outcome in (Outcome.WORKER_FAILED, Outcome.WORKER_HUNG)
+        if outcome == Outcome.WORKER_HUNG and rnd.unstarted:
+            return False  # stuck before their first step: nothing of theirs is worth keeping
         if outcome == Outcome.WORKER_HUNG and rnd.stuck and not rnd.first_step_seen:
             # Workers stuck in the round before: they alone are killed (_keep_workers);
             # their peers, which took this round, are kept for the next.

@@ -67,6 +67,11 @@ HANG_TIMEOUT = 30.0
 the job default (300 s) equals a run's default timeout, so the hang was never detected in
 time. Only then: a script's long step or save elsewhere is not cut short."""
 
+STARTUP_TIMEOUT = 60.0
+"""``restart.startup_timeout`` of a dict job that plans a ``hang-worker`` fault and sets
+none: a worker hung before its first step (``hang-worker=0@step=1:phase=forward``) is
+judged by it, not by ``hang_timeout``, and the job default (1800 s) outlasts any run."""
+
 SPARE_RESTARTS = 2
 """A dict job that does not set ``restart.max_restarts`` gets two per fault and this many
 more: a script that fails on its own (a NameError before its first step) fails the run in
@@ -794,6 +799,8 @@ class Cluster:
         hangs = any(f.strip().startswith("hang-worker") for f in faults)
         if isinstance(job, Mapping) and hangs and "hang_timeout" not in given:
             raw["restart"] = {**(raw.get("restart") or {}), "hang_timeout": HANG_TIMEOUT}
+        if isinstance(job, Mapping) and hangs and "startup_timeout" not in given:
+            raw["restart"] = {**(raw.get("restart") or {}), "startup_timeout": STARTUP_TIMEOUT}
         # Relative paths of the job (data.path) are the caller's, as for `elasticd run`.
         spec = parse_job(raw, where=f"job {raw['name']}").with_paths_resolved(os.getcwd())
         for k, v in (env or {}).items():
