@@ -176,7 +176,8 @@ def test_workers_with_no_step_past_the_startup_timeout_are_judged_if_the_job_rep
 ):
     """restart.startup_timeout: the live workers of a round with no step completed once it
     has passed since their start, for the built-in trainer, and for a command only once
-    the job has reported a step (one that never reports is never judged); 0 judges none."""
+    the job has reported a step (one that never reports is never judged); 0 judges none.
+    A spare rank, which idles without steps until the end, is never judged."""
     from elasticd.agent.runner import JobRunner
 
     def worker(rank, *, step=None, alive=True):
@@ -187,9 +188,10 @@ def test_workers_with_no_step_past_the_startup_timeout_are_judged_if_the_job_rep
         return SimpleNamespace(rank=rank, heartbeat_path=path,
                                proc=SimpleNamespace(poll=lambda: None if alive else 1))  # fmt: skip
 
-    stepped, fresh, dead = worker(0, step=1), worker(1), worker(2, alive=False)
+    stepped, fresh, dead, spare = worker(0, step=1), worker(1), worker(2, alive=False), worker(3)
     rnd = SimpleNamespace(first_step_seen=False, spawned_at=1000.0, unstarted=[],
-                          workers=SimpleNamespace(workers=[stepped, fresh, dead]))  # fmt: skip
+                          layout=SimpleNamespace(is_spare=lambda rank: rank >= 3),
+                          workers=SimpleNamespace(workers=[stepped, fresh, dead, spare]))  # fmt: skip
     runner = object.__new__(JobRunner)
     runner._furthest_step, runner._steps_reported, runner._steps_look_at = None, False, 0.0
     looked = []

@@ -936,7 +936,7 @@ class JobRunner:
                         if w not in stuck]  # fmt: skip
 
     def _unstarted(self, rnd: Round, now: float) -> list[Worker]:
-        """Our live workers with no step completed in this round once
+        """Our live active workers (not spares) with no step completed in this round once
         ``restart.startup_timeout`` has passed since they were started (noted in
         ``rnd.unstarted``), for a job known to report its steps: the built-in trainer, or a
         command that reported one (here, or in the job's status). ``hang_timeout`` judges
@@ -949,7 +949,9 @@ class JobRunner:
             return []
         if self.job.command is not None and not self._reports_steps(now):
             return []  # a command that never reported a step: it may never
-        rnd.unstarted = [w for w in rnd.workers.workers if w.proc.poll() is None
+        # A spare rank never steps: it idles until the end (a node of spares alone too).
+        rnd.unstarted = [w for w in rnd.workers.workers
+                         if not rnd.layout.is_spare(w.rank) and w.proc.poll() is None
                          and "step" not in (read_heartbeat(w.heartbeat_path) or {})]  # fmt: skip
         return rnd.unstarted
 
