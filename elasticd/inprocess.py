@@ -110,7 +110,9 @@ step since the last checkpoint."""
 ABORT_WATCHDOG = 10.0
 """Seconds an NCCL abort may take before the process gives up and exits."""
 NCCL_INPROCESS_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
-"""What :func:`run` sets for in-process rounds on NCCL unless the user set it. torch's
+"""What :func:`run` sets for in-process rounds on NCCL: the dump unless the user set it,
+the error handling whatever the user said (:data:`NCCL_FORCED`: a cluster image that
+sets it for every job would turn each in-process recovery into a process exit). torch's
 default error handling (3) ends the process on an NCCL error its watchdog sees (a killed
 peer): the survivor's state would go with it. Handling 2 aborts the communicators
 instead, but then a collective can end early, with garbage in its output, before the round
@@ -120,6 +122,31 @@ aborts, after it has marked the round ended; the kernel waits on the lost peer u
 an error is off too: a survivor has no use for it, and a dump under way is one more thing a
 teardown could wait on. (On an H200, torch 2.11 and NCCL 2.28, the teardown of a killed
 peer's round hung with either setting of both; :func:`_abort_nccl` is what fixed it.)"""
+NCCL_FORCED = ("TORCH_NCCL_ASYNC_ERROR_HANDLING",)
+"""Of :data:`NCCL_INPROCESS_ENV`, those an in-process round cannot leave to the user: any
+other value of the error handling ends the survivor on a peer's death (1, 3) or aborts a
+communicator before the round is marked ended, whose garbage :func:`check_results` then
+passes (2: a corrupted step, handed to every peer by the recovery)."""
+
+
+def set_nccl_inprocess_env(environ: Any) -> list[str]:
+    """Set :data:`NCCL_INPROCESS_ENV` in ``environ`` for in-process rounds on NCCL, before
+    the first group is made: a variable the user set stands, but those of
+    :data:`NCCL_FORCED` are set whatever the user said; returns a line for each value
+    overridden so (the worker's log says it)."""
+    said = []
+    for name, value in NCCL_INPROCESS_ENV.items():
+        given = environ.get(name)
+        if given is None:
+            environ[name] = value
+        elif name in NCCL_FORCED and given.strip() != value:
+            environ[name] = value
+            said.append(f"{name}={given} overridden to {value}: under in-process restart only "
+                        "the round's end may abort an NCCL communicator (torch's own handling "
+                        "ends the survivor, or leaves an aborted collective's garbage unseen)")  # fmt: skip
+    return said
+
+
 WAIT_SLICE = 0.1
 """Seconds one look of :func:`wait_collective` lasts before it asks whether its round ended
 (a timed-out look costs one exception; a collective done sooner returns at once)."""
@@ -410,24 +437,53 @@ class GeneratorSnapshot:
     step: a survivor's drops what the interrupted step drew, and a newcomer draws as the
     others do, so the next steps' masks equal an uninterrupted run's. A generator given
     as it is (``state_tensors(model, opt, gen)``) is handed over as it stands, mid-step,
-    and the run's later draws differ from an uninterrupted one's."""
+    and the run's later draws differ from an uninterrupted one's.
+
+    Without ``generator``: torch's default CPU generator and, in a process that uses CUDA
+    (CUDA initialised, or the default process group on NCCL), the current device's default
+    CUDA generator too: dropout on a GPU draws from that one, not the CPU's. Make it once
+    the device is current (``ei.run`` makes it so before ``train``). A CPU job on a
+    machine with GPUs leaves CUDA alone."""
 
     def __init__(self, generator: Any = None) -> None:
         import torch
 
-        self.generator = torch.default_generator if generator is None else generator
-        self._state = self.generator.get_state()  # a copy
+        if generator is None:
+            self.generators = [torch.default_generator]
+            if _uses_cuda():
+                self.generators.append(torch.cuda.default_generators[torch.cuda.current_device()])
+        else:
+            self.generators = [generator]
+        self.generator = self.generators[0]
+        self._states = [g.get_state() for g in self.generators]  # copies
 
     def take(self) -> None:
-        """Keep the generator's state now: call it at the end of each step."""
-        self._state = self.generator.get_state()
+        """Keep the generators' states now: call it at the end of each step."""
+        self._states = [g.get_state() for g in self.generators]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"state": self._state}
+        out = {"state": self._states[0]}
+        out.update({f"state{i}": s for i, s in enumerate(self._states[1:], 1)})
+        return out
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self._state = state["state"].clone()
-        self.generator.set_state(self._state)
+        self._states = [state["state"].clone()]
+        self._states += [state[f"state{i}"].clone() for i in range(1, len(self.generators))]
+        for g, s in zip(self.generators, self._states, strict=True):
+            g.set_state(s)
+
+
+def _uses_cuda() -> bool:
+    """Whether this process computes on CUDA: CUDA initialised, or an NCCL default group."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    if torch.cuda.is_initialized():
+        return True
+    import torch.distributed as dist
+
+    return dist.is_initialized() and "nccl" in str(dist.get_backend())
 
 
 class StateTensors(dict):
@@ -2150,8 +2206,8 @@ def run(
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     path = env.get(ENV_CONTROL) if env.get(ENV_MODE) == "inprocess" else None
     if path and "nccl" in backend:
-        for name, value in NCCL_INPROCESS_ENV.items():
-            os.environ.setdefault(name, value)  # a user's own setting stands
+        for line in set_nccl_inprocess_env(os.environ):
+            print(f"elasticd.inprocess: {line}", file=sys.stderr, flush=True)
     local_rank = int(env.get("LOCAL_RANK", "0") or 0)
     if "nccl" in backend:
         _set_device(local_rank)

@@ -48,8 +48,14 @@ def build(device: torch.device) -> dict:
 
 
 def train(ctx: ei.Context) -> None:  # elasticd: was main(); the process group exists
-    cuda = torch.cuda.is_available()  # ei.run picks NCCL then, gloo otherwise
-    device = torch.device("cuda", ctx.local_rank) if cuda else torch.device("cpu")
+    # The device ei.run made current: cuda:<local rank>, or the one a process sees when
+    # each sees only its own (torchrun, Slurm), or the CPU without CUDA (gloo then).
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
+        else torch.device("cpu")
+    )
+    cuda = device.type == "cuda"
     if "model" not in ctx.state:  # elasticd: built once, kept across rounds
         ctx.state.update(build(device))  # elasticd
     model, opt, sched = ctx.state["model"], ctx.state["opt"], ctx.state["sched"]  # elasticd

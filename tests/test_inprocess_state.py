@@ -464,3 +464,39 @@ def test_only_state_kept_from_an_earlier_round_is_recorded_as_from_peers(synced)
     assert [r["step"] for r in kept] == [HELD_STEP] * 3
     want = {"source": "peers", "resume_step": HELD_STEP, "lost_steps": 0}
     assert [r["recovery"] for r in kept] == [want] * 3
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_generator_snapshot_puts_back_the_draws_of_the_device_that_computes(device):
+    """GeneratorSnapshot() takes torch's default CPU generator and, in a process computing
+    on CUDA, the current device's CUDA generator too: dropout on a GPU draws from that one.
+    It took the CPU's alone, so a GPU survivor kept the draws of its interrupted step and a
+    newcomer its own seed's. On the CPU it takes the CPU's alone (CUDA left untouched)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if device == "cuda":
+        torch.cuda.init()
+    snap = ei.GeneratorSnapshot()
+    assert len(snap.generators) == (2 if device == "cuda" else 1)
+    taken = snap.state_dict()
+    want_cpu, want_dev = torch.rand(4), torch.rand(4, device=device)
+    torch.rand(7), torch.rand(7, device=device)  # the interrupted step's draws
+    snap.load_state_dict({k: v.clone() for k, v in taken.items()})  # as a peer hands it over
+    assert torch.equal(torch.rand(4), want_cpu)
+    assert torch.equal(torch.rand(4, device=device), want_dev)
+
+
+def test_in_process_rounds_on_nccl_override_the_users_error_handling_and_say_so():
+    """TORCH_NCCL_ASYNC_ERROR_HANDLING was set only where the user had not: a cluster
+    image's 3 (or 1) ended each survivor on its peer's death, and 2 let torch abort a
+    communicator before the round was marked ended (garbage check_results passes). It is
+    now 0 whatever was given, with a line saying so; the flight recorder's switch stays
+    the user's."""
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    (said,) = ei.set_nccl_inprocess_env(env)
+    assert env == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    assert said.startswith("TORCH_NCCL_ASYNC_ERROR_HANDLING=3 overridden to 0: "), said
+    empty: dict[str, str] = {}
+    assert ei.set_nccl_inprocess_env(empty) == [] and empty == ei.NCCL_INPROCESS_ENV
+    given = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": " 0"}
+    assert ei.set_nccl_inprocess_env(given) == []  # already what it must be
