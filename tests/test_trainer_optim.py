@@ -207,11 +207,23 @@ def test_dense_and_expert_buckets_on_one_communicator_launch_in_one_order_on_eve
         orders.append([sync.buckets[i].params[0].shard_info.name for i in launched])
         sync.close()
     assert orders == [["p3", "p2", "p1", "p0"]] * 3, orders
-    # Distinct groups keep their own lists (each list's order is its own).
+    # Distinct groups (ep > 1: two communicators) are launched in that one order too. They
+    # kept a list each, launched as each became ready: two ranks could then issue the two
+    # communicators' collectives crosswise, which NCCL does not allow (a hang wherever the
+    # kernels cannot run side by side).
     other = GroupSlot(group=object(), size=2, rank=0)
-    sync = GradSync(params, dense=slot, expert=other, divisor=1, bucket_bytes=16)
-    assert [[b.params[0].shard_info.name for b in bs] for bs in sync._lists] == [
-        ["p2", "p0"],
-        ["p3", "p1"],
-    ]
-    sync.close()
+    for arrival in ([3, 2, 1, 0], [2, 0, 3, 1]):
+        sync = GradSync(params, dense=slot, expert=other, divisor=1, bucket_bytes=16)
+        assert [[b.params[0].shard_info.name for b in bs] for bs in sync._lists] == [
+            ["p3", "p2", "p1", "p0"]
+        ]
+        sync.zero()
+        launched.clear()
+        for i in arrival:
+            params[i].grad = torch.ones(4)
+            sync._on_grad(params[i])
+        sync.finish()
+        assert [sync.buckets[i].params[0].shard_info.name for i in launched] == [
+            "p3", "p2", "p1", "p0"
+        ]  # fmt: skip
+        sync.close()

@@ -112,11 +112,15 @@ class GradSync:
         ):
             buckets = self._make_buckets(list(reversed(group_params)), slot, bucket_bytes)
             self._lists.append(buckets)
-        if dense.active and dense.group is expert.group:
-            # One communicator for both (ep 1: the same ranks; ProcessGroups shares the
-            # group): its collectives must be issued in one order on every rank, and which
-            # list's bucket is ready first depends on each rank's backward (an expert no
-            # token reached takes no part in it). One list, in backward order.
+        if all(self._lists):
+            # One list, in backward order, the same on every rank. Which list's bucket is
+            # ready first depends on each rank's backward (an expert no token reached
+            # takes no part in it). On one communicator for both (ep 1: the same ranks;
+            # ProcessGroups shares the group) its collectives must be issued in one order
+            # on every rank. On two (ep > 1) so must they: NCCL needs the same order
+            # across communicators too, or two ranks that issued them crosswise wait on
+            # each other wherever their kernels cannot run side by side
+            # (CUDA_DEVICE_MAX_CONNECTIONS=1, as Megatron sets it, serialises them).
             where = {id(p): i for i, p in enumerate(reversed(params))}
             merged = sorted((b for bs in self._lists for b in bs),
                             key=lambda b: where[id(b.params[0])])  # fmt: skip
