@@ -2048,9 +2048,15 @@ def _claim_aborts(groups: list[Any], backends: list[Any]) -> list[Any]:
 
 def _abort_backends(backends: list[Any]) -> None:
     """``ncclCommAbort`` of each backend's communicators, all in one NCCL group call so
-    that two aborts cannot wait on each other (pytorch/pytorch#119797); one that fails
-    does not keep the others from theirs. Call with backends claimed
-    (:func:`_claim_aborts`)."""
+    that two aborts cannot wait on each other (pytorch/pytorch#119797), as torch's own
+    ``_abort_process_group`` does; one that fails does not keep the others from theirs.
+    Call with backends claimed (:func:`_claim_aborts`).
+
+    Not proven on a GPU with several communicators (the ``gpu`` tests have one per
+    process): where torch runs a backend's abort on a thread of its own, NCCL's group
+    (per thread) wraps nothing, the aborts run one after another, and one that waits on
+    another communicator's kernel is ended by the caller's :class:`_Watchdog` (a process
+    restart, not a hang). Aborting each backend on a thread of ours would be the fix then."""
     if not backends:
         return
     try:
