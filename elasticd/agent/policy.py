@@ -128,7 +128,8 @@ class Observation:
     after the step's save (``WorkerChannel.peer_preempted``)."""
     not_begun: bool = False
     """A local worker carried into this in-process round has not taken it within the
-    runner's ROUND_BEGIN_TIMEOUT: it is stuck in the round before."""
+    runner's ROUND_BEGIN_TIMEOUT (it is stuck in the round before), or the round's local
+    workers completed no step within ``restart.startup_timeout`` of their start."""
 
 
 def decide(obs: Observation) -> Outcome | None:
