@@ -275,11 +275,12 @@ class JobRunner:
         self._last_step_seen: int | None = None
         """Rank 0's last completed step in the previous round (for lost steps)."""
         self._furthest_step: int | None = None
+        """The highest step a local worker reported completed, in any round (a claimed
+        failure carries it: the restart limit counts failures without progress)."""
         self._steps_reported = False
         """The job's status holds a step (a command that reports them: _reports_steps)."""
         self._steps_look_at = 0.0
-        """The highest step a local worker reported completed, in any round (a claimed
-        failure carries it: the restart limit counts failures without progress)."""
+        """When _reports_steps may next read the job's status."""
         self.crashed = False
         """Set by the agent when ``run`` raised: the job is taken again after a back-off."""
         self.crash_error: str | None = None
