@@ -179,8 +179,10 @@ class RestartConfig:
     ``hang_timeout`` judges only workers that completed a step, so without this a worker
     stuck before its first one (a frozen filesystem under the checkpoint load, an NCCL
     set-up that never returns) held a world of one for good, and a larger world until a
-    peer's collective timed out. Judged for the built-in trainer, and for a job's own
-    ``command`` once it has reported a step (one that never reports is never judged)."""
+    peer's collective timed out. Never less than ``hang_timeout`` (the first step may take
+    as long as any). Judged for the built-in trainer, and for a job's own ``command`` on a
+    node whose workers reported a step in an earlier round (a node whose workers never
+    report is never judged), while none of the node's workers has stepped."""
     grace_period: float = 30.0
     """Seconds workers get to save an emergency checkpoint when the node is preempted."""
     scale_up: Literal["immediate", "checkpoint"] | None = None

@@ -171,13 +171,16 @@ def test_a_worker_stuck_in_the_round_before_is_judged_before_its_peers_give_up()
     assert runner._not_begun(SimpleNamespace(**{**vars(rnd), "carried": 0}), 1e9) == []
 
 
-def test_workers_with_no_step_past_the_startup_timeout_are_judged_if_the_job_reports_steps(
+def test_workers_with_no_step_past_the_startup_timeout_are_judged_if_theirs_report_steps(
     tmp_path,
 ):
-    """restart.startup_timeout: the live workers of a round with no step completed once it
-    has passed since their start, for the built-in trainer, and for a command only once
-    the job has reported a step (one that never reports is never judged); 0 judges none.
-    A spare rank, which idles without steps until the end, is never judged."""
+    """restart.startup_timeout: a node's live active workers, none of which completed a
+    step in the round, once the bound (never below hang_timeout) has passed since their
+    start; the built-in trainer's always, a command's only on a node whose workers
+    reported a step in an earlier round (a command may leave its steps to rank 0 or the
+    last pipeline stage: a node of the others was restarted 1800 s into a healthy job, a
+    fresh-eyes review found); 0 judges none. A spare rank, idle without steps until the
+    end, is never judged; one worker that stepped (not local rank 0) ends the judging."""
     from elasticd.agent.runner import JobRunner
 
     def worker(rank, *, step=None, alive=True):
@@ -188,33 +191,39 @@ def test_workers_with_no_step_past_the_startup_timeout_are_judged_if_the_job_rep
         return SimpleNamespace(rank=rank, heartbeat_path=path,
                                proc=SimpleNamespace(poll=lambda: None if alive else 1))  # fmt: skip
 
-    stepped, fresh, dead, spare = worker(0, step=1), worker(1), worker(2, alive=False), worker(3)
+    fresh, other, dead, spare = worker(0), worker(1), worker(2, alive=False), worker(3)
     rnd = SimpleNamespace(first_step_seen=False, spawned_at=1000.0, unstarted=[],
                           layout=SimpleNamespace(is_spare=lambda rank: rank >= 3),
-                          workers=SimpleNamespace(workers=[stepped, fresh, dead, spare]))  # fmt: skip
+                          workers=SimpleNamespace(workers=[fresh, other, dead, spare]))  # fmt: skip
     runner = object.__new__(JobRunner)
-    runner._furthest_step, runner._steps_reported, runner._steps_look_at = None, False, 0.0
-    looked = []
-    runner._job_furthest_step = lambda: looked.append(1) or None
-    for command, bound in ((None, 30.0), (None, 0.0), (["python", "x.py"], 30.0)):
-        runner.job = SimpleNamespace(command=command,
-                                     restart=SimpleNamespace(startup_timeout=bound))  # fmt: skip
+    runner._furthest_step = None
+
+    def job(command=None, startup=30.0, hang=10.0):
+        return SimpleNamespace(command=command, restart=SimpleNamespace(
+            startup_timeout=startup, hang_timeout=hang))  # fmt: skip
+
+    for runner.job, judged in ((job(), [fresh, other]), (job(startup=0.0), []),
+                               (job(["python", "x.py"]), [])):  # fmt: skip
         assert runner._unstarted(rnd, 1030.0) == [] and rnd.unstarted == []
-        judged = [fresh] if bound and command is None else []
         assert runner._unstarted(rnd, 1031.0) == judged and rnd.unstarted == judged
         assert runner._unstarted(SimpleNamespace(**{**vars(rnd), "first_step_seen": True}),
                                  1e9) == []  # fmt: skip
-    assert looked == [1]  # the command's status read once, not once a tick
-    runner._steps_look_at = 0.0
-    runner._job_furthest_step = lambda: 7  # the job reported a step: its command reports
-    assert runner._unstarted(rnd, 1031.0) == [fresh]
-    runner._job_furthest_step, runner._steps_reported = lambda: None, False
-    runner._furthest_step = 3  # ours reported one in an earlier round
-    assert runner._unstarted(rnd, 1031.0) == [fresh]
+    runner._furthest_step = 3  # ours reported a step in an earlier round: it reports
+    assert runner._unstarted(rnd, 1031.0) == [fresh, other]
+    runner.job = job(hang=60.0)  # the first step may take as long as any
+    assert runner._unstarted(rnd, 1059.0) == [] and runner._unstarted(rnd, 1061.0) == [fresh, other]
+    stepped = worker(1, step=4)  # local rank 1 stepped, local rank 0 not yet
+    rnd.workers.workers[1] = stepped
+    assert runner._unstarted(rnd, 1e9) == [] and rnd.unstarted == []
+    runner.job = job()
     detail = runner._unstarted_detail(SimpleNamespace(number=4, spawned_at=1000.0), [fresh], 1031.4)
     assert detail == (
-        "round 4: rank 1 completed no step in the 31 s since the start (restart.startup_timeout: "
-        "30 s for the imports, the process group, the checkpoint load and the first step)"
+        "round 4: rank 0 completed no step in the 31 s since the start (restart.startup_timeout: "
+        "30 s, for the imports, the process group, the checkpoint load and the first step)"
+    )
+    runner.job = job(hang=60.0)
+    assert "(restart.startup_timeout: 30 s, raised to restart.hang_timeout's 60 s, for the " in (
+        runner._unstarted_detail(SimpleNamespace(number=4, spawned_at=1000.0), [fresh], 1061.0)
     )
 
 

@@ -211,7 +211,7 @@ def test_workers_stuck_before_their_first_step_are_restarted_at_the_startup_time
     timeout (a world of one, for good). Now restart.startup_timeout stops both once it
     passes, their stacks dumped, and the restarted workers train the job through."""
     job = make_job(tmp_path, "stuckstart", nproc=2, steps=6,
-                   restart={"startup_timeout": 8, "max_restarts": 3})  # fmt: skip
+                   restart={"startup_timeout": 8, "hang_timeout": 5, "max_restarts": 3})  # fmt: skip
     result = run(job, 1, ["hang-worker=0@step=1:phase=forward"])
     assert result["state"] == "succeeded", result["reason"]
     history = result["status"]["history"]
@@ -219,7 +219,7 @@ def test_workers_stuck_before_their_first_step_are_restarted_at_the_startup_time
     assert hung, history
     detail = hung[0]["detail"]
     assert "ranks 0, 1 completed no step in the " in detail, detail
-    assert "(restart.startup_timeout: 8 s for the imports, the process group, " in detail
+    assert "(restart.startup_timeout: 8 s, for the imports, the process group, " in detail
     records = result["metrics"]
     assert [r["step"] for r in records] == list(range(1, 7))
     reference = reference_losses(tmp_path, job)

@@ -277,10 +277,6 @@ class JobRunner:
         self._furthest_step: int | None = None
         """The highest step a local worker reported completed, in any round (a claimed
         failure carries it: the restart limit counts failures without progress)."""
-        self._steps_reported = False
-        """The job's status holds a step (a command that reports them: _reports_steps)."""
-        self._steps_look_at = 0.0
-        """When _reports_steps may next read the job's status."""
         self.crashed = False
         """Set by the agent when ``run`` raised: the job is taken again after a back-off."""
         self.crash_error: str | None = None
@@ -865,7 +861,14 @@ class JobRunner:
             stalest = rnd.workers.stalest_progress(now)
             beats = rnd.workers.heartbeats()
             not_begun = self._not_begun(rnd, now)
-            unstarted = [] if not_begun else self._unstarted(rnd, now)
+            # A stale heartbeat is a hang of its own (decide() looks at it first): its
+            # worker alone is judged then, not the round's start.
+            stale = stalest is not None and stalest.age > hang_bound(
+                job.restart.hang_timeout, waiting=stalest.waiting
+            )
+            unstarted = [] if not_begun or stale else self._unstarted(rnd, now)
+            if not unstarted:
+                rnd.unstarted = []
             obs = Observation(
                 preempting=self._preempt.is_set(),
                 job_state=state,
@@ -937,41 +940,47 @@ class JobRunner:
                         if w not in stuck]  # fmt: skip
 
     def _unstarted(self, rnd: Round, now: float) -> list[Worker]:
-        """Our live active workers (not spares) with no step completed in this round once
-        ``restart.startup_timeout`` has passed since they were started (noted in
-        ``rnd.unstarted``), for a job known to report its steps: the built-in trainer, or a
-        command that reported one (here, or in the job's status). ``hang_timeout`` judges
-        only workers that stepped; one stuck before its first step (a frozen filesystem under
-        the checkpoint load, a process-group set-up that never returns) was never judged:
-        a world of one waited for good, a larger one until a peer's collective timed out."""
+        """Our live active workers (not spares), none of which completed a step in this
+        round, once :meth:`startup_bound` has passed since they were started (noted in
+        ``rnd.unstarted``), for a node whose workers report their steps: the built-in
+        trainer's always, a command's once one of ours reported a step in an earlier round
+        (a command may leave its steps to some ranks: to rank 0, to the last pipeline
+        stage; a node none of whose workers report is never judged). ``hang_timeout``
+        judges only workers that stepped; one stuck before its first step (a frozen
+        filesystem under the checkpoint load, a process-group set-up that never returns)
+        was never judged: a world of one waited for good, a larger one until a peer's
+        collective timed out."""
         rnd.unstarted = []
-        bound = self.job.restart.startup_timeout
+        bound = self.startup_bound()
         if not bound or rnd.first_step_seen or now - rnd.spawned_at <= bound:
             return []
-        if self.job.command is not None and not self._reports_steps(now):
-            return []  # a command that never reported a step: it may never
+        if self.job.command is not None and self._furthest_step is None:
+            return []  # no worker of ours has reported a step: ours may never
+        beats = [read_heartbeat(w.heartbeat_path) or {} for w in rnd.workers.workers]
+        if any("step" in beat for beat in beats):
+            return []  # one stepped (not local rank 0): the others are hang_timeout's
         # A spare rank never steps: it idles until the end (a node of spares alone too).
         rnd.unstarted = [w for w in rnd.workers.workers
-                         if not rnd.layout.is_spare(w.rank) and w.proc.poll() is None
-                         and "step" not in (read_heartbeat(w.heartbeat_path) or {})]  # fmt: skip
+                         if not rnd.layout.is_spare(w.rank) and w.proc.poll() is None]  # fmt: skip
         return rnd.unstarted
 
-    def _reports_steps(self, now: float) -> bool:
-        """Whether the job's command reports its steps: ours did, or the job's status holds
-        one (read from etcd at most every STATUS_EVERY seconds, until it does)."""
-        if self._furthest_step is not None or self._steps_reported:
-            return True
-        if now >= self._steps_look_at:
-            self._steps_look_at = now + STATUS_EVERY
-            self._steps_reported = self._job_furthest_step() is not None
-        return self._steps_reported
+    def startup_bound(self) -> float:
+        """Seconds from a round's start to its first step: ``restart.startup_timeout``,
+        never less than ``restart.hang_timeout`` (the first step may take as long as any
+        step may); 0: never."""
+        r = self.job.restart
+        return max(r.startup_timeout, r.hang_timeout) if r.startup_timeout else 0.0
 
     def _unstarted_detail(self, rnd: Round, workers: list[Worker], now: float) -> str:
         ranks = ", ".join(str(w.rank) for w in workers)
+        r = self.job.restart
+        bound = f"{r.startup_timeout:g} s"
+        if r.hang_timeout > r.startup_timeout:
+            bound += f", raised to restart.hang_timeout's {r.hang_timeout:g} s"
         return (f"round {rnd.number}: rank{'s' if len(workers) > 1 else ''} {ranks} completed no "
                 f"step in the {now - rnd.spawned_at:.0f} s since the start "
-                f"(restart.startup_timeout: {self.job.restart.startup_timeout:g} s for the "
-                "imports, the process group, the checkpoint load and the first step)")  # fmt: skip
+                f"(restart.startup_timeout: {bound}, for the imports, the process group, "
+                "the checkpoint load and the first step)")  # fmt: skip
 
     def _not_begun_detail(self, rnd: Round, workers: list[Worker]) -> str:
         before = {id(w) for w in rnd.stuck}
