@@ -554,6 +554,14 @@ def test_a_run_is_refused_before_it_starts_when_its_hang_fault_cannot_be_seen_in
                        r"found after restart\.hang_timeout \(60 s\), not within the run's "
                        r"timeout \(60 s\)"):  # fmt: skip
         cluster.run(slow, faults="hang-worker=0@step=2")
+    late = cluster.builtin_job(restart={"hang_timeout": 5, "startup_timeout": 90})
+    with pytest.raises(UsageError, match=r"^faults: hang-worker=0@step=1:phase=forward: a worker "
+                       r"hung before its first step is found by restart\.startup_timeout, after "
+                       r"90 s, not within the run's timeout \(60 s\)"):  # fmt: skip
+        cluster.run(late, faults="hang-worker=0@step=1:phase=forward")
+    never = cluster.builtin_job(restart={"hang_timeout": 5, "startup_timeout": 0})
+    with pytest.raises(UsageError, match=r"found by restart\.startup_timeout, never \(it is 0\)"):
+        cluster.run(never, faults="hang-worker=0@step=1:phase=forward")
     with pytest.raises(UsageError, match=r"^env\['X'\]: 1: names and values must be strings"):
         cluster.run(job, env={"X": 1})
     seen = []

@@ -842,6 +842,7 @@ class Cluster:
                         "earlier step, or a phase inside it (:phase=forward)"
                     )
         hang = spec.restart.hang_timeout
+        startup = spec.restart.startup_timeout and max(spec.restart.startup_timeout, hang)
         for fault, text in zip(parsed, faults, strict=True):
             if fault.kind == "hang-worker" and hang >= limit:
                 raise UsageError(
@@ -849,6 +850,14 @@ class Cluster:
                     f"({hang:g} s), not within the run's timeout ({limit:g} s); lower "
                     "restart.hang_timeout or raise the timeout"
                 )
+            if fault.kind == "hang-worker" and fault.phase and fault.step <= 1:
+                if not startup or startup >= limit:  # hung inside step 1: no step yet
+                    after = f"after {startup:g} s" if startup else "never (it is 0)"
+                    raise UsageError(
+                        f"faults: {text}: a worker hung before its first step is found by "
+                        f"restart.startup_timeout, {after}, not within the run's timeout "
+                        f"({limit:g} s); lower restart.startup_timeout or raise the timeout"
+                    )
         os.makedirs(spec.out_dir, exist_ok=True)
         out = io.StringIO()
         agents_env = {**os.environ, **self.env, **(env or {}), ENV_TEST_BASE: self.base}
