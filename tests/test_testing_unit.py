@@ -559,6 +559,11 @@ def test_a_run_is_refused_before_it_starts_when_its_hang_fault_cannot_be_seen_in
                        r"hung before its first step is found by restart\.startup_timeout, after "
                        r"90 s, not within the run's timeout \(60 s\)"):  # fmt: skip
         cluster.run(late, faults="hang-worker=0@step=1:phase=forward")
+    (tmp_path / "train.py").write_text("pass\n")
+    script = cluster.script_job(str(tmp_path / "train.py"), steps=8)
+    with pytest.raises(UsageError, match=r"a script's worker hung inside its first step is never "
+                       r"found \(restart\.startup_timeout judges"):  # fmt: skip
+        cluster.run(script, faults="hang-worker=0@step=1:phase=forward")
     never = cluster.builtin_job(restart={"hang_timeout": 5, "startup_timeout": 0})
     with pytest.raises(UsageError, match=r"found by restart\.startup_timeout, never \(it is 0\)"):
         cluster.run(never, faults="hang-worker=0@step=1:phase=forward")

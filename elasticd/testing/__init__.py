@@ -851,6 +851,12 @@ class Cluster:
                     "restart.hang_timeout or raise the timeout"
                 )
             if fault.kind == "hang-worker" and fault.phase and fault.step <= 1:
+                if spec.command is not None:  # its node has reported no step: not judged
+                    raise UsageError(
+                        f"faults: {text}: a script's worker hung inside its first step is "
+                        "never found (restart.startup_timeout judges a script's node only "
+                        "once its workers reported a step); hang it at a later step"
+                    )
                 if not startup or startup >= limit:  # hung inside step 1: no step yet
                     after = f"after {startup:g} s" if startup else "never (it is 0)"
                     raise UsageError(
