@@ -180,9 +180,9 @@ class RestartConfig:
     stuck before its first one (a frozen filesystem under the checkpoint load, an NCCL
     set-up that never returns) held a world of one for good, and a larger world until a
     peer's collective timed out. Never less than ``hang_timeout`` (the first step may take
-    as long as any). Judged for the built-in trainer, and for a job's own ``command`` on a
-    node whose workers reported a step in an earlier round (a node whose workers never
-    report is never judged), while none of the node's workers has stepped."""
+    as long as any). Judged for the built-in trainer's workers, while none of a node's has
+    stepped; a job's own ``command`` is not judged (which of its ranks report steps, if
+    any, is the script's choice)."""
     grace_period: float = 30.0
     """Seconds workers get to save an emergency checkpoint when the node is preempted."""
     scale_up: Literal["immediate", "checkpoint"] | None = None

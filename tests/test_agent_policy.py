@@ -171,16 +171,16 @@ def test_a_worker_stuck_in_the_round_before_is_judged_before_its_peers_give_up()
     assert runner._not_begun(SimpleNamespace(**{**vars(rnd), "carried": 0}), 1e9) == []
 
 
-def test_workers_with_no_step_past_the_startup_timeout_are_judged_if_theirs_report_steps(
+def test_a_built_in_trainer_node_with_no_step_past_the_startup_timeout_is_judged(
     tmp_path,
 ):
     """restart.startup_timeout: a node's live active workers, none of which completed a
     step in the round, once the bound (never below hang_timeout) has passed since their
-    start; the built-in trainer's always, a command's only on a node whose workers
-    reported a step in an earlier round (a command may leave its steps to rank 0 or the
-    last pipeline stage: a node of the others was restarted 1800 s into a healthy job, a
-    fresh-eyes review found); 0 judges none. A spare rank, idle without steps until the
-    end, is never judged; one worker that stepped (not local rank 0) ends the judging."""
+    start; the built-in trainer's only, never a command's (which of its ranks report is
+    the script's choice, and a re-form moves them: a node of ranks that never report was
+    restarted 1800 s into a healthy job, a fresh-eyes review found); 0 judges none. A
+    spare rank, idle without steps until the end, is never judged; one worker that
+    stepped (not local rank 0) ends the judging."""
     from elasticd.agent.runner import JobRunner
 
     def worker(rank, *, step=None, alive=True):
@@ -208,8 +208,8 @@ def test_workers_with_no_step_past_the_startup_timeout_are_judged_if_theirs_repo
         assert runner._unstarted(rnd, 1031.0) == judged and rnd.unstarted == judged
         assert runner._unstarted(SimpleNamespace(**{**vars(rnd), "first_step_seen": True}),
                                  1e9) == []  # fmt: skip
-    runner._furthest_step = 3  # ours reported a step in an earlier round: it reports
-    assert runner._unstarted(rnd, 1031.0) == [fresh, other]
+    runner._furthest_step = 3  # ours reported a step in an earlier round: still not judged
+    assert runner._unstarted(rnd, 1e9) == []
     runner.job = job(hang=60.0)  # the first step may take as long as any
     assert runner._unstarted(rnd, 1059.0) == [] and runner._unstarted(rnd, 1061.0) == [fresh, other]
     stepped = worker(1, step=4)  # local rank 1 stepped, local rank 0 not yet

@@ -942,10 +942,11 @@ class JobRunner:
     def _unstarted(self, rnd: Round, now: float) -> list[Worker]:
         """Our live active workers (not spares), none of which completed a step in this
         round, once :meth:`startup_bound` has passed since they were started (noted in
-        ``rnd.unstarted``), for a node whose workers report their steps: the built-in
-        trainer's always, a command's once one of ours reported a step in an earlier round
-        (a command may leave its steps to some ranks: to rank 0, to the last pipeline
-        stage; a node none of whose workers report is never judged). ``hang_timeout``
+        ``rnd.unstarted``), for the built-in trainer, every active rank of which reports
+        its steps. A job's own command is not judged: which of its ranks report is the
+        script's choice (rank 0 alone, the last pipeline stage), and a re-form can move
+        those ranks to other nodes, so a node of ranks that never report would be
+        restarted in a healthy job (a fresh-eyes review found it). ``hang_timeout``
         judges only workers that stepped; one stuck before its first step (a frozen
         filesystem under the checkpoint load, a process-group set-up that never returns)
         was never judged: a world of one waited for good, a larger one until a peer's
@@ -954,8 +955,8 @@ class JobRunner:
         bound = self.startup_bound()
         if not bound or rnd.first_step_seen or now - rnd.spawned_at <= bound:
             return []
-        if self.job.command is not None and self._furthest_step is None:
-            return []  # no worker of ours has reported a step: ours may never
+        if self.job.command is not None:
+            return []
         beats = [read_heartbeat(w.heartbeat_path) or {} for w in rnd.workers.workers]
         if any("step" in beat for beat in beats):
             return []  # one stepped (not local rank 0): the others are hang_timeout's

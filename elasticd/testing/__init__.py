@@ -69,8 +69,9 @@ time. Only then: a script's long step or save elsewhere is not cut short."""
 
 STARTUP_TIMEOUT = 60.0
 """``restart.startup_timeout`` of a dict job that plans a ``hang-worker`` fault and sets
-none: a worker hung before its first step (``hang-worker=0@step=1:phase=forward``) is
-judged by it, not by ``hang_timeout``, and the job default (1800 s) outlasts any run."""
+none: a built-in trainer's worker hung before its first step
+(``hang-worker=0@step=1:phase=forward``) is judged by it, not by ``hang_timeout``, and the
+job default (1800 s) outlasts any run."""
 
 SPARE_RESTARTS = 2
 """A dict job that does not set ``restart.max_restarts`` gets two per fault and this many
@@ -851,11 +852,11 @@ class Cluster:
                     "restart.hang_timeout or raise the timeout"
                 )
             if fault.kind == "hang-worker" and fault.phase and fault.step <= 1:
-                if spec.command is not None:  # its node has reported no step: not judged
+                if spec.command is not None:  # restart.startup_timeout does not judge it
                     raise UsageError(
                         f"faults: {text}: a script's worker hung inside its first step is "
-                        "never found (restart.startup_timeout judges a script's node only "
-                        "once its workers reported a step); hang it at a later step"
+                        "never found (restart.startup_timeout judges only the built-in "
+                        "trainer's workers); hang it at a later step"
                     )
                 if not startup or startup >= limit:  # hung inside step 1: no step yet
                     after = f"after {startup:g} s" if startup else "never (it is 0)"
