@@ -193,27 +193,21 @@ def test_dense_and_expert_buckets_on_one_communicator_launch_in_one_order_on_eve
         launched.append(next(i for i, b in enumerate(sync.buckets) if b.buffer is buffer))
 
     monkeypatch.setattr(dist, "all_reduce", record)
-    group = object()
-    slot = GroupSlot(group=group, size=2, rank=0)
-    orders = []
-    for arrival in ([3, 2, 1, 0], [3, 1, 2, 0], [1, 3, 0, 2]):  # three ranks' backwards
-        sync = GradSync(params, dense=slot, expert=slot, divisor=1, bucket_bytes=16)
-        sync.zero()
-        launched.clear()
-        for i in arrival:
-            params[i].grad = torch.ones(4)
-            sync._on_grad(params[i])
-        sync.finish()
-        orders.append([sync.buckets[i].params[0].shard_info.name for i in launched])
-        sync.close()
-    assert orders == [["p3", "p2", "p1", "p0"]] * 3, orders
+    slot = GroupSlot(group=object(), size=2, rank=0)
     # Distinct groups (ep > 1: two communicators) are launched in that one order too. They
     # kept a list each, launched as each became ready: two ranks could then issue the two
     # communicators' collectives crosswise, which NCCL does not allow (a hang wherever the
     # kernels cannot run side by side).
     other = GroupSlot(group=object(), size=2, rank=0)
-    for arrival in ([3, 2, 1, 0], [2, 0, 3, 1]):
-        sync = GradSync(params, dense=slot, expert=other, divisor=1, bucket_bytes=16)
+    orders = []
+    for expert, arrival in (
+        (slot, [3, 2, 1, 0]),
+        (slot, [3, 1, 2, 0]),
+        (slot, [1, 3, 0, 2]),
+        (other, [3, 2, 1, 0]),
+        (other, [2, 0, 3, 1]),
+    ):  # ranks' backwards
+        sync = GradSync(params, dense=slot, expert=expert, divisor=1, bucket_bytes=16)
         assert [[b.params[0].shard_info.name for b in bs] for bs in sync._lists] == [
             ["p3", "p2", "p1", "p0"]
         ]
@@ -223,7 +217,6 @@ def test_dense_and_expert_buckets_on_one_communicator_launch_in_one_order_on_eve
             params[i].grad = torch.ones(4)
             sync._on_grad(params[i])
         sync.finish()
-        assert [sync.buckets[i].params[0].shard_info.name for i in launched] == [
-            "p3", "p2", "p1", "p0"
-        ]  # fmt: skip
+        orders.append([sync.buckets[i].params[0].shard_info.name for i in launched])
         sync.close()
+    assert orders == [["p3", "p2", "p1", "p0"]] * 5, orders
