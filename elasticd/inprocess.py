@@ -106,7 +106,18 @@ recoveries in a row that never reached a step the process exits (non-zero) and t
 falls back to a process restart. One is not enough: a second event while the survivors
 wait for a replacement (a newcomer, a peer lost meanwhile, the agent's re-form racing a
 port) ends a recovery that would have worked, and a process restart there loses every
-step since the last checkpoint."""
+step since the last checkpoint. A round the agent ended for a reason that is no failure
+(:data:`NOT_FAILURES`) is not counted."""
+NOT_FAILURES = frozenset({"scale_up"})
+"""The agent's reasons (its ``Outcome`` values, named in the control file's abort record)
+for ending a round in which nothing failed: a node waiting to join. A recovery such a
+round cut short is no failed one: a survivor alone in its world, cut short twice by
+newcomers that join at their own pace, would otherwise give up its state for a process
+restart (every step since the last checkpoint lost)."""
+END_REASON_WAIT = 2.0
+"""Seconds a worker about to give up on its recoveries waits for the agent's abort record
+of the round (its reason): its collective may fail on a peer's shut socket before its own
+agent has written it."""
 ABORT_WATCHDOG = 10.0
 """Seconds an NCCL abort may take before the process gives up and exits."""
 NCCL_INPROCESS_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
@@ -982,6 +993,8 @@ class _Control:
         self._told: set[int] = set()
         """Rounds whose end this process has logged."""
         self._ended_at: dict[int, float] = {}
+        self._end_reasons: dict[int, str] = {}
+        """The reason of each round the agent ended with an abort record that named one."""
         self._described: set[int] = set()
         """Rounds this process was still in STILL_IN_ROUND after their end (logged once)."""
         self._nccl_look = 0.0
@@ -1034,6 +1047,8 @@ class _Control:
             r = int(record.get("round", 0))
             if record.get("state") == "abort":
                 self.ended.add(r)
+                if record.get("reason"):
+                    self._end_reasons[r] = str(record["reason"])
             # A newer round than ours means ours is over, whatever state it names.
             for old in range(self.round, r + (1 if record.get("state") == "abort" else 0)):
                 self.ended.add(old)
@@ -1230,6 +1245,20 @@ class _Control:
         """Seconds since this process learnt that ``round_`` ended (None: it has not)."""
         at = self._ended_at.get(round_)
         return None if at is None else time.monotonic() - at
+
+    def end_reason(self, round_: int, *, wait: float = 0.0) -> str | None:
+        """The agent's reason for ending ``round_`` (an ``Outcome`` value), waiting up to
+        ``wait`` seconds for its abort record; None: none seen. A round that a newer
+        record ended without its own abort record (read between two writes) has none."""
+        deadline = time.monotonic() + wait
+        with self.cond:
+            while round_ not in self._end_reasons:
+                left = deadline - time.monotonic()
+                newer = int(self.record.get("round", 0) or 0) > round_
+                if left <= 0 or newer:
+                    return None
+                self.cond.wait(min(left, 0.1))
+            return self._end_reasons[round_]
 
     def begin(self, round_: int) -> None:
         """A round starts: remember which sockets existed before it."""
@@ -2308,11 +2337,18 @@ def run(
                 raise
             # A round the agent ended before its group opened (the world changed during the
             # hand-over) is no failed recovery: only the others count toward the fallback.
-            if opened or not control.aborted(round_):
-                trained = state.get("_stepped") or control.channel.reported_step()
-                failed_in_row = failed_in_row + 1 if not trained else 1
-                state["_stepped"] = False
+            counted = opened or not control.aborted(round_)
+            trained = state.get("_stepped") or control.channel.reported_step()
+            state["_stepped"] = False
             _leave_round(control, round_, exc)
+            if counted:
+                failed_in_row = failed_in_row + 1 if not trained else 1
+                # Nor is one the agent ended for a world that grows; its reason is waited
+                # for only where it decides (the give-up), else taken if already known.
+                giving_up = failed_in_row >= MAX_FAILED_RECOVERIES
+                reason = control.end_reason(round_, wait=END_REASON_WAIT if giving_up else 0.0)
+                if reason in NOT_FAILURES:
+                    failed_in_row = 0 if trained else failed_in_row - 1
             if failed_in_row >= MAX_FAILED_RECOVERIES:
                 print(f"elasticd.inprocess: {failed_in_row - 1} recoveries in a row failed "
                       "before a step; exiting for a process restart", file=sys.stderr, flush=True)  # fmt: skip

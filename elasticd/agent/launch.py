@@ -421,11 +421,13 @@ def write_control(
     state: str,
     envs: Mapping[str, Mapping[str, str]] | None = None,
     pids: Mapping[str, str] | None = None,
+    reason: str = "",
 ) -> None:
-    """Tell this node's in-process workers that round ``round_`` ends (``abort``) or starts
-    (``run``, with each local rank's environment, and ``pids``: the local rank of each
-    kept process). Atomic: a reader sees a whole record."""
+    """Tell this node's in-process workers that round ``round_`` ends (``abort``, with the
+    round's outcome as ``reason``: a round ended for a newcomer is no failed recovery) or
+    starts (``run``, with each local rank's environment, and ``pids``: the local rank of
+    each kept process). Atomic: a reader sees a whole record."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     record = {"round": round_, "state": state, "t": time.time(), "env": dict(envs or {}),
-              "pids": dict(pids or {})}  # fmt: skip
+              "pids": dict(pids or {}), "reason": reason}  # fmt: skip
     _replace_file(path, json.dumps(record, separators=(",", ":")).encode())

@@ -1167,7 +1167,7 @@ class JobRunner:
             stalest.worker.proc.kill()
             stalest.worker.proc.wait(timeout=10)
         write_control(control_path(self._node.state_dir, self.record.run_id),
-                      round_=rnd.number, state="abort")  # fmt: skip
+                      round_=rnd.number, state="abort", reason=str(outcome))  # fmt: skip
         self._kept = w
         self._metrics.set_worker_states(self.name, w.states())
         self._observe_progress(rnd, self._clock(), force=True, due=True)
