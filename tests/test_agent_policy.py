@@ -914,6 +914,12 @@ GLOO_CLOSED = (
             "rank 2: Read error [127.0.0.1]:21929: Connection reset by peer",
             True,
         ),
+        (  # the round's store, on a peer node, shut (its group was being set up)
+            "collective_failed",
+            "rank 1: DistStoreError: Failed to recv, got 0 bytes. Connection was likely "
+            "closed. Did the remote server shutdown or crash?",
+            True,
+        ),
         ("worker_failed", GLOO_CLOSED + "; rank 1: exit code 1: CUDA out of memory", False),
         ("worker_failed", "rank 1: signal 9: Connection closed by peer (log x)", False),
         ("worker_failed", "rank 1: exit code 1: ValueError: bad batch", False),

@@ -186,9 +186,11 @@ process on a failed collective; a write to a closed socket), which therefore do 
 its death a cause of its own when a peer is lost too."""
 
 
-PEER_FAULT_MARKS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+PEER_FAULT_MARKS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                    "Connection was likely closed")  # fmt: skip
 """What a worker's error says when its collective failed because a peer went away (gloo's
-words for a connection its peer closed or reset)."""
+words for a connection its peer closed or reset; the TCP store client's for a store, on
+a peer node, that shut while the round's group was set up)."""
 
 
 def failed_on_a_peer(outcome: Outcome, detail: str) -> bool:
