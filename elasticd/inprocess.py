@@ -115,9 +115,11 @@ round cut short is no failed one: a survivor alone in its world, cut short twice
 newcomers that join at their own pace, would otherwise give up its state for a process
 restart (every step since the last checkpoint lost)."""
 END_REASON_WAIT = 2.0
-"""Seconds a worker about to give up on its recoveries waits for the agent's abort record
-of the round (its reason): its collective may fail on a peer's shut socket before its own
-agent has written it."""
+"""Seconds a worker whose round failed waits for the agent's record of the round's end (its
+reason): its collective may fail on a peer's shut socket before its own agent has written
+it. The agent writes it before it starts the next round, which the worker waits for
+anyway; where it never comes (the agent stops the workers instead) the wait is cut short
+by that."""
 ABORT_WATCHDOG = 10.0
 """Seconds an NCCL abort may take before the process gives up and exits."""
 NCCL_INPROCESS_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
@@ -1049,6 +1051,11 @@ class _Control:
                 self.ended.add(r)
                 if record.get("reason"):
                     self._end_reasons[r] = str(record["reason"])
+            try:  # the reasons of the rounds before, for an abort record this one replaced
+                for k, v in dict(record.get("ended") or {}).items():
+                    self._end_reasons.setdefault(int(k), str(v))
+            except (TypeError, ValueError):
+                pass
             # A newer round than ours means ours is over, whatever state it names.
             for old in range(self.round, r + (1 if record.get("state") == "abort" else 0)):
                 self.ended.add(old)
@@ -1248,8 +1255,8 @@ class _Control:
 
     def end_reason(self, round_: int, *, wait: float = 0.0) -> str | None:
         """The agent's reason for ending ``round_`` (an ``Outcome`` value), waiting up to
-        ``wait`` seconds for its abort record; None: none seen. A round that a newer
-        record ended without its own abort record (read between two writes) has none."""
+        ``wait`` seconds for its abort record; None: none known. A newer record names the
+        reasons of the rounds before it (``ended``), so a missed abort record loses none."""
         deadline = time.monotonic() + wait
         with self.cond:
             while round_ not in self._end_reasons:
@@ -2342,13 +2349,14 @@ def run(
             state["_stepped"] = False
             _leave_round(control, round_, exc)
             if counted:
-                failed_in_row = failed_in_row + 1 if not trained else 1
-                # Nor is one the agent ended for a world that grows; its reason is waited
-                # for only where it decides (the give-up), else taken if already known.
-                giving_up = failed_in_row >= MAX_FAILED_RECOVERIES
-                reason = control.end_reason(round_, wait=END_REASON_WAIT if giving_up else 0.0)
+                # Nor is one the agent ended for a world that grows. Its reason is waited
+                # for: the agent writes it (or the next round's record, which names it)
+                # before it starts the next round, which this process waits for anyway.
+                reason = control.end_reason(round_, wait=END_REASON_WAIT)
                 if reason in NOT_FAILURES:
-                    failed_in_row = 0 if trained else failed_in_row - 1
+                    failed_in_row = 0 if trained else failed_in_row
+                else:
+                    failed_in_row = failed_in_row + 1 if not trained else 1
             if failed_in_row >= MAX_FAILED_RECOVERIES:
                 print(f"elasticd.inprocess: {failed_in_row - 1} recoveries in a row failed "
                       "before a step; exiting for a process restart", file=sys.stderr, flush=True)  # fmt: skip

@@ -501,11 +501,13 @@ def train(ctx):
         start(ctx.round + 1)
         raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
     reason = "peer_lost" if how == "peer_lost" else "scale_up"
-    if how == "late":  # a peer's shut socket fails the collective before our agent writes
+    if how in ("late", "overwritten"):
+        # A peer's shut socket fails the collective before our agent writes; "overwritten":
+        # the next round's record replaces the abort record before the worker reads it.
         def agent():
             time.sleep(0.3)
             write_control(path, round_=3, state="abort", reason=reason)
-            time.sleep(0.3)
+            time.sleep(0.3 if how == "late" else 0.0)
             start(4)
         threading.Thread(target=agent).start()
         raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
@@ -521,14 +523,17 @@ print(ei.run(train, env={**base, "ELASTICD_ROUND": "1"}), flush=True)
 
 @pytest.mark.parametrize(
     ("how", "rounds", "code"),
-    [("aborted", [1, 2, 3, 4], 0), ("late", [1, 2, 3, 4], 0), ("peer_lost", [1, 2, 3], 1)],
+    [("aborted", [1, 2, 3, 4], 0), ("late", [1, 2, 3, 4], 0), ("overwritten", [1, 2, 3, 4], 0),
+     ("peer_lost", [1, 2, 3], 1)],
 )  # fmt: skip
 def test_a_recovery_cut_short_by_a_newcomer_is_no_failed_recovery(tmp_path, how, rounds, code):
     """(CI.) A fault, a recovery that fails before a step (a second fault), then a round
     the agent ends for a node that joins (its abort record names ``scale_up``): the worker
     stays for the next round instead of giving up its state for a process restart. So
     too where a peer's shut socket fails its collective before its own agent's abort
-    record comes (it waits for the record). A round ended for a lost peer still counts."""
+    record comes (it waits for the record), and where the next round's record replaced the
+    abort record before the worker read it (it names the reason too). A round ended for a
+    lost peer still counts."""
     script = tmp_path / "not_a_failure.py"
     script.write_text(NOT_A_FAILURE_SCRIPT)
     r = subprocess.run(
@@ -542,6 +547,34 @@ def test_a_recovery_cut_short_by_a_newcomer_is_no_failed_recovery(tmp_path, how,
         assert "2 recoveries in a row failed before a step; exiting" in r.stderr
     else:
         assert r.stdout.splitlines()[-1] == "done"
+
+
+def test_every_control_record_names_the_reasons_of_the_last_rounds_ended(tmp_path):
+    """The agent's abort record names its round's outcome; each later record carries the
+    last ENDS_KEPT of them, whatever its state, so a worker that missed the abort record
+    still learns why its round ended. A damaged file starts the map afresh."""
+    import json
+
+    from elasticd.agent.launch import ENDS_KEPT
+
+    path = str(tmp_path / "control.json")
+    write_control(path, round_=1, state="run")
+    write_control(path, round_=1, state="abort", reason="scale_up")
+    write_control(path, round_=2, state="run")
+    rec = json.loads((tmp_path / "control.json").read_text())
+    assert (rec["state"], rec["reason"], rec["ended"]) == ("run", "", {"1": "scale_up"})
+    last = 2 + ENDS_KEPT + 2  # rounds 2..last end: more than kept
+    for r in range(2, last + 1):
+        write_control(path, round_=r, state="abort", reason="peer_lost")
+        write_control(path, round_=r + 1, state="run")
+    ended = json.loads((tmp_path / "control.json").read_text())["ended"]
+    assert sorted(map(int, ended)) == list(range(last - ENDS_KEPT + 1, last + 1))
+    assert set(ended.values()) == {"peer_lost"}
+    (tmp_path / "control.json").write_text("{not json")
+    write_control(path, round_=20, state="abort", reason="collective_failed")
+    assert json.loads((tmp_path / "control.json").read_text())["ended"] == {
+        "20": "collective_failed"
+    }
 
 
 ROUND_END_SCRIPT = """

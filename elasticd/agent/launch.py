@@ -414,6 +414,19 @@ def control_path(state_dir: str, run_id: str) -> str:
     return os.path.join(state_dir, "jobs", run_id, "control.json")
 
 
+ENDS_KEPT = 8
+"""Rounds whose end reason every control record carries (:func:`write_control`)."""
+
+
+def _recent_ends(path: str) -> dict[str, str]:
+    """The ``ended`` map of the control file now: {} if none, or anything unexpected."""
+    try:
+        ended = _read_small_json(path).get("ended") or {}
+        return {str(int(k)): str(v) for k, v in dict(ended).items()}
+    except (OSError, ValueError, AttributeError, TypeError):
+        return {}
+
+
 def write_control(
     path: str,
     *,
@@ -426,8 +439,15 @@ def write_control(
     """Tell this node's in-process workers that round ``round_`` ends (``abort``, with the
     round's outcome as ``reason``: a round ended for a newcomer is no failed recovery) or
     starts (``run``, with each local rank's environment, and ``pids``: the local rank of
-    each kept process). Atomic: a reader sees a whole record."""
+    each kept process). Every record also carries ``ended``, the reasons of the last
+    :data:`ENDS_KEPT` rounds ended with one: a worker that missed an abort record (the next
+    round's overwrote it between two of its looks) still learns why its round ended.
+    Atomic: a reader sees a whole record. The agent is the file's one writer."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    ended = _recent_ends(path)
+    if state == "abort" and reason:
+        ended[str(round_)] = reason
+    ended = dict(sorted(ended.items(), key=lambda kv: int(kv[0]))[-ENDS_KEPT:])
     record = {"round": round_, "state": state, "t": time.time(), "env": dict(envs or {}),
-              "pids": dict(pids or {}), "reason": reason}  # fmt: skip
+              "pids": dict(pids or {}), "reason": reason, "ended": ended}  # fmt: skip
     _replace_file(path, json.dumps(record, separators=(",", ":")).encode())
