@@ -151,6 +151,47 @@ def test_notes_and_clears_are_written_in_order_and_never_by_the_caller():
     wait_for(lambda: "after" in done, timeout=10)
 
 
+def _runner(record, etcd_client, registry, tmp_path, notes=None):
+    """A job runner of node-0 on the real etcd, its rounds not started."""
+    from prometheus_client import CollectorRegistry
+
+    from elasticd.agent.launch import NodeInfo
+    from elasticd.agent.runner import JobRunner, Notes
+    from elasticd.metrics import AgentMetrics
+
+    return JobRunner(record=record, client=etcd_client, registry=registry,
+                     node=NodeInfo(node_id="node-0", addr="127.0.0.1",
+                                   state_dir=str(tmp_path / "state")),
+                     metrics=AgentMetrics(CollectorRegistry()), preempt=threading.Event(),
+                     view=None, notes=notes or Notes())  # fmt: skip
+
+
+def test_a_watched_change_wakes_the_supervision_loop_at_once(tmp_path, etcd_client):
+    """(Review.) An etcd watch's change (a node lost, a node waiting) rings the runner's
+    doorbell, as a worker's fault does: else the loop took it at its next tick, after a
+    worker whose collective failed on the sockets a peer shut for that same change had
+    rung, and the round was judged that collective's failure (a scale-up counted as a
+    failed recovery). Between rounds (no doorbell) it is only queued."""
+    from types import SimpleNamespace
+
+    from elasticd.worker import Doorbell
+
+    registry, name = JobRegistry(etcd_client), fresh_run_id("bell")
+    record = registry.submit(parse_job({"name": name, "output_dir": str(tmp_path / "out")}))
+    runner = _runner(record, etcd_client, registry, tmp_path)
+    change = SimpleNamespace(kind="waiting", nodes=["node-3"], round=4)
+    runner._on_change(change)  # no doorbell yet: queued, nothing rung
+    bell = runner._doorbell = Doorbell(str(tmp_path / "doorbell"))
+    try:
+        assert bell.path is not None
+        assert not bell.wait(0)
+        runner._on_change(change)
+        assert bell.wait(0)
+        assert runner._take_changes(4) == [change, change]
+    finally:
+        bell.close()
+
+
 def test_a_crash_note_that_lands_after_the_next_runners_first_world_is_still_cleared(
     tmp_path, etcd_client
 ):
@@ -158,11 +199,7 @@ def test_a_crash_note_that_lands_after_the_next_runners_first_world_is_still_cle
     queued when the next runner of the job on the node forms its first world, so the
     watched status shows nothing to clear. The clear that world queues goes behind the
     note all the same, and the job's status ends with no trouble."""
-    from prometheus_client import CollectorRegistry
-
-    from elasticd.agent.launch import NodeInfo
-    from elasticd.agent.runner import JobRunner, Notes, note_trouble_later
-    from elasticd.metrics import AgentMetrics
+    from elasticd.agent.runner import Notes, note_trouble_later
 
     registry, name = JobRegistry(etcd_client), fresh_run_id("late-note")
     record = registry.submit(parse_job({"name": name, "output_dir": str(tmp_path / "out")}))
@@ -170,11 +207,7 @@ def test_a_crash_note_that_lands_after_the_next_runners_first_world_is_still_cle
     notes.put(lambda: gate.wait(30))  # etcd slow: what is queued waits
     note_trouble_later(notes, registry, name, record.run_id, "node-0", "its job runner crashed",
                        "KeyError: 'a bug'", count=1, retry_in=2.0)  # fmt: skip
-    runner = JobRunner(record=record, client=etcd_client, registry=registry,
-                       node=NodeInfo(node_id="node-0", addr="127.0.0.1",
-                                     state_dir=str(tmp_path / "state")),
-                       metrics=AgentMetrics(CollectorRegistry()), preempt=threading.Event(),
-                       view=None, notes=notes)  # fmt: skip
+    runner = _runner(record, etcd_client, registry, tmp_path, notes)
     runner._current = lambda: registry.get(name)  # the watched status: no trouble yet
     assert "troubles" not in registry.get(name).status
     runner._clear_trouble()  # its first world

@@ -64,7 +64,7 @@ from elasticd.jobs import Fence, FencedError, JobRecord, JobRegistry, JobState
 from elasticd.jobspec import JobSpec
 from elasticd.log import kv
 from elasticd.metrics import AgentMetrics
-from elasticd.worker import ENV_DOORBELL, PREEMPTED_EXIT_CODE, Doorbell, read_heartbeat
+from elasticd.worker import ENV_DOORBELL, PREEMPTED_EXIT_CODE, Doorbell, read_heartbeat, ring
 
 log = logging.getLogger("elasticd.agent")
 
@@ -72,7 +72,8 @@ FORK_SERVER_RESTARTS = 3
 """How many times a run's fork server that stopped after it was ready is started again on
 a node; past that its workers are exec'd."""
 TICK = 0.05
-"""Seconds between supervision ticks: worker exits and pushed changes act this fast."""
+"""Seconds between supervision ticks: worker exits act this fast; a worker's fault and an
+etcd watch's change ring the doorbell and act at once."""
 STATUS_EVERY = 3.0
 """Seconds between progress writes into the job's status (only when the step moved)."""
 NODE_TROUBLE_BACKOFF_CAP = 10.0
@@ -317,6 +318,12 @@ class JobRunner:
         # new world may have formed in between.)
         with self._changes_lock:
             self._changes.append((getattr(change, "round", 0), change))
+        # Wake the supervision loop now, as a worker's fault does: else a worker whose
+        # collective failed on the sockets a peer shut for this very change (a scale-up,
+        # a lost node) rings first, and the round is judged its collective failure.
+        doorbell = self._doorbell
+        if doorbell is not None:
+            ring(doorbell.path)
 
     def _take_changes(self, round_: int) -> list[Any]:
         """The changes reported about round ``round_`` since the last call (others dropped)."""
