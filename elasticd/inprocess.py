@@ -118,8 +118,8 @@ END_REASON_WAIT = 2.0
 """Seconds a worker whose round failed waits for the agent's record of the round's end (its
 reason): its collective may fail on a peer's shut socket before its own agent has written
 it. The agent writes it before it starts the next round, which the worker waits for
-anyway; where it never comes (the agent stops the workers instead) the wait is cut short
-by that."""
+anyway; where it never comes (the agent stops the workers instead: a SIGTERM, or a
+SIGKILL) the wait ends with that (:meth:`_Control.end_reason`)."""
 ABORT_WATCHDOG = 10.0
 """Seconds an NCCL abort may take before the process gives up and exits."""
 NCCL_INPROCESS_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_DUMP_ON_TIMEOUT": "0"}
@@ -1256,15 +1256,20 @@ class _Control:
     def end_reason(self, round_: int, *, wait: float = 0.0) -> str | None:
         """The agent's reason for ending ``round_`` (an ``Outcome`` value), waiting up to
         ``wait`` seconds for its abort record; None: none known. A newer record names the
-        reasons of the rounds before it (``ended``), so a missed abort record loses none."""
+        reasons of the rounds before it (``ended``), so a missed abort record loses none.
+        The wait ends early where no reason will come: the round's end read without one,
+        a SIGTERM (the agent stops this process: a fallback, a preemption), or the agent
+        gone."""
         deadline = time.monotonic() + wait
+        parent = os.getppid()
         with self.cond:
             while round_ not in self._end_reasons:
                 left = deadline - time.monotonic()
-                newer = int(self.record.get("round", 0) or 0) > round_
-                if left <= 0 or newer:
+                if left <= 0 or round_ in self.ended:  # ``_read`` fills both at once
                     return None
-                self.cond.wait(min(left, 0.1))
+                if self.channel.preempt_requested() or os.getppid() != parent:
+                    return None
+                self.cond.wait(min(left, 0.05))
             return self._end_reasons[round_]
 
     def begin(self, round_: int) -> None:
@@ -2346,15 +2351,17 @@ def run(
             # hand-over) is no failed recovery: only the others count toward the fallback.
             counted = opened or not control.aborted(round_)
             trained = state.get("_stepped") or control.channel.reported_step()
-            state["_stepped"] = False
+            if counted:
+                state["_stepped"] = False
             _leave_round(control, round_, exc)
             if counted:
                 # Nor is one the agent ended for a world that grows. Its reason is waited
                 # for: the agent writes it (or the next round's record, which names it)
                 # before it starts the next round, which this process waits for anyway.
                 reason = control.end_reason(round_, wait=END_REASON_WAIT)
-                if reason in NOT_FAILURES:
-                    failed_in_row = 0 if trained else failed_in_row
+                if reason in NOT_FAILURES:  # a round that trained starts the count anew:
+                    # the hand-over to the grown world is a recovery like any other
+                    failed_in_row = 1 if trained else failed_in_row
                 else:
                     failed_in_row = failed_in_row + 1 if not trained else 1
             if failed_in_row >= MAX_FAILED_RECOVERIES:

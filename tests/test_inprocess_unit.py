@@ -497,6 +497,15 @@ def train(ctx):
         return "done"
     if ctx.round == 1:
         ei.stepped(ctx)
+    if how == "trained":  # round 1 trained, then ended for a newcomer; the hand-overs fail
+        if ctx.round == 1:
+            write_control(path, round_=1, state="abort", reason="scale_up")
+            while not ctx.aborted():
+                time.sleep(0.01)
+            threading.Timer(0.3, start, args=(2,)).start()
+            ctx.check()
+        start(ctx.round + 1)
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
     if ctx.round < 3:  # the fault, then a recovery that fails before a step
         start(ctx.round + 1)
         raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
@@ -524,7 +533,7 @@ print(ei.run(train, env={**base, "ELASTICD_ROUND": "1"}), flush=True)
 @pytest.mark.parametrize(
     ("how", "rounds", "code"),
     [("aborted", [1, 2, 3, 4], 0), ("late", [1, 2, 3, 4], 0), ("overwritten", [1, 2, 3, 4], 0),
-     ("peer_lost", [1, 2, 3], 1)],
+     ("peer_lost", [1, 2, 3], 1), ("trained", [1, 2, 3], 1)],
 )  # fmt: skip
 def test_a_recovery_cut_short_by_a_newcomer_is_no_failed_recovery(tmp_path, how, rounds, code):
     """(CI.) A fault, a recovery that fails before a step (a second fault), then a round
@@ -533,7 +542,8 @@ def test_a_recovery_cut_short_by_a_newcomer_is_no_failed_recovery(tmp_path, how,
     too where a peer's shut socket fails its collective before its own agent's abort
     record comes (it waits for the record), and where the next round's record replaced the
     abort record before the worker read it (it names the reason too). A round ended for a
-    lost peer still counts."""
+    lost peer still counts, and a round that trained and was ended for a newcomer starts
+    the count like a fault: two failed hand-overs after it still exit."""
     script = tmp_path / "not_a_failure.py"
     script.write_text(NOT_A_FAILURE_SCRIPT)
     r = subprocess.run(

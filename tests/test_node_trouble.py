@@ -171,7 +171,7 @@ def test_a_watched_change_wakes_the_supervision_loop_at_once(tmp_path, etcd_clie
     doorbell, as a worker's fault does: else the loop took it at its next tick, after a
     worker whose collective failed on the sockets a peer shut for that same change had
     rung, and the round was judged that collective's failure (a scale-up counted as a
-    failed recovery). Between rounds (no doorbell) it is only queued."""
+    failed recovery). Before the runner's ``run()`` (no doorbell yet) it is only queued."""
     from types import SimpleNamespace
 
     from elasticd.worker import Doorbell
