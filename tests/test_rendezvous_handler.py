@@ -301,6 +301,7 @@ def test_the_agent_keeps_only_the_changes_judged_against_its_round():
 
     runner = JobRunner.__new__(JobRunner)
     runner._changes, runner._changes_lock = [], threading.Lock()
+    runner._doorbell = None  # between its runs: the changes are queued, nothing rung
     runner._on_change(Change("lost", ("n1",), round=1))  # about world 1, handed over late
     runner._on_change(Change("waiting", ("n9",), round=2))
     assert runner._take_changes(2) == [Change("waiting", ("n9",), round=2)]

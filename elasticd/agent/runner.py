@@ -255,7 +255,8 @@ class JobRunner:
         that world always queues a clear, behind the note (``clear_trouble`` reads first
         and writes nothing when there is nothing to clear)."""
         self._doorbell: Doorbell | None = None
-        """Rung by our workers' faults (:func:`elasticd.worker.ring`); made by ``run``."""
+        """Rung by our workers' faults (:func:`elasticd.worker.ring`) and our etcd watch's
+        changes (:meth:`_on_change`); made by ``run``."""
         self._last_step_written: Any = None
         self._closed_run = False
         self._kept: Any = None
