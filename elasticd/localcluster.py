@@ -1289,8 +1289,11 @@ def print_summary(result: dict[str, Any], *, out: Any) -> None:
     out.write(f" ({result.get('reason')})\n" if result.get("reason") else "\n")
     if result.get("timed_out") and result.get("state") != "cancelled":
         out.write(f"  timed out after {result['timed_out']:g} s (the job could not be cancelled)\n")
-    final_loss = last_by_step[max(last_by_step)].get("loss") if last_by_step else None
-    out.write(f"  steps completed: {max(last_by_step, default=0)}  final loss: {final_loss}\n")
+    if last_by_step:
+        final_loss = last_by_step[max(last_by_step)].get("loss")
+        out.write(f"  steps completed: {max(last_by_step)}  final loss: {final_loss}\n")
+    else:  # a job resumed at its last step trains none: no "None" of Python's
+        out.write("  steps completed: none in this run\n")
     worlds = [e for e in history if e.get("kind") == "world"]
     # A world that recorded no step says so (one formed after the last step, by an
     # add-node on a fast job, trained nothing); only when the records name their rounds.

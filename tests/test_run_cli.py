@@ -227,6 +227,27 @@ def test_fresh_deletes_the_output_of_an_earlier_run(in_tmp):
     assert "steps completed: 4" in second.stdout
 
 
+def test_a_finished_built_in_trainer_job_run_again_says_nothing_is_left_to_train(in_tmp):
+    """(Newcomer walk.) Run again without --fresh, a finished job resumes at its last step
+    and trains nothing: its summary read "steps completed: 0  final loss: None" and its
+    fault "never fired", as if training were lost. One line now says so at the start, and
+    the summary names no step and no Python None."""
+    write_job(in_tmp / "job.yaml", command=None, nodes={"min": 1, "max": 1})
+    command = [sys.executable, "-m", "elasticd", "run", "job.yaml", "--nodes", "1"]
+    first = subprocess.run(command, cwd=in_tmp, capture_output=True, text=True, timeout=180)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "steps completed: 4  final loss: " in first.stdout
+    assert "nothing is left to train" not in first.stdout
+    again = subprocess.run([*command, "--fault", "kill-worker=0@step=2"], cwd=in_tmp,
+                           capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert again.returncode == 0, again.stdout + again.stderr
+    ckpt = in_tmp / "runs" / "cli" / "ckpt"
+    assert (f"job.yaml: its checkpoint in {ckpt} is at step 4 and train.steps is 4: nothing "
+            "is left to train, and no --fault can fire (--fresh starts over)"
+            in again.stdout), again.stdout  # fmt: skip
+    assert "steps completed: none in this run" in again.stdout and "None" not in again.stdout
+
+
 def test_a_run_past_its_timeout_says_timed_out_not_cancelled_by_user(in_tmp):
     write_job(in_tmp / "job.yaml", train={"steps": 10000}, nodes={"min": 1, "max": 1})
     r = subprocess.run(

@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
 from elasticd.cli.jobs import Progress
 from elasticd.errors import UsageError
@@ -103,6 +104,11 @@ def run(args: argparse.Namespace) -> int:
     prepare_output_dir(job.out_dir, fresh=args.fresh)
     as_json = getattr(args, "json", False)
     progress = sys.stderr if as_json else sys.stdout
+    if job.command is None:  # the built-in trainer resumes from its checkpoints: say so
+        finished = _finished_note(job, where=os.path.basename(args.job), faults=bool(faults))
+        if finished:
+            progress.write(finished + "\n")
+            progress.flush()
     # On a terminal one live line (step/total, loss, tokens/s, world, ETA) under the
     # fault and recovery lines; elsewhere (a log, a pipe) a plain line per change.
     live = Progress(progress) if progress.isatty() else None
@@ -118,6 +124,21 @@ def run(args: argparse.Namespace) -> int:
         print_summary(result, out=sys.stdout)
     write_report(job.out_dir, result, out=progress)
     return 0 if result["state"] == "succeeded" else 1
+
+
+def _finished_note(job: Any, *, where: str, faults: bool) -> str | None:
+    """One line when the job's checkpoints already hold its last step: the run then
+    trains nothing (each rank resumes there and ends), and no fault of it fires. Run
+    again, a finished job otherwise looked like one whose training was lost (its summary
+    showed no step, its faults "never fired")."""
+    from elasticd.agent.policy import latest_checkpoint_step
+
+    at = latest_checkpoint_step(job.ckpt_dir)
+    if at is None or at < job.train.steps:
+        return None
+    fired = ", and no --fault can fire" if faults else ""
+    return (f"{where}: its checkpoint in {job.ckpt_dir} is at step {at} and train.steps is "
+            f"{job.train.steps}: nothing is left to train{fired} (--fresh starts over)")  # fmt: skip
 
 
 def write_report(out_dir: str, result: dict, *, out) -> None:
