@@ -130,7 +130,7 @@ def test_a_worker_aborted_on_its_way_out_is_told_to_destroy_its_process_group(tm
     worker = Worker(local_rank=1, rank=1, proc=proc, log_path=str(log), heartbeat_path="",
                     error_path=str(tmp_path / "none.json"), started=0.0)  # fmt: skip
     text = worker.failure_message()
-    assert text.startswith(f"rank 1: signal 6: {last}"), text
+    assert text.startswith(f"rank 1: signal 6 (SIGABRT), last log line: {last}"), text
     assert text.endswith(f"(log {log})"), text
     assert ("dist.destroy_process_group()" in text) == (last != "boom"), text
 

@@ -127,8 +127,19 @@ class Worker:
         last = last_line(self.log_path)
         if last:
             hint = _abort_hint(code, last)
+            if code is not None and code < 0:
+                # Killed, its log's last line is only what it did last (a step's line
+                # read as the error): named so, with the signal's name.
+                how = f"{how} ({_signal_name(-code)}), last log line"
             return f"rank {self.rank}: {how}: {last}{hint} (log {self.log_path})"[:500]
         return f"rank {self.rank}: {how} (log {self.log_path})"
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "an unknown signal"
 
 
 _EXIT_ABORT = "terminate called without an active exception"
