@@ -1096,7 +1096,8 @@ def run_cluster(
             closing.callback(progress.close)
         cluster.start(nodes)
         what = "etcd" if etcd_members == 1 else f"etcd cluster ({etcd_members} members)"
-        out.write(f"local cluster: {what} {cluster.endpoint}, {nodes} agents, logs in {base}\n")
+        agents = "1 agent" if nodes == 1 else f"{nodes} agents"
+        out.write(f"local cluster: {what} {cluster.endpoint}, {agents}, logs in {base}\n")
         if metrics:
             urls = ", ".join(f"http://127.0.0.1:{p}/metrics" for p in cluster.metrics_ports)
             out.write(f"agent metrics: {urls}\n")

@@ -237,6 +237,7 @@ def test_a_finished_built_in_trainer_job_run_again_says_nothing_is_left_to_train
     first = subprocess.run(command, cwd=in_tmp, capture_output=True, text=True, timeout=180)
     assert first.returncode == 0, first.stdout + first.stderr
     assert "steps completed: 4  final loss: " in first.stdout
+    assert ", 1 agent, logs in " in first.stdout  # not "1 agents"
     assert "nothing is left to train" not in first.stdout
     again = subprocess.run([*command, "--fault", "kill-worker=0@step=2"], cwd=in_tmp,
                            capture_output=True, text=True, timeout=180)  # fmt: skip
