@@ -1292,7 +1292,8 @@ def print_summary(result: dict[str, Any], *, out: Any) -> None:
         out.write(f"  timed out after {result['timed_out']:g} s (the job could not be cancelled)\n")
     if last_by_step:
         final_loss = last_by_step[max(last_by_step)].get("loss")
-        out.write(f"  steps completed: {max(last_by_step)}  final loss: {final_loss}\n")
+        loss = "" if final_loss is None else f"  final loss: {final_loss}"  # a script's may lack it
+        out.write(f"  steps completed: {max(last_by_step)}{loss}\n")
     else:  # a job resumed at its last step trains none: no "None" of Python's
         out.write("  steps completed: none in this run\n")
     worlds = [e for e in history if e.get("kind") == "world"]

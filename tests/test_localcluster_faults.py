@@ -252,3 +252,20 @@ def test_the_summary_says_which_worlds_recorded_no_step():
     out = io.StringIO()
     print_summary(result, out=out)
     assert "no step recorded" not in out.getvalue()
+
+
+def test_the_summary_says_no_python_none_for_a_loss_or_a_step_it_does_not_have():
+    """(Newcomer walk.) A run that trained no step (a finished job run again) and a
+    script whose records carry no loss: the summary said ``final loss: None``."""
+    result = {"name": "j", "state": "succeeded", "status": {"history": []}, "metrics": []}
+    out = io.StringIO()
+    print_summary(result, out=out)
+    assert "  steps completed: none in this run\n" in out.getvalue()
+    result["metrics"] = [{"step": 1}, {"step": 2}]
+    out = io.StringIO()
+    print_summary(result, out=out)
+    assert "  steps completed: 2\n" in out.getvalue() and "None" not in out.getvalue()
+    result["metrics"][-1]["loss"] = 0.5
+    out = io.StringIO()
+    print_summary(result, out=out)
+    assert "  steps completed: 2  final loss: 0.5\n" in out.getvalue()
