@@ -428,6 +428,24 @@ def test_warm_workers_only_for_in_process_jobs_of_the_built_in_trainer(tmp_path)
     assert not (tmp_path / "state").exists()
 
 
+def run_rounds(tmp_path, script: str, arg: str, *, code: int, rounds: list[int]):
+    """Run a worker ``script`` on a control file in ``tmp_path`` (its argv: the file,
+    ``arg``); check its exit code and the rounds it entered; a worker that gave up says
+    why. The finished process is returned."""
+    path = tmp_path / "worker.py"
+    path.write_text(script)
+    r = subprocess.run(
+        [sys.executable, str(path), str(tmp_path / "control.json"), arg],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == code, r.stderr[-2000:]
+    seen = [int(line.split()[1]) for line in r.stdout.splitlines() if line.startswith("round ")]
+    assert seen == rounds, (r.stdout, r.stderr[-2000:])
+    if code == 1:
+        assert "2 recoveries in a row failed before a step; exiting" in r.stderr
+    return r
+
+
 RECOVERIES_SCRIPT = """
 import sys
 from elasticd.agent.launch import write_control
@@ -461,18 +479,8 @@ def test_two_failed_recoveries_in_a_row_end_the_process_and_one_does_not(
     """A round that trained fails; its recovery fails before a step (a second event while
     the replacement starts); the next recovery is still tried in-process. Only a second
     failed recovery in a row exits (code 1) for the agent's process restart."""
-    script = tmp_path / "recoveries.py"
-    script.write_text(RECOVERIES_SCRIPT)
-    r = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "control.json"), str(succeed_at)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert r.returncode == code, r.stderr[-2000:]
-    seen = [int(line.split()[1]) for line in r.stdout.splitlines() if line.startswith("round ")]
-    assert seen == rounds, r.stdout
-    if code:
-        assert "2 recoveries in a row failed before a step; exiting" in r.stderr
-    else:
+    r = run_rounds(tmp_path, RECOVERIES_SCRIPT, str(succeed_at), code=code, rounds=rounds)
+    if not code:
         assert r.stdout.splitlines()[-1] == "done"
 
 
@@ -544,18 +552,8 @@ def test_a_recovery_cut_short_by_a_newcomer_is_no_failed_recovery(tmp_path, how,
     abort record before the worker read it (it names the reason too). A round ended for a
     lost peer still counts, and a round that trained and was ended for a newcomer starts
     the count like a fault: two failed hand-overs after it still exit."""
-    script = tmp_path / "not_a_failure.py"
-    script.write_text(NOT_A_FAILURE_SCRIPT)
-    r = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "control.json"), how],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert r.returncode == code, r.stderr[-2000:]
-    seen = [int(line.split()[1]) for line in r.stdout.splitlines() if line.startswith("round ")]
-    assert seen == rounds, (r.stdout, r.stderr[-2000:])
-    if code:
-        assert "2 recoveries in a row failed before a step; exiting" in r.stderr
-    else:
+    r = run_rounds(tmp_path, NOT_A_FAILURE_SCRIPT, how, code=code, rounds=rounds)
+    if not code:
         assert r.stdout.splitlines()[-1] == "done"
 
 
@@ -640,19 +638,10 @@ def test_a_round_that_reported_a_step_trained_and_ctrl_c_or_exit_ends_the_proces
     counted as a failed recovery, and the third of a job's whole life ended the process).
     Ctrl-C and ``sys.exit()`` in a round that has ended end the process, as they would
     without elasticd (before, ``train`` was called again for the next round)."""
-    script = tmp_path / "round_end.py"
-    script.write_text(ROUND_END_SCRIPT)
-    r = subprocess.run(
-        [sys.executable, str(script), str(tmp_path / "control.json"), how],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert r.returncode == code, r.stderr[-2000:]
-    seen = [int(line.split()[1]) for line in r.stdout.splitlines() if line.startswith("round ")]
-    assert seen == rounds, (r.stdout, r.stderr[-2000:])
+    r = run_rounds(tmp_path, ROUND_END_SCRIPT, how, code=code, rounds=rounds)
     if how == "interrupt":
         assert "KeyboardInterrupt" in r.stderr
-    if how in ("resumed-only", "heartbeat-only"):
-        assert "2 recoveries in a row failed before a step; exiting" in r.stderr
+    assert (code == 1) == (how in ("resumed-only", "heartbeat-only"))
 
 
 ABORTED_BEFORE_OPEN_SCRIPT = """
